@@ -1,0 +1,253 @@
+#include "apps/cli.h"
+
+#include <algorithm>
+#include <map>
+
+#include <CLI/CLI.hpp>
+
+#include "core/error.h"
+
+namespace fp8lm {
+
+std::string_view to_string(GemmPrecision precision) {
+  switch (precision) {
+    case GemmPrecision::fp32: return "fp32";
+    case GemmPrecision::bf16: return "bf16";
+    case GemmPrecision::fp8: return "fp8";
+  }
+  return "?";
+}
+std::string_view to_string(DeviceKind device) {
+  switch (device) {
+    case DeviceKind::auto_select: return "auto";
+    case DeviceKind::cuda: return "cuda";
+    case DeviceKind::cpu: return "cpu";
+  }
+  return "?";
+}
+std::string_view to_string(LrDecayStyle style) {
+  switch (style) {
+    case LrDecayStyle::cosine: return "cosine";
+    case LrDecayStyle::linear: return "linear";
+    case LrDecayStyle::constant: return "constant";
+  }
+  return "?";
+}
+std::string_view to_string(OptimizerStatePrecision precision) {
+  return precision == OptimizerStatePrecision::fp32 ? "fp32" : "fp8-fp16";
+}
+
+namespace {
+
+template <typename Enum>
+Enum lookup(const std::map<std::string, Enum>& names, const std::string& value) {
+  return names.at(value);  // CLI11's IsMember check ran first
+}
+
+[[noreturn]] void bad_flag(const std::string& message) {
+  throw InputError(message, "run `fp8lm train --help` for every flag and its default");
+}
+
+}  // namespace
+
+void validate_options(const TrainOptions& o) {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) bad_flag(message);
+  };
+  auto num = [](auto value) { return std::to_string(value); };
+  require(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1 (got " + num(o.micro_batch_size) + ")");
+  require(o.global_batch_size >= 0, "--global-batch-size must be >= 1 (got " + num(o.global_batch_size) + ")");
+  require(o.global_batch_size == 0 || o.global_batch_size % o.micro_batch_size == 0,
+          "--global-batch-size (" + num(o.global_batch_size) + ") must be a multiple of --micro-batch-size (" +
+              num(o.micro_batch_size) + ")");
+  require(o.seq_length >= 0, "--seq-length must be >= 1 (got " + num(o.seq_length) + ")");
+  require(o.lr >= 0.0, "--lr must be >= 0 (got " + num(o.lr) + ")");
+  require(o.min_lr >= 0.0, "--min-lr must be >= 0 (got " + num(o.min_lr) + ")");
+  require(o.min_lr <= o.lr, "--min-lr (" + num(o.min_lr) + ") must not exceed --lr (" + num(o.lr) + ")");
+  require(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0 (got " + num(o.lr_warmup_iters) + ")");
+  require(o.lr_decay_iters >= -1, "--lr-decay-iters must be >= 0 (got " + num(o.lr_decay_iters) + ")");
+  require(o.train_iters >= 0, "--train-iters must be >= 0 (got " + num(o.train_iters) + ")");
+  require(o.weight_decay >= 0.0, "--weight-decay must be >= 0 (got " + num(o.weight_decay) + ")");
+  require(o.adam_beta1 >= 0.0 && o.adam_beta1 < 1.0, "--adam-beta1 must be in [0, 1) (got " + num(o.adam_beta1) + ")");
+  require(o.adam_beta2 >= 0.0 && o.adam_beta2 < 1.0, "--adam-beta2 must be in [0, 1) (got " + num(o.adam_beta2) + ")");
+  require(o.adam_eps > 0.0, "--adam-eps must be > 0 (got " + num(o.adam_eps) + ")");
+  require(o.clip_grad >= 0.0, "--clip-grad must be >= 0, 0 disables clipping (got " + num(o.clip_grad) + ")");
+  require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
+  require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
+  require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
+  require(o.eval_interval >= 0, "--eval-interval must be >= 0 (got " + num(o.eval_interval) + ")");
+  require(o.eval_iters >= 0, "--eval-iters must be >= 0 (got " + num(o.eval_iters) + ")");
+  require(o.log_interval >= 1, "--log-interval must be >= 1 (got " + num(o.log_interval) + ")");
+  require(o.tensor_model_parallel_size >= 1,
+          "--tensor-model-parallel-size must be >= 1 (got " + num(o.tensor_model_parallel_size) + ")");
+  require(o.num_threads >= 0, "--num-threads must be >= 0 (got " + num(o.num_threads) + ")");
+  require(o.fp8.amax_history_len >= 1,
+          "--fp8-amax-history-len must be >= 1 (got " + num(o.fp8.amax_history_len) + ")");
+  require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
+  require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
+  require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty(),
+          "--train-data-path is required (or --mock-data for a synthetic token stream)");
+  auto positive = [&](const std::optional<int>& value, const char* flag) {
+    require(!value || *value >= 1, std::string(flag) + " must be >= 1 (got " + (value ? num(*value) : "") + ")");
+  };
+  positive(o.model.num_layers, "--num-layers");
+  positive(o.model.hidden_size, "--hidden-size");
+  positive(o.model.num_attention_heads, "--num-attention-heads");
+  positive(o.model.ffn_hidden_size, "--ffn-hidden-size");
+  positive(o.model.max_position_embeddings, "--max-position-embeddings");
+  positive(o.model.vocab_size, "--vocab-size");
+}
+
+ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args) {
+  ParsedCommandLine parsed;
+  TrainOptions& o = parsed.options;
+
+  CLI::App app{"fp8lm train: pretrain a GPT model with FP8 GEMMs", "fp8lm train"};
+  app.option_defaults()->always_capture_default();
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  app.get_formatter()->column_width(40);
+
+  // ---- Model
+  const char* model = "Model";
+  app.add_option("--config", o.config_path, "GPT config JSON (Hugging Face GPT-2 config.json keys)")->group(model);
+  app.add_option("--num-layers", o.model.num_layers, "Override n_layer")->group(model);
+  app.add_option("--hidden-size", o.model.hidden_size, "Override n_embd")->group(model);
+  app.add_option("--num-attention-heads", o.model.num_attention_heads, "Override n_head")->group(model);
+  app.add_option("--ffn-hidden-size", o.model.ffn_hidden_size, "Override n_inner (MLP width)")->group(model);
+  app.add_option("--max-position-embeddings", o.model.max_position_embeddings, "Override n_positions")->group(model);
+  app.add_option("--vocab-size", o.model.vocab_size, "Override vocab_size")->group(model);
+  app.add_option("--transformer-impl", o.transformer_impl,
+                 "Accepted for Megatron compatibility; fp8lm has one implementation")
+      ->check(CLI::IsMember({"transformer_engine", "local"}))
+      ->group(model);
+
+  // ---- Precision
+  const char* precision = "Precision";
+  bool bf16 = false, fp32 = false, fp8_hybrid = false, fp8_e4m3 = false;
+  std::string fp8_format, fp8_recipe = "delayed", amax_algo = "max", state_precision = "fp8-fp16";
+  app.add_flag("--bf16", bf16, "BF16 mixed precision (the default without an FP8 flag)")->group(precision);
+  app.add_flag("--fp32", fp32, "FP32 GEMMs (a reference mode, for debugging)")->group(precision);
+  app.add_option("--fp8-format", fp8_format, "FP8 GEMMs: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
+      ->check(CLI::IsMember({"e4m3", "hybrid"}))
+      ->group(precision);
+  app.add_flag("--fp8-hybrid", fp8_hybrid, "Old spelling of --fp8-format hybrid")->group(precision);
+  app.add_flag("--fp8-e4m3", fp8_e4m3, "Old spelling of --fp8-format e4m3")->group(precision);
+  app.add_option("--fp8-recipe", fp8_recipe, "FP8 scaling: delayed (amax history) or tensorwise (current)")
+      ->check(CLI::IsMember({"delayed", "tensorwise"}))
+      ->group(precision);
+  app.add_option("--fp8-margin", o.fp8.margin, "Scale = fp8_max / amax / 2^margin")->group(precision);
+  app.add_option("--fp8-interval", o.fp8.interval, "Update delayed scales every N steps")->group(precision);
+  app.add_option("--fp8-amax-history-len", o.fp8.amax_history_len, "Amax history window (delayed scaling)")
+      ->group(precision);
+  app.add_option("--fp8-amax-compute-algo", amax_algo, "Amax of the window: max or most_recent")
+      ->check(CLI::IsMember({"max", "most_recent"}))
+      ->group(precision);
+  app.add_flag("--fp8-lm-head", o.fp8_lm_head, "Run the tied LM-head GEMMs in FP8 too (default BF16)")
+      ->group(precision);
+  app.add_option("--optimizer-state-precision", state_precision,
+                 "AdamW moments: fp8-fp16 (E4M3 m, FP16 v, FP8-LLM) or fp32")
+      ->check(CLI::IsMember({"fp8-fp16", "fp32"}))
+      ->group(precision);
+
+  // ---- Batch and schedule
+  const char* training = "Training";
+  app.add_option("--micro-batch-size", o.micro_batch_size, "Sequences per GPU per forward/backward")->group(training);
+  app.add_option("--global-batch-size", o.global_batch_size,
+                 "Sequences per optimizer step (0: micro-batch x data-parallel size)")
+      ->group(training);
+  app.add_option("--seq-length", o.seq_length, "Tokens per sequence (0: the config's n_positions)")->group(training);
+  app.add_option("--train-iters", o.train_iters, "Optimizer steps")->group(training);
+  app.add_option("--lr", o.lr, "Peak learning rate")->group(training);
+  app.add_option("--min-lr", o.min_lr, "Learning rate at the end of decay")->group(training);
+  app.add_option("--lr-warmup-iters", o.lr_warmup_iters, "Linear warm-up steps")->group(training);
+  app.add_option("--lr-decay-iters", o.lr_decay_iters, "Decay steps (-1: --train-iters)")->group(training);
+  std::string decay_style = "cosine";
+  app.add_option("--lr-decay-style", decay_style, "cosine, linear or constant")
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}))
+      ->group(training);
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay (2-D weights only)")->group(training);
+  app.add_option("--adam-beta1", o.adam_beta1, "AdamW beta1")->group(training);
+  app.add_option("--adam-beta2", o.adam_beta2, "AdamW beta2")->group(training);
+  app.add_option("--adam-eps", o.adam_eps, "AdamW epsilon")->group(training);
+  app.add_option("--clip-grad", o.clip_grad, "Clip to this global gradient norm (0: off)")->group(training);
+  app.add_option("--max-skipped-steps", o.max_skipped_steps,
+                 "Stop after this many non-finite steps in a row")
+      ->group(training);
+  app.add_option("--seed", o.seed, "Seed for initialisation and data order")->group(training);
+
+  // ---- Data
+  const char* data = "Data";
+  app.add_option("--train-data-path", o.train_data_path, "Token shards: llm.c .bin or raw uint16; globs allowed")
+      ->group(data);
+  app.add_option("--valid-data-path", o.valid_data_path, "Validation token shards")->group(data);
+  app.add_flag("--mock-data", o.mock_data, "Synthetic learnable token stream instead of files")->group(data);
+
+  // ---- Checkpoints
+  const char* checkpoints = "Checkpoints";
+  app.add_option("--save", o.save_dir, "Checkpoint directory to write")->group(checkpoints);
+  app.add_option("--load", o.load_dir, "Checkpoint directory to resume from")->group(checkpoints);
+  app.add_option("--save-interval", o.save_interval, "Save every N steps (0: never periodically)")
+      ->group(checkpoints);
+
+  // ---- Evaluation and logging
+  const char* logging = "Logging and evaluation";
+  app.add_option("--eval-interval", o.eval_interval, "Validation every N steps (0: never)")->group(logging);
+  app.add_option("--eval-iters", o.eval_iters, "Validation batches per evaluation")->group(logging);
+  app.add_option("--log-interval", o.log_interval, "Log every N steps")->group(logging);
+  app.add_option("--metrics-file", o.metrics_file, "Append one JSON line per log interval here")->group(logging);
+  app.add_option("--log-level", o.log_level, "trace, debug, info, warn or error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}))
+      ->group(logging);
+
+  // ---- Parallelism and device
+  const char* system = "Parallelism and device";
+  app.add_option("--tensor-model-parallel-size", o.tensor_model_parallel_size, "Tensor-parallel group size")
+      ->group(system);
+  std::string device = "auto";
+  app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
+      ->group(system);
+  app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default)")->group(system);
+
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    parsed.help_requested = true;
+    parsed.help_text = app.help();
+    return parsed;
+  } catch (const CLI::ParseError& e) {
+    bad_flag(e.what());
+  }
+
+  // Precision resolution follows Megatron: an FP8 format turns FP8 GEMMs on (with or
+  // without --bf16); otherwise BF16.
+  if (fp8_hybrid && fp8_e4m3) bad_flag("--fp8-hybrid contradicts --fp8-e4m3");
+  if (fp8_hybrid && !fp8_format.empty() && fp8_format != "hybrid")
+    bad_flag("--fp8-hybrid contradicts --fp8-format " + fp8_format);
+  if (fp8_e4m3 && !fp8_format.empty() && fp8_format != "e4m3")
+    bad_flag("--fp8-e4m3 contradicts --fp8-format " + fp8_format);
+  if (fp8_hybrid) fp8_format = "hybrid";
+  if (fp8_e4m3) fp8_format = "e4m3";
+  if (fp32 && (bf16 || !fp8_format.empty())) bad_flag("--fp32 contradicts --bf16 and --fp8-format");
+  if (!fp8_format.empty()) {
+    o.precision = GemmPrecision::fp8;
+    o.fp8.format = fp8_format == "hybrid" ? Fp8Format::hybrid : Fp8Format::e4m3;
+  } else {
+    o.precision = fp32 ? GemmPrecision::fp32 : GemmPrecision::bf16;
+  }
+  if (o.fp8_lm_head && !o.fp8_enabled()) bad_flag("--fp8-lm-head needs --fp8-format");
+  o.fp8.recipe = fp8_recipe == "delayed" ? ScalingRecipe::delayed : ScalingRecipe::tensorwise;
+  o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
+  o.optimizer_state =
+      state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;
+  o.lr_decay_style = lookup<LrDecayStyle>(
+      {{"cosine", LrDecayStyle::cosine}, {"linear", LrDecayStyle::linear}, {"constant", LrDecayStyle::constant}},
+      decay_style);
+  o.device = lookup<DeviceKind>(
+      {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
+  validate_options(o);
+  return parsed;
+}
+
+}  // namespace fp8lm

@@ -1,0 +1,12 @@
+// The subcommands of the fp8lm binary. Each takes its arguments (after the
+// subcommand name) and returns the process exit code; bad input throws InputError.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fp8lm {
+
+int run_train_command(const std::vector<std::string>& args);
+
+}  // namespace fp8lm

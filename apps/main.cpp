@@ -1,0 +1,31 @@
+// fp8lm: one binary, with subcommands. `train` is the default, so
+//   fp8lm --config configs/tiny.json --mock-data
+// trains; later subcommands (eval, sample, convert, tokenize) dispatch here too.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::string command = "train";
+  if (!args.empty() && !args.front().empty() && args.front()[0] != '-') {
+    command = args.front();
+    args.erase(args.begin());
+  }
+  try {
+    if (command == "train") return fp8lm::run_train_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default)");
+  } catch (const fp8lm::InputError& e) {
+    std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
+    return fp8lm::kExitInputError;
+  } catch (const fp8lm::Error& e) {
+    std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
+    return fp8lm::kExitRuntimeError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fp8lm: error: %s\n", e.what());
+    return fp8lm::kExitRuntimeError;
+  }
+}

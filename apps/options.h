@@ -1,0 +1,91 @@
+// Every setting of a training run, after parsing and validation. Flag names follow
+// Megatron-LM, so the field next to each flag says which one sets it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/scaling.h"
+
+namespace fp8lm {
+
+// Precision of the Linear-layer GEMMs; everything else is BF16/FP32 in every mode.
+enum class GemmPrecision : uint8_t { fp32, bf16, fp8 };
+enum class DeviceKind : uint8_t { auto_select, cuda, cpu };
+enum class LrDecayStyle : uint8_t { cosine, linear, constant };
+enum class OptimizerStatePrecision : uint8_t { fp32, fp8_fp16 };
+
+std::string_view to_string(GemmPrecision precision);
+std::string_view to_string(DeviceKind device);
+std::string_view to_string(LrDecayStyle style);
+std::string_view to_string(OptimizerStatePrecision precision);
+
+struct ModelOverrides {  // Megatron's model-shape flags; each overrides --config
+  std::optional<int> num_layers;               // --num-layers
+  std::optional<int> hidden_size;              // --hidden-size
+  std::optional<int> num_attention_heads;      // --num-attention-heads
+  std::optional<int> ffn_hidden_size;          // --ffn-hidden-size
+  std::optional<int> max_position_embeddings;  // --max-position-embeddings
+  std::optional<int> vocab_size;               // --vocab-size
+};
+
+struct TrainOptions {
+  // Model
+  std::string config_path;  // --config
+  ModelOverrides model;
+  std::string transformer_impl = "transformer_engine";  // --transformer-impl (accepted; one implementation)
+
+  // Precision
+  GemmPrecision precision = GemmPrecision::bf16;  // --bf16 / --fp8-format / --fp32
+  Fp8RecipeConfig fp8;                            // --fp8-format --fp8-recipe --fp8-margin ...
+  bool fp8_lm_head = false;                       // --fp8-lm-head: the tied LM head in FP8 too
+  OptimizerStatePrecision optimizer_state = OptimizerStatePrecision::fp8_fp16;  // --optimizer-state-precision
+
+  // Batch
+  int micro_batch_size = 4;     // --micro-batch-size
+  int global_batch_size = 0;    // --global-batch-size; 0 = micro-batch x data-parallel size
+  int seq_length = 0;           // --seq-length; 0 = the config's n_positions
+
+  // Learning rate and optimizer
+  double lr = 6e-4;                                 // --lr
+  double min_lr = 0.0;                              // --min-lr
+  int64_t lr_warmup_iters = 0;                      // --lr-warmup-iters
+  int64_t lr_decay_iters = -1;                      // --lr-decay-iters; -1 = --train-iters
+  LrDecayStyle lr_decay_style = LrDecayStyle::cosine;  // --lr-decay-style
+  int64_t train_iters = 100;                        // --train-iters
+  double weight_decay = 0.1;                        // --weight-decay
+  double adam_beta1 = 0.9;                          // --adam-beta1
+  double adam_beta2 = 0.95;                         // --adam-beta2
+  double adam_eps = 1e-8;                           // --adam-eps
+  double clip_grad = 1.0;                           // --clip-grad; 0 = no clipping
+  int max_skipped_steps = 10;                       // --max-skipped-steps: non-finite steps in a row
+
+  // Data
+  uint64_t seed = 1234;              // --seed
+  std::string train_data_path;       // --train-data-path (file or glob of shards)
+  std::string valid_data_path;       // --valid-data-path
+  bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
+
+  // Checkpoints
+  std::string save_dir;              // --save
+  std::string load_dir;              // --load
+  int64_t save_interval = 0;         // --save-interval; 0 = only at the end / on signal
+
+  // Evaluation and logging
+  int64_t eval_interval = 1000;      // --eval-interval; 0 = never
+  int64_t eval_iters = 100;          // --eval-iters
+  int64_t log_interval = 100;        // --log-interval
+  std::string metrics_file;          // --metrics-file (JSONL)
+  std::string log_level = "info";    // --log-level
+
+  // Parallelism and device
+  int tensor_model_parallel_size = 1;  // --tensor-model-parallel-size
+  DeviceKind device = DeviceKind::auto_select;  // --device
+  int num_threads = 0;                 // --num-threads (CPU); 0 = OpenMP's default
+
+  bool fp8_enabled() const { return precision == GemmPrecision::fp8; }
+};
+
+}  // namespace fp8lm

@@ -1,0 +1,163 @@
+#include "apps/run_setup.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "apps/cli.h"
+#include "core/device.h"
+#include "core/error.h"
+
+#include <nlohmann/json.hpp>
+
+namespace fp8lm {
+
+namespace {
+
+std::string format_double(double value) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%g", value);
+  return buffer;
+}
+
+GptConfig model_config_from(const TrainOptions& o) {
+  GptConfig config;
+  const ModelOverrides& m = o.model;
+  if (!o.config_path.empty()) {
+    config = load_gpt_config(o.config_path);
+  } else {
+    FP8LM_INPUT_CHECK(m.num_layers && m.hidden_size && m.num_attention_heads && m.vocab_size,
+                      "--config is required (or all of --num-layers, --hidden-size, --num-attention-heads, "
+                      "--vocab-size)");
+    config.name = "custom";
+    config.n_positions = m.max_position_embeddings.value_or(o.seq_length > 0 ? o.seq_length : 1024);
+    config.n_inner = m.ffn_hidden_size.value_or(4 * *m.hidden_size);
+  }
+  if (m.num_layers || m.hidden_size || m.num_attention_heads || m.ffn_hidden_size || m.max_position_embeddings ||
+      m.vocab_size) {
+    // Re-validate the overridden shape through the same rules as a config file.
+    nlohmann::json json = to_hf_json(config);
+    if (m.num_layers) json["n_layer"] = *m.num_layers;
+    if (m.hidden_size) json["n_embd"] = *m.hidden_size;
+    if (m.num_attention_heads) json["n_head"] = *m.num_attention_heads;
+    if (m.max_position_embeddings) json["n_positions"] = *m.max_position_embeddings;
+    if (m.vocab_size) json["vocab_size"] = *m.vocab_size;
+    json["n_inner"] = m.ffn_hidden_size ? *m.ffn_hidden_size
+                                        : (config.n_inner && !m.hidden_size ? config.n_inner
+                                                                            : 4 * json["n_embd"].get<int>());
+    std::string name = config.name;
+    config = parse_gpt_config(json, o.config_path.empty() ? "model flags" : o.config_path + " with model flags");
+    config.name = name;
+  }
+  return config;
+}
+
+}  // namespace
+
+RunSetup resolve_run_setup(const TrainOptions& options, int data_parallel_size, int data_parallel_rank) {
+  validate_options(options);
+  RunSetup setup;
+  setup.options = options;
+  setup.model = model_config_from(options);
+  setup.data_parallel_size = data_parallel_size;
+  setup.data_parallel_rank = data_parallel_rank;
+
+  setup.seq_length = options.seq_length > 0 ? options.seq_length : setup.model.n_positions;
+  FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
+                    ") exceeds the model's n_positions (", setup.model.n_positions, ")");
+
+  const int per_step = options.micro_batch_size * data_parallel_size;
+  setup.global_batch_size = options.global_batch_size > 0 ? options.global_batch_size : per_step;
+  FP8LM_INPUT_CHECK(setup.global_batch_size % per_step == 0, "--global-batch-size (", setup.global_batch_size,
+                    ") must be a multiple of --micro-batch-size x data-parallel size (", per_step, ")");
+  setup.grad_accum_steps = setup.global_batch_size / per_step;
+
+  FP8LM_INPUT_CHECK(options.tensor_model_parallel_size == 1 || options.tensor_model_parallel_size <= data_parallel_size,
+                    "--tensor-model-parallel-size ", options.tensor_model_parallel_size,
+                    " needs at least that many processes (launch with mpirun -np N)");
+
+  const CudaAvailability& cuda = cuda_availability();
+  switch (options.device) {
+    case DeviceKind::cpu:
+      setup.use_cuda = false;
+      break;
+    case DeviceKind::cuda:
+      if (cuda.device_count == 0)
+        throw InputError("--device cuda: no usable CUDA GPU (" + cuda.reason + ")",
+                         "run on a machine with an NVIDIA Hopper GPU, or pass --device cpu");
+      setup.use_cuda = true;
+      break;
+    case DeviceKind::auto_select:
+      setup.use_cuda = cuda.device_count > 0;
+      break;
+  }
+  setup.device_description = setup.use_cuda ? "cuda: " + cuda.name : "cpu (no GPU: " + (cuda.reason.empty() ? std::string("--device cpu") : cuda.reason) + ")";
+  if (!setup.use_cuda && options.device == DeviceKind::cpu) setup.device_description = "cpu (--device cpu)";
+  return setup;
+}
+
+SettingsTable settings_table(const RunSetup& s) {
+  const TrainOptions& o = s.options;
+  const GptConfig& m = s.model;
+  auto str = [](auto v) { return std::to_string(v); };
+  auto or_none = [](const std::string& v) { return v.empty() ? std::string("(none)") : v; };
+  std::string precision;
+  switch (o.precision) {
+    case GemmPrecision::fp32: precision = "fp32 GEMMs (reference mode)"; break;
+    case GemmPrecision::bf16: precision = "bf16 (BF16 GEMMs; no FP8 flag given)"; break;
+    case GemmPrecision::fp8:
+      precision = std::string("fp8 GEMMs, format ") + std::string(to_string(o.fp8.format)) + " (forward " +
+                  std::string(to_string(forward_dtype(o.fp8.format))) + ", gradients " +
+                  std::string(to_string(gradient_dtype(o.fp8.format))) + ")";
+      break;
+  }
+  const bool fp8 = o.fp8_enabled();
+  SettingsTable rows = {
+      {"device", s.device_description},
+      {"model config", or_none(o.config_path) + " (" + m.name + ")"},
+      {"n_layer / n_head / n_embd", str(m.n_layer) + " / " + str(m.n_head) + " / " + str(m.n_embd)},
+      {"n_inner (MLP width)", str(m.n_inner)},
+      {"vocab_size (padded)", str(m.vocab_size) + " (" + str(m.padded_vocab_size()) + ")"},
+      {"n_positions", str(m.n_positions)},
+      {"layer_norm_epsilon", format_double(m.layer_norm_epsilon)},
+      {"parameters", str(m.num_parameters_unpadded())},
+      {"transformer-impl", o.transformer_impl + " (fp8lm's own kernels)"},
+      {"precision", precision},
+      {"fp8-recipe", fp8 ? std::string(to_string(o.fp8.recipe)) : "(fp8 off)"},
+      {"fp8-amax-history-len", fp8 ? str(o.fp8.amax_history_len) : "(fp8 off)"},
+      {"fp8-amax-compute-algo", fp8 ? std::string(to_string(o.fp8.amax_compute_algo)) : "(fp8 off)"},
+      {"fp8-margin", fp8 ? str(o.fp8.margin) : "(fp8 off)"},
+      {"fp8-interval", fp8 ? str(o.fp8.interval) : "(fp8 off)"},
+      {"fp8-lm-head", fp8 ? (o.fp8_lm_head ? "fp8" : "bf16") : "(fp8 off)"},
+      {"optimizer-state-precision", std::string(to_string(o.optimizer_state))},
+      {"micro-batch-size", str(o.micro_batch_size)},
+      {"global-batch-size", str(s.global_batch_size)},
+      {"gradient accumulation steps", str(s.grad_accum_steps)},
+      {"seq-length", str(s.seq_length)},
+      {"tokens per step", str(int64_t{s.global_batch_size} * s.seq_length)},
+      {"train-iters", str(o.train_iters)},
+      {"lr / min-lr", format_double(o.lr) + " / " + format_double(o.min_lr)},
+      {"lr-warmup-iters", str(o.lr_warmup_iters)},
+      {"lr-decay-iters", str(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters)},
+      {"lr-decay-style", std::string(to_string(o.lr_decay_style))},
+      {"weight-decay", format_double(o.weight_decay)},
+      {"adam-beta1 / beta2 / eps", format_double(o.adam_beta1) + " / " + format_double(o.adam_beta2) + " / " +
+                                       format_double(o.adam_eps)},
+      {"clip-grad", o.clip_grad > 0 ? format_double(o.clip_grad) : "off"},
+      {"max-skipped-steps", str(o.max_skipped_steps)},
+      {"seed", str(o.seed)},
+      {"train-data-path", o.mock_data ? "(mock data)" : or_none(o.train_data_path)},
+      {"valid-data-path", o.mock_data && o.valid_data_path.empty() ? "(mock data)" : or_none(o.valid_data_path)},
+      {"save", or_none(o.save_dir)},
+      {"save-interval", str(o.save_interval)},
+      {"load", or_none(o.load_dir)},
+      {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
+      {"log-interval", str(o.log_interval)},
+      {"metrics-file", or_none(o.metrics_file)},
+      {"tensor-model-parallel-size", str(o.tensor_model_parallel_size)},
+      {"data-parallel size", str(s.data_parallel_size)},
+      {"log-level", o.log_level},
+  };
+  return rows;
+}
+
+}  // namespace fp8lm

@@ -1,0 +1,30 @@
+// Everything a run needs that is derived from the flags: the model config (file plus
+// overrides), the sequence length, the batch arithmetic and the device. Resolved and
+// validated before any work starts.
+#pragma once
+
+#include "apps/options.h"
+#include "core/gpt_config.h"
+#include "core/logging.h"
+
+namespace fp8lm {
+
+struct RunSetup {
+  TrainOptions options;
+  GptConfig model;
+  int seq_length = 0;
+  int data_parallel_size = 1;
+  int data_parallel_rank = 0;
+  int grad_accum_steps = 1;
+  int global_batch_size = 0;
+  bool use_cuda = false;
+  std::string device_description;
+};
+
+// Throws InputError naming the flag or file at the first problem.
+RunSetup resolve_run_setup(const TrainOptions& options, int data_parallel_size = 1, int data_parallel_rank = 0);
+
+// Every setting, one row each, for the startup table.
+SettingsTable settings_table(const RunSetup& setup);
+
+}  // namespace fp8lm

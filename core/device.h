@@ -1,0 +1,21 @@
+// Whether a CUDA GPU is usable, asked without crashing on machines that have the CUDA
+// toolkit but no GPU or driver (CI): there cudaGetDeviceCount fails with "CUDA driver
+// version is insufficient for CUDA runtime version", which means "no GPU".
+#pragma once
+
+#include <string>
+
+namespace fp8lm {
+
+struct CudaAvailability {
+  int device_count = 0;
+  std::string reason;  // why none is usable, when device_count == 0
+  std::string name;    // device 0's name and compute capability, when usable
+  int compute_major = 0;
+  int compute_minor = 0;
+};
+
+const CudaAvailability& cuda_availability();
+inline bool cuda_available() { return cuda_availability().device_count > 0; }
+
+}  // namespace fp8lm

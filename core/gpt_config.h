@@ -1,0 +1,39 @@
+// The GPT-2 model shape, read from JSON with Hugging Face GPT-2 `config.json` keys, so
+// a Hugging Face model's config.json works as --config unchanged.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace fp8lm {
+
+struct GptConfig {
+  std::string name;           // file stem, for logs
+  int n_layer = 0;            // transformer blocks (L)
+  int n_head = 0;             // attention heads (NH)
+  int n_embd = 0;             // width (C)
+  int n_inner = 0;            // MLP width; Hugging Face's null means 4 * n_embd
+  int vocab_size = 0;         // V: tokens the tokenizer produces
+  int n_positions = 0;        // maximum sequence length (learned position table rows)
+  float layer_norm_epsilon = 1e-5f;
+
+  // Rows of the token embedding / LM head. Padded to a multiple of 128 so the LM-head
+  // GEMM tiles evenly on the tensor cores; padded rows never receive a target.
+  int padded_vocab_size() const { return (vocab_size + 127) / 128 * 128; }
+  int head_dim() const { return n_embd / n_head; }
+  // Trainable parameters (with the padded vocabulary rows, which stay zero-gradient).
+  int64_t num_parameters() const;
+  // Parameters as Hugging Face counts them (vocab_size rows, tied head).
+  int64_t num_parameters_unpadded() const;
+};
+
+// Reads and validates a config file. Errors are InputError naming the file.
+GptConfig load_gpt_config(const std::string& path);
+// Validates a parsed JSON object; `source` names it in errors.
+GptConfig parse_gpt_config(const nlohmann::json& json, const std::string& source);
+// The Hugging Face GPT-2 config.json for this shape (for export).
+nlohmann::json to_hf_json(const GptConfig& config);
+
+}  // namespace fp8lm

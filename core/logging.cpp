@@ -1,0 +1,34 @@
+#include "core/logging.h"
+
+#include <algorithm>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+namespace fp8lm {
+
+void init_logging(const std::string& level, int rank) {
+  auto logger = spdlog::stderr_color_mt("fp8lm");
+  logger->set_pattern(rank == 0 ? "[%H:%M:%S.%e] [%^%l%$] %v" : "[%H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
+  spdlog::level::level_enum parsed = spdlog::level::from_str(level);
+  if (rank != 0) parsed = std::max(parsed, spdlog::level::warn);
+  logger->set_level(parsed);
+  spdlog::set_default_logger(logger);
+}
+
+void log_settings_table(const std::string& title, const SettingsTable& rows) {
+  size_t name_width = 7, value_width = 5;
+  for (const auto& [name, value] : rows) {
+    name_width = std::max(name_width, name.size());
+    value_width = std::max(value_width, value.size());
+  }
+  const std::string rule = "+" + std::string(name_width + 2, '-') + "+" + std::string(value_width + 2, '-') + "+";
+  spdlog::info("{}", title);
+  spdlog::info("{}", rule);
+  spdlog::info("| {:<{}} | {:<{}} |", "setting", name_width, "value", value_width);
+  spdlog::info("{}", rule);
+  for (const auto& [name, value] : rows) spdlog::info("| {:<{}} | {:<{}} |", name, name_width, value, value_width);
+  spdlog::info("{}", rule);
+}
+
+}  // namespace fp8lm

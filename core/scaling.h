@@ -1,0 +1,122 @@
+// FP8 scaling: where every GEMM operand's scale comes from, and where it is updated.
+//
+// A tensor x is stored in FP8 as q = fp8(x * scale); the GEMM multiplies by
+// scale_inv = 1/scale to undo it. The scale maps the tensor's amax (max |x|) onto the
+// format's largest value, less a safety margin:
+//
+//     scale = fp8_max / amax / 2^margin          (Transformer Engine's rule)
+//
+// Two recipes choose which amax:
+//   delayed    - the amax of *earlier* steps: each quantization records its amax into
+//                slot 0 of a history window; once per optimizer step (every
+//                --fp8-interval steps) the scale is recomputed from the window's max
+//                (or its newest entry) and the window rolls. No extra pass over the
+//                tensor before the GEMM, which is why it is the default.
+//   tensorwise - "current scaling": the amax of the tensor being quantized, now.
+// A state that has never been updated (a fresh run, or one started from a BF16
+// checkpoint) quantizes with current scaling until its first update, so step 0 never
+// uses scale 1.
+//
+// ScalingTable holds every operand's state in three contiguous arrays (history, scale,
+// scale_inv) so the GPU can update all of them in one kernel with no host sync.
+// THE place where scales change: ScalingTable::update() on the CPU, and the kernel in
+// core/scaling.cu on the GPU; both call compute_scale() below.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/fp8.h"
+
+namespace fp8lm {
+
+enum class ScalingRecipe : uint8_t { delayed, tensorwise };
+enum class AmaxComputeAlgo : uint8_t { max, most_recent };
+
+std::string_view to_string(ScalingRecipe recipe);
+std::string_view to_string(AmaxComputeAlgo algo);
+
+struct Fp8RecipeConfig {
+  Fp8Format format = Fp8Format::hybrid;
+  ScalingRecipe recipe = ScalingRecipe::delayed;
+  int amax_history_len = 1024;
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::max;
+  int margin = 0;
+  int interval = 1;  // update the delayed scales every `interval` optimizer steps
+};
+
+// The one scale rule, shared by the CPU reference and the GPU kernels.
+// Keeps `previous_scale` when amax is 0 or not finite (nothing to learn from), and
+// caps the scale at FLT_MAX when a tiny amax would overflow it.
+FP8LM_HOST_DEVICE inline float compute_scale(float amax, float format_max, int margin,
+                                             float previous_scale) {
+  constexpr float kFloatMax = 3.402823466e38f;
+  if (!(amax > 0.0f && amax <= kFloatMax)) return previous_scale;  // 0, negative, inf or NaN
+  float scale = format_max / amax / static_cast<float>(1ull << margin);
+  return scale <= kFloatMax ? scale : kFloatMax;
+}
+
+class ScalingTable {
+ public:
+  explicit ScalingTable(const Fp8RecipeConfig& config);
+
+  // Registers one GEMM operand (e.g. "h.0.attn.c_attn.input") and returns its index.
+  int add(std::string name, Fp8Dtype dtype);
+
+  int size() const { return static_cast<int>(names_.size()); }
+  const Fp8RecipeConfig& config() const { return config_; }
+  const std::string& name(int index) const { return names_[index]; }
+  Fp8Dtype dtype(int index) const { return dtypes_[index]; }
+  float scale(int index) const { return scale_[index]; }
+  float scale_inv(int index) const { return scale_inv_[index]; }
+  // True once the state has a scale learned from recorded amaxes (delayed recipe).
+  bool initialized(int index) const { return initialized_[index] != 0; }
+
+  // The scale to quantize operand `index` with, given the amax of the tensor at hand.
+  // Delayed recipe, initialized state: the stored scale (tensor_amax is not needed).
+  // Otherwise (tensorwise, or not yet initialized): current scaling from tensor_amax,
+  // which is also stored as the state's scale.
+  float scale_for(int index, float tensor_amax);
+  bool needs_tensor_amax(int index) const {
+    return config_.recipe == ScalingRecipe::tensorwise || !initialized(index);
+  }
+
+  // Records one quantization's amax into the current history slot (running max, so
+  // micro-batches of one step share a slot).
+  void record_amax(int index, float amax);
+
+  // A skipped step (non-finite loss or gradient) must not leave its amaxes behind.
+  void discard_current_amaxes();
+
+  // End of optimizer step `step` (0-based): on interval boundaries, recompute every
+  // delayed scale from its history window and roll the window. No-op for tensorwise.
+  void update(int64_t step);
+
+  // Raw contiguous arrays: history is [size()][amax_history_len], slot 0 current.
+  std::vector<float>& history() { return history_; }
+  std::vector<float>& scales() { return scale_; }
+  std::vector<float>& scale_invs() { return scale_inv_; }
+  std::vector<uint8_t>& initialized_flags() { return initialized_; }
+  const float* history_of(int index) const { return history_.data() + static_cast<size_t>(index) * config_.amax_history_len; }
+
+ private:
+  Fp8RecipeConfig config_;
+  std::vector<std::string> names_;
+  std::vector<Fp8Dtype> dtypes_;
+  std::vector<float> history_;
+  std::vector<float> scale_;
+  std::vector<float> scale_inv_;
+  std::vector<uint8_t> initialized_;
+};
+
+// The amax of a window under the configured algorithm (slot 0 is the newest entry).
+float window_amax(const float* history, int length, AmaxComputeAlgo algo);
+
+// Rolls a history window by one: the newest entry moves to the back, the oldest
+// drops out, and slot 0 is cleared for the next step (Transformer Engine's roll).
+void roll_history(float* history, int length);
+
+}  // namespace fp8lm
