@@ -9,14 +9,6 @@
 
 namespace fp8lm {
 
-std::string_view to_string(GemmPrecision precision) {
-  switch (precision) {
-    case GemmPrecision::fp32: return "fp32";
-    case GemmPrecision::bf16: return "bf16";
-    case GemmPrecision::fp8: return "fp8";
-  }
-  return "?";
-}
 std::string_view to_string(DeviceKind device) {
   switch (device) {
     case DeviceKind::auto_select: return "auto";
@@ -24,17 +16,6 @@ std::string_view to_string(DeviceKind device) {
     case DeviceKind::cpu: return "cpu";
   }
   return "?";
-}
-std::string_view to_string(LrDecayStyle style) {
-  switch (style) {
-    case LrDecayStyle::cosine: return "cosine";
-    case LrDecayStyle::linear: return "linear";
-    case LrDecayStyle::constant: return "constant";
-  }
-  return "?";
-}
-std::string_view to_string(OptimizerStatePrecision precision) {
-  return precision == OptimizerStatePrecision::fp32 ? "fp32" : "fp8-fp16";
 }
 
 namespace {

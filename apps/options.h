@@ -7,20 +7,16 @@
 #include <string>
 #include <vector>
 
+#include "core/gemm.h"
 #include "core/scaling.h"
+#include "optim/adamw.h"
+#include "optim/lr_schedule.h"
 
 namespace fp8lm {
 
-// Precision of the Linear-layer GEMMs; everything else is BF16/FP32 in every mode.
-enum class GemmPrecision : uint8_t { fp32, bf16, fp8 };
 enum class DeviceKind : uint8_t { auto_select, cuda, cpu };
-enum class LrDecayStyle : uint8_t { cosine, linear, constant };
-enum class OptimizerStatePrecision : uint8_t { fp32, fp8_fp16 };
 
-std::string_view to_string(GemmPrecision precision);
 std::string_view to_string(DeviceKind device);
-std::string_view to_string(LrDecayStyle style);
-std::string_view to_string(OptimizerStatePrecision precision);
 
 struct ModelOverrides {  // Megatron's model-shape flags; each overrides --config
   std::optional<int> num_layers;               // --num-layers

@@ -72,7 +72,7 @@ void ScalingTable::update(int64_t step) {
     const float scale = compute_scale(amax, fp8_max(dtypes_[i]), config_.margin, scale_[i]);
     scale_[i] = scale;
     scale_inv_[i] = 1.0f / scale;
-    if (amax > 0.0f && std::isfinite(amax)) initialized_[i] = 1;
+    initialized_[i] = 1;  // from now on the window decides, even if it held only zeros
     roll_history(window, length);
   }
 }

@@ -1,0 +1,55 @@
+// A training engine: the model, its gradients, the optimizer and the FP8 scaling state
+// on one device. The training loop (apps/trainer.cpp) drives an engine without
+// knowing whether it is the CPU reference or the CUDA implementation.
+//
+// The GPU engine must not synchronise with the host inside a step, so everything that
+// reads results back (step_metrics, evaluate) is a separate call the loop makes only
+// at log and eval intervals.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/logging.h"
+#include "core/tensor.h"
+#include "optim/adamw.h"
+
+namespace fp8lm {
+
+struct RunSetup;
+
+struct StepMetrics {
+  double loss = 0.0;       // mean loss over the step's micro-batches
+  double grad_norm = 0.0;  // global gradient norm before clipping
+  bool skipped = false;    // non-finite loss or gradient: no update was made
+};
+
+class TrainingEngine {
+ public:
+  virtual ~TrainingEngine() = default;
+  virtual const TensorLayout& layout() const = 0;
+
+  // Starts an optimizer step: clears gradients and the loss accumulator.
+  virtual void begin_step() = 0;
+  // One micro-batch: forward and backward, gradients accumulated with weight `dloss`
+  // per token loss (1 / (B*T*accumulation steps)). inputs/targets [B,T] on the host.
+  virtual void forward_backward(const int32_t* inputs, const int32_t* targets, float dloss) = 0;
+  // Ends the step: gradient norm, clipping, and (unless the loss or gradient is not
+  // finite) the AdamW update and the FP8 scale update. `step` is 0-based.
+  virtual void end_step(const AdamWHyperparams& hyperparams, double clip_grad, int64_t step) = 0;
+
+  // Metrics of the last finished step (may wait for the device).
+  virtual StepMetrics step_metrics() = 0;
+  // Non-finite steps in a row so far (may wait for the device).
+  virtual int consecutive_skips() = 0;
+  // Mean loss of one batch, forward only; touches no training state.
+  virtual double evaluate(const int32_t* inputs, const int32_t* targets) = 0;
+
+  // Rows for the startup table: memory per tensor class, optimizer bytes per parameter.
+  virtual SettingsTable describe() const = 0;
+};
+
+std::unique_ptr<TrainingEngine> make_cpu_engine(const RunSetup& setup);
+
+}  // namespace fp8lm

@@ -1,0 +1,180 @@
+#include "apps/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "apps/engine.h"
+#include "core/error.h"
+#include "core/mock_data.h"
+#include "core/token_data.h"
+#include "optim/lr_schedule.h"
+
+namespace fp8lm {
+
+namespace {
+
+struct DataLoaders {
+  std::optional<DataLoader> train;
+  std::optional<DataLoader> valid;
+};
+
+DataLoaders open_data(const RunSetup& setup) {
+  const TrainOptions& o = setup.options;
+  DataLoaderOptions loader_options;
+  loader_options.micro_batch_size = o.micro_batch_size;
+  loader_options.seq_len = setup.seq_length;
+  loader_options.vocab_size = setup.model.vocab_size;
+  loader_options.seed = o.seed;
+  loader_options.data_parallel_rank = setup.data_parallel_rank;
+  loader_options.data_parallel_size = setup.data_parallel_size;
+
+  DataLoaders loaders;
+  if (o.mock_data) {
+    MockDataLoaders mock = make_mock_data_loaders(loader_options);
+    loaders.train.emplace(std::move(mock.train));
+    if (o.valid_data_path.empty()) loaders.valid.emplace(std::move(mock.valid));
+  } else {
+    loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
+  }
+  if (!o.valid_data_path.empty()) {
+    DataLoaderOptions valid_options = loader_options;
+    valid_options.shuffle = false;  // the same batches at every evaluation
+    loaders.valid.emplace(expand_shard_paths(o.valid_data_path), valid_options);
+  }
+  return loaders;
+}
+
+AdamWHyperparams hyperparams_at(const TrainOptions& o, double lr) {
+  AdamWHyperparams hp;
+  hp.lr = static_cast<float>(lr);
+  hp.beta1 = static_cast<float>(o.adam_beta1);
+  hp.beta2 = static_cast<float>(o.adam_beta2);
+  hp.eps = static_cast<float>(o.adam_eps);
+  hp.weight_decay = static_cast<float>(o.weight_decay);
+  return hp;
+}
+
+class MetricsFile {
+ public:
+  explicit MetricsFile(const std::string& path) {
+    if (path.empty()) return;
+    file_.open(path, std::ios::app);
+    FP8LM_INPUT_CHECK(file_.good(), "--metrics-file ", path, ": cannot open for appending");
+  }
+  void write(const nlohmann::json& line) {
+    if (!file_.is_open()) return;
+    file_ << line.dump() << '\n';
+    file_.flush();  // a crashed run keeps every line it logged
+  }
+
+ private:
+  std::ofstream file_;
+};
+
+}  // namespace
+
+TrainingSummary run_training(const RunSetup& setup) {
+  const TrainOptions& o = setup.options;
+  DataLoaders data = open_data(setup);
+  spdlog::info("train data: {} shard(s), {} tokens, {} samples per epoch", data.train->num_shards(),
+               data.train->num_tokens(), data.train->samples_per_epoch());
+  if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
+    spdlog::info("no --valid-data-path: evaluation is off");
+
+  if (setup.use_cuda)
+    throw RuntimeError("the CUDA training engine is not available in this build",
+                       "pass --device cpu to train on the CPU reference path");
+  std::unique_ptr<TrainingEngine> engine = make_cpu_engine(setup);
+  log_settings_table("memory and optimizer state", engine->describe());
+
+  LrSchedule schedule;
+  schedule.max_lr = o.lr;
+  schedule.min_lr = o.min_lr;
+  schedule.warmup_iters = o.lr_warmup_iters;
+  schedule.decay_iters = o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters;
+  schedule.style = o.lr_decay_style;
+  validate_lr_schedule(schedule);
+
+  MetricsFile metrics_file(o.metrics_file);
+  const int B = o.micro_batch_size, T = setup.seq_length;
+  std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
+  const float dloss = 1.0f / (float(B) * T * setup.grad_accum_steps);
+  const int64_t tokens_per_step = int64_t{setup.global_batch_size} * T;
+
+  auto evaluate = [&](int64_t iteration) -> double {
+    data.valid->reset();
+    double sum = 0.0;
+    for (int64_t i = 0; i < o.eval_iters; ++i) {
+      data.valid->next_batch(inputs.data(), targets.data());
+      sum += engine->evaluate(inputs.data(), targets.data());
+    }
+    const double val_loss = sum / double(o.eval_iters);
+    spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
+                 std::exp(std::min(val_loss, 50.0)));
+    metrics_file.write({{"iter", iteration}, {"val_loss", val_loss}});
+    return val_loss;
+  };
+
+  TrainingSummary summary;
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point interval_start = Clock::now();
+  int64_t interval_steps = 0;
+  for (int64_t step = 0; step < o.train_iters; ++step) {
+    const double lr = learning_rate(step, schedule);
+    engine->begin_step();
+    for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
+      data.train->next_batch(inputs.data(), targets.data());
+      engine->forward_backward(inputs.data(), targets.data(), dloss);
+    }
+    engine->end_step(hyperparams_at(o, lr), o.clip_grad, step);
+    ++interval_steps;
+    const int64_t iteration = step + 1;  // Megatron counts finished iterations from 1
+
+    const int skips_in_a_row = engine->consecutive_skips();
+    if (skips_in_a_row > 0) {
+      const StepMetrics m = engine->step_metrics();
+      ++summary.skipped_steps;
+      spdlog::warn("iter {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, {} in total)",
+                   iteration, std::isfinite(m.loss) ? "gradient" : "loss", m.loss, m.grad_norm, skips_in_a_row,
+                   summary.skipped_steps);
+      if (skips_in_a_row >= o.max_skipped_steps)
+        throw RuntimeError("stopping: " + std::to_string(skips_in_a_row) + " non-finite steps in a row",
+                           "lower --lr, raise --fp8-margin, or check the data; --max-skipped-steps sets the limit");
+    }
+
+    const bool log_now = iteration % o.log_interval == 0 || iteration == o.train_iters || step == 0;
+    if (log_now) {
+      const StepMetrics m = engine->step_metrics();
+      const double seconds = std::chrono::duration<double>(Clock::now() - interval_start).count();
+      const double ms_per_iter = 1e3 * seconds / double(interval_steps);
+      const double tokens_per_second = double(tokens_per_step) * interval_steps / seconds;
+      if (step == 0) summary.first_loss = m.loss;
+      summary.last_loss = m.loss;
+      spdlog::info("iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s{}",
+                   iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second,
+                   summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
+      metrics_file.write({{"iter", iteration},
+                          {"loss", m.loss},
+                          {"lr", lr},
+                          {"grad_norm", m.grad_norm},
+                          {"tokens_per_s", tokens_per_second},
+                          {"ms_per_iter", ms_per_iter},
+                          {"skipped_steps", summary.skipped_steps}});
+      interval_start = Clock::now();
+      interval_steps = 0;
+    }
+    if (data.valid && o.eval_interval > 0 && o.eval_iters > 0 && iteration % o.eval_interval == 0)
+      summary.last_val_loss = evaluate(iteration);
+    summary.steps = iteration;
+  }
+  if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
+    summary.last_val_loss = evaluate(o.train_iters);
+  return summary;
+}
+
+}  // namespace fp8lm

@@ -1,0 +1,20 @@
+// The training loop: data, gradient accumulation, learning-rate schedule, logging,
+// JSONL metrics, evaluation and the non-finite-step guard. Device-agnostic: it drives
+// a TrainingEngine.
+#pragma once
+
+#include "apps/run_setup.h"
+
+namespace fp8lm {
+
+struct TrainingSummary {
+  int64_t steps = 0;
+  int64_t skipped_steps = 0;
+  double first_loss = 0.0;
+  double last_loss = 0.0;
+  double last_val_loss = -1.0;  // < 0 when never evaluated
+};
+
+TrainingSummary run_training(const RunSetup& setup);
+
+}  // namespace fp8lm

@@ -1,0 +1,49 @@
+// GEMM: the one entry point every Linear layer calls, on the CPU and the GPU.
+//
+// Everything is "NT": C[M,N] = A[M,K] . B[N,K]^T, both operands contiguous along K.
+// That is the only FP8 layout Hopper's tensor cores accept (cuBLASLt's "TN" in its
+// column-major terms), so the CPU reference uses it too and gets its transposed
+// operands from the same transposes the GPU needs:
+//   forward  Y [M,N]  = X [M,K]   . W [N,K]^T
+//   dgrad    dX [M,K] = dY [M,N]  . Wt [K,N]^T     (Wt = W transposed)
+//   wgrad    dW [N,K] = dYt [N,M] . Xt [K,M]^T     (dYt, Xt transposed)
+//
+// Precision of the operands (accumulation is FP32 in every mode):
+//   fp32 - as given.
+//   bf16 - each operand rounded to BF16.
+//   fp8  - each operand quantized with its own scale to exact FP8 values,
+//          q = fp8(x * scale); the product is multiplied by scale_inv_a * scale_inv_b,
+//          which is what cuBLASLt does with its A/B scale pointers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "core/fp8.h"
+
+namespace fp8lm {
+
+enum class GemmPrecision : uint8_t { fp32, bf16, fp8 };
+std::string_view to_string(GemmPrecision precision);
+
+namespace cpu {
+
+// C [M,N] = alpha * A [M,K] . B [N,K]^T  (+ C when accumulate). FP32 accumulation in
+// a fixed order (independent of thread count).
+void gemm_nt(float* C, const float* A, const float* B, int M, int N, int K, float alpha, bool accumulate);
+
+// out [cols,rows] = in [rows,cols]^T
+void transpose(float* out, const float* in, int rows, int cols);
+
+// max |x| over n values; NaN if any value is NaN.
+float amax(const float* x, size_t n);
+
+// out = fp8_round(x * scale): the exact FP8 values the GPU would store, kept as FP32.
+void quantize_fp8(float* out, const float* x, size_t n, float scale, Fp8Dtype dtype);
+
+// out = round_to_bf16(x)
+void round_bf16(float* out, const float* x, size_t n);
+
+}  // namespace cpu
+}  // namespace fp8lm

@@ -1,0 +1,39 @@
+// A small, portable random source: the same numbers on every platform and standard
+// library (std::normal_distribution is not specified bit-exactly), so parameter
+// initialisation and anything seeded is reproducible across machines.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace fp8lm {
+
+// SplitMix64: a 64-bit mixer with a full-period counter. Good statistical quality for
+// initialisation and test data; not cryptographic.
+class Random {
+ public:
+  explicit Random(uint64_t seed) : state_(seed) {}
+
+  uint64_t next_u64() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+  // Standard normal by Box-Muller (one of the pair; simple beats fast here).
+  double normal() {
+    double u1 = uniform();
+    while (u1 <= 0.0) u1 = uniform();
+    const double u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+  uint64_t state() const { return state_; }
+  void set_state(uint64_t state) { state_ = state; }
+
+ private:
+  uint64_t state_;
+};
+
+}  // namespace fp8lm

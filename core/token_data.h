@@ -1,0 +1,151 @@
+// Training data: token shards on disk and the loader that cuts them into micro-batches.
+//
+// Shard formats (both little-endian uint16 tokens):
+//   llm.c    - a header of 256 int32: [0] = 20240520 (magic), [1] = 1 (version),
+//              [2] = number of tokens; then the tokens.
+//   raw      - nanoGPT's format: the tokens and nothing else. A file is raw when its first
+//              int32 is not the llm.c magic.
+// Every shard is memory-mapped read-only and validated when it is opened (header, size, every
+// token < vocab_size), so a bad file fails before training starts, with an InputError naming it.
+//
+// Samples: a window of T+1 consecutive tokens inside one shard (inputs = the first T, targets =
+// the last T). Windows start at multiples of T, so no target is seen twice per epoch; a shard of
+// n tokens holds floor((n-1)/T) samples.
+//
+// Order: each epoch visits every sample once, in shard order or in a permutation seeded by
+// (seed, epoch). One global micro-batch step takes world*B samples from that order and
+// data-parallel rank r reads the r-th block of B. An epoch's remainder (< world*B samples) is
+// dropped. The order depends only on (seed, epoch, the shards), never on the platform or the
+// standard library, so a resumed run reads exactly the batches it would have read.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fp8lm {
+
+inline constexpr int32_t kLlmcShardMagic = 20240520;
+inline constexpr int32_t kLlmcShardVersion = 1;
+inline constexpr int kLlmcHeaderInts = 256;  // the header is 1024 bytes
+
+// Expands a data path flag into shard files: a comma-separated list of files and/or glob(3)
+// patterns. The result is sorted, so the data order does not depend on how the list was
+// written. A pattern that matches nothing is an InputError naming it.
+std::vector<std::string> expand_shard_paths(const std::string& path_spec);
+
+// One shard's tokens: a read-only memory map of a validated file (unmapped on destruction),
+// or an owned, validated vector. Move-only, because the map belongs to exactly one owner.
+class TokenShard {
+ public:
+  // Maps and validates a shard file; every problem is an InputError naming the file.
+  // min_tokens: the fewest tokens the caller can use (one sample, seq_len + 1).
+  static TokenShard open_file(const std::string& path, int vocab_size, size_t min_tokens);
+  // Validates tokens held in memory (mock data, tests); `name` stands for the file in errors.
+  static TokenShard from_tokens(std::vector<uint16_t> tokens, std::string name, int vocab_size,
+                                size_t min_tokens);
+
+  TokenShard(TokenShard&& other) noexcept;
+  TokenShard& operator=(TokenShard&& other) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+  ~TokenShard();
+
+  const uint16_t* tokens() const { return tokens_; }  // [size()]
+  size_t size() const { return num_tokens_; }
+  const std::string& name() const { return name_; }
+  bool is_memory_mapped() const { return mapping_ != nullptr; }
+
+ private:
+  TokenShard() = default;
+  void unmap();
+
+  std::string name_;
+  std::vector<uint16_t> owned_tokens_;  // in-memory shards only
+  void* mapping_ = nullptr;             // file shards only: the whole file
+  size_t mapping_bytes_ = 0;
+  const uint16_t* tokens_ = nullptr;    // into owned_tokens_ or past the mapping's header
+  size_t num_tokens_ = 0;
+};
+
+// Where the next global micro-batch step begins: the epoch and the index into that epoch's
+// sample order. Saved in checkpoints.
+struct DataPosition {
+  uint64_t epoch = 0;
+  uint64_t next_sample = 0;
+  bool operator==(const DataPosition&) const = default;
+};
+
+struct DataLoaderOptions {
+  int micro_batch_size = 1;   // B: samples per rank per step
+  int seq_len = 1;            // T
+  int vocab_size = 50257;     // every token must be below this
+  uint64_t seed = 1234;       // the shuffle seed
+  int data_parallel_rank = 0;
+  int data_parallel_size = 1;
+  bool shuffle = true;        // false: samples in shard order (validation, debugging)
+};
+
+class DataLoader {
+ public:
+  // Opens and validates shard files (already expanded; see expand_shard_paths).
+  DataLoader(const std::vector<std::string>& shard_paths, const DataLoaderOptions& options);
+  // Reads token streams held in memory; each vector is one shard.
+  DataLoader(std::vector<std::vector<uint16_t>> shard_tokens, const DataLoaderOptions& options);
+
+  DataLoader(DataLoader&&) noexcept = default;
+  DataLoader& operator=(DataLoader&&) noexcept = default;
+
+  // Writes this rank's next micro-batch and advances every rank's position by one global step.
+  void next_batch(int32_t* inputs /*[B,T]*/, int32_t* targets /*[B,T]*/);
+
+  DataPosition position() const { return position_; }
+  // Resumes at a saved position. A next_sample past the epoch is an InputError (the checkpoint
+  // came from other data); one too close to the end for a full step starts the next epoch,
+  // exactly as reading on would.
+  void set_position(const DataPosition& position);
+  void reset() { set_position(DataPosition{}); }
+
+  // Samples in one epoch, over all shards (before the remainder is dropped).
+  uint64_t samples_per_epoch() const { return sample_offsets_.back(); }
+  // Global steps (world*B samples each) in one epoch.
+  uint64_t steps_per_epoch() const { return samples_per_epoch() / samples_per_step(); }
+  // Samples read by all ranks since the start (epoch 0, sample 0); a finished epoch counts
+  // the samples its steps read, not the dropped remainder.
+  uint64_t consumed_samples() const;
+
+  const DataLoaderOptions& options() const { return options_; }
+  size_t num_shards() const { return shards_.size(); }
+  const TokenShard& shard(size_t index) const { return shards_[index]; }
+  uint64_t num_tokens() const;
+
+ private:
+  void init();  // validates the options, builds the sample index, starts at epoch 0
+  uint64_t samples_per_step() const;
+  void prepare_order(uint64_t epoch);  // the permutation for `epoch`, when shuffling
+  uint64_t sample_at(uint64_t index_in_epoch) const;
+  void copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/) const;
+
+  DataLoaderOptions options_;
+  std::vector<TokenShard> shards_;
+  std::vector<uint64_t> sample_offsets_;  // [shards + 1]: first global sample of each shard
+  DataPosition position_;
+  std::vector<uint64_t> order_;           // the shuffled epoch's sample order (empty: in order)
+  uint64_t order_epoch_ = UINT64_MAX;     // which epoch order_ holds
+};
+
+// An unbiased integer in [0, bound) from a 64-bit engine whose every output is a uniform
+// 64-bit value (std::mt19937_64, SplitMix64). Rejection sampling rather than
+// std::uniform_int_distribution, whose algorithm differs between standard libraries.
+template <typename Engine>
+uint64_t uniform_below(Engine& engine, uint64_t bound) {
+  // Outputs below `threshold` = 2^64 mod bound would make the small residues more likely.
+  const uint64_t threshold = (0 - bound) % bound;
+  for (;;) {
+    const uint64_t value = engine();
+    if (value >= threshold) return value % bound;
+  }
+}
+
+}  // namespace fp8lm

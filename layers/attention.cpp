@@ -1,0 +1,121 @@
+#include "layers/attention.h"
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+// Precision: everything is FP32, including the accumulators. The softmax is computed
+// max-subtracted, so every exponent is <= 0 and each row's normaliser lies in [1, T]:
+// nothing overflows, and FP32 sums over one row (T terms, in order s = 0..t) are accurate
+// to well below the BF16 the GPU keeps its inputs and outputs in.
+
+namespace fp8lm::cpu {
+
+namespace {
+
+// Pointers into the packed qkv [B,T,3C] and into out/dout [B,T,C] for one (b, t, head).
+struct HeadView {
+  int T, C, HS;
+  size_t qkv_row(int b, int t) const { return (static_cast<size_t>(b) * T + t) * 3 * C; }
+  size_t out_row(int b, int t) const { return (static_cast<size_t>(b) * T + t) * C; }
+  size_t q(int b, int t, int h) const { return qkv_row(b, t) + static_cast<size_t>(h) * HS; }
+  size_t k(int b, int t, int h) const { return q(b, t, h) + C; }
+  size_t v(int b, int t, int h) const { return q(b, t, h) + 2 * static_cast<size_t>(C); }
+  size_t o(int b, int t, int h) const { return out_row(b, t) + static_cast<size_t>(h) * HS; }
+};
+
+float dot(const float* a, const float* b, int n) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
+  const int HS = C / NH;
+  const HeadView at{T, C, HS};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+
+#pragma omp parallel
+  {
+    std::vector<float> scores(T);  // [T] one query row of S (only s <= t is used)
+#pragma omp for collapse(3)
+    for (int b = 0; b < B; b++) {
+      for (int h = 0; h < NH; h++) {
+        for (int t = 0; t < T; t++) {
+          const float* q = qkv + at.q(b, t, h);  // [HS]
+
+          // Causal: query t sees keys s = 0..t.
+          float max_score = -INFINITY;
+          for (int s = 0; s <= t; s++) {
+            scores[s] = dot(q, qkv + at.k(b, s, h), HS) * scale;
+            max_score = std::fmax(max_score, scores[s]);
+          }
+          float normaliser = 0.0f;
+          for (int s = 0; s <= t; s++) {
+            scores[s] = std::exp(scores[s] - max_score);  // unnormalised probability, <= 1
+            normaliser += scores[s];
+          }
+
+          float* o = out + at.o(b, t, h);  // [HS]
+          for (int i = 0; i < HS; i++) o[i] = 0.0f;
+          for (int s = 0; s <= t; s++) {
+            const float p = scores[s] / normaliser;
+            const float* v = qkv + at.v(b, s, h);
+            for (int i = 0; i < HS; i++) o[i] += p * v[i];
+          }
+          lse[(static_cast<size_t>(b) * NH + h) * T + t] = max_score + std::log(normaliser);
+        }
+      }
+    }
+  }
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                        int T, int C, int NH) {
+  const int HS = C / NH;
+  const HeadView at{T, C, HS};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+
+  // dk_s and dv_s gather contributions from every query t >= s, so one (b, h) pair is the
+  // unit of work: it owns its head's columns of dqkv for all t, and sums over t in order.
+#pragma omp parallel for collapse(2)
+  for (int b = 0; b < B; b++) {
+    for (int h = 0; h < NH; h++) {
+      for (int t = 0; t < T; t++) {
+        float* dq = dqkv + at.q(b, t, h);
+        float* dk = dqkv + at.k(b, t, h);
+        float* dv = dqkv + at.v(b, t, h);
+        for (int i = 0; i < HS; i++) dq[i] = dk[i] = dv[i] = 0.0f;
+      }
+
+      for (int t = 0; t < T; t++) {
+        const float* q = qkv + at.q(b, t, h);    // [HS]
+        const float* o = out + at.o(b, t, h);    // [HS]
+        const float* dout_t = dout + at.o(b, t, h);  // [HS]
+        float* dq = dqkv + at.q(b, t, h);        // [HS]
+        const float row_lse = lse[(static_cast<size_t>(b) * NH + h) * T + t];
+        const float D = dot(dout_t, o, HS);  // = sum_s P[t,s] dP[t,s], the softmax's Jacobian term
+
+        for (int s = 0; s <= t; s++) {
+          const float* k = qkv + at.k(b, s, h);
+          const float* v = qkv + at.v(b, s, h);
+          const float p = std::exp(dot(q, k, HS) * scale - row_lse);  // P[t,s], recomputed
+          const float dp = dot(dout_t, v, HS);
+          const float ds = p * (dp - D);
+
+          float* dk = dqkv + at.k(b, s, h);
+          float* dv = dqkv + at.v(b, s, h);
+          for (int i = 0; i < HS; i++) {
+            dq[i] += ds * k[i] * scale;
+            dk[i] += ds * q[i] * scale;
+            dv[i] += p * dout_t[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fp8lm::cpu

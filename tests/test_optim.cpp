@@ -1,0 +1,409 @@
+// Tests of optim/: AdamW (fp32 and fp8_fp16 state), the LR schedule, gradient clipping.
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <omp.h>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_floating_point.hpp>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/fp8.h"
+#include "core/tensor.h"
+#include "optim/adamw.h"
+#include "optim/grad_clip.h"
+#include "optim/lr_schedule.h"
+
+namespace {
+
+using namespace fp8lm;
+using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
+
+// Uniform in [lo, hi) from a fixed-seed mt19937, converted by hand: std::uniform_real_distribution
+// is implementation-defined, this is not.
+struct Uniform {
+  std::mt19937 engine;
+  explicit Uniform(uint32_t seed) : engine(seed) {}
+  float operator()(float lo, float hi) { return lo + (hi - lo) * static_cast<float>(engine() >> 8) * 0x1p-24f; }
+};
+
+// A slab of `layout.total_elements()` floats, padding included.
+std::vector<float> slab(const TensorLayout& layout, float fill = 0.0f) {
+  return std::vector<float>(layout.total_elements(), fill);
+}
+
+double l2(const std::vector<double>& x) {
+  double s = 0.0;
+  for (double e : x) s += e * e;
+  return std::sqrt(s);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ AdamW fp32
+
+TEST_CASE("AdamW fp32: two steps match hand-worked values; 1-D tensors are not decayed", "[optim]") {
+  TensorLayout layout;
+  const TensorInfo w = layout.add("w", {1, 1}, /*weight_decay=*/true);   // 2-D: decayed
+  const TensorInfo b = layout.add("b", {1}, /*weight_decay=*/false);     // 1-D: not decayed
+  AdamW adam(layout, OptimizerStatePrecision::fp32);
+  const AdamWHyperparams hp{.lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+
+  std::vector<float> params = slab(layout), grads = slab(layout);
+  params[w.offset] = params[b.offset] = 1.0f;
+
+  // Step 1, g = 0.5: m = 0.05, v = 0.0125; m_hat = 0.5, v_hat = 0.25, so the Adam
+  // direction is 0.5 / (0.5 + 1e-8) ~ 1.
+  //   w: 1 - 0.1 * (1 + 0.1 * 1) = 0.89        b: 1 - 0.1 * 1 = 0.9
+  grads[w.offset] = grads[b.offset] = 0.5f;
+  adam.step(params.data(), grads.data(), hp);
+  CHECK(adam.step_count() == 1);
+  CHECK_THAT(adam.first_moment(b.offset), WithinRel(0.05f, 1e-6f));
+  CHECK_THAT(adam.second_moment(b.offset), WithinRel(0.0125f, 1e-6f));
+  CHECK_THAT(params[w.offset], WithinRel(0.89f, 1e-6f));
+  CHECK_THAT(params[b.offset], WithinRel(0.9f, 1e-6f));
+
+  // Step 2, g = -0.25: m = 0.9 * 0.05 - 0.025 = 0.02, v = 0.95 * 0.0125 + 0.05 * 0.0625 = 0.015;
+  // m_hat = 0.02 / 0.19 = 2/19, v_hat = 0.015 / 0.0975 = 2/13, direction sqrt(26)/19.
+  //   w: 0.89 - 0.1 * (sqrt(26)/19 + 0.1 * 0.89) = 0.854263058
+  //   b: 0.9  - 0.1 * sqrt(26)/19                = 0.873163058
+  grads[w.offset] = grads[b.offset] = -0.25f;
+  adam.step(params.data(), grads.data(), hp);
+  CHECK(adam.step_count() == 2);
+  CHECK_THAT(adam.first_moment(b.offset), WithinRel(0.02f, 1e-5f));
+  CHECK_THAT(adam.second_moment(b.offset), WithinRel(0.015f, 1e-5f));
+  CHECK_THAT(params[w.offset], WithinRel(0.854263058f, 1e-6f));
+  CHECK_THAT(params[b.offset], WithinRel(0.873163058f, 1e-6f));
+}
+
+TEST_CASE("AdamW: bias correction makes the first step ~lr for any gradient scale", "[optim]") {
+  // One tensor per gradient magnitude, 1e-3 .. 1e5: with a constant gradient, m_hat = g and
+  // v_hat = g^2 at every step, so each step moves every parameter by lr * |g| / (|g| + eps) ~ lr.
+  // (One tensor each because fp8_fp16 scales per tensor: entries ~6 decades below their
+  // tensor's amax flush to zero in E4M3, see adamw.h.)
+  TensorLayout layout;
+  const float magnitudes[4] = {1e-3f, 1.0f, 1e3f, 1e5f};
+  for (int k = 0; k < 4; ++k) layout.add("t" + std::to_string(k), {4}, false);
+  const float lr = 1e-3f;
+  for (OptimizerStatePrecision precision : {OptimizerStatePrecision::fp32, OptimizerStatePrecision::fp8_fp16}) {
+    for (float beta2 : {0.95f, 0.999f}) {
+      AdamW adam(layout, precision);
+      const AdamWHyperparams hp{.lr = lr, .beta1 = 0.9f, .beta2 = beta2, .eps = 1e-8f, .weight_decay = 0.0f};
+      std::vector<float> params = slab(layout), grads = slab(layout);
+      for (int k = 0; k < 4; ++k) {
+        const TensorInfo& t = layout.tensors()[k];
+        for (int i = 0; i < 4; ++i) grads[t.offset + i] = magnitudes[k] * (i % 2 ? -1.0f : 1.0f) * (1.0f + 0.5f * i);
+      }
+      for (int step = 1; step <= 2; ++step) {
+        // Step 1 is exact for both precisions (zero initial state). Step 2 of fp8_fp16 reads
+        // the E4M3 m back (within 2^-4 relative), which moves the step by as much.
+        const float tolerance = precision == OptimizerStatePrecision::fp8_fp16 && step == 2 ? 0x1p-4f : 1e-4f;
+        std::vector<float> before = params;
+        adam.step(params.data(), grads.data(), hp, /*grad_scale=*/0.25f);  // invariant to the scale too
+        for (const TensorInfo& t : layout.tensors()) {
+          for (size_t j = t.offset; j < t.offset + t.numel; ++j) {
+            CAPTURE(to_string(precision), beta2, step, grads[j]);
+            CHECK_THAT(params[j] - before[j], WithinRel(grads[j] > 0 ? -lr : lr, tolerance));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("AdamW: padding between tensors is never read or written", "[optim]") {
+  TensorLayout layout;
+  layout.add("a", {3, 1}, true);  // elements 0..2, padding 3..15
+  layout.add("b", {5}, false);    // elements 16..20
+  for (OptimizerStatePrecision precision : {OptimizerStatePrecision::fp32, OptimizerStatePrecision::fp8_fp16}) {
+    CAPTURE(to_string(precision));
+    AdamW adam(layout, precision);
+    std::vector<float> params = slab(layout, 12345.0f), grads = slab(layout, NAN);
+    for (const TensorInfo& t : layout.tensors()) {
+      for (size_t i = 0; i < t.numel; ++i) {
+        params[t.offset + i] = 1.0f;
+        grads[t.offset + i] = 0.1f * static_cast<float>(i + 1);
+      }
+    }
+    const AdamWHyperparams hp{.lr = 0.01f, .weight_decay = 0.1f};
+    for (int step = 0; step < 3; ++step) adam.step(params.data(), grads.data(), hp);
+    for (size_t i = 3; i < 16; ++i) CHECK(params[i] == 12345.0f);
+    for (const TensorInfo& t : layout.tensors()) {
+      for (size_t i = 0; i < t.numel; ++i) CHECK(std::isfinite(params[t.offset + i]));
+    }
+    // The gradient norm skips the NaN padding as well.
+    CHECK(std::isfinite(global_grad_norm(grads.data(), layout)));
+  }
+}
+
+// ------------------------------------------------------------------------- AdamW fp8_fp16
+
+TEST_CASE("AdamW fp8_fp16: first step equals fp32; stored m within E4M3 precision", "[optim]") {
+  TensorLayout layout;
+  layout.add("w", {16, 16}, true);
+  layout.add("b", {40}, false);
+  Uniform uniform(7);
+  std::vector<float> init = slab(layout), grads = slab(layout);
+  for (const TensorInfo& t : layout.tensors()) {
+    for (size_t i = 0; i < t.numel; ++i) {
+      init[t.offset + i] = uniform(-1.0f, 1.0f);
+      // Magnitudes in [0.1, 1] with random signs: after scaling to amax = 448 every m is an
+      // E4M3 normal number (>= 2^-6), where rounding is within 2^-4 relative.
+      const float magnitude = uniform(0.1f, 1.0f);
+      grads[t.offset + i] = uniform(0.0f, 1.0f) < 0.5f ? -magnitude : magnitude;
+    }
+  }
+  const AdamWHyperparams hp{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+  AdamW ref(layout, OptimizerStatePrecision::fp32);
+  AdamW fp8(layout, OptimizerStatePrecision::fp8_fp16);
+  std::vector<float> p_ref = init, p_fp8 = init;
+  ref.step(p_ref.data(), grads.data(), hp, 0.5f);
+  fp8.step(p_fp8.data(), grads.data(), hp, 0.5f);
+
+  // The update uses this step's FP32 moments before re-quantization, and both start from
+  // zero moments: the first step is bit-identical.
+  CHECK(p_fp8 == p_ref);
+
+  for (size_t k = 0; k < layout.tensors().size(); ++k) {
+    const TensorInfo& t = layout.tensors()[k];
+    float amax = 0.0f;
+    for (size_t i = 0; i < t.numel; ++i) amax = std::max(amax, std::fabs(ref.m32()[t.offset + i]));
+    CHECK(fp8.m_scales()[k] == kE4M3Max / amax);
+    bool saw_max_code = false;
+    for (size_t i = 0; i < t.numel; ++i) {
+      const size_t j = t.offset + i;
+      const float m_ref = ref.m32()[j];
+      CHECK(std::fabs(fp8.first_moment(j) - m_ref) <= 0x1p-4f * std::fabs(m_ref) * (1.0f + 1e-6f));
+      // v in FP16: 10 mantissa bits, within 2^-11 relative.
+      const float v_ref = ref.v32()[j];
+      CHECK(std::fabs(fp8.second_moment(j) - v_ref) <= 0x1p-11f * v_ref * (1.0f + 1e-6f));
+      saw_max_code |= (fp8.m8()[j] & 0x7F) == 0x7E;  // +-448: the amax maps onto the format max
+    }
+    CHECK(saw_max_code);
+  }
+
+  // Step 2 reads the quantized moments: no longer bit-identical, still close. An m off by
+  // up to 2^-4 relative moves the Adam direction (|.| <= ~1) by as much, so the step differs
+  // by at most ~lr * 2^-4.
+  ref.step(p_ref.data(), grads.data(), hp, 0.5f);
+  fp8.step(p_fp8.data(), grads.data(), hp, 0.5f);
+  CHECK(p_fp8 != p_ref);
+  for (size_t j = 0; j < p_ref.size(); ++j) CHECK_THAT(p_fp8[j], WithinAbs(p_ref[j], 1.1 * hp.lr * 0x1p-4));
+}
+
+TEST_CASE("AdamW fp8_fp16: small gradients keep v representable through the scale", "[optim]") {
+  TensorLayout layout;
+  const TensorInfo t = layout.add("t", {64}, false);
+  std::vector<float> params = slab(layout), grads = slab(layout);
+  for (size_t i = 0; i < t.numel; ++i) grads[t.offset + i] = 1e-5f * (1.0f + static_cast<float>(i) / 64.0f);
+  const AdamWHyperparams hp{.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.0f};
+  AdamW ref(layout, OptimizerStatePrecision::fp32);
+  AdamW fp8(layout, OptimizerStatePrecision::fp8_fp16);
+  std::vector<float> p_ref = params;
+  for (int step = 0; step < 3; ++step) {
+    ref.step(p_ref.data(), grads.data(), hp);
+    fp8.step(params.data(), grads.data(), hp);
+  }
+  for (size_t i = 0; i < t.numel; ++i) {
+    const size_t j = t.offset + i;
+    const float v_ref = ref.v32()[j];  // ~3e-13 .. 1.2e-12
+    REQUIRE(v_ref < 2e-12f);
+    CHECK(fp16_from_float(v_ref) == 0);  // plain FP16 (smallest subnormal 6e-8) flushes it
+    // Through the per-tensor scale it keeps FP16's relative precision (3 roundings: 3 x 2^-11).
+    CHECK_THAT(fp8.second_moment(j), WithinRel(v_ref, 3 * 0x1p-11f));
+    CHECK_THAT(fp8.first_moment(j), WithinRel(ref.m32()[j], 3 * 0x1p-4f));
+    // And the parameters follow (3 steps of ~lr each, steps 2 and 3 off by up to m's 2^-4).
+    CHECK_THAT(params[j], WithinRel(p_ref[j], 0x1p-4f));
+  }
+}
+
+TEST_CASE("AdamW fp8_fp16 tracks fp32 over 200 steps of a toy problem", "[optim]") {
+  // Loss: L(p) = 1/2 sum_i a_i (p_i - target_i)^2 over three tensors with different
+  // magnitudes (so each tensor's scale matters) and curvatures a_i spanning 3 decades
+  // (so gradients, and v, span 6). Gradient: a_i (p_i - target_i), from the current params.
+  // LR: 10 warm-up steps to 2e-2, cosine to 2e-4 at step 200; clipping at norm 1.
+  TensorLayout layout;
+  layout.add("w1", {16, 24}, true);
+  layout.add("b1", {300}, false);
+  layout.add("w2", {10, 20}, true);
+  const float magnitude[3] = {1.0f, 0.05f, 3.0f};
+
+  Uniform uniform(2024);
+  std::vector<float> init = slab(layout), target = slab(layout), curvature = slab(layout);
+  for (size_t k = 0; k < 3; ++k) {
+    const TensorInfo& t = layout.tensors()[k];
+    for (size_t i = 0; i < t.numel; ++i) {
+      init[t.offset + i] = magnitude[k] * uniform(-1.0f, 1.0f);
+      target[t.offset + i] = magnitude[k] * uniform(-1.0f, 1.0f);
+      curvature[t.offset + i] = std::pow(10.0f, uniform(-2.0f, 1.0f));
+    }
+  }
+  auto loss_and_grad = [&](const std::vector<float>& p, std::vector<float>& g) {
+    double loss = 0.0;
+    for (const TensorInfo& t : layout.tensors()) {
+      for (size_t j = t.offset; j < t.offset + t.numel; ++j) {
+        const float d = p[j] - target[j];
+        g[j] = curvature[j] * d;
+        loss += 0.5 * curvature[j] * d * d;
+      }
+    }
+    return loss;
+  };
+  const LrSchedule schedule{.max_lr = 2e-2, .min_lr = 2e-4, .warmup_iters = 10, .decay_iters = 200,
+                            .style = LrDecayStyle::cosine};
+
+  auto train = [&](OptimizerStatePrecision precision, double& final_loss) {
+    AdamW adam(layout, precision);
+    std::vector<float> p = init, g = slab(layout);
+    for (int64_t it = 0; it < 200; ++it) {
+      loss_and_grad(p, g);
+      const double norm = global_grad_norm(g.data(), layout);
+      REQUIRE(std::isfinite(norm));
+      const AdamWHyperparams hp{.lr = static_cast<float>(learning_rate(it, schedule)), .beta1 = 0.9f,
+                                .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.01f};
+      adam.step(p.data(), g.data(), hp, clip_coefficient(norm, 1.0));
+    }
+    final_loss = loss_and_grad(p, g);
+    return p;
+  };
+
+  std::vector<float> g0 = slab(layout);
+  const double initial_loss = loss_and_grad(init, g0);
+  double loss32 = 0.0, loss8 = 0.0;
+  const std::vector<float> p32 = train(OptimizerStatePrecision::fp32, loss32);
+  const std::vector<float> p8 = train(OptimizerStatePrecision::fp8_fp16, loss8);
+
+  // Distance between the two runs, relative to the distance the fp32 run travelled.
+  std::vector<double> diff, travel;
+  for (const TensorInfo& t : layout.tensors()) {
+    for (size_t j = t.offset; j < t.offset + t.numel; ++j) {
+      diff.push_back(static_cast<double>(p8[j]) - p32[j]);
+      travel.push_back(static_cast<double>(p32[j]) - init[j]);
+    }
+  }
+  const double relative_diff = l2(diff) / l2(travel);
+  INFO("initial loss " << initial_loss << ", fp32 " << loss32 << ", fp8_fp16 " << loss8
+                       << ", relative L2 diff " << relative_diff);
+  CHECK(loss32 < initial_loss / 100.0);
+  CHECK(loss8 < initial_loss / 100.0);
+  CHECK(relative_diff < 2e-2);
+}
+
+// ---------------------------------------------------------------------------- bookkeeping
+
+TEST_CASE("AdamW reports its state bytes", "[optim]") {
+  TensorLayout layout;
+  layout.add("w", {30, 40}, true);  // 1200 elements, then padding to 1200 (aligned)
+  layout.add("b", {7}, false);      // offset 1200, total 1207
+  REQUIRE(layout.total_elements() == 1207);
+  AdamW fp32(layout, OptimizerStatePrecision::fp32);
+  AdamW fp8(layout, OptimizerStatePrecision::fp8_fp16);
+  CHECK(fp32.state_bytes_per_parameter() == 8.0);
+  CHECK(fp8.state_bytes_per_parameter() == 3.0);
+  CHECK(fp32.state_bytes() == 1207 * 8);
+  CHECK(fp8.state_bytes() == 1207 * 3 + 2 * 2 * sizeof(float));  // + m and v scale per tensor
+  CHECK(fp32.m32().size() == 1207);
+  CHECK(fp32.m8().empty());
+  CHECK(fp8.m8().size() == 1207);
+  CHECK(fp8.v16().size() == 1207);
+  CHECK(fp8.m_scales().size() == 2);
+  CHECK(fp8.v32().empty());
+  CHECK(to_string(OptimizerStatePrecision::fp8_fp16) == "fp8-fp16");
+
+  fp8.set_step_count(41);
+  std::vector<float> params = slab(layout), grads = slab(layout, 1.0f);
+  fp8.step(params.data(), grads.data(), AdamWHyperparams{.lr = 1e-3f});
+  CHECK(fp8.step_count() == 42);
+}
+
+// ---------------------------------------------------------------------------- LR schedule
+
+TEST_CASE("learning_rate: warm-up, cosine, linear, constant, after decay", "[optim]") {
+  // W = 10, D = 110: iteration i runs at n = i + 1 steps.
+  LrSchedule s{.max_lr = 1.0, .min_lr = 0.1, .warmup_iters = 10, .decay_iters = 110, .style = LrDecayStyle::cosine};
+  // Warm-up: max * (i + 1) / W, reaching max at iteration W - 1.
+  CHECK_THAT(learning_rate(0, s), WithinRel(0.1, 1e-12));
+  CHECK_THAT(learning_rate(4, s), WithinRel(0.5, 1e-12));
+  CHECK(learning_rate(9, s) == 1.0);
+  // Cosine: ratio (n - W) / (D - W); the midpoint (n = 60) is (max + min) / 2.
+  CHECK_THAT(learning_rate(10, s), WithinRel(0.1 + 0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * 0.01)), 1e-12));
+  CHECK_THAT(learning_rate(59, s), WithinRel(0.55, 1e-12));
+  CHECK_THAT(learning_rate(34, s), WithinRel(0.1 + 0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * 0.25)), 1e-12));
+  CHECK(learning_rate(109, s) == 0.1);  // n = D: ratio 1
+  CHECK(learning_rate(110, s) == 0.1);
+  CHECK(learning_rate(100000, s) == 0.1);
+  for (int64_t i = 10; i < 120; ++i) CHECK(learning_rate(i, s) <= learning_rate(i - 1, s));
+
+  s.style = LrDecayStyle::linear;
+  CHECK_THAT(learning_rate(4, s), WithinRel(0.5, 1e-12));  // warm-up is the same
+  CHECK_THAT(learning_rate(34, s), WithinRel(0.1 + 0.9 * 0.75, 1e-12));
+  CHECK_THAT(learning_rate(59, s), WithinRel(0.55, 1e-12));
+  CHECK(learning_rate(109, s) == 0.1);
+  CHECK(learning_rate(500, s) == 0.1);
+
+  s.style = LrDecayStyle::constant;  // Megatron: max_lr after warm-up, forever
+  CHECK_THAT(learning_rate(0, s), WithinRel(0.1, 1e-12));
+  CHECK(learning_rate(9, s) == 1.0);
+  CHECK(learning_rate(59, s) == 1.0);
+  CHECK(learning_rate(500, s) == 1.0);
+
+  // No warm-up: iteration 0 is one step into the decay.
+  LrSchedule no_warmup{.max_lr = 1.0, .min_lr = 0.0, .warmup_iters = 0, .decay_iters = 4, .style = LrDecayStyle::linear};
+  CHECK(learning_rate(0, no_warmup) == 0.75);
+  CHECK(learning_rate(3, no_warmup) == 0.0);
+
+  // Warm-up as long as the decay: min_lr right after it.
+  LrSchedule no_decay{.max_lr = 1.0, .min_lr = 0.2, .warmup_iters = 5, .decay_iters = 5, .style = LrDecayStyle::cosine};
+  CHECK(learning_rate(4, no_decay) == 1.0);
+  CHECK(learning_rate(5, no_decay) == 0.2);
+
+  CHECK(to_string(LrDecayStyle::cosine) == "cosine");
+  CHECK_THROWS_AS(learning_rate(0, LrSchedule{.max_lr = 1.0, .min_lr = 2.0, .decay_iters = 10}), InputError);
+  CHECK_THROWS_AS(learning_rate(0, LrSchedule{.max_lr = 1.0, .warmup_iters = 10, .decay_iters = 5}), InputError);
+  CHECK_NOTHROW(learning_rate(0, LrSchedule{.max_lr = 1.0, .warmup_iters = 10, .decay_iters = 5,
+                                            .style = LrDecayStyle::constant}));
+}
+
+// -------------------------------------------------------------------------- gradient norm
+
+TEST_CASE("global_grad_norm and clip_coefficient", "[optim]") {
+  TensorLayout layout;
+  const TensorInfo a = layout.add("a", {2}, false);
+  const TensorInfo b = layout.add("b", {1, 1}, true);
+  const TensorInfo c = layout.add("c", {20000}, false);  // 3 chunks of kGradNormChunk
+  std::vector<float> grads = slab(layout, 1e30f);      // padding must not count
+  grads[a.offset] = 3.0f;
+  grads[a.offset + 1] = -4.0f;
+  grads[b.offset] = 12.0f;
+  for (size_t i = 0; i < c.numel; ++i) grads[c.offset + i] = 0.5f;
+  // 9 + 16 + 144 + 20000 * 0.25 = 5169
+  CHECK(grad_sum_of_squares(grads.data(), layout) == 5169.0);
+  CHECK_THAT(global_grad_norm(grads.data(), layout), WithinRel(std::sqrt(5169.0), 1e-15));
+
+  // The same bits for any thread count.
+  Uniform uniform(3);
+  for (size_t i = 0; i < c.numel; ++i) grads[c.offset + i] = uniform(-1.0f, 1.0f);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double one_thread = global_grad_norm(grads.data(), layout);
+  omp_set_num_threads(3);
+  const double three_threads = global_grad_norm(grads.data(), layout);
+  omp_set_num_threads(threads);
+  CHECK(one_thread == three_threads);
+
+  grads[c.offset + 7] = NAN;
+  CHECK(std::isnan(global_grad_norm(grads.data(), layout)));
+
+  CHECK(clip_coefficient(13.0, 1.0) == static_cast<float>(1.0 / (13.0 + 1e-6)));
+  CHECK(clip_coefficient(0.5, 1.0) == 1.0f);
+  CHECK(clip_coefficient(1.0, 1.0) == static_cast<float>(1.0 / 1.000001));  // the 1e-6 clips at norm == max
+  CHECK(clip_coefficient(13.0, 0.0) == 1.0f);  // clipping disabled
+  CHECK(clip_coefficient(INFINITY, 1.0) == 1.0f);
+  CHECK(clip_coefficient(NAN, 1.0) == 1.0f);
+}
