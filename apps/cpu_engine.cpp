@@ -4,6 +4,7 @@
 
 #include "apps/engine.h"
 #include "apps/run_setup.h"
+#include "core/error.h"
 #include "layers/gpt.h"
 #include "optim/grad_clip.h"
 
@@ -57,6 +58,12 @@ class CpuEngine final : public TrainingEngine {
   int consecutive_skips() override { return consecutive_skips_; }
 
   double evaluate(const int32_t* inputs, const int32_t* targets) override { return model_.evaluate(inputs, targets); }
+
+  std::vector<float> parameters() override { return model_.parameters(); }
+  void set_parameters(const std::vector<float>& values) override {
+    FP8LM_CHECK(values.size() == model_.parameters().size());
+    model_.parameters() = values;
+  }
 
   SettingsTable describe() const override {
     const size_t slab = model_.layout().total_elements() * sizeof(float);

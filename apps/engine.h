@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/logging.h"
 #include "core/tensor.h"
@@ -45,6 +46,11 @@ class TrainingEngine {
   virtual int consecutive_skips() = 0;
   // Mean loss of one batch, forward only; touches no training state.
   virtual double evaluate(const int32_t* inputs, const int32_t* targets) = 0;
+
+  // The FP32 master weights, [layout().total_elements()], copied to / from the host
+  // (checkpoints, tests, initialisation from another model).
+  virtual std::vector<float> parameters() = 0;
+  virtual void set_parameters(const std::vector<float>& values) = 0;
 
   // Rows for the startup table: memory per tensor class, optimizer bytes per parameter.
   virtual SettingsTable describe() const = 0;

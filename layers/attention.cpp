@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "core/error.h"
+
 // Precision: everything is FP32, including the accumulators. The softmax is computed
 // max-subtracted, so every exponent is <= 0 and each row's normaliser lies in [1, T]:
 // nothing overflows, and FP32 sums over one row (T terms, in order s = 0..t) are accurate
@@ -33,6 +35,7 @@ float dot(const float* a, const float* b, int n) {
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
+  FP8LM_CHECK(NH > 0 && C % NH == 0, "attention needs C divisible by NH, got C=", C, " NH=", NH);
   const int HS = C / NH;
   const HeadView at{T, C, HS};
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
@@ -74,6 +77,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                         int T, int C, int NH) {
+  FP8LM_CHECK(NH > 0 && C % NH == 0, "attention needs C divisible by NH, got C=", C, " NH=", NH);
   const int HS = C / NH;
   const HeadView at{T, C, HS};
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
@@ -91,10 +95,10 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
       }
 
       for (int t = 0; t < T; t++) {
-        const float* q = qkv + at.q(b, t, h);    // [HS]
-        const float* o = out + at.o(b, t, h);    // [HS]
+        const float* q = qkv + at.q(b, t, h);        // [HS]
+        const float* o = out + at.o(b, t, h);        // [HS]
         const float* dout_t = dout + at.o(b, t, h);  // [HS]
-        float* dq = dqkv + at.q(b, t, h);        // [HS]
+        float* dq = dqkv + at.q(b, t, h);            // [HS]
         const float row_lse = lse[(static_cast<size_t>(b) * NH + h) * T + t];
         const float D = dot(dout_t, o, HS);  // = sum_s P[t,s] dP[t,s], the softmax's Jacobian term
 

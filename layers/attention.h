@@ -12,6 +12,14 @@
 // BF16 inputs/outputs with FP32 softmax statistics on the GPU; FP32 here.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/fp8.h"
+
 namespace fp8lm::cpu {
 
 // out [B,T,C] (heads concatenated), lse [B,NH,T], qkv [B,T,3C]
@@ -22,3 +30,35 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                         int T, int C, int NH);
 
 }  // namespace fp8lm::cpu
+
+// ---- GPU (layers/attention.cu) -------------------------------------------------------
+// Causal flash attention with mma.sync tensor cores: BF16 in/out, FP32 accumulation and
+// softmax statistics, O(T) memory (no T x T matrix in global memory). Head sizes
+// HS = C/NH of 32, 64 and 128 (others throw RuntimeError with a HINT). Scale 1/sqrt(HS).
+// Requirements, checked on the host (FP8LM_CHECK): qkv and dout 16-byte aligned, other
+// bf16/float pointers 4-byte aligned, out_fp8 2-byte aligned (cudaMalloc gives all of it).
+namespace fp8lm::cuda {
+
+// out [B,T,C] (=, bf16, heads concatenated), lse [B,NH,T] (=, natural log, FP32),
+// qkv [B,T,3C].
+// out_fp8 [B,T,C] (nullable): also writes fp8(bf16(out) * *out_scale) (RNE, saturating,
+//   out_dtype), exactly the codes a cast of the returned bf16 `out` gives.
+// out_amax (nullable): running max (atomicMax on the float's bits) of |bf16(out)|; a NaN
+//   makes it 0x7fc00000. Updated whenever it is given, with or without out_fp8.
+// out_scale (nullable): device pointer; nullptr means 1.
+void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
+                       Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
+                       cudaStream_t stream);
+
+// FP32 scratch that attention_backward needs (D = rowsum(dout * out), [B,NH,T]).
+size_t attention_backward_scratch_floats(int B, int T, int C, int NH);
+
+// Writes (=) dqkv [B,T,3C] (bf16) from dout [B,T,C], the forward's qkv [B,T,3C], out [B,T,C]
+// and lse [B,NH,T]. scratch: attention_backward_scratch_floats(B,T,C,NH) floats (contents
+// need not be initialised). Deterministic: no atomics, every element written by one thread
+// in a fixed order, so two calls give bit-identical dqkv. dqkv must not alias the inputs.
+void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                        const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
+                        cudaStream_t stream);
+
+}  // namespace fp8lm::cuda

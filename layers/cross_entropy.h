@@ -9,6 +9,9 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
 namespace fp8lm::cpu {
 
 // logits [N,Vp] (in: logits, out: dlogits when dloss != 0), losses [N], targets [N].
@@ -18,3 +21,24 @@ void cross_entropy_forward_backward(float* logits, float* losses, const int32_t*
                                     float dloss);
 
 }  // namespace fp8lm::cpu
+
+// ---- GPU (layers/cross_entropy.cu) ---------------------------------------------------
+namespace fp8lm::cuda {
+
+// One block per row, two passes over the row (16-byte loads): an online-softmax max/sum,
+// then (when dloss != 0) dlogits written in place as bf16. The probabilities are never
+// stored.
+//   logits [N,Vp] (in: bf16 logits; out: bf16 dlogits when dloss != 0, padded columns
+//                  V..Vp-1 set to 0; untouched when dloss == 0)
+//   losses [N]    (written) logsumexp(logits[i,:V]) - logits[i,target[i]], FP32
+//   targets [N]   (device) in [0, V); a target outside it makes that row's loss NaN (and
+//                 its dlogits the softmax without the one-hot), so bad data shows in the loss.
+// Requirements (FP8LM_CHECK before launch): 0 < V <= Vp, Vp % 8 == 0, logits 16-byte aligned.
+void cross_entropy_forward_backward(__nv_bfloat16* logits, float* losses, const int32_t* targets, int N, int V,
+                                    int Vp, float dloss, cudaStream_t stream);
+
+// *total += sum(losses [N]) in a fixed order (one block; deterministic). total is a device
+// pointer (the step's loss accumulates on the device across micro-batches).
+void sum_losses(float* total, const float* losses, int N, cudaStream_t stream);
+
+}  // namespace fp8lm::cuda

@@ -3,6 +3,14 @@
 // Saves mean and rstd per row for backward. BF16 on the GPU (FP32 statistics).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/fp8.h"
+
 namespace fp8lm::cpu {
 
 // out [N,C], mean [N], rstd [N], inp [N,C], weight [C], bias [C]
@@ -14,3 +22,42 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         const float* weight, const float* mean, const float* rstd, int N, int C);
 
 }  // namespace fp8lm::cpu
+
+// ---- GPU (layers/layernorm.cu) -------------------------------------------------------
+// One warp per row, 16-byte loads (8 bf16), the row kept in registers, FP32 statistics
+// (two passes over the registers, as the CPU reference). Requirements, checked on the host
+// before launch (FP8LM_CHECK): C % 8 == 0 and 8 <= C <= 2048; bf16 pointers 16-byte
+// aligned, FP8 outputs 8-byte aligned, FP32 accumulators 4-byte aligned.
+namespace fp8lm::cuda {
+
+// The largest row width the LayerNorm kernels take (8 bf16 per lane x 8 chunks x 32 lanes).
+inline constexpr int kLayerNormMaxC = 2048;
+
+// out [N,C] = bf16(LayerNorm(inp)); mean [N], rstd [N] (written; either may be nullptr).
+// inp [N,C], weight [C], bias [C].
+void layernorm_forward_bf16(__nv_bfloat16* out, float* mean, float* rstd, const __nv_bfloat16* inp,
+                            const __nv_bfloat16* weight, const __nv_bfloat16* bias, int N, int C, float eps,
+                            cudaStream_t stream);
+
+// LayerNorm fused with the FP8 cast of the next GEMM's input:
+//   out [N,C] = fp8(bf16(LayerNorm(inp)) * *scale)   (uint8_t codes, RNE, saturating)
+// i.e. exactly the codes a cast of layernorm_forward_bf16's output would give.
+// amax: running max (+= as max) of |bf16(LayerNorm(inp))| on the float's bits (atomicMax);
+// a NaN makes it 0x7fc00000. amax may be nullptr (not recorded); scale may not.
+void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
+                           const __nv_bfloat16* inp, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int N,
+                           int C, float eps, cudaStream_t stream);
+
+// Scratch (FP32 elements) that layernorm_backward needs for N rows of width C.
+size_t layernorm_backward_scratch_floats(int N, int C);
+
+// dinp [N,C] += (read bf16, add in FP32, write bf16); dweight [C] +=, dbias [C] += (FP32,
+// deterministic: per-block partials in scratch, then a fixed-order reduction).
+// dout [N,C], inp [N,C], weight [C], mean [N], rstd [N] (as saved by the forward).
+// scratch: layernorm_backward_scratch_floats(N, C) floats (contents need not be initialised).
+// dinp must not alias dout or inp.
+void layernorm_backward(__nv_bfloat16* dinp, float* dweight, float* dbias, const __nv_bfloat16* dout,
+                        const __nv_bfloat16* inp, const __nv_bfloat16* weight, const float* mean, const float* rstd,
+                        int N, int C, float* scratch, cudaStream_t stream);
+
+}  // namespace fp8lm::cuda

@@ -22,7 +22,7 @@ double grad_sum_of_squares(const float* grads, const TensorLayout& layout) {
 
   std::vector<double> partial(chunks.size(), 0.0);
   const int64_t count = static_cast<int64_t>(chunks.size());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (count > 1)  // one chunk: no fork/join
   for (int64_t c = 0; c < count; ++c) {
     double sum = 0.0;
     for (size_t i = chunks[c].begin; i < chunks[c].end; ++i) {

@@ -49,23 +49,39 @@ double weighted_sum(const std::vector<float>& weights, const std::vector<float>&
   return sum;
 }
 
+// Runs body with a given OpenMP thread count, restoring the previous one even if it throws.
+template <typename Body>
+auto with_threads(int threads, Body body) {
+  struct RestoreThreads {
+    int previous = omp_get_max_threads();
+    ~RestoreThreads() { omp_set_num_threads(previous); }
+  } restore;
+  omp_set_num_threads(threads);
+  return body();
+}
+
 // d objective / d x[i] by central differences; objective() reads x, which is perturbed in
 // place and restored. The step actually taken is measured after rounding to float.
+// Runs on one thread: it makes thousands of tiny forward calls, where OpenMP's fork/join
+// costs more than the work, and on a loaded machine a descheduled worker stalls every join
+// (seconds per test instead of milliseconds).
 template <typename Objective>
 std::vector<double> central_difference(std::vector<float>& x, Objective objective) {
-  std::vector<double> gradient(x.size());
-  for (size_t i = 0; i < x.size(); i++) {
-    const float original = x[i];
-    const float plus = original + kStep;
-    const float minus = original - kStep;
-    x[i] = plus;
-    const double objective_plus = objective();
-    x[i] = minus;
-    const double objective_minus = objective();
-    x[i] = original;
-    gradient[i] = (objective_plus - objective_minus) / (static_cast<double>(plus) - minus);
-  }
-  return gradient;
+  return with_threads(1, [&] {
+    std::vector<double> gradient(x.size());
+    for (size_t i = 0; i < x.size(); i++) {
+      const float original = x[i];
+      const float plus = original + kStep;
+      const float minus = original - kStep;
+      x[i] = plus;
+      const double objective_plus = objective();
+      x[i] = minus;
+      const double objective_minus = objective();
+      x[i] = original;
+      gradient[i] = (objective_plus - objective_minus) / (static_cast<double>(plus) - minus);
+    }
+    return gradient;
+  });
 }
 
 // Every element within kAbsTolerance + kRelTolerance * |numeric|; reports the worst one.
@@ -77,7 +93,8 @@ void require_gradient_matches(const std::string& name, const std::vector<float>&
   for (size_t i = 0; i < analytic.size(); i++) {
     const double allowed = kAbsTolerance + kRelTolerance * std::fabs(numeric[i]);
     const double ratio = std::fabs(analytic[i] - numeric[i]) / allowed;
-    if (!(ratio <= worst_ratio)) {  // also catches NaN
+    // A NaN is the worst there is, and stays reported once found.
+    if (!std::isnan(worst_ratio) && (std::isnan(ratio) || ratio > worst_ratio)) {
       worst_ratio = ratio;
       worst_index = i;
     }
@@ -93,16 +110,6 @@ void require_doubled(const std::string& name, const std::vector<float>& once, co
     INFO(name << "[" << i << "]");
     REQUIRE_THAT(twice[i], WithinRel(2.0f * once[i], 1e-6f));
   }
-}
-
-// Runs body with a given OpenMP thread count, restoring the previous one.
-template <typename Body>
-auto with_threads(int threads, Body body) {
-  const int previous = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  auto result = body();
-  omp_set_num_threads(previous);
-  return result;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -143,10 +150,13 @@ TEST_CASE("encoder forward adds the token row and the position row", "[layers][c
   std::mt19937 rng(101);
   EncoderProblem p = EncoderProblem::small(rng);
   const std::vector<float> out = p.forward();
-  for (int b = 0; b < p.B; b++)
-    for (int t = 0; t < p.T; t++)
-      for (int c = 0; c < p.C; c++)
-        REQUIRE(out[(size_t(b) * p.T + t) * p.C + c] == p.wte[size_t(p.tokens[b * p.T + t]) * p.C + c] + p.wpe[size_t(t) * p.C + c]);
+  for (int b = 0; b < p.B; b++) {
+    for (int t = 0; t < p.T; t++) {
+      const float* token_row = p.wte.data() + size_t(p.tokens[b * p.T + t]) * p.C;
+      const float* position_row = p.wpe.data() + size_t(t) * p.C;
+      for (int c = 0; c < p.C; c++) REQUIRE(out[(size_t(b) * p.T + t) * p.C + c] == token_row[c] + position_row[c]);
+    }
+  }
 }
 
 TEST_CASE("encoder backward matches finite differences, repeated tokens included", "[layers][cpu]") {

@@ -1,9 +1,11 @@
 // Tests of optim/: AdamW (fp32 and fp8_fp16 state), the LR schedule, gradient clipping.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <numbers>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -142,6 +144,34 @@ TEST_CASE("AdamW: padding between tensors is never read or written", "[optim]") 
   }
 }
 
+TEST_CASE("AdamW: results do not depend on the thread count", "[optim]") {
+  TensorLayout layout;
+  layout.add("big", {200, 200}, true);  // above the size where the update goes parallel
+  layout.add("small", {100}, false);
+  Uniform uniform(11);
+  std::vector<float> init = slab(layout), grads = slab(layout);
+  for (size_t j = 0; j < init.size(); ++j) {
+    init[j] = uniform(-1.0f, 1.0f);
+    grads[j] = std::pow(10.0f, uniform(-4.0f, 0.0f)) * (uniform(0.0f, 1.0f) < 0.5f ? -1.0f : 1.0f);
+  }
+  const AdamWHyperparams hp{.lr = 1e-2f, .weight_decay = 0.1f};
+  for (OptimizerStatePrecision precision : {OptimizerStatePrecision::fp32, OptimizerStatePrecision::fp8_fp16}) {
+    CAPTURE(to_string(precision));
+    auto run = [&](int threads) {
+      const int saved = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      AdamW adam(layout, precision);
+      std::vector<float> p = init;
+      for (int step = 0; step < 3; ++step) adam.step(p.data(), grads.data(), hp, 0.7f);
+      omp_set_num_threads(saved);
+      std::vector<float> scales(adam.m_scales().begin(), adam.m_scales().end());
+      scales.insert(scales.end(), adam.v_scales().begin(), adam.v_scales().end());
+      return std::make_pair(p, scales);
+    };
+    CHECK(run(1) == run(3));
+  }
+}
+
 // ------------------------------------------------------------------------- AdamW fp8_fp16
 
 TEST_CASE("AdamW fp8_fp16: first step equals fp32; stored m within E4M3 precision", "[optim]") {
@@ -224,40 +254,65 @@ TEST_CASE("AdamW fp8_fp16: small gradients keep v representable through the scal
 }
 
 TEST_CASE("AdamW fp8_fp16 tracks fp32 over 200 steps of a toy problem", "[optim]") {
-  // Loss: L(p) = 1/2 sum_i a_i (p_i - target_i)^2 over three tensors with different
-  // magnitudes (so each tensor's scale matters) and curvatures a_i spanning 3 decades
-  // (so gradients, and v, span 6). Gradient: a_i (p_i - target_i), from the current params.
-  // LR: 10 warm-up steps to 2e-2, cosine to 2e-4 at step 200; clipping at norm 1.
+  // A linear regression y = W x + b (W [16,24] decayed, b [16]) fitted to 64 fixed samples
+  // of a noisy linear teacher, whose 24 features have scales 10^[-1, 1] (ill-conditioned,
+  // and the gradients within W span decades), plus a separable quadratic on a third tensor
+  // u [300] of small magnitude (0.05) with curvatures 10^[-2, 1]:
+  //   L = 1/(2*64) sum_s |W x_s + b - y_s|^2 + 1/2 sum_i c_i (u_i - u*_i)^2
+  // Gradients are exact, computed from the current parameters. LR: 10 warm-up steps to
+  // 2e-2, cosine to 2e-3 at step 200; weight decay 0.01; clipping at norm 1.
   TensorLayout layout;
-  layout.add("w1", {16, 24}, true);
-  layout.add("b1", {300}, false);
-  layout.add("w2", {10, 20}, true);
-  const float magnitude[3] = {1.0f, 0.05f, 3.0f};
+  const TensorInfo& w_info = layout.add("w", {16, 24}, true);
+  const size_t w = w_info.offset;
+  const size_t b = layout.add("b", {16}, false).offset;
+  const size_t u = layout.add("u", {300}, false).offset;
+  constexpr int kSamples = 64, kIn = 24, kOut = 16, kU = 300;
 
-  Uniform uniform(2024);
-  std::vector<float> init = slab(layout), target = slab(layout), curvature = slab(layout);
-  for (size_t k = 0; k < 3; ++k) {
-    const TensorInfo& t = layout.tensors()[k];
-    for (size_t i = 0; i < t.numel; ++i) {
-      init[t.offset + i] = magnitude[k] * uniform(-1.0f, 1.0f);
-      target[t.offset + i] = magnitude[k] * uniform(-1.0f, 1.0f);
-      curvature[t.offset + i] = std::pow(10.0f, uniform(-2.0f, 1.0f));
+  Uniform uniform(1);
+  std::vector<float> x(kSamples * kIn), y(kSamples * kOut), feature_scale(kIn);
+  std::vector<float> teacher_w(kOut * kIn), teacher_b(kOut), u_target(kU), u_curvature(kU);
+  std::vector<float> init = slab(layout);
+  for (float& f : feature_scale) f = std::pow(10.0f, uniform(-1.0f, 1.0f));
+  for (float& v : teacher_w) v = uniform(-1.0f, 1.0f);
+  for (float& v : teacher_b) v = uniform(-1.0f, 1.0f);
+  for (int s = 0; s < kSamples; ++s) {
+    for (int f = 0; f < kIn; ++f) x[s * kIn + f] = feature_scale[f] * uniform(-1.0f, 1.0f);
+    for (int o = 0; o < kOut; ++o) {
+      float out = teacher_b[o] + 0.05f * uniform(-1.0f, 1.0f);  // label noise: the minimum is not 0
+      for (int f = 0; f < kIn; ++f) out += teacher_w[o * kIn + f] * x[s * kIn + f];
+      y[s * kOut + o] = out;
     }
   }
+  for (int i = 0; i < kOut * kIn; ++i) init[w + i] = 0.3f * uniform(-1.0f, 1.0f);
+  for (int i = 0; i < kU; ++i) {
+    init[u + i] = 0.05f * uniform(-1.0f, 1.0f);
+    u_target[i] = 0.05f * uniform(-1.0f, 1.0f);
+    u_curvature[i] = std::pow(10.0f, uniform(-2.0f, 1.0f));
+  }
+
+  // Loss at p, and its gradient into g (both [layout.total_elements()]).
   auto loss_and_grad = [&](const std::vector<float>& p, std::vector<float>& g) {
+    std::fill(g.begin(), g.end(), 0.0f);
     double loss = 0.0;
-    for (const TensorInfo& t : layout.tensors()) {
-      for (size_t j = t.offset; j < t.offset + t.numel; ++j) {
-        const float d = p[j] - target[j];
-        g[j] = curvature[j] * d;
-        loss += 0.5 * curvature[j] * d * d;
+    for (int s = 0; s < kSamples; ++s) {
+      for (int o = 0; o < kOut; ++o) {
+        float residual = p[b + o] - y[s * kOut + o];
+        for (int f = 0; f < kIn; ++f) residual += p[w + o * kIn + f] * x[s * kIn + f];
+        loss += 0.5 * residual * residual / kSamples;
+        g[b + o] += residual / kSamples;
+        for (int f = 0; f < kIn; ++f) g[w + o * kIn + f] += residual * x[s * kIn + f] / kSamples;
       }
+    }
+    for (int i = 0; i < kU; ++i) {
+      const float d = p[u + i] - u_target[i];
+      g[u + i] = u_curvature[i] * d;
+      loss += 0.5 * u_curvature[i] * d * d;
     }
     return loss;
   };
-  const LrSchedule schedule{.max_lr = 2e-2, .min_lr = 2e-4, .warmup_iters = 10, .decay_iters = 200,
-                            .style = LrDecayStyle::cosine};
 
+  const LrSchedule schedule{.max_lr = 2e-2, .min_lr = 2e-3, .warmup_iters = 10, .decay_iters = 200,
+                            .style = LrDecayStyle::cosine};
   auto train = [&](OptimizerStatePrecision precision, double& final_loss) {
     AdamW adam(layout, precision);
     std::vector<float> p = init, g = slab(layout);
@@ -273,13 +328,14 @@ TEST_CASE("AdamW fp8_fp16 tracks fp32 over 200 steps of a toy problem", "[optim]
     return p;
   };
 
-  std::vector<float> g0 = slab(layout);
-  const double initial_loss = loss_and_grad(init, g0);
+  std::vector<float> scratch = slab(layout);
+  const double initial_loss = loss_and_grad(init, scratch);
   double loss32 = 0.0, loss8 = 0.0;
   const std::vector<float> p32 = train(OptimizerStatePrecision::fp32, loss32);
   const std::vector<float> p8 = train(OptimizerStatePrecision::fp8_fp16, loss8);
 
-  // Distance between the two runs, relative to the distance the fp32 run travelled.
+  // Distance between the two runs' final parameters, relative to the distance the fp32
+  // run travelled (stricter than relative to |p32|, which includes the shared init).
   std::vector<double> diff, travel;
   for (const TensorInfo& t : layout.tensors()) {
     for (size_t j = t.offset; j < t.offset + t.numel; ++j) {
@@ -290,9 +346,19 @@ TEST_CASE("AdamW fp8_fp16 tracks fp32 over 200 steps of a toy problem", "[optim]
   const double relative_diff = l2(diff) / l2(travel);
   INFO("initial loss " << initial_loss << ", fp32 " << loss32 << ", fp8_fp16 " << loss8
                        << ", relative L2 diff " << relative_diff);
-  CHECK(loss32 < initial_loss / 100.0);
-  CHECK(loss8 < initial_loss / 100.0);
-  CHECK(relative_diff < 2e-2);
+  // Measured (x86-64, this seed): loss 419 -> 0.0406 (fp32) and 0.0514 (fp8_fp16), relative
+  // diff 0.062. Over seeds 1..10 the diff ranged 0.023-0.062 and fp8_fp16's loss reduction
+  // 6.8e3x-2.9e4x. For scale: changing beta1 from 0.9 to 0.89 in fp32 moves the result by 0.022.
+  // The deviation is E4M3's 3-bit mantissa, not its range: emulating m rounded to 3 mantissa
+  // bits with unlimited exponent range gives 0.066, m in scaled FP16 gives 2e-4. A likely
+  // mechanism: with exact (noise-free) gradients, m = 0.9 m + 0.1 g rounds back to the same
+  // code until g differs from m by 30-60%, so m lags the slowly shrinking gradients of the
+  // flat directions (noisy real gradients move m more per step). With max_lr 5e-2 both
+  // runs converge to the same minimum and differ by 0.003.
+  CHECK(loss32 < initial_loss / 1000.0);
+  CHECK(loss8 < initial_loss / 1000.0);
+  CHECK(loss8 < 2.0 * loss32);
+  CHECK(relative_diff < 0.1);
 }
 
 // ---------------------------------------------------------------------------- bookkeeping

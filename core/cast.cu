@@ -1,0 +1,417 @@
+// Kernels of core/cast.h. No spdlog here (nvcc, C++20): errors throw through CUDA_CHECK.
+#include "core/cast.h"
+
+#include <cuda_fp8.h>
+
+#include <cstring>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "core/scaling.h"
+
+namespace fp8lm::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTile = kCastTile;  // 64 x 64 elements per block
+static_assert(kTile == 64 && kThreads == 256, "the thread mappings below assume 64x64 tiles and 256 threads");
+
+// ---- element helpers -----------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <Fp8Dtype kDtype>
+__device__ __forceinline__ uint16_t to_fp8x2(float lo, float hi) {
+  // cvt.rn.satfinite.{e4m3,e5m2}x2.f32: the same instruction __nv_cvt_float_to_fp8 uses; lo -> low byte.
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE,
+                                  kDtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// |x| as the int the running amax compares: the bits of a non-negative float order like
+// the values; any NaN becomes the quiet NaN 0x7FC00000, larger than +inf (0x7F800000).
+__device__ __forceinline__ int amax_bits(float x) {
+  unsigned bits = __float_as_uint(x) & 0x7FFFFFFFu;
+  if (bits > 0x7F800000u) bits = 0x7FC00000u;
+  return static_cast<int>(bits);
+}
+
+// Block-wide max of `local` (amax bits), then one atomicMax into *amax. Every thread of
+// the block must call it (it synchronizes).
+__device__ void commit_block_amax(float* amax, int local) {
+  __shared__ int warp_max[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_xor_sync(0xFFFFFFFFu, local, offset));
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warp_max[warp] = local;
+  __syncthreads();
+  if (warp == 0) {
+    local = lane < static_cast<int>(blockDim.x / 32) ? warp_max[lane] : 0;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_xor_sync(0xFFFFFFFFu, local, offset));
+    if (lane == 0 && local > 0) atomicMax(reinterpret_cast<int*>(amax), local);
+  }
+}
+
+template <typename T, int kCount>
+__device__ __forceinline__ void load_vector(float (&x)[kCount], const T* source) {
+  static_assert(kCount * sizeof(T) % 16 == 0, "whole 16-byte loads");
+  constexpr int kLoads = kCount * sizeof(T) / 16;
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const uint4 raw = reinterpret_cast<const uint4*>(source)[l];
+    T values[16 / sizeof(T)];
+    memcpy(values, &raw, 16);
+#pragma unroll
+    for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) x[l * (16 / sizeof(T)) + j] = to_float(values[j]);
+  }
+}
+
+// kCount bytes (4, 8 or 16) to an address aligned to kCount.
+template <int kCount>
+__device__ __forceinline__ void store_bytes(uint8_t* target, const uint8_t (&q)[kCount]) {
+  if constexpr (kCount == 4) {
+    uint32_t word;
+    memcpy(&word, q, 4);
+    *reinterpret_cast<uint32_t*>(target) = word;
+  } else if constexpr (kCount == 8) {
+    uint2 word;
+    memcpy(&word, q, 8);
+    *reinterpret_cast<uint2*>(target) = word;
+  } else {
+    static_assert(kCount == 16, "4, 8 or 16 bytes");
+    uint4 word;
+    memcpy(&word, q, 16);
+    *reinterpret_cast<uint4*>(target) = word;
+  }
+}
+
+bool aligned(const void* pointer, size_t bytes) { return reinterpret_cast<uintptr_t>(pointer) % bytes == 0; }
+
+// ---- transposed write of a 64x64 byte tile ---------------------------------------------
+
+using ByteTile = uint8_t[kTile][kTile + 1];  // +1: the column reads below hit distinct banks
+
+// out_t [N,M] gets tile [r][c] (rows row0.., columns col0.. of the [M,N] source) at
+// out_t[(col0 + c) * M + row0 + r]. Thread t writes 16 consecutive bytes of one out_t row:
+// c = t / 4, r = 16 * (t % 4) .. +15, so 4 threads write one 64-byte run.
+__device__ __forceinline__ void write_transposed(uint8_t* __restrict__ out_t, const ByteTile& tile, int row0,
+                                                 int col0, int M, int N, bool full, bool vec_ok) {
+  const int c = threadIdx.x / 4;
+  const int r = (threadIdx.x % 4) * 16;
+  const int gc = col0 + c;
+  const int gr = row0 + r;
+  if (full && vec_ok) {
+    uint8_t q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) q[i] = tile[r + i][c];
+    store_bytes<16>(out_t + static_cast<size_t>(gc) * M + gr, q);
+  } else if (gc < N) {
+    for (int i = 0; i < 16 && gr + i < M; ++i) out_t[static_cast<size_t>(gc) * M + gr + i] = tile[r + i][c];
+  }
+}
+
+// ---- cast + transpose + amax + dbias partials -----------------------------------------
+//
+// One block per 64x64 tile of in [M,N]. Thread t handles kVec consecutive columns
+// (16 bytes of input) of rows t / kThreadsPerRow + p * kLanes, p < kPasses.
+// out == nullptr and out_t == nullptr: column sums only (column_sum).
+template <typename T, Fp8Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ partial,
+                          float* amax, const T* __restrict__ in, const float* __restrict__ scale_pointer, int M,
+                          int N, bool vec_in, bool vec_out, bool vec_t) {
+  constexpr int kVec = 16 / sizeof(T);             // 8 (bf16) or 4 (float)
+  constexpr int kThreadsPerRow = kTile / kVec;     // 8 or 16
+  constexpr int kLanes = kThreads / kThreadsPerRow;  // 32 or 16 rows at a time
+  constexpr int kPasses = kTile / kLanes;          // 2 or 4
+  __shared__ ByteTile tile;
+  __shared__ float lane_sums[kLanes][kTile];
+
+  const int row0 = blockIdx.y * kTile;
+  const int col0 = blockIdx.x * kTile;
+  const int lane = threadIdx.x / kThreadsPerRow;
+  const int c = (threadIdx.x % kThreadsPerRow) * kVec;
+  const int gc = col0 + c;
+  const bool full = row0 + kTile <= M && col0 + kTile <= N;
+  const bool quantize = out != nullptr || out_t != nullptr;
+  const float scale = quantize ? *scale_pointer : 1.0f;
+
+  float sums[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) sums[j] = 0.0f;
+  int local_amax = 0;
+
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = lane + p * kLanes;
+    const int gr = row0 + r;
+    const size_t offset = static_cast<size_t>(gr) * N + gc;
+    float x[kVec];
+    if (full && vec_in) {
+      load_vector(x, in + offset);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) x[j] = (gr < M && gc + j < N) ? to_float(in[offset + j]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      sums[j] += x[j];
+      local_amax = max(local_amax, amax_bits(x[j]));
+    }
+    if (quantize) {
+      uint8_t q[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; j += 2) {
+        const uint16_t pair = to_fp8x2<kDtype>(x[j] * scale, x[j + 1] * scale);
+        q[j] = static_cast<uint8_t>(pair & 0xFF);
+        q[j + 1] = static_cast<uint8_t>(pair >> 8);
+      }
+      if (out) {
+        if (full && vec_out) {
+          store_bytes<kVec>(out + offset, q);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (gr < M && gc + j < N) out[offset + j] = q[j];
+        }
+      }
+      if (out_t) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) tile[r][c + j] = q[j];
+      }
+    }
+  }
+
+  if (partial) {  // fixed order: rows of a lane, then lanes 0..kLanes-1
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) lane_sums[lane][c + j] = sums[j];
+    __syncthreads();
+    if (threadIdx.x < kTile && col0 + static_cast<int>(threadIdx.x) < N) {
+      float s = 0.0f;
+      for (int l = 0; l < kLanes; ++l) s += lane_sums[l][threadIdx.x];
+      partial[static_cast<size_t>(blockIdx.y) * N + col0 + threadIdx.x] = s;
+    }
+  }
+  if (out_t) {
+    __syncthreads();
+    write_transposed(out_t, tile, row0, col0, M, N, full, vec_t);
+  }
+  if (amax) commit_block_amax(amax, local_amax);
+}
+
+// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ...
+__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* __restrict__ out,
+                                                                       const float* __restrict__ partial, int tiles,
+                                                                       int N) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= N) return;
+  float s = 0.0f;
+  for (int t = 0; t < tiles; ++t) s += partial[static_cast<size_t>(t) * N + c];
+  out[c] += s;
+}
+
+// ---- FP8 byte transpose ----------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(uint8_t* __restrict__ out,
+                                                                 const uint8_t* __restrict__ in, int M, int N,
+                                                                 bool vec_in, bool vec_t) {
+  __shared__ ByteTile tile;
+  const int row0 = blockIdx.y * kTile;
+  const int col0 = blockIdx.x * kTile;
+  const bool full = row0 + kTile <= M && col0 + kTile <= N;
+  // Thread t reads 16 bytes of one row: r = t / 4, c = 16 * (t % 4).
+  const int r = threadIdx.x / 4;
+  const int c = (threadIdx.x % 4) * 16;
+  const int gr = row0 + r;
+  const int gc = col0 + c;
+  const size_t offset = static_cast<size_t>(gr) * N + gc;
+  if (full && vec_in) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(in + offset);
+    uint8_t q[16];
+    memcpy(q, &raw, 16);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) tile[r][c + j] = q[j];
+  } else if (gr < M) {
+    for (int j = 0; j < 16 && gc + j < N; ++j) tile[r][c + j] = in[offset + j];
+  }
+  __syncthreads();
+  write_transposed(out, tile, row0, col0, M, N, full, vec_t);
+}
+
+// ---- element-wise cast / amax ------------------------------------------------------------
+
+constexpr int kChunk = 8;  // elements per thread per step
+
+template <typename T, Fp8Dtype kDtype, bool kCast>
+__global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ out, float* amax,
+                                                        const T* __restrict__ in,
+                                                        const float* __restrict__ scale_pointer, size_t n,
+                                                        bool vec_in, bool vec_out) {
+  const float scale = kCast ? *scale_pointer : 1.0f;
+  const size_t chunks = (n + kChunk - 1) / kChunk;
+  int local_amax = 0;
+  for (size_t chunk = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
+       chunk += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t i0 = chunk * kChunk;
+    const bool whole = i0 + kChunk <= n;
+    float x[kChunk];
+    if (whole && vec_in) {
+      load_vector(x, in + i0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) x[j] = i0 + j < n ? to_float(in[i0 + j]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) local_amax = max(local_amax, amax_bits(x[j]));
+    if constexpr (kCast) {
+      uint8_t q[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; j += 2) {
+        const uint16_t pair = to_fp8x2<kDtype>(x[j] * scale, x[j + 1] * scale);
+        q[j] = static_cast<uint8_t>(pair & 0xFF);
+        q[j + 1] = static_cast<uint8_t>(pair >> 8);
+      }
+      if (whole && vec_out) {
+        store_bytes<kChunk>(out + i0, q);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j)
+          if (i0 + j < n) out[i0 + j] = q[j];
+      }
+    }
+  }
+  if (amax) commit_block_amax(amax, local_amax);
+}
+
+__global__ void current_scale_kernel(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin) {
+  const float s = compute_scale(*amax, fp8_max, margin, *scale);
+  *scale = s;
+  *scale_inv = 1.0f / s;
+}
+
+// ---- launchers ---------------------------------------------------------------------------
+
+dim3 tile_grid(int M, int N) {
+  const dim3 grid((N + kTile - 1) / kTile, (M + kTile - 1) / kTile);
+  FP8LM_CHECK(grid.y <= 65535u, "too many rows for the tile grid: M=", M);
+  return grid;
+}
+
+template <typename T>
+void launch_cast_transpose(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const T* in, const float* scale,
+                           Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
+  FP8LM_CHECK(M >= 0 && N >= 0, "cast_transpose_fp8 shape M=", M, " N=", N);
+  if (M == 0 || N == 0) return;
+  FP8LM_CHECK(in != nullptr && out != nullptr && scale != nullptr, "cast_transpose_fp8 needs in, out and scale");
+  FP8LM_CHECK(dbias == nullptr || scratch != nullptr, "cast_transpose_fp8 with dbias needs scratch of ",
+              dbias_scratch_floats(M, N), " floats");
+  constexpr int kVec = 16 / sizeof(T);
+  const dim3 grid = tile_grid(M, N);
+  const bool vec_in = N % kVec == 0 && aligned(in, 16);
+  const bool vec_out = N % kVec == 0 && aligned(out, kVec);
+  const bool vec_t = M % 16 == 0 && aligned(out_t, 16);
+  float* partial = dbias ? scratch : nullptr;
+  if (dtype == Fp8Dtype::e4m3) {
+    cast_transpose_kernel<T, Fp8Dtype::e4m3>
+        <<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t);
+  } else {
+    cast_transpose_kernel<T, Fp8Dtype::e5m2>
+        <<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t);
+  }
+  CUDA_CHECK_LAUNCH();
+  if (dbias) {
+    add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dbias, scratch, grid.y, N);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+int elementwise_blocks(size_t n) {
+  const size_t chunks = (n + kChunk - 1) / kChunk;
+  const size_t blocks = (chunks + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 4096 ? blocks : 4096);  // grid-stride beyond that
+}
+
+template <typename T>
+void launch_amax(float* amax, const T* in, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  FP8LM_CHECK(amax != nullptr && in != nullptr, "amax_of needs amax and in");
+  const bool vec_in = aligned(in, 16);
+  cast_kernel<T, Fp8Dtype::e4m3, false>
+      <<<elementwise_blocks(n), kThreads, 0, stream>>>(nullptr, amax, in, nullptr, n, vec_in, false);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_cast(uint8_t* out, float* amax, const T* in, const float* scale, Fp8Dtype dtype, size_t n,
+                 cudaStream_t stream) {
+  if (n == 0) return;
+  FP8LM_CHECK(out != nullptr && in != nullptr && scale != nullptr, "cast_fp8 needs out, in and scale");
+  const bool vec_in = aligned(in, 16);
+  const bool vec_out = aligned(out, kChunk);
+  const int blocks = elementwise_blocks(n);
+  if (dtype == Fp8Dtype::e4m3) {
+    cast_kernel<T, Fp8Dtype::e4m3, true><<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out);
+  } else {
+    cast_kernel<T, Fp8Dtype::e5m2, true><<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const __nv_bfloat16* in,
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
+  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream);
+}
+
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const float* in,
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
+  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream);
+}
+
+void transpose_fp8(uint8_t* out, const uint8_t* in, int M, int N, cudaStream_t stream) {
+  FP8LM_CHECK(M >= 0 && N >= 0, "transpose_fp8 shape M=", M, " N=", N);
+  if (M == 0 || N == 0) return;
+  FP8LM_CHECK(out != nullptr && in != nullptr, "transpose_fp8 needs out and in");
+  const bool vec_in = N % 16 == 0 && aligned(in, 16);
+  const bool vec_t = M % 16 == 0 && aligned(out, 16);
+  transpose_fp8_kernel<<<tile_grid(M, N), kThreads, 0, stream>>>(out, in, M, N, vec_in, vec_t);
+  CUDA_CHECK_LAUNCH();
+}
+
+void amax_of(float* amax, const __nv_bfloat16* in, size_t n, cudaStream_t stream) { launch_amax(amax, in, n, stream); }
+void amax_of(float* amax, const float* in, size_t n, cudaStream_t stream) { launch_amax(amax, in, n, stream); }
+
+void cast_fp8(uint8_t* out, float* amax, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
+              cudaStream_t stream) {
+  launch_cast(out, amax, in, scale, dtype, n, stream);
+}
+void cast_fp8(uint8_t* out, float* amax, const float* in, const float* scale, Fp8Dtype dtype, size_t n,
+              cudaStream_t stream) {
+  launch_cast(out, amax, in, scale, dtype, n, stream);
+}
+
+void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream) {
+  FP8LM_CHECK(M >= 0 && N >= 0, "column_sum shape M=", M, " N=", N);
+  if (M == 0 || N == 0) return;
+  FP8LM_CHECK(out != nullptr && in != nullptr && scratch != nullptr, "column_sum needs out, in and scratch");
+  const dim3 grid = tile_grid(M, N);
+  const bool vec_in = N % 8 == 0 && aligned(in, 16);
+  cast_transpose_kernel<__nv_bfloat16, Fp8Dtype::e4m3>
+      <<<grid, kThreads, 0, stream>>>(nullptr, nullptr, scratch, nullptr, in, nullptr, M, N, vec_in, false, false);
+  CUDA_CHECK_LAUNCH();
+  add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(out, scratch, grid.y, N);
+  CUDA_CHECK_LAUNCH();
+}
+
+void compute_current_scale(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin,
+                           cudaStream_t stream) {
+  FP8LM_CHECK(scale != nullptr && scale_inv != nullptr && amax != nullptr, "compute_current_scale needs pointers");
+  FP8LM_CHECK(margin >= 0 && margin < 64, "margin ", margin);
+  current_scale_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, amax, fp8_max, margin);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp8lm::cuda

@@ -1,0 +1,272 @@
+#include "core/gemm_cuda.h"
+
+#include <algorithm>
+#include <string>
+
+#include <cublasLt.h>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+// Row-major to cuBLASLt's column-major, the one mapping every call uses:
+//
+// A row-major matrix X [r,c] with row stride ld is, byte for byte, the column-major
+// matrix X^T [c,r] with leading dimension ld. So
+//   D [M,N] row-major  = column-major D^T [N,M], ldd = N,
+//   A [M,K] row-major  = column-major A^T [K,M], ld = K,
+//   B [N,K] row-major  = column-major B^T [K,N], ld = K,
+// and D = A . B^T  <=>  D^T = B . A^T = (B^T)^T . (A^T).
+// cuBLASLt computes D' = op(A') . op(B') in column-major, so we pass
+//   m = N, n = M, k = K,
+//   A' = B^T [K,N] (our B), transa = T, lda = K   -> op(A') = B     [N,K]
+//   B' = A^T [K,M] (our A), transb = N, ldb = K   -> op(B') = A^T   [K,M]
+//   C' = D' = D^T [N,M], ldc = ldd = N.
+// That is cuBLASLt's "TN" layout, the one Hopper's FP8 kernels require. Consequences:
+// cuBLASLt's A scale pointer is our B's scale_inv and vice versa, cuBLASLt's A type is
+// our b_type, and the bias (length = rows of D' = N) is broadcast over D''s M columns,
+// i.e. over our rows, as wanted.
+
+namespace fp8lm::cuda {
+
+std::string_view to_string(GemmType type) {
+  switch (type) {
+    case GemmType::bf16: return "bf16";
+    case GemmType::fp32: return "fp32";
+    case GemmType::e4m3: return "e4m3";
+    case GemmType::e5m2: return "e5m2";
+  }
+  return "?";
+}
+
+namespace {
+
+cudaDataType_t cuda_type(GemmType type) {
+  switch (type) {
+    case GemmType::bf16: return CUDA_R_16BF;
+    case GemmType::fp32: return CUDA_R_32F;
+    case GemmType::e4m3: return CUDA_R_8F_E4M3;
+    case GemmType::e5m2: return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_32F;
+}
+
+// Largest power of two (at most 256, cuBLASLt's default assumption) dividing the address.
+uint16_t alignment_of(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint16_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+std::string describe(const GemmEngine::Key& key) {
+  std::string s = "GEMM D[" + std::to_string(key.M) + "," + std::to_string(key.N) + "] = A[" +
+                  std::to_string(key.M) + "," + std::to_string(key.K) + "](" + std::string(to_string(key.a_type)) +
+                  ") . B[" + std::to_string(key.N) + "," + std::to_string(key.K) + "](" +
+                  std::string(to_string(key.b_type)) + ")^T -> " + std::string(to_string(key.d_type));
+  if (key.has_bias) s += " + bias(" + std::string(to_string(key.bias_type)) + ")";
+  if (key.c_mode == 1) s += ", C == D";
+  if (key.c_mode == 2) s += ", C != D";
+  if (key.fast_accum) s += ", fast accumulation";
+  s += ", pointer alignments A " + std::to_string(key.align_a) + " B " + std::to_string(key.align_b) + " C " +
+       std::to_string(key.align_c) + " D " + std::to_string(key.align_d);
+  if (key.has_bias) s += " bias " + std::to_string(key.align_bias);
+  return s;
+}
+
+std::string alignment_hint(const GemmEngine::Key& key) {
+  if (is_fp8(key.a_type))
+    return "cuBLASLt's FP8 kernels need K and N multiples of 16 and 16-byte-aligned A, B, C, D pointers "
+           "(pad the model dimensions, e.g. the vocabulary, to a multiple of 16)";
+  return "cuBLASLt's BF16 kernels want K and N multiples of 8 and 16-byte-aligned pointers";
+}
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
+}
+
+template <typename T>
+void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute, const T& value) {
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)));
+}
+
+}  // namespace
+
+// One cached problem: everything cublasLtMatmul needs besides the per-call pointers.
+struct GemmEngine::Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr;  // cuBLASLt's A: our B^T [K,N]
+  cublasLtMatrixLayout_t b = nullptr;  // cuBLASLt's B: our A^T [K,M]
+  cublasLtMatrixLayout_t c = nullptr;  // [N,M], ld N (used when C is another buffer)
+  cublasLtMatrixLayout_t d = nullptr;  // [N,M], ld N
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace_bytes = 0;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {  // destroy calls cannot fail in a way worth reporting from a destructor
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+GemmEngine::GemmEngine() {
+  cublasLtHandle_t handle = nullptr;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  handle_ = handle;
+  // cudaMalloc returns 256-byte-aligned memory, as cuBLASLt requires of the workspace.
+  const cudaError_t status = cudaMalloc(&workspace_, kWorkspaceBytes);
+  if (status != cudaSuccess) {
+    cublasLtDestroy(handle_);
+    handle_ = nullptr;
+    workspace_ = nullptr;
+    CUDA_CHECK(status);
+  }
+}
+
+GemmEngine::~GemmEngine() {
+  plans_.clear();
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
+  auto found = plans_.find(key);
+  if (found != plans_.end()) return *found->second;
+
+  auto plan = std::make_unique<Plan>();
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  if (is_fp8(key.a_type)) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(key.fast_accum ? 1 : 0));
+  // The heuristic reads these pointers' values (alignment, presence), so the plan is made
+  // with the first call's pointers; later calls overwrite them (same alignment: it is in the key).
+  if (key.has_a_scale) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
+  if (key.has_b_scale) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
+  const cublasLtEpilogue_t epilogue = key.has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (key.has_bias) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(cuda_type(key.bias_type)));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  }
+
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(key.b_type), key.K, key.N, key.K));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(key.a_type), key.K, key.M, key.K));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, cuda_type(key.d_type), key.N, key.M, key.N));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.d_type), key.N, key.M, key.N));
+
+  struct Preference {
+    cublasLtMatmulPreference_t pref = nullptr;
+    ~Preference() {
+      if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    }
+  } preference;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.pref));
+  set_pref(preference.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
+  // cuBLASLt assumes 256-byte-aligned matrices unless told otherwise; tell it the truth
+  // (operand tensors carved out of a slab need not be 256-aligned).
+  set_pref(preference.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, uint32_t{key.align_b});
+  set_pref(preference.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, uint32_t{key.align_a});
+  set_pref(preference.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{key.align_c});
+  set_pref(preference.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{key.align_d});
+
+  constexpr int kRequested = 8;
+  cublasLtMatmulHeuristicResult_t results[kRequested] = {};
+  int returned = 0;
+  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan->c : plan->d;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, c_layout,
+                                                               plan->d, preference.pref, kRequested, results, &returned);
+  const cublasLtMatmulHeuristicResult_t* chosen = nullptr;
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    for (int i = 0; i < returned; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes) {
+        chosen = &results[i];
+        break;
+      }
+    }
+  }
+  if (!chosen) {
+    throw RuntimeError("cuBLASLt has no algorithm for " + describe(key) + " (heuristic status " +
+                           std::to_string(static_cast<int>(status)) + ", " + std::to_string(returned) + " results)",
+                       alignment_hint(key));
+  }
+  plan->algo = chosen->algo;
+  plan->workspace_bytes = chosen->workspaceSize;
+
+  return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream) {
+  const bool fp8 = is_fp8(desc.a_type) || is_fp8(desc.b_type);
+  Key key{};
+  key.M = desc.M;
+  key.N = desc.N;
+  key.K = desc.K;
+  key.a_type = desc.a_type;
+  key.b_type = desc.b_type;
+  key.d_type = desc.d_type;
+  key.has_bias = args.bias != nullptr;
+  key.bias_type = key.has_bias ? desc.bias_type : GemmType::bf16;
+  key.fast_accum = fp8 && desc.fast_accum;
+  key.has_a_scale = args.a_scale_inv != nullptr;
+  key.has_b_scale = args.b_scale_inv != nullptr;
+  key.c_mode = args.C == nullptr ? 0 : args.C == args.D ? 1 : 2;
+  key.align_a = alignment_of(args.A);
+  key.align_b = alignment_of(args.B);
+  key.align_d = alignment_of(args.D);
+  key.align_c = key.c_mode == 2 ? alignment_of(args.C) : key.align_d;
+  key.align_bias = key.has_bias ? alignment_of(args.bias) : 0;
+
+  // ---- validate against cuBLASLt's documented type table (see gemm_cuda.h)
+  FP8LM_CHECK(desc.M > 0 && desc.N > 0 && desc.K > 0, "GEMM shape M=", desc.M, " N=", desc.N, " K=", desc.K);
+  FP8LM_CHECK(args.A && args.B && args.D, "GEMM needs A, B and D");
+  if (args.C == nullptr && args.beta != 0.0f)
+    throw RuntimeError(describe(key) + ": beta = " + std::to_string(args.beta) + " but C is nullptr",
+                       "pass C = D to accumulate into D");
+  const bool bf16_inputs = desc.a_type == GemmType::bf16 && desc.b_type == GemmType::bf16;
+  const bool fp8_inputs = is_fp8(desc.a_type) && is_fp8(desc.b_type) &&
+                          !(desc.a_type == GemmType::e5m2 && desc.b_type == GemmType::e5m2);
+  if (!bf16_inputs && !fp8_inputs)
+    throw RuntimeError("unsupported operand types for " + describe(key),
+                       "use bf16 x bf16, or FP8 e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2 (cuBLASLt has no e5m2 x e5m2)");
+  if (desc.d_type != GemmType::bf16 && desc.d_type != GemmType::fp32)
+    throw RuntimeError("unsupported output type for " + describe(key), "D must be bf16 or fp32");
+  if (key.has_bias) {
+    const GemmType expected = desc.d_type == GemmType::bf16 ? GemmType::bf16
+                              : fp8_inputs                   ? GemmType::bf16
+                                                             : GemmType::fp32;
+    if (desc.bias_type != expected)
+      throw RuntimeError("unsupported bias type for " + describe(key),
+                         "cuBLASLt takes a " + std::string(to_string(expected)) + " bias for this combination");
+  }
+  if ((key.has_a_scale && !is_fp8(desc.a_type)) || (key.has_b_scale && !is_fp8(desc.b_type)))
+    throw RuntimeError(describe(key) + ": scale_inv pointers are for FP8 operands only",
+                       "pass a_scale_inv / b_scale_inv = nullptr for BF16 operands");
+
+  Plan& plan = plan_for(key, args);
+
+  // Per-call pointers: host-side attribute writes on the cached descriptor.
+  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
+  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
+  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+
+  const float alpha = args.alpha;
+  const float beta = args.C == nullptr ? 0.0f : args.beta;
+  // No C: pass D with beta = 0 (C is then not read). C == D: the in-place form (Cdesc == Ddesc).
+  const void* c_pointer = args.C == nullptr ? args.D : args.C;
+  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan.c : plan.d;
+  const cublasStatus_t status =
+      cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer, c_layout, args.D,
+                     plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream);
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw RuntimeError("cublasLtMatmul failed (cuBLAS status " + std::to_string(static_cast<int>(status)) + ") for " +
+                           describe(key),
+                       alignment_hint(key));
+  }
+}
+
+}  // namespace fp8lm::cuda

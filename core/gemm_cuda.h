@@ -1,0 +1,120 @@
+// GPU GEMM through cuBLASLt: the device twin of cpu::gemm_nt (core/gemm.h).
+//
+//   D [M,N] = alpha * a_scale_inv * b_scale_inv * (A [M,K] . B [N,K]^T) + beta * C [M,N]
+//             (+ bias [N], broadcast over the M rows)
+//
+// Row-major everywhere, both operands contiguous along K ("NT", the only layout Hopper's
+// FP8 tensor cores take). a_scale_inv / b_scale_inv are DEVICE pointers to one float
+// (the scaling table's scale_inv of the operand), read by the GEMM kernel itself, so a
+// scale updated on the GPU needs no host sync. nullptr means 1.
+//
+// Supported (cuBLAS docs, cublasLtMatmul "Datatypes Supported" and the FP8 table):
+//   A x B            D (= C type)   bias
+//   bf16 x bf16      bf16           bf16
+//   bf16 x bf16      fp32           fp32
+//   fp8  x fp8       bf16           bf16     fp8 = e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2
+//   fp8  x fp8       fp32           bf16     (e5m2 x e5m2 has no cuBLASLt kernel)
+// FP8 also needs K and N multiples of 16 and 16-byte-aligned pointers.
+//
+// C may be nullptr (beta must be 0; C is not read), equal to D (accumulate in place, e.g.
+// the wgrad GEMM adding into the FP32 gradient slab with beta = 1), or another buffer of
+// D's type and shape (residual add: D = GEMM + bias + residual with beta = 1).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string_view>
+
+#include <cuda_runtime.h>
+
+#include "core/fp8.h"
+
+// cuBLASLt's handle type, declared here so this header does not pull in cublasLt.h.
+struct cublasLtContext;
+
+namespace fp8lm::cuda {
+
+enum class GemmType : uint8_t { bf16, fp32, e4m3, e5m2 };
+
+std::string_view to_string(GemmType type);
+constexpr GemmType gemm_type(Fp8Dtype dtype) {
+  return dtype == Fp8Dtype::e4m3 ? GemmType::e4m3 : GemmType::e5m2;
+}
+constexpr bool is_fp8(GemmType type) { return type == GemmType::e4m3 || type == GemmType::e5m2; }
+constexpr size_t gemm_type_bytes(GemmType type) {
+  return type == GemmType::fp32 ? 4 : type == GemmType::bf16 ? 2 : 1;
+}
+
+// What the GEMM is: shape, types and flags. Together with which optional pointers are
+// present and the pointers' alignments, this is the engine's cache key.
+struct GemmDesc {
+  int M = 0;
+  int N = 0;
+  int K = 0;
+  GemmType a_type = GemmType::bf16;     // A [M,K]
+  GemmType b_type = GemmType::bf16;     // B [N,K]
+  GemmType d_type = GemmType::bf16;     // D [M,N] and C [M,N]
+  GemmType bias_type = GemmType::bf16;  // bias [N], when GemmArgs::bias is set (see the table above)
+  bool fast_accum = false;              // FP8 only (CUBLASLT_MATMUL_DESC_FAST_ACCUM); ignored for BF16
+};
+
+// The pointers and scalars of one call; they may change from call to call at no cost.
+struct GemmArgs {
+  void* D = nullptr;                     // [M,N] d_type, written (=) or accumulated (C == D)
+  const void* A = nullptr;               // [M,K] a_type
+  const void* B = nullptr;               // [N,K] b_type
+  const void* C = nullptr;               // [M,N] d_type: nullptr, D itself, or another buffer
+  const void* bias = nullptr;            // [N] bias_type, nullptr: no bias
+  const float* a_scale_inv = nullptr;    // device, [1]; FP8 A only; nullptr: 1
+  const float* b_scale_inv = nullptr;    // device, [1]; FP8 B only; nullptr: 1
+  float alpha = 1.0f;                    // host value
+  float beta = 0.0f;                     // host value; must be 0 when C is nullptr
+};
+
+// Owns the cuBLASLt handle, one 32 MiB workspace and a cache of matmul plans (the
+// descriptor, the four layouts and the heuristic's algorithm) keyed by the whole
+// problem signature. A cache hit creates and destroys nothing: the per-call pointers
+// (scale_inv, bias) are attributes of the cached descriptor and are set on it before
+// each cublasLtMatmul (a host-side write, no allocation; cuBLASLt reads the descriptor
+// when the call is made, so a later change does not affect work already queued).
+//
+// Not thread-safe, and the one workspace serializes work: use one engine per stream
+// (or per thread), on the device that was current when the engine was made.
+class GemmEngine {
+ public:
+  // Hopper's recommended cuBLASLt workspace.
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+  GemmEngine();
+  ~GemmEngine();
+  GemmEngine(const GemmEngine&) = delete;
+  GemmEngine& operator=(const GemmEngine&) = delete;
+
+  // Queues the GEMM on `stream`. Throws RuntimeError (with a HINT) for an unsupported
+  // combination, or when cuBLASLt has no algorithm for the shape and alignment.
+  void gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream);
+
+  // Number of cached plans (tests: repeating a call must not grow it).
+  size_t cache_size() const { return plans_.size(); }
+
+  struct Key {
+    int M, N, K;
+    GemmType a_type, b_type, d_type, bias_type;
+    bool has_bias, fast_accum, has_a_scale, has_b_scale;
+    uint8_t c_mode;  // 0: no C, 1: C == D, 2: C is another buffer
+    uint16_t align_a, align_b, align_c, align_d, align_bias;  // bytes, capped at 256
+    auto operator<=>(const Key&) const = default;
+  };
+  struct Plan;
+
+ private:
+  Plan& plan_for(const Key& key, const GemmArgs& args);
+
+  cublasLtContext* handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace fp8lm::cuda

@@ -1,0 +1,358 @@
+// GELU kernels (see layers/gelu.h and docs/GPU_DESIGN.md).
+//
+// Forward: elementwise over chunks of 8 (16-byte loads), bias add + GELU + (FP8 cast or
+// BF16 store) in one pass; the bf16(pre + bias) is written back for the backward.
+//
+// Backward: one 256-thread block per 64x64 tile of [M,F]. Each thread reads two chunks of
+// 8 (rows r and r+32 of the tile), computes dpre = bf16(dout * gelu'(pre)), writes the
+// row-major result (FP8 codes or bf16) directly, and, for FP8, the codes into a shared tile
+// from which the block writes the transposed layout [F,M] with coalesced stores. dbias:
+// per-tile column sums in a fixed order into scratch [ceil(M/64)][F], then a second kernel
+// sums the tiles in a fixed order. No floating-point atomics: bit-reproducible.
+#include "layers/gelu.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace fp8lm::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2/pi), as cpu::gelu
+constexpr float kCubicCoefficient = 0.044715f;
+
+constexpr int kForwardThreads = 256;
+constexpr int kForwardMaxBlocks = 4096;
+constexpr int kTile = 64;               // backward tile: 64 rows x 64 columns
+constexpr int kTileThreads = 256;       // 8 column chunks of 8 x 32 row groups
+constexpr int kCodePitch = kTile + 4;   // bytes per shared code row (4-byte aligned, no bank conflicts)
+
+// ---- small device helpers ------------------------------------------------------------
+
+__device__ __forceinline__ float gelu(float x) {
+  const float u = kSqrt2OverPi * (x + kCubicCoefficient * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_derivative(float x) {
+  const float u = kSqrt2OverPi * (x + kCubicCoefficient * x * x * x);
+  const float tanh_u = tanhf(u);
+  const float du_dx = kSqrt2OverPi * (1.0f + 3.0f * kCubicCoefficient * x * x);
+  return 0.5f * (1.0f + tanh_u) + 0.5f * x * (1.0f - tanh_u * tanh_u) * du_dx;
+}
+
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Two FP8 codes, a in the low byte (lower address), b in the high byte.
+__device__ __forceinline__ uint32_t fp8x2(float a, float b, __nv_fp8_interpretation_t interp) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp));
+}
+
+// Eight values (already bf16-rounded) times s as 8 FP8 codes in two little-endian words.
+__device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_interpretation_t interp) {
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    word[h] = fp8x2(v[4 * h] * s, v[4 * h + 1] * s, interp) | (fp8x2(v[4 * h + 2] * s, v[4 * h + 3] * s, interp) << 16);
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+// |x| as ordered bits: for x >= 0 the unsigned order is the float order, and every NaN
+// (sign cleared) is above +inf.
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(fabsf(x)); }
+
+// Block-wide max of `bits` into *amax (atomicMax on the float's bits). Every thread of the
+// block must call it (it synchronises). NaN is written as 0x7fc00000.
+__device__ __forceinline__ void block_amax_update(float* amax, unsigned bits) {
+  __shared__ unsigned warp_max[32];
+  bits = __reduce_max_sync(kFullMask, bits);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int num_warps = (blockDim.x + 31) / 32;
+  if (lane == 0) warp_max[warp] = bits;
+  __syncthreads();
+  if (warp == 0) {
+    bits = lane < num_warps ? warp_max[lane] : 0u;
+    bits = __reduce_max_sync(kFullMask, bits);
+    if (lane == 0 && amax != nullptr && bits != 0u) {
+      if (bits > 0x7f800000u) bits = 0x7fc00000u;
+      atomicMax(reinterpret_cast<int*>(amax), static_cast<int>(bits));
+    }
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kForwardThreads)
+    bias_gelu_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
+                             const float* __restrict__ scale, __nv_fp8_interpretation_t interp, bf16* __restrict__ pre,
+                             const bf16* __restrict__ bias, int M, int F) {
+  const size_t chunks_per_row = static_cast<size_t>(F / 8);
+  const size_t total = static_cast<size_t>(M) * chunks_per_row;
+  const float s = kFp8 ? *scale : 1.0f;
+  unsigned amax_local = 0u;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int col = static_cast<int>(i % chunks_per_row) * 8;
+    const size_t offset = i * 8;  // = row * F + col
+    float p[8], b[8], g[8];
+    load_bf16x8(pre + offset, p);
+    load_bf16x8(bias + col, b);
+#pragma unroll
+    for (int j = 0; j < 8; j++) p[j] = round_bf16(p[j] + b[j]);
+    store_bf16x8(pre + offset, p);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = gelu(p[j]);
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        g[j] = round_bf16(g[j]);
+        amax_local = max(amax_local, abs_bits(g[j]));
+      }
+      *reinterpret_cast<uint2*>(out_fp8 + offset) = fp8x8(g, s, interp);
+    } else {
+      store_bf16x8(out_bf16 + offset, g);
+    }
+  }
+  if constexpr (kFp8) block_amax_update(amax, amax_local);
+}
+
+// ---- backward --------------------------------------------------------------------------
+
+// Grid (ceil(F/64), ceil(M/64)), 256 threads. partials [gridDim.y][F].
+template <bool kFp8>
+__global__ void __launch_bounds__(kTileThreads)
+    gelu_backward_tile_kernel(uint8_t* dpre_fp8, uint8_t* __restrict__ dpre_t, bf16* dpre_bf16,
+                              float* __restrict__ partials, float* amax, const float* __restrict__ scale,
+                              __nv_fp8_interpretation_t interp, const bf16* dout, const bf16* __restrict__ pre, int M,
+                              int F) {
+  __shared__ float column_sums[32][kTile];               // [row group][tile column]
+  __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];  // [tile row][tile column], FP8 only
+  const int tid = threadIdx.x;
+  const int chunk = tid % 8;       // column chunk: tile columns chunk*8 .. chunk*8+7
+  const int row_group = tid / 8;   // tile rows row_group and row_group + 32
+  const int m0 = blockIdx.y * kTile, f0 = blockIdx.x * kTile;
+  const int f = f0 + chunk * 8;    // F % 8 == 0: a chunk is all in or all out
+  const float s = kFp8 ? *scale : 1.0f;
+
+  float colsum[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) colsum[j] = 0.0f;
+  unsigned amax_local = 0u;
+
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row_group + 32 * h;
+    const int m = m0 + r;
+    uint2 packed = make_uint2(0u, 0u);
+    if (m < M && f < F) {
+      const size_t offset = static_cast<size_t>(m) * F + f;
+      float dy[8], x[8], d[8];
+      load_bf16x8(dout + offset, dy);
+      load_bf16x8(pre + offset, x);
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        d[j] = round_bf16(dy[j] * gelu_derivative(x[j]));
+        colsum[j] += d[j];
+      }
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax_local = max(amax_local, abs_bits(d[j]));
+        packed = fp8x8(d, s, interp);
+        *reinterpret_cast<uint2*>(dpre_fp8 + offset) = packed;
+      } else {
+        store_bf16x8(dpre_bf16 + offset, d);  // same thread read this chunk of dout: in place is safe
+      }
+    }
+    if constexpr (kFp8) {
+      uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodePitch + chunk * 8);
+      code_words[0] = packed.x;
+      code_words[1] = packed.y;
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < 8; j++) column_sums[row_group][chunk * 8 + j] = colsum[j];
+  __syncthreads();
+
+  // dbias partial of this tile: rows summed in a fixed order (r, r+32 per thread, then groups 0..31).
+  if (tid < kTile && f0 + tid < F) {
+    float sum = 0.0f;
+#pragma unroll 8
+    for (int g = 0; g < 32; g++) sum += column_sums[g][tid];
+    partials[static_cast<size_t>(blockIdx.y) * F + f0 + tid] = sum;
+  }
+
+  if constexpr (kFp8) {
+    // Transposed codes: dpre_t[f][m] for the tile's 64 columns f and 64 rows m.
+    if (M % 16 == 0 && m0 + kTile <= M) {
+      // 16-byte stores: thread -> (output row j = tid/4, rows m0 + seg*16 .. +15).
+      const int j = tid / 4, seg = tid % 4;
+      if (f0 + j < F) {
+        uint32_t word[4];
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+          uint32_t v = 0u;
+#pragma unroll
+          for (int b = 0; b < 4; b++) v |= static_cast<uint32_t>(codes[(seg * 16 + w * 4 + b) * kCodePitch + j]) << (8 * b);
+          word[w] = v;
+        }
+        *reinterpret_cast<uint4*>(dpre_t + static_cast<size_t>(f0 + j) * M + m0 + seg * 16) =
+            make_uint4(word[0], word[1], word[2], word[3]);
+      }
+    } else {
+      // Edge tiles or M not a multiple of 16: byte stores, still coalesced along m.
+      for (int idx = tid; idx < kTile * kTile; idx += kTileThreads) {
+        const int j = idx / kTile, i = idx % kTile;
+        if (f0 + j < F && m0 + i < M) dpre_t[static_cast<size_t>(f0 + j) * M + m0 + i] = codes[i * kCodePitch + j];
+      }
+    }
+    block_amax_update(amax, amax_local);
+  }
+}
+
+// dst[c] += sum_r partials[r][c]. Block (32, 8): column blockIdx.x*32 + tx; thread row ty
+// sums rows ty, ty+8, ... in order; the 8 sums are then added in order. Deterministic.
+__global__ void __launch_bounds__(256)
+    add_column_sums_kernel(float* __restrict__ dst, const float* __restrict__ partials, int rows, int cols) {
+  __shared__ float sums[8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int col = blockIdx.x * 32 + tx;
+  float sum = 0.0f;
+  if (col < cols) {
+#pragma unroll 4
+    for (int r = ty; r < rows; r += 8) sum += partials[static_cast<size_t>(r) * cols + col];
+  }
+  sums[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    float total = sums[0][tx];
+#pragma unroll
+    for (int g = 1; g < 8; g++) total += sums[g][tx];
+    dst[col] += total;
+  }
+}
+
+// ---- host side -------------------------------------------------------------------------
+
+bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
+
+__nv_fp8_interpretation_t interpretation(Fp8Dtype dtype) {
+  return dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2;
+}
+
+void check_shape(int M, int F, const char* what) {
+  FP8LM_CHECK(M >= 0, what, ": M must be >= 0, got ", M);
+  FP8LM_CHECK(F > 0 && F % 8 == 0, what, ": F must be a positive multiple of 8, got ", F);
+  FP8LM_CHECK((M + kTile - 1) / kTile <= 65535, what, ": M too large for the tile grid, got ", M);
+}
+
+template <bool kFp8>
+void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* scale, Fp8Dtype dtype, bf16* pre,
+                    const bf16* bias, int M, int F, cudaStream_t stream) {
+  const char* what = kFp8 ? "bias_gelu_forward_fp8" : "bias_gelu_forward_bf16";
+  check_shape(M, F, what);
+  FP8LM_CHECK(pre != nullptr && bias != nullptr, what, ": null pre or bias");
+  FP8LM_CHECK(aligned(pre, 16) && aligned(bias, 16), what, ": pre and bias must be 16-byte aligned");
+  if constexpr (kFp8) {
+    FP8LM_CHECK(out_fp8 != nullptr && scale != nullptr, what, ": null out or scale");
+    FP8LM_CHECK(aligned(out_fp8, 8), what, ": out must be 8-byte aligned");
+    FP8LM_CHECK(amax == nullptr || aligned(amax, 4), what, ": amax must be 4-byte aligned");
+  } else {
+    FP8LM_CHECK(out_bf16 != nullptr, what, ": null out");
+    FP8LM_CHECK(aligned(out_bf16, 16), what, ": out must be 16-byte aligned");
+    FP8LM_CHECK(out_bf16 != pre, what, ": out must not alias pre");
+  }
+  if (M == 0) return;
+  const size_t total = static_cast<size_t>(M) * (F / 8);
+  const int blocks = static_cast<int>(std::min<size_t>((total + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
+  bias_gelu_forward_kernel<kFp8><<<blocks, kForwardThreads, 0, stream>>>(out_bf16, out_fp8, amax, scale,
+                                                                         interpretation(dtype), pre, bias, M, F);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <bool kFp8>
+void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float* dbias, float* amax,
+                     const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre, int M, int F,
+                     float* scratch, cudaStream_t stream) {
+  const char* what = kFp8 ? "gelu_backward_cast_transpose_dbias_fp8" : "gelu_backward_dbias_bf16";
+  check_shape(M, F, what);
+  FP8LM_CHECK(dbias != nullptr && dout != nullptr && pre != nullptr && scratch != nullptr, what, ": null pointer");
+  FP8LM_CHECK(aligned(dout, 16) && aligned(pre, 16), what, ": dout and pre must be 16-byte aligned");
+  if constexpr (kFp8) {
+    FP8LM_CHECK(dpre_fp8 != nullptr && dpre_t != nullptr && scale != nullptr, what, ": null dpre, dpre_t or scale");
+    FP8LM_CHECK(aligned(dpre_fp8, 8), what, ": dpre must be 8-byte aligned");
+    FP8LM_CHECK(aligned(dpre_t, 16), what, ": dpre_t must be 16-byte aligned");
+    FP8LM_CHECK(amax == nullptr || aligned(amax, 4), what, ": amax must be 4-byte aligned");
+  } else {
+    FP8LM_CHECK(dpre_bf16 != nullptr, what, ": null dpre");
+    FP8LM_CHECK(aligned(dpre_bf16, 16), what, ": dpre must be 16-byte aligned");
+  }
+  if (M == 0) return;
+  const int row_tiles = (M + kTile - 1) / kTile;
+  const dim3 grid((F + kTile - 1) / kTile, row_tiles);
+  gelu_backward_tile_kernel<kFp8><<<grid, kTileThreads, 0, stream>>>(dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale,
+                                                                     interpretation(dtype), dout, pre, M, F);
+  CUDA_CHECK_LAUNCH();
+  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, scratch, row_tiles, F);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void bias_gelu_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, bf16* pre, const bf16* bias,
+                           int M, int F, cudaStream_t stream) {
+  launch_forward<true>(nullptr, out, amax, scale, dtype, pre, bias, M, F, stream);
+}
+
+void bias_gelu_forward_bf16(bf16* out, bf16* pre, const bf16* bias, int M, int F, cudaStream_t stream) {
+  launch_forward<false>(out, nullptr, nullptr, nullptr, Fp8Dtype::e4m3, pre, bias, M, F, stream);
+}
+
+size_t gelu_backward_scratch_floats(int M, int F) {
+  return static_cast<size_t>((std::max(M, 0) + kTile - 1) / kTile) * static_cast<size_t>(std::max(F, 0));
+}
+
+void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, float* dbias, float* amax,
+                                            const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre,
+                                            int M, int F, float* scratch, cudaStream_t stream) {
+  launch_backward<true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch, stream);
+}
+
+void gelu_backward_dbias_bf16(bf16* dpre, float* dbias, const bf16* dout, const bf16* pre, int M, int F,
+                              float* scratch, cudaStream_t stream) {
+  launch_backward<false>(nullptr, nullptr, dpre, dbias, nullptr, nullptr, Fp8Dtype::e4m3, dout, pre, M, F, scratch,
+                         stream);
+}
+
+}  // namespace fp8lm::cuda

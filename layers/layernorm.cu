@@ -1,0 +1,412 @@
+// LayerNorm kernels (see layers/layernorm.h and docs/GPU_DESIGN.md).
+//
+// Forward: one warp per row; each lane holds chunks lane, lane+32, ... of 8 bf16 (one
+// 16-byte load each) in registers, so the row is read from memory once. Mean and variance
+// are FP32 warp reductions in two passes over the registers (as the CPU reference).
+// The FP8 variant rounds each output to BF16 first and quantizes that, so its codes are
+// those of a cast of the BF16 output.
+//
+// Backward: one warp per row as well (grid-strided over rows). dinp is finished per row;
+// each lane accumulates its columns' dweight/dbias over the warp's rows in registers, the
+// block's warps add theirs in a fixed order into shared memory, each block writes one
+// partial row into scratch, and a second kernel sums the partials in a fixed order into
+// dweight/dbias. No floating-point atomics: bit-reproducible.
+#include "layers/layernorm.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace fp8lm::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpsPerBlock = 8;  // rows per block (forward), warps per block (backward)
+constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kBackwardMaxBlocks = 256;  // fixed, so the partial count depends on N only
+
+// ---- small device helpers ------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // Butterfly: every lane ends with the same bits (IEEE addition is commutative).
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Two FP8 codes, a in the low byte (lower address), b in the high byte.
+__device__ __forceinline__ uint32_t fp8x2(float a, float b, __nv_fp8_interpretation_t interp) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp));
+}
+
+// |x| as ordered bits: for x >= 0 the unsigned order is the float order, and every NaN
+// (sign cleared) is above +inf.
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(fabsf(x)); }
+
+// Block-wide max of `bits` into *amax (atomicMax on the float's bits). Every thread of the
+// block must call it (it synchronises). NaN is written as 0x7fc00000.
+__device__ __forceinline__ void block_amax_update(float* amax, unsigned bits) {
+  __shared__ unsigned warp_max[32];
+  bits = __reduce_max_sync(kFullMask, bits);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int num_warps = (blockDim.x + 31) / 32;
+  if (lane == 0) warp_max[warp] = bits;
+  __syncthreads();
+  if (warp == 0) {
+    bits = lane < num_warps ? warp_max[lane] : 0u;
+    bits = __reduce_max_sync(kFullMask, bits);
+    if (lane == 0 && amax != nullptr && bits != 0u) {
+      if (bits > 0x7f800000u) bits = 0x7fc00000u;
+      atomicMax(reinterpret_cast<int*>(amax), static_cast<int>(bits));
+    }
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+// K: chunks of 8 per lane (the row width is at most K * 32 * 8).
+template <int K, bool kFp8>
+__global__ void __launch_bounds__(kThreads)
+    layernorm_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
+                             const float* __restrict__ scale, __nv_fp8_interpretation_t interp,
+                             float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ inp,
+                             const bf16* __restrict__ weight, const bf16* __restrict__ bias, int N, int C,
+                             float eps) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kWarpsPerBlock + warp;
+  const int chunks = C / 8;
+  unsigned amax_local = 0u;
+
+  if (row < N) {  // warp-uniform
+    const bf16* x = inp + static_cast<size_t>(row) * C;
+    float xv[K][8];
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        load_bf16x8(x + i * 8, xv[k]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) sum += xv[k][j];
+      }
+    }
+    sum = warp_sum(sum);
+    const float row_mean = sum / C;
+
+    float squared_deviation = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      if (lane + 32 * k < chunks) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float d = xv[k][j] - row_mean;
+          squared_deviation += d * d;
+        }
+      }
+    }
+    squared_deviation = warp_sum(squared_deviation);
+    const float row_rstd = 1.0f / sqrtf(squared_deviation / C + eps);
+
+    const float s = kFp8 ? *scale : 1.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        float w[8], b[8], y[8];
+        load_bf16x8(weight + i * 8, w);
+        load_bf16x8(bias + i * 8, b);
+#pragma unroll
+        for (int j = 0; j < 8; j++) y[j] = (xv[k][j] - row_mean) * row_rstd * w[j] + b[j];
+        const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
+        if constexpr (kFp8) {
+          uint32_t word[2];
+#pragma unroll
+          for (int j = 0; j < 8; j++) {
+            y[j] = round_bf16(y[j]);
+            amax_local = max(amax_local, abs_bits(y[j]));
+          }
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            word[h] = fp8x2(y[4 * h] * s, y[4 * h + 1] * s, interp) |
+                      (fp8x2(y[4 * h + 2] * s, y[4 * h + 3] * s, interp) << 16);
+          }
+          *reinterpret_cast<uint2*>(out_fp8 + offset) = make_uint2(word[0], word[1]);
+        } else {
+          store_bf16x8(out_bf16 + offset, y);
+        }
+      }
+    }
+    if (lane == 0) {
+      if (mean != nullptr) mean[row] = row_mean;
+      if (rstd != nullptr) rstd[row] = row_rstd;
+    }
+  }
+  if constexpr (kFp8) block_amax_update(amax, amax_local);
+}
+
+// ---- backward --------------------------------------------------------------------------
+
+// scratch [gridDim.x][2C]: per block, dweight partials then dbias partials.
+template <int K>
+__global__ void __launch_bounds__(kThreads)
+    layernorm_backward_kernel(bf16* __restrict__ dinp, float* __restrict__ scratch, const bf16* __restrict__ dout,
+                              const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+                              const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C) {
+  extern __shared__ float block_sums[];  // [2C]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunks = C / 8;
+  const int total_warps = gridDim.x * kWarpsPerBlock;
+
+  float dw[K][8], db[K][8];
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) dw[k][j] = db[k][j] = 0.0f;
+  }
+
+  for (int row = blockIdx.x * kWarpsPerBlock + warp; row < N; row += total_warps) {  // warp-uniform
+    const size_t row_offset = static_cast<size_t>(row) * C;
+    const float row_mean = mean[row];
+    const float row_rstd = rstd[row];
+    // Pass 1: the two row sums. Pass 2 reloads the row (an L1/L2 hit) rather than keeping
+    // it in registers next to the 16*K partial sums.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        float x[8], dy[8], w[8];
+        load_bf16x8(inp + row_offset + i * 8, x);
+        load_bf16x8(dout + row_offset + i * 8, dy);
+        load_bf16x8(weight + i * 8, w);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float xhat = (x[j] - row_mean) * row_rstd;
+          const float g = dy[j] * w[j];
+          sum_g += g;
+          sum_g_xhat += g * xhat;
+        }
+      }
+    }
+    sum_g = warp_sum(sum_g);
+    sum_g_xhat = warp_sum(sum_g_xhat);
+    const float mean_g = sum_g / C;
+    const float mean_g_xhat = sum_g_xhat / C;
+
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        float x[8], dy[8], w[8], dx[8];
+        load_bf16x8(inp + row_offset + i * 8, x);
+        load_bf16x8(dout + row_offset + i * 8, dy);
+        load_bf16x8(weight + i * 8, w);
+        load_bf16x8(dinp + row_offset + i * 8, dx);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float xhat = (x[j] - row_mean) * row_rstd;
+          const float g = dy[j] * w[j];
+          dx[j] += row_rstd * (g - mean_g - xhat * mean_g_xhat);
+          dw[k][j] += dy[j] * xhat;
+          db[k][j] += dy[j];
+        }
+        store_bf16x8(dinp + row_offset + i * 8, dx);
+      }
+    }
+  }
+
+  // The block's warps add their partials in warp order (fixed), then the block writes them.
+  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) block_sums[i] = 0.0f;
+  __syncthreads();
+  for (int w = 0; w < kWarpsPerBlock; w++) {
+    if (warp == w) {
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        const int i = lane + 32 * k;
+        if (i < chunks) {
+#pragma unroll
+          for (int j = 0; j < 8; j++) {
+            block_sums[i * 8 + j] += dw[k][j];
+            block_sums[C + i * 8 + j] += db[k][j];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* partial = scratch + static_cast<size_t>(blockIdx.x) * 2 * C;
+  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partial[i] = block_sums[i];
+}
+
+// dst_lo[c] += sum_r partials[r][c] for c < split, dst_hi[c - split] += ... for c >= split.
+// partials [rows][cols]. Block (32, 8): column blockIdx.x*32 + tx; thread row ty sums rows
+// ty, ty+8, ... in order; the 8 sums are then added in order. Deterministic.
+__global__ void __launch_bounds__(256) add_column_sums_kernel(float* __restrict__ dst_lo, float* __restrict__ dst_hi,
+                                                              int split, const float* __restrict__ partials,
+                                                              int rows, int cols) {
+  __shared__ float sums[8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int col = blockIdx.x * 32 + tx;
+  float sum = 0.0f;
+  if (col < cols) {
+#pragma unroll 4
+    for (int r = ty; r < rows; r += 8) sum += partials[static_cast<size_t>(r) * cols + col];
+  }
+  sums[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    float total = sums[0][tx];
+#pragma unroll
+    for (int g = 1; g < 8; g++) total += sums[g][tx];
+    if (col < split) {
+      dst_lo[col] += total;
+    } else {
+      dst_hi[col - split] += total;
+    }
+  }
+}
+
+// ---- host side -------------------------------------------------------------------------
+
+bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
+
+__nv_fp8_interpretation_t interpretation(Fp8Dtype dtype) {
+  return dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2;
+}
+
+// Chunks of 8 per lane for a row of C: the smallest instantiated K >= ceil(C / 256).
+int chunks_per_lane(int C) {
+  const int needed = (C / 8 + 31) / 32;
+  for (int k : {1, 2, 3, 4, 6, 8}) {
+    if (k >= needed) return k;
+  }
+  return -1;
+}
+
+void check_shape(int N, int C, const char* what) {
+  FP8LM_CHECK(N >= 0, what, ": N must be >= 0, got ", N);
+  FP8LM_CHECK(C >= 8 && C % 8 == 0 && C <= kLayerNormMaxC, what, ": C must be a multiple of 8 in [8, ",
+              kLayerNormMaxC, "], got ", C);
+}
+
+template <bool kFp8>
+void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* scale, Fp8Dtype dtype, float* mean,
+                    float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, float eps,
+                    cudaStream_t stream) {
+  const char* what = kFp8 ? "layernorm_forward_fp8" : "layernorm_forward_bf16";
+  check_shape(N, C, what);
+  FP8LM_CHECK(inp != nullptr && weight != nullptr && bias != nullptr, what, ": null input");
+  FP8LM_CHECK(aligned(inp, 16) && aligned(weight, 16) && aligned(bias, 16), what,
+              ": inp, weight and bias must be 16-byte aligned");
+  if constexpr (kFp8) {
+    FP8LM_CHECK(out_fp8 != nullptr && scale != nullptr, what, ": null out or scale");
+    FP8LM_CHECK(aligned(out_fp8, 8), what, ": out must be 8-byte aligned");
+    FP8LM_CHECK(amax == nullptr || aligned(amax, 4), what, ": amax must be 4-byte aligned");
+  } else {
+    FP8LM_CHECK(out_bf16 != nullptr, what, ": null out");
+    FP8LM_CHECK(aligned(out_bf16, 16), what, ": out must be 16-byte aligned");
+  }
+  if (N == 0) return;
+  const int blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const __nv_fp8_interpretation_t interp = interpretation(dtype);
+#define FP8LM_LN_FORWARD(K)                                                                                      \
+  layernorm_forward_kernel<K, kFp8><<<blocks, kThreads, 0, stream>>>(out_bf16, out_fp8, amax, scale, interp, mean, \
+                                                                     rstd, inp, weight, bias, N, C, eps)
+  switch (chunks_per_lane(C)) {
+    case 1: FP8LM_LN_FORWARD(1); break;
+    case 2: FP8LM_LN_FORWARD(2); break;
+    case 3: FP8LM_LN_FORWARD(3); break;
+    case 4: FP8LM_LN_FORWARD(4); break;
+    case 6: FP8LM_LN_FORWARD(6); break;
+    case 8: FP8LM_LN_FORWARD(8); break;
+    default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
+  }
+#undef FP8LM_LN_FORWARD
+  CUDA_CHECK_LAUNCH();
+}
+
+int backward_blocks(int N) { return std::max(1, std::min((N + kWarpsPerBlock - 1) / kWarpsPerBlock, kBackwardMaxBlocks)); }
+
+}  // namespace
+
+void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
+                            const bf16* bias, int N, int C, float eps, cudaStream_t stream) {
+  launch_forward<false>(out, nullptr, nullptr, nullptr, Fp8Dtype::e4m3, mean, rstd, inp, weight, bias, N, C, eps,
+                        stream);
+}
+
+void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
+                           const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, float eps,
+                           cudaStream_t stream) {
+  launch_forward<true>(nullptr, out, amax, scale, dtype, mean, rstd, inp, weight, bias, N, C, eps, stream);
+}
+
+size_t layernorm_backward_scratch_floats(int N, int C) {
+  return static_cast<size_t>(backward_blocks(N)) * 2 * static_cast<size_t>(C);
+}
+
+void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
+                        cudaStream_t stream) {
+  const char* what = "layernorm_backward";
+  check_shape(N, C, what);
+  FP8LM_CHECK(dinp != nullptr && dweight != nullptr && dbias != nullptr && dout != nullptr && inp != nullptr &&
+                  weight != nullptr && mean != nullptr && rstd != nullptr && scratch != nullptr,
+              what, ": null pointer");
+  FP8LM_CHECK(aligned(dinp, 16) && aligned(dout, 16) && aligned(inp, 16) && aligned(weight, 16), what,
+              ": dinp, dout, inp and weight must be 16-byte aligned");
+  FP8LM_CHECK(dinp != dout && dinp != inp, what, ": dinp must not alias dout or inp");
+  if (N == 0) return;
+  const int blocks = backward_blocks(N);
+  const size_t shared_bytes = 2 * static_cast<size_t>(C) * sizeof(float);  // <= 16 KiB
+#define FP8LM_LN_BACKWARD(K)                                                                                     \
+  layernorm_backward_kernel<K><<<blocks, kThreads, shared_bytes, stream>>>(dinp, scratch, dout, inp, weight, mean, \
+                                                                           rstd, N, C)
+  switch (chunks_per_lane(C)) {
+    case 1: FP8LM_LN_BACKWARD(1); break;
+    case 2: FP8LM_LN_BACKWARD(2); break;
+    case 3: FP8LM_LN_BACKWARD(3); break;
+    case 4: FP8LM_LN_BACKWARD(4); break;
+    case 6: FP8LM_LN_BACKWARD(6); break;
+    case 8: FP8LM_LN_BACKWARD(8); break;
+    default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
+  }
+#undef FP8LM_LN_BACKWARD
+  CUDA_CHECK_LAUNCH();
+  const dim3 reduce_block(32, 8);
+  const int reduce_blocks = (2 * C + 31) / 32;
+  add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, blocks, 2 * C);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp8lm::cuda

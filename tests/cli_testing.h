@@ -1,0 +1,38 @@
+// Runs the fp8lm binary as a user would and captures its exit code and output.
+#pragma once
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace fp8lm::testing {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult run_fp8lm(const std::string& arguments) {
+  static int counter = 0;
+  const std::filesystem::path log =
+      std::filesystem::temp_directory_path() / ("fp8lm_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log");
+  const std::string command = std::string(FP8LM_BINARY) + " " + arguments + " > " + log.string() + " 2>&1";
+  const int status = std::system(command.c_str());
+  CommandResult result;
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream file(log);
+  std::stringstream text;
+  text << file.rdbuf();
+  result.output = text.str();
+  std::filesystem::remove(log);
+  return result;
+}
+
+inline std::string source_path(const std::string& relative) { return std::string(FP8LM_SOURCE_DIR) + "/" + relative; }
+
+}  // namespace fp8lm::testing

@@ -1,0 +1,210 @@
+// The command line: Megatron flag names, precision resolution, and bad input failing
+// before any work with a one-line error naming the flag (exit code 2).
+#include <filesystem>
+#include <fstream>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include "apps/cli.h"
+#include "apps/run_setup.h"
+#include "cli_testing.h"
+#include "core/error.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+TrainOptions parse(std::vector<std::string> args) { return parse_train_command_line(args).options; }
+
+std::string parse_error(std::vector<std::string> args) {
+  try {
+    parse_train_command_line(args);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+const std::string kTiny = testing::source_path("configs/tiny.json");
+
+int count_lines(const std::string& text) {
+  int lines = 0;
+  for (char c : text) lines += c == '\n';
+  return lines;
+}
+
+}  // namespace
+
+TEST_CASE("the four Megatron seed flags work as written", "[cli]") {
+  const TrainOptions o = parse({"--fp8-hybrid", "--transformer-impl", "transformer_engine", "--fp8-amax-history-len",
+                                "1024", "--fp8-amax-compute-algo", "max", "--mock-data"});
+  CHECK(o.precision == GemmPrecision::fp8);
+  CHECK(o.fp8.format == Fp8Format::hybrid);
+  CHECK(o.fp8.amax_history_len == 1024);
+  CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::max);
+  CHECK(o.transformer_impl == "transformer_engine");
+
+  const auto run = testing::run_fp8lm("--config " + kTiny +
+                                      " --mock-data --train-iters 0 --fp8-hybrid --transformer-impl transformer_engine "
+                                      "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("fp8 GEMMs, format hybrid (forward e4m3, gradients e5m2)"));
+  CHECK_THAT(run.output, ContainsSubstring("fp8-amax-history-len"));
+}
+
+TEST_CASE("precision follows Megatron", "[cli]") {
+  SECTION("no FP8 flag: BF16") { CHECK(parse({"--mock-data"}).precision == GemmPrecision::bf16); }
+  SECTION("--bf16 alone: BF16") { CHECK(parse({"--mock-data", "--bf16"}).precision == GemmPrecision::bf16); }
+  SECTION("--bf16 with --fp8-format: FP8") {
+    const TrainOptions o = parse({"--mock-data", "--bf16", "--fp8-format", "e4m3"});
+    CHECK(o.precision == GemmPrecision::fp8);
+    CHECK(o.fp8.format == Fp8Format::e4m3);
+  }
+  SECTION("FP8 defaults: history 1024, max, margin 0, delayed") {
+    const TrainOptions o = parse({"--mock-data", "--fp8-format", "hybrid"});
+    CHECK(o.fp8.amax_history_len == 1024);
+    CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::max);
+    CHECK(o.fp8.margin == 0);
+    CHECK(o.fp8.recipe == ScalingRecipe::delayed);
+  }
+  SECTION("--fp8-recipe tensorwise, margin and interval") {
+    const TrainOptions o = parse({"--mock-data", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                  "--fp8-margin", "2", "--fp8-interval", "4"});
+    CHECK(o.fp8.recipe == ScalingRecipe::tensorwise);
+    CHECK(o.fp8.margin == 2);
+    CHECK(o.fp8.interval == 4);
+  }
+  SECTION("the startup table says a run without FP8 flags is BF16") {
+    const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --train-iters 0");
+    CHECK(run.exit_code == 0);
+    CHECK_THAT(run.output, ContainsSubstring("bf16 (BF16 GEMMs; no FP8 flag given)"));
+  }
+}
+
+TEST_CASE("every flag of the foundation issue parses", "[cli]") {
+  const TrainOptions o =
+      parse({"--config", kTiny, "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32", "--lr",
+             "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "10", "--lr-decay-iters", "90", "--lr-decay-style",
+             "linear", "--train-iters", "100", "--weight-decay", "0.05", "--adam-beta1", "0.8", "--adam-beta2", "0.99",
+             "--adam-eps", "1e-6", "--clip-grad", "0.5", "--seed", "7", "--train-data-path", "a.bin",
+             "--valid-data-path", "b.bin", "--save", "ckpt", "--load", "ckpt0", "--save-interval", "50",
+             "--eval-interval", "20", "--eval-iters", "3", "--log-interval", "5", "--tensor-model-parallel-size", "1",
+             "--device", "cpu", "--log-level", "debug", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"});
+  CHECK(o.micro_batch_size == 2);
+  CHECK(o.global_batch_size == 8);
+  CHECK(o.seq_length == 32);
+  CHECK(o.lr == 3e-4);
+  CHECK(o.min_lr == 3e-5);
+  CHECK(o.lr_warmup_iters == 10);
+  CHECK(o.lr_decay_iters == 90);
+  CHECK(o.lr_decay_style == LrDecayStyle::linear);
+  CHECK(o.train_iters == 100);
+  CHECK(o.weight_decay == 0.05);
+  CHECK(o.adam_beta1 == 0.8);
+  CHECK(o.adam_beta2 == 0.99);
+  CHECK(o.adam_eps == 1e-6);
+  CHECK(o.clip_grad == 0.5);
+  CHECK(o.seed == 7);
+  CHECK(o.train_data_path == "a.bin");
+  CHECK(o.valid_data_path == "b.bin");
+  CHECK(o.save_dir == "ckpt");
+  CHECK(o.load_dir == "ckpt0");
+  CHECK(o.save_interval == 50);
+  CHECK(o.eval_interval == 20);
+  CHECK(o.eval_iters == 3);
+  CHECK(o.log_interval == 5);
+  CHECK(o.device == DeviceKind::cpu);
+  CHECK(o.log_level == "debug");
+}
+
+TEST_CASE("bad flags: one-line error naming the flag", "[cli]") {
+  struct Case {
+    std::vector<std::string> args;
+    std::string names;
+  };
+  const std::vector<Case> cases = {
+      {{"--mock-data", "--no-such-flag"}, "--no-such-flag"},
+      {{"--mock-data", "--lr"}, "--lr"},
+      {{"--mock-data", "--lr", "abc"}, "--lr"},
+      {{"--mock-data", "--lr", "-1"}, "--lr"},
+      {{"--mock-data", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len"},
+      {{"--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"}, "--global-batch-size"},
+      {{"--mock-data", "--micro-batch-size", "0"}, "--micro-batch-size"},
+      {{"--mock-data", "--fp8-hybrid", "--fp8-format", "e4m3"}, "--fp8-hybrid"},
+      {{"--mock-data", "--fp8-format", "e5m2"}, "--fp8-format"},
+      {{"--mock-data", "--fp8-margin", "-1"}, "--fp8-margin"},
+      {{"--mock-data", "--fp8-interval", "0"}, "--fp8-interval"},
+      {{"--mock-data", "--fp8-amax-compute-algo", "mean"}, "--fp8-amax-compute-algo"},
+      {{"--mock-data", "--adam-beta2", "1.0"}, "--adam-beta2"},
+      {{"--mock-data", "--adam-eps", "0"}, "--adam-eps"},
+      {{"--mock-data", "--clip-grad", "-0.1"}, "--clip-grad"},
+      {{"--mock-data", "--min-lr", "1", "--lr", "0.1"}, "--min-lr"},
+      {{"--mock-data", "--log-interval", "0"}, "--log-interval"},
+      {{"--mock-data", "--lr-decay-style", "exponential"}, "--lr-decay-style"},
+      {{"--mock-data", "--device", "tpu"}, "--device"},
+      {{"--mock-data", "--save-interval", "10"}, "--save-interval"},
+      {{"--mock-data", "--fp32", "--bf16"}, "--fp32"},
+      {{"--mock-data", "--fp8-lm-head"}, "--fp8-lm-head"},
+      {{"--mock-data", "--transformer-impl", "megatron"}, "--transformer-impl"},
+      {{"--train-iters", "5"}, "--train-data-path"},
+  };
+  for (const Case& c : cases) {
+    std::string joined;
+    for (const auto& a : c.args) joined += a + " ";
+    INFO("args: " << joined);
+    const std::string message = parse_error(c.args);
+    CHECK_THAT(message, ContainsSubstring(c.names));
+    CHECK(message.find('\n') == std::string::npos);
+  }
+}
+
+TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cli]") {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--config " + kTiny + " --mock-data --fp8-amax-history-len 0", "--fp8-amax-history-len"},
+      {"--config " + kTiny + " --mock-data --lr -0.5", "--lr"},
+      {"--config " + kTiny + " --mock-data --micro-batch-size 4 --global-batch-size 10", "--global-batch-size"},
+      {"--config " + kTiny + " --mock-data --fp8-hybrid --fp8-format e4m3", "--fp8-hybrid contradicts --fp8-format e4m3"},
+      {"--config " + kTiny + " --mock-data --bogus", "--bogus"},
+      {"--config " + kTiny + " --mock-data --seq-length", "--seq-length"},
+      {"--config " + kTiny + " --mock-data --seq-length 65", "--seq-length (65) exceeds the model's n_positions (64)"},
+      {"--config /nonexistent/config.json --mock-data", "/nonexistent/config.json"},
+      {"--config " + kTiny + " --train-data-path /nonexistent/shard_*.bin", "/nonexistent/shard_*.bin"},
+      {"--config " + kTiny + " --mock-data --metrics-file /nonexistent/dir/m.jsonl", "--metrics-file"},
+      {"evaluate --config " + kTiny, "unknown subcommand 'evaluate'"},
+  };
+  for (const auto& [args, expected] : cases) {
+    const auto run = testing::run_fp8lm(args);
+    INFO("fp8lm " << args << "\n" << run.output);
+    CHECK(run.exit_code == 2);
+    CHECK_THAT(run.output, ContainsSubstring("fp8lm: error: "));
+    CHECK_THAT(run.output, ContainsSubstring(expected));
+    // Only the error line, or the table then the error: no training output.
+    CHECK(run.output.find("iter ") == std::string::npos);
+    const size_t error_at = run.output.find("fp8lm: error: ");
+    CHECK(count_lines(run.output.substr(error_at)) == 1);
+  }
+}
+
+TEST_CASE("--help lists the flags in groups with defaults", "[cli]") {
+  const auto run = testing::run_fp8lm("--help");
+  CHECK(run.exit_code == 0);
+  for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len", "1024",
+                           "--lr-decay-style", "cosine", "--tensor-model-parallel-size"}) {
+    CHECK_THAT(run.output, ContainsSubstring(text));
+  }
+  CHECK(testing::run_fp8lm("train --help").exit_code == 0);
+}
+
+TEST_CASE("run set-up: model flags override the config, batch arithmetic", "[cli]") {
+  TrainOptions o = parse({"--config", kTiny, "--mock-data", "--num-layers", "3", "--micro-batch-size", "2",
+                          "--global-batch-size", "8", "--device", "cpu"});
+  const RunSetup setup = resolve_run_setup(o);
+  CHECK(setup.model.n_layer == 3);
+  CHECK(setup.model.n_embd == 64);
+  CHECK(setup.seq_length == 64);
+  CHECK(setup.grad_accum_steps == 4);
+  CHECK_THROWS_AS(resolve_run_setup(parse({"--config", kTiny, "--mock-data", "--num-attention-heads", "3"})), InputError);
+}

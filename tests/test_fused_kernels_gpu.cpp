@@ -1,0 +1,704 @@
+// The fused GPU kernels of the data path (LayerNorm, bias+GELU, embedding, cross-entropy)
+// against their CPU twins in layers/*.cpp, on fresh BF16-rounded random inputs.
+//
+// Conventions of every test here:
+// - Inputs are BF16-rounded first, so the FP32 CPU reference sees exactly what the GPU reads.
+// - Written outputs (and scratch) are poisoned with 0xFF (NaN in every format) before each
+//   run; accumulated (+=) outputs start from random values and the increments are checked.
+// - Bounds (relative error ||gpu - cpu|| / ||cpu||):
+//     kBf16Tol 1e-2    BF16 outputs: BF16 rounding is 2^-9 relative per element (~2e-3 rms);
+//     kGradTol 1e-3    FP32 gradient accumulations (dweight, dbias): the CPU adds the same
+//                      BF16 inputs in FP32, only the summation order and FMA contraction
+//                      differ (~1e-6 expected);
+//     kStatTol 1e-5    FP32 per-row statistics (mean, rstd) and losses.
+// - FP8 codes must equal the CPU's fp8_encode(bf16(cpu value) * scale). A code may differ
+//   only where the GPU's FP32 value lies on the other side of a BF16 rounding boundary than
+//   the CPU's (they differ by a few FP32 ulps: summation order, FMA, tanhf), which happens for
+//   ~1e-4 of the elements, and then changes the FP8 code only if that one-BF16-ulp step
+//   crosses an FP8 rounding boundary. So: fewer than kCodeMismatchFraction = 1e-3 differ, and
+//   each differing code is one FP8 step from the expected one (never NaN, so poison fails).
+//   The codes must also match a host cast of the GPU's own BF16 output the same way.
+// - amax within kAmaxTol = 1e-2 relative of max |bf16(cpu value)| (expected equal).
+// - Determinism: two runs from the same state give bit-identical gradients.
+// - Shapes are not multiples of the kernels' tiles: N=77 rows with C=64/768; M=70/80/128 with
+//   F=256/200; B*T=87; Vp=384 with V=300 (and the GPT-2 vocabulary once).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/device_memory.h"
+#include "core/dtype.h"
+#include "core/fp8.h"
+#include "layers/cross_entropy.h"
+#include "layers/encoder.h"
+#include "layers/encoder_index.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "tests/gpu_testing.h"
+
+using namespace fp8lm;
+using namespace fp8lm::testing;
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+
+constexpr double kBf16Tol = 1e-2;
+constexpr double kGradTol = 1e-3;
+constexpr double kStatTol = 1e-5;
+constexpr double kCodeMismatchFraction = 1e-3;
+constexpr double kAmaxTol = 1e-2;
+constexpr uint32_t kNanAmaxBits = 0x7fc00000u;
+
+const cudaStream_t kStream = nullptr;  // the legacy stream: ordered with the buffers' memsets and copies
+
+void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+template <typename T>
+DeviceBuffer<T> poisoned(size_t n) {
+  DeviceBuffer<T> buffer(n);
+  buffer.fill_bytes(kPoisonByte);
+  return buffer;
+}
+
+DeviceBuffer<float> device_scalar(float value) { return device_copy(std::vector<float>{value}); }
+
+float download_scalar(const DeviceBuffer<float>& buffer) { return buffer.download().at(0); }
+
+template <typename T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+float max_abs(const std::vector<float>& values) {
+  float m = 0.0f;
+  for (float v : values) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+std::vector<uint8_t> encode_all(const std::vector<float>& values, float scale, Fp8Dtype dtype) {
+  std::vector<uint8_t> codes(values.size());
+  for (size_t i = 0; i < values.size(); i++) codes[i] = fp8_encode(values[i] * scale, dtype);
+  return codes;
+}
+
+// [rows, cols] -> [cols, rows]
+template <typename T>
+std::vector<T> transposed(const std::vector<T>& values, int rows, int cols) {
+  std::vector<T> out(values.size());
+  for (int r = 0; r < rows; r++) {
+    for (int c = 0; c < cols; c++) out[static_cast<size_t>(c) * rows + r] = values[static_cast<size_t>(r) * cols + c];
+  }
+  return out;
+}
+
+std::vector<float> difference(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> d(a.size());
+  for (size_t i = 0; i < a.size(); i++) d[i] = a[i] - b[i];
+  return d;
+}
+
+// FP8 codes in value order: -127..127 (both zeros are 0), so adjacent values differ by 1.
+int code_ordinal(uint8_t code) { return (code & 0x80) ? -static_cast<int>(code & 0x7f) : static_cast<int>(code & 0x7f); }
+
+void check_codes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected, Fp8Dtype dtype,
+                 const std::string& what) {
+  REQUIRE(got.size() == expected.size());
+  size_t mismatches = 0, far = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    if (got[i] == expected[i]) continue;
+    mismatches++;
+    const bool nan = std::isnan(fp8_decode(got[i], dtype)) || std::isnan(fp8_decode(expected[i], dtype));
+    if (nan || std::abs(code_ordinal(got[i]) - code_ordinal(expected[i])) > 1) far++;
+  }
+  INFO(what << " (" << to_string(dtype) << "): " << mismatches << " of " << got.size()
+            << " FP8 codes differ, " << far << " by more than one step or NaN");
+  CHECK(far == 0);
+  CHECK(static_cast<double>(mismatches) < kCodeMismatchFraction * static_cast<double>(got.size()));
+}
+
+void check_amax(float got, float expected) {
+  INFO("amax " << got << " expected " << expected);
+  CHECK(std::fabs(got - expected) <= kAmaxTol * expected);
+}
+
+uint32_t bits_of(float x) { return float_bits(x); }
+
+// ---- LayerNorm --------------------------------------------------------------------------
+
+struct LayerNormInputs {
+  int N, C;
+  std::vector<float> inp, weight, bias;
+};
+
+LayerNormInputs layernorm_inputs(int N, int C, uint64_t seed) {
+  LayerNormInputs in{N, C, {}, {}, {}};
+  in.inp = bf16_rounded(random_floats(static_cast<size_t>(N) * C, seed, 1.0f, 0.5f));  // offset: a residual stream
+  in.weight = bf16_rounded(random_floats(C, seed + 1, 0.1f, 1.0f));
+  in.bias = bf16_rounded(random_floats(C, seed + 2, 0.1f));
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("layernorm forward (bf16 and fused fp8 cast) matches the CPU reference", "[gpu][layernorm]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 77;
+  const float eps = 1e-5f;
+  for (int C : {64, 768}) {
+    CAPTURE(C);
+    const LayerNormInputs in = layernorm_inputs(N, C, 100 + C);
+    std::vector<float> ref(static_cast<size_t>(N) * C), ref_mean(N), ref_rstd(N);
+    cpu::layernorm_forward(ref.data(), ref_mean.data(), ref_rstd.data(), in.inp.data(), in.weight.data(),
+                           in.bias.data(), N, C, eps);
+    const std::vector<float> ref_bf16 = bf16_rounded(ref);
+
+    auto d_inp = device_copy(to_bf16(in.inp));
+    auto d_weight = device_copy(to_bf16(in.weight));
+    auto d_bias = device_copy(to_bf16(in.bias));
+
+    auto d_out = poisoned<bf16>(ref.size());
+    auto d_mean = poisoned<float>(N);
+    auto d_rstd = poisoned<float>(N);
+    cuda::layernorm_forward_bf16(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(),
+                                 d_bias.data(), N, C, eps, kStream);
+    device_sync();
+    const std::vector<float> out = from_bf16(d_out.download());
+    CHECK(relative_error(out, ref) < kBf16Tol);
+    CHECK(relative_error(d_mean.download(), ref_mean) < kStatTol);
+    CHECK(relative_error(d_rstd.download(), ref_rstd) < kStatTol);
+
+    for (Fp8Dtype dtype : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      for (float scale : {1.0f / 16.0f, 1.0f, 100.0f}) {  // small values / plain / E4M3 saturation
+        CAPTURE(to_string(dtype), scale);
+        auto d_codes = poisoned<uint8_t>(ref.size());
+        auto d_amax = device_scalar(0.0f);
+        auto d_scale = device_scalar(scale);
+        d_mean.fill_bytes(kPoisonByte);
+        d_rstd.fill_bytes(kPoisonByte);
+        cuda::layernorm_forward_fp8(d_codes.data(), d_amax.data(), d_scale.data(), dtype, d_mean.data(),
+                                    d_rstd.data(), d_inp.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
+        device_sync();
+        const std::vector<uint8_t> codes = d_codes.download();
+        check_codes(codes, encode_all(ref_bf16, scale, dtype), dtype, "layernorm fp8 vs CPU");
+        check_codes(codes, encode_all(out, scale, dtype), dtype, "layernorm fp8 vs cast of the GPU bf16 output");
+        check_amax(download_scalar(d_amax), max_abs(ref_bf16));
+        CHECK(relative_error(d_mean.download(), ref_mean) < kStatTol);
+        CHECK(relative_error(d_rstd.download(), ref_rstd) < kStatTol);
+      }
+    }
+  }
+}
+
+TEST_CASE("layernorm fp8 amax is a running max and shows NaN", "[gpu][layernorm]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 77, C = 768;
+  const float eps = 1e-5f;
+  LayerNormInputs in = layernorm_inputs(N, C, 7);
+  auto d_weight = device_copy(to_bf16(in.weight));
+  auto d_bias = device_copy(to_bf16(in.bias));
+  auto d_scale = device_scalar(1.0f);
+  auto d_codes = poisoned<uint8_t>(static_cast<size_t>(N) * C);
+  auto d_mean = poisoned<float>(N);
+  auto d_rstd = poisoned<float>(N);
+
+  // A larger amax already in the slot (an earlier micro-batch) stays.
+  {
+    auto d_inp = device_copy(to_bf16(in.inp));
+    auto d_amax = device_scalar(1.0e6f);
+    cuda::layernorm_forward_fp8(d_codes.data(), d_amax.data(), d_scale.data(), Fp8Dtype::e4m3, d_mean.data(),
+                                d_rstd.data(), d_inp.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
+    device_sync();
+    CHECK(download_scalar(d_amax) == 1.0e6f);
+  }
+  // One NaN input: its row is NaN, the amax becomes the NaN bits 0x7fc00000, and stays NaN
+  // through a later clean run (NaN compares above +inf as int).
+  {
+    in.inp[5 * static_cast<size_t>(C) + 3] = std::numeric_limits<float>::quiet_NaN();
+    auto d_inp = device_copy(to_bf16(in.inp));
+    auto d_amax = device_scalar(3.0f);
+    cuda::layernorm_forward_fp8(d_codes.data(), d_amax.data(), d_scale.data(), Fp8Dtype::e4m3, d_mean.data(),
+                                d_rstd.data(), d_inp.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
+    device_sync();
+    CHECK(bits_of(download_scalar(d_amax)) == kNanAmaxBits);
+    const std::vector<uint8_t> codes = d_codes.download();
+    CHECK(codes[5 * static_cast<size_t>(C) + 100] == 0x7F);  // NaN code, as fp8_encode(NaN)
+    CHECK(std::isfinite(fp8_decode(codes[4 * static_cast<size_t>(C) + 3], Fp8Dtype::e4m3)));
+
+    in.inp[5 * static_cast<size_t>(C) + 3] = 0.0f;
+    auto d_clean = device_copy(to_bf16(in.inp));
+    cuda::layernorm_forward_fp8(d_codes.data(), d_amax.data(), d_scale.data(), Fp8Dtype::e4m3, d_mean.data(),
+                                d_rstd.data(), d_clean.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
+    device_sync();
+    CHECK(bits_of(download_scalar(d_amax)) == kNanAmaxBits);
+  }
+}
+
+TEST_CASE("layernorm backward matches the CPU reference and is deterministic", "[gpu][layernorm]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 77;
+  const float eps = 1e-5f;
+  for (int C : {64, 768}) {
+    CAPTURE(C);
+    const size_t n = static_cast<size_t>(N) * C;
+    const LayerNormInputs in = layernorm_inputs(N, C, 200 + C);
+    const std::vector<float> dout = bf16_rounded(random_floats(n, 300 + C));
+    const std::vector<float> dinp0 = bf16_rounded(random_floats(n, 400 + C, 0.5f));
+    const std::vector<float> dweight0 = random_floats(C, 500 + C);
+    const std::vector<float> dbias0 = random_floats(C, 600 + C);
+    std::vector<float> fwd(n), mean(N), rstd(N);
+    cpu::layernorm_forward(fwd.data(), mean.data(), rstd.data(), in.inp.data(), in.weight.data(), in.bias.data(), N,
+                           C, eps);
+    std::vector<float> ref_dinp = dinp0, ref_dweight = dweight0, ref_dbias = dbias0;
+    cpu::layernorm_backward(ref_dinp.data(), ref_dweight.data(), ref_dbias.data(), dout.data(), in.inp.data(),
+                            in.weight.data(), mean.data(), rstd.data(), N, C);
+
+    auto d_inp = device_copy(to_bf16(in.inp));
+    auto d_weight = device_copy(to_bf16(in.weight));
+    auto d_dout = device_copy(to_bf16(dout));
+    auto d_mean = device_copy(mean);  // the CPU's statistics: this test isolates the backward
+    auto d_rstd = device_copy(rstd);
+    const size_t scratch_floats = cuda::layernorm_backward_scratch_floats(N, C);
+    REQUIRE(scratch_floats >= 2 * static_cast<size_t>(C));
+
+    struct Result {
+      std::vector<bf16> dinp;
+      std::vector<float> dweight, dbias;
+    };
+    auto run = [&]() {
+      auto d_dinp = device_copy(to_bf16(dinp0));
+      auto d_dweight = device_copy(dweight0);
+      auto d_dbias = device_copy(dbias0);
+      auto d_scratch = poisoned<float>(scratch_floats);
+      cuda::layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                               d_weight.data(), d_mean.data(), d_rstd.data(), N, C, d_scratch.data(), kStream);
+      device_sync();
+      return Result{d_dinp.download(), d_dweight.download(), d_dbias.download()};
+    };
+    const Result first = run();
+    const std::vector<float> dinp = from_bf16(first.dinp);
+    CHECK(relative_error(dinp, ref_dinp) < kBf16Tol);
+    CHECK(relative_error(difference(dinp, dinp0), difference(ref_dinp, dinp0)) < kBf16Tol);  // the increment
+    CHECK(relative_error(first.dweight, ref_dweight) < kGradTol);
+    CHECK(relative_error(difference(first.dweight, dweight0), difference(ref_dweight, dweight0)) < kGradTol);
+    CHECK(relative_error(first.dbias, ref_dbias) < kGradTol);
+    CHECK(relative_error(difference(first.dbias, dbias0), difference(ref_dbias, dbias0)) < kGradTol);
+
+    const Result second = run();
+    CHECK(same_bytes(first.dinp, second.dinp));
+    CHECK(same_bytes(first.dweight, second.dweight));
+    CHECK(same_bytes(first.dbias, second.dbias));
+  }
+}
+
+TEST_CASE("layernorm launchers reject unsupported shapes before launching", "[gpu][layernorm]") {
+  FP8LM_REQUIRE_GPU();
+  DeviceBuffer<bf16> buffer(4096);
+  DeviceBuffer<float> stats(64);
+  CHECK_THROWS_AS(cuda::layernorm_forward_bf16(buffer.data(), stats.data(), stats.data(), buffer.data(),
+                                               buffer.data(), buffer.data(), 2, 12, 1e-5f, kStream),
+                  RuntimeError);  // C % 8 != 0
+  CHECK_THROWS_AS(cuda::layernorm_forward_bf16(buffer.data(), stats.data(), stats.data(), buffer.data() + 1,
+                                               buffer.data(), buffer.data(), 2, 16, 1e-5f, kStream),
+                  RuntimeError);  // misaligned input
+  CHECK_THROWS_AS(cuda::layernorm_forward_bf16(buffer.data(), stats.data(), stats.data(), buffer.data(),
+                                               buffer.data(), buffer.data(), 1, cuda::kLayerNormMaxC + 8, 1e-5f,
+                                               kStream),
+                  RuntimeError);  // C too wide
+  device_sync();
+}
+
+// ---- GELU -------------------------------------------------------------------------------
+
+TEST_CASE("bias + gelu forward (bf16 and fused fp8 cast) matches the CPU reference", "[gpu][gelu]") {
+  FP8LM_REQUIRE_GPU();
+  const int M = 70;
+  for (int F : {256, 200}) {
+    CAPTURE(F);
+    const size_t n = static_cast<size_t>(M) * F;
+    const std::vector<float> pre = bf16_rounded(random_floats(n, 700 + F, 1.5f));
+    const std::vector<float> bias = bf16_rounded(random_floats(F, 800 + F, 0.5f));
+    std::vector<float> ref_pre(n);  // bf16(pre + bias), what the kernel saves
+    for (size_t i = 0; i < n; i++) ref_pre[i] = round_to_bf16(pre[i] + bias[i % F]);
+    std::vector<float> ref(n);
+    cpu::gelu_forward(ref.data(), ref_pre.data(), n);
+    const std::vector<float> ref_bf16 = bf16_rounded(ref);
+    auto d_bias = device_copy(to_bf16(bias));
+
+    auto d_pre = device_copy(to_bf16(pre));
+    auto d_out = poisoned<bf16>(n);
+    cuda::bias_gelu_forward_bf16(d_out.data(), d_pre.data(), d_bias.data(), M, F, kStream);
+    device_sync();
+    const std::vector<float> out = from_bf16(d_out.download());
+    CHECK(relative_error(out, ref) < kBf16Tol);
+    CHECK(from_bf16(d_pre.download()) == ref_pre);  // one FP32 add and one BF16 rounding: exact
+
+    for (Fp8Dtype dtype : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      for (float scale : {1.0f / 16.0f, 100.0f}) {
+        CAPTURE(to_string(dtype), scale);
+        auto d_pre_fp8 = device_copy(to_bf16(pre));
+        auto d_codes = poisoned<uint8_t>(n);
+        auto d_amax = device_scalar(0.0f);
+        auto d_scale = device_scalar(scale);
+        cuda::bias_gelu_forward_fp8(d_codes.data(), d_amax.data(), d_scale.data(), dtype, d_pre_fp8.data(),
+                                    d_bias.data(), M, F, kStream);
+        device_sync();
+        const std::vector<uint8_t> codes = d_codes.download();
+        check_codes(codes, encode_all(ref_bf16, scale, dtype), dtype, "bias_gelu fp8 vs CPU");
+        check_codes(codes, encode_all(out, scale, dtype), dtype, "bias_gelu fp8 vs cast of the GPU bf16 output");
+        check_amax(download_scalar(d_amax), max_abs(ref_bf16));
+        CHECK(from_bf16(d_pre_fp8.download()) == ref_pre);
+      }
+    }
+  }
+}
+
+namespace {
+
+struct GeluBackwardInputs {
+  int M, F;
+  std::vector<float> dout, pre, dbias0;
+  std::vector<float> ref_dpre_bf16;  // bf16(dout * gelu'(pre)) from the CPU
+  std::vector<float> ref_dbias;      // dbias0 + column sums of ref_dpre_bf16 (double)
+};
+
+GeluBackwardInputs gelu_backward_inputs(int M, int F, uint64_t seed) {
+  GeluBackwardInputs in{M, F, {}, {}, {}, {}, {}};
+  const size_t n = static_cast<size_t>(M) * F;
+  in.dout = bf16_rounded(random_floats(n, seed));
+  in.pre = bf16_rounded(random_floats(n, seed + 1, 1.5f));
+  in.dbias0 = random_floats(F, seed + 2);
+  std::vector<float> dpre(n);
+  cpu::gelu_backward(dpre.data(), in.pre.data(), in.dout.data(), n);
+  in.ref_dpre_bf16 = bf16_rounded(dpre);
+  in.ref_dbias.resize(F);
+  for (int f = 0; f < F; f++) {
+    double sum = in.dbias0[f];
+    for (int m = 0; m < M; m++) sum += in.ref_dpre_bf16[static_cast<size_t>(m) * F + f];
+    in.ref_dbias[f] = static_cast<float>(sum);
+  }
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("gelu backward fused with the fp8 cast, transpose and dbias matches the CPU reference", "[gpu][gelu]") {
+  FP8LM_REQUIRE_GPU();
+  // M=70: byte stores of the transpose; M=128: 16-byte stores; M=80: both (full tile + edge).
+  // F=200: a partial column tile.
+  const std::pair<int, int> shapes[] = {{70, 256}, {80, 200}, {128, 256}};
+  for (const auto& [M, F] : shapes) {
+    CAPTURE(M, F);
+    const size_t n = static_cast<size_t>(M) * F;
+    const GeluBackwardInputs in = gelu_backward_inputs(M, F, 900 + M + F);
+    auto d_dout = device_copy(to_bf16(in.dout));
+    auto d_pre = device_copy(to_bf16(in.pre));
+    const size_t scratch_floats = cuda::gelu_backward_scratch_floats(M, F);
+    REQUIRE(scratch_floats == static_cast<size_t>((M + 63) / 64) * F);
+
+    for (Fp8Dtype dtype : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      for (float scale : {1.0f / 16.0f, 100.0f}) {
+        CAPTURE(to_string(dtype), scale);
+        struct Result {
+          std::vector<uint8_t> dpre, dpre_t;
+          std::vector<float> dbias;
+          float amax;
+        };
+        auto run = [&]() {
+          auto d_dpre = poisoned<uint8_t>(n);
+          auto d_dpre_t = poisoned<uint8_t>(n);
+          auto d_dbias = device_copy(in.dbias0);
+          auto d_amax = device_scalar(0.0f);
+          auto d_scale = device_scalar(scale);
+          auto d_scratch = poisoned<float>(scratch_floats);
+          cuda::gelu_backward_cast_transpose_dbias_fp8(d_dpre.data(), d_dpre_t.data(), d_dbias.data(), d_amax.data(),
+                                                       d_scale.data(), dtype, d_dout.data(), d_pre.data(), M, F,
+                                                       d_scratch.data(), kStream);
+          device_sync();
+          return Result{d_dpre.download(), d_dpre_t.download(), d_dbias.download(), download_scalar(d_amax)};
+        };
+        const Result first = run();
+        const std::vector<uint8_t> expected = encode_all(in.ref_dpre_bf16, scale, dtype);
+        check_codes(first.dpre, expected, dtype, "dpre [M,F] vs CPU");
+        check_codes(first.dpre_t, transposed(expected, M, F), dtype, "dpre_t [F,M] vs CPU");
+        CHECK(first.dpre_t == transposed(first.dpre, M, F));  // one set of codes, two layouts
+        CHECK(relative_error(first.dbias, in.ref_dbias) < kGradTol);
+        CHECK(relative_error(difference(first.dbias, in.dbias0), difference(in.ref_dbias, in.dbias0)) < kGradTol);
+        check_amax(first.amax, max_abs(in.ref_dpre_bf16));
+
+        const Result second = run();
+        CHECK(same_bytes(first.dbias, second.dbias));
+        CHECK(first.dpre == second.dpre);
+        CHECK(first.dpre_t == second.dpre_t);
+        CHECK(bits_of(first.amax) == bits_of(second.amax));
+      }
+    }
+  }
+}
+
+TEST_CASE("gelu backward fp8: a NaN gradient shows in the codes, dbias and amax", "[gpu][gelu]") {
+  FP8LM_REQUIRE_GPU();
+  const int M = 70, F = 256;
+  const size_t n = static_cast<size_t>(M) * F;
+  GeluBackwardInputs in = gelu_backward_inputs(M, F, 31);
+  in.dout[5 * static_cast<size_t>(F) + 7] = std::numeric_limits<float>::quiet_NaN();
+  auto d_dout = device_copy(to_bf16(in.dout));
+  auto d_pre = device_copy(to_bf16(in.pre));
+  auto d_dpre = poisoned<uint8_t>(n);
+  auto d_dpre_t = poisoned<uint8_t>(n);
+  auto d_dbias = device_copy(in.dbias0);
+  auto d_amax = device_scalar(2.0f);
+  auto d_scale = device_scalar(1.0f);
+  auto d_scratch = poisoned<float>(cuda::gelu_backward_scratch_floats(M, F));
+  cuda::gelu_backward_cast_transpose_dbias_fp8(d_dpre.data(), d_dpre_t.data(), d_dbias.data(), d_amax.data(),
+                                               d_scale.data(), Fp8Dtype::e5m2, d_dout.data(), d_pre.data(), M, F,
+                                               d_scratch.data(), kStream);
+  device_sync();
+  CHECK(bits_of(download_scalar(d_amax)) == kNanAmaxBits);
+  CHECK(d_dpre.download()[5 * static_cast<size_t>(F) + 7] == 0x7F);
+  CHECK(d_dpre_t.download()[7 * static_cast<size_t>(M) + 5] == 0x7F);
+  const std::vector<float> dbias = d_dbias.download();
+  CHECK(std::isnan(dbias[7]));
+  CHECK(std::isfinite(dbias[8]));
+}
+
+TEST_CASE("gelu backward bf16 with dbias matches the CPU reference, in place too", "[gpu][gelu]") {
+  FP8LM_REQUIRE_GPU();
+  const std::pair<int, int> shapes[] = {{70, 256}, {80, 200}};
+  for (const auto& [M, F] : shapes) {
+    CAPTURE(M, F);
+    const size_t n = static_cast<size_t>(M) * F;
+    const GeluBackwardInputs in = gelu_backward_inputs(M, F, 1000 + M + F);
+    auto d_pre = device_copy(to_bf16(in.pre));
+    const size_t scratch_floats = cuda::gelu_backward_scratch_floats(M, F);
+    std::vector<float> ref_dpre(n);
+    cpu::gelu_backward(ref_dpre.data(), in.pre.data(), in.dout.data(), n);
+
+    struct Result {
+      std::vector<bf16> dpre;
+      std::vector<float> dbias;
+    };
+    auto run = [&](bool in_place) {
+      auto d_dout = device_copy(to_bf16(in.dout));
+      auto d_out = poisoned<bf16>(n);
+      bf16* dpre = in_place ? d_dout.data() : d_out.data();
+      auto d_dbias = device_copy(in.dbias0);
+      auto d_scratch = poisoned<float>(scratch_floats);
+      cuda::gelu_backward_dbias_bf16(dpre, d_dbias.data(), d_dout.data(), d_pre.data(), M, F, d_scratch.data(),
+                                     kStream);
+      device_sync();
+      return Result{in_place ? d_dout.download() : d_out.download(), d_dbias.download()};
+    };
+    const Result first = run(false);
+    const std::vector<float> dpre = from_bf16(first.dpre);
+    CHECK(relative_error(dpre, ref_dpre) < kBf16Tol);
+    CHECK(relative_error(first.dbias, in.ref_dbias) < kGradTol);
+    CHECK(relative_error(difference(first.dbias, in.dbias0), difference(in.ref_dbias, in.dbias0)) < kGradTol);
+
+    const Result second = run(false);
+    CHECK(same_bytes(first.dpre, second.dpre));
+    CHECK(same_bytes(first.dbias, second.dbias));
+    const Result in_place = run(true);
+    CHECK(same_bytes(first.dpre, in_place.dpre));
+    CHECK(same_bytes(first.dbias, in_place.dbias));
+  }
+}
+
+// ---- Encoder ----------------------------------------------------------------------------
+
+TEST_CASE("encoder backward index groups positions by token in ascending order", "[encoder_index]") {
+  // Host only (no GPU needed): the index that makes the GPU embedding backward deterministic.
+  const int B = 2, T = 5;
+  const std::vector<int32_t> tokens = {7, 3, 7, 0, 3,  //
+                                       3, 9, 7, 0, 0};
+  const EncoderBackwardIndex index = build_encoder_backward_index(tokens.data(), B, T);
+  CHECK(index.unique_tokens == std::vector<int32_t>{0, 3, 7, 9});
+  CHECK(index.offsets == std::vector<int32_t>{0, 3, 6, 9, 10});
+  CHECK(index.positions == std::vector<int32_t>{3, 8, 9, 1, 4, 5, 0, 2, 7, 6});
+  CHECK(index.num_unique() == 4);
+
+  EncoderBackwardIndex reused = index;  // rebuilt in place for another micro-batch
+  const std::vector<int32_t> other = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  build_encoder_backward_index(other.data(), B, T, reused);
+  CHECK(reused.unique_tokens == std::vector<int32_t>{1});
+  CHECK(reused.offsets == std::vector<int32_t>{0, 10});
+  CHECK(reused.positions == std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+
+  const std::vector<int32_t> negative = {0, -1};
+  CHECK_THROWS_AS(build_encoder_backward_index(negative.data(), 1, 2), RuntimeError);
+}
+
+TEST_CASE("encoder forward and deterministic backward match the CPU reference", "[gpu][encoder]") {
+  FP8LM_REQUIRE_GPU();
+  const int B = 3, T = 29, maxT = 32, Vp = 384;
+  for (int C : {64, 768}) {
+    CAPTURE(C);
+    const size_t n = static_cast<size_t>(B) * T * C;
+    // Tokens from a small range so that most repeat (the case the index exists for).
+    std::vector<int32_t> tokens(static_cast<size_t>(B) * T);
+    Random random(1100 + C);
+    for (int32_t& token : tokens) token = static_cast<int32_t>(random.next_u64() % 40) * 7;  // < 300 <= Vp
+    const std::vector<float> wte = bf16_rounded(random_floats(static_cast<size_t>(Vp) * C, 1200 + C, 0.5f));
+    const std::vector<float> wpe = bf16_rounded(random_floats(static_cast<size_t>(maxT) * C, 1300 + C, 0.5f));
+    auto d_tokens = device_copy(tokens);
+    auto d_wte = device_copy(to_bf16(wte));
+    auto d_wpe = device_copy(to_bf16(wpe));
+
+    // Forward: one FP32 add and one BF16 rounding, exactly as bf16(cpu).
+    std::vector<float> ref(n);
+    cpu::encoder_forward(ref.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    auto d_out = poisoned<bf16>(n);
+    cuda::encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), B, T, C, kStream);
+    device_sync();
+    const std::vector<float> out = from_bf16(d_out.download());
+    CHECK(relative_error(out, ref) < kBf16Tol);
+    CHECK(out == bf16_rounded(ref));
+
+    // Backward: the same summation order as the CPU, so equal (bound 1e-6; bit-equal expected).
+    const std::vector<float> dout = bf16_rounded(random_floats(n, 1400 + C));
+    const std::vector<float> dwte0 = random_floats(static_cast<size_t>(Vp) * C, 1500 + C);
+    const std::vector<float> dwpe0 = random_floats(static_cast<size_t>(maxT) * C, 1600 + C);
+    std::vector<float> ref_dwte = dwte0, ref_dwpe = dwpe0;
+    cpu::encoder_backward(ref_dwte.data(), ref_dwpe.data(), dout.data(), tokens.data(), B, T, C);
+
+    const EncoderBackwardIndex index = build_encoder_backward_index(tokens.data(), B, T);
+    REQUIRE(index.num_unique() < B * T);  // repeats present
+    auto d_dout = device_copy(to_bf16(dout));
+    auto d_unique = device_copy(index.unique_tokens);
+    auto d_offsets = device_copy(index.offsets);
+    auto d_positions = device_copy(index.positions);
+    auto run = [&]() {
+      auto d_dwte = device_copy(dwte0);
+      auto d_dwpe = device_copy(dwpe0);
+      cuda::encoder_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), d_unique.data(), d_offsets.data(),
+                             d_positions.data(), index.num_unique(), B, T, C, kStream);
+      device_sync();
+      return std::make_pair(d_dwte.download(), d_dwpe.download());
+    };
+    const auto [dwte, dwpe] = run();
+    size_t differing = 0;
+    for (size_t i = 0; i < dwte.size(); i++) differing += dwte[i] != ref_dwte[i];
+    for (size_t i = 0; i < dwpe.size(); i++) differing += dwpe[i] != ref_dwpe[i];
+    INFO(differing << " gradient elements differ from the CPU's bits (0 expected: same order)");
+    CHECK(relative_error(dwte, ref_dwte) < 1e-6);
+    CHECK(relative_error(dwpe, ref_dwpe) < 1e-6);
+    CHECK(relative_error(difference(dwte, dwte0), difference(ref_dwte, dwte0)) < 1e-6);
+    CHECK(relative_error(difference(dwpe, dwpe0), difference(ref_dwpe, dwpe0)) < 1e-6);
+    // Rows of tokens that do not occur, and positions >= T, are untouched.
+    CHECK(std::equal(dwte.begin() + static_cast<size_t>(300) * C, dwte.end(), dwte0.begin() + static_cast<size_t>(300) * C));
+    CHECK(std::equal(dwpe.begin() + static_cast<size_t>(T) * C, dwpe.end(), dwpe0.begin() + static_cast<size_t>(T) * C));
+    const auto [dwte2, dwpe2] = run();
+    CHECK(same_bytes(dwte, dwte2));
+    CHECK(same_bytes(dwpe, dwpe2));
+  }
+}
+
+// ---- Cross-entropy ----------------------------------------------------------------------
+
+namespace {
+
+struct CrossEntropyInputs {
+  int N, V, Vp;
+  std::vector<float> logits;  // [N,Vp], bf16-rounded; padded columns hold large values
+  std::vector<int32_t> targets;
+};
+
+CrossEntropyInputs cross_entropy_inputs(int N, int V, int Vp, uint64_t seed) {
+  CrossEntropyInputs in{N, V, Vp, bf16_rounded(random_floats(static_cast<size_t>(N) * Vp, seed, 2.0f)), {}};
+  for (int i = 0; i < N; i++) {
+    for (int v = V; v < Vp; v++) in.logits[static_cast<size_t>(i) * Vp + v] = 50.0f;  // must not enter the softmax
+  }
+  Random random(seed + 1);
+  in.targets.resize(N);
+  for (int32_t& target : in.targets) target = static_cast<int32_t>(random.next_u64() % static_cast<uint64_t>(V));
+  return in;
+}
+
+void check_cross_entropy(const CrossEntropyInputs& in, float dloss) {
+  const size_t n = static_cast<size_t>(in.N) * in.Vp;
+  std::vector<float> ref_logits = in.logits, ref_losses(in.N);
+  cpu::cross_entropy_forward_backward(ref_logits.data(), ref_losses.data(), in.targets.data(), in.N, in.V, in.Vp,
+                                      dloss);
+  const std::vector<bf16> logits_bf16 = to_bf16(in.logits);
+  auto d_logits = device_copy(logits_bf16);
+  auto d_targets = device_copy(in.targets);
+  auto d_losses = poisoned<float>(in.N);
+  cuda::cross_entropy_forward_backward(d_logits.data(), d_losses.data(), d_targets.data(), in.N, in.V, in.Vp, dloss,
+                                       kStream);
+  device_sync();
+  CHECK(relative_error(d_losses.download(), ref_losses) < kStatTol);
+  const std::vector<bf16> got = d_logits.download();
+  if (dloss == 0.0f) {
+    CHECK(same_bytes(got, logits_bf16));  // forward only: untouched
+    return;
+  }
+  const std::vector<float> dlogits = from_bf16(got);
+  CHECK(relative_error(dlogits, ref_logits) < kBf16Tol);
+  size_t nonzero_padding = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (static_cast<int>(i % in.Vp) >= in.V && bits_of(dlogits[i]) != 0u) nonzero_padding++;
+  }
+  CHECK(nonzero_padding == 0);
+}
+
+}  // namespace
+
+TEST_CASE("fused cross-entropy matches the CPU reference", "[gpu][cross_entropy]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 77;
+  SECTION("forward + backward, V=300 padded to 384") { check_cross_entropy(cross_entropy_inputs(N, 300, 384, 1700), 1.0f / N); }
+  SECTION("forward only leaves the logits untouched") { check_cross_entropy(cross_entropy_inputs(N, 300, 384, 1800), 0.0f); }
+  SECTION("GPT-2 vocabulary, 50257 padded to 50304") {
+    check_cross_entropy(cross_entropy_inputs(4, 50257, 50304, 1900), 0.25f);
+  }
+  SECTION("V == Vp") { check_cross_entropy(cross_entropy_inputs(N, 384, 384, 2000), 1.0f / N); }
+}
+
+TEST_CASE("cross-entropy: a target outside the vocabulary gives a NaN loss, other rows unaffected",
+          "[gpu][cross_entropy]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 4, V = 300, Vp = 384;
+  CrossEntropyInputs in = cross_entropy_inputs(N, V, Vp, 2100);
+  std::vector<float> ref_logits = in.logits, ref_losses(N);
+  cpu::cross_entropy_forward_backward(ref_logits.data(), ref_losses.data(), in.targets.data(), N, V, Vp, 0.0f);
+  in.targets[2] = V;  // a padded column: not a real token
+  auto d_logits = device_copy(to_bf16(in.logits));
+  auto d_targets = device_copy(in.targets);
+  auto d_losses = poisoned<float>(N);
+  cuda::cross_entropy_forward_backward(d_logits.data(), d_losses.data(), d_targets.data(), N, V, Vp, 0.5f, kStream);
+  device_sync();
+  const std::vector<float> losses = d_losses.download();
+  CHECK(std::isnan(losses[2]));
+  for (int i : {0, 1, 3}) CHECK(std::fabs(losses[i] - ref_losses[i]) <= kStatTol * std::fabs(ref_losses[i]));
+}
+
+TEST_CASE("sum_losses adds a deterministic sum to the device total", "[gpu][cross_entropy]") {
+  FP8LM_REQUIRE_GPU();
+  for (int N : {77, 5000}) {
+    CAPTURE(N);
+    const std::vector<float> losses = random_floats(N, 2200 + N, 1.0f, 5.0f);
+    double expected = 1.5;
+    for (float loss : losses) expected += loss;
+    auto d_losses = device_copy(losses);
+    auto run = [&]() {
+      auto d_total = device_scalar(1.5f);
+      cuda::sum_losses(d_total.data(), d_losses.data(), N, kStream);
+      device_sync();
+      return download_scalar(d_total);
+    };
+    const float first = run();
+    CHECK(std::fabs(first - expected) <= kStatTol * std::fabs(expected));
+    CHECK(bits_of(first) == bits_of(run()));
+  }
+}
