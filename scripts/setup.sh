@@ -33,7 +33,8 @@ install_packages() {
       echo "deb http://deb.debian.org/debian bookworm-backports main" | $sudo tee "$list" >/dev/null
     fi
   fi
-  echo "setup: installing ${missing[*]} ${need_catch2:+catch2}" >&2
+  [ $need_catch2 -eq 1 ] && missing_note="${missing[*]} catch2" || missing_note="${missing[*]}"
+  echo "setup: installing ${missing_note}" >&2
   $sudo apt-get update -qq
   export DEBIAN_FRONTEND=noninteractive
   if [ ${#missing[@]} -gt 0 ]; then
