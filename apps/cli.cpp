@@ -66,6 +66,9 @@ void validate_options(const TrainOptions& o) {
           "--fp8-amax-history-len must be >= 1 (got " + num(o.fp8.amax_history_len) + ")");
   require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
+  require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
+  require(!o.benchmark || o.train_iters > o.benchmark_warmup,
+          "--train-iters must exceed --benchmark-warmup under --benchmark");
   require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty(),
           "--train-data-path is required (or --mock-data for a synthetic token stream)");
   auto positive = [&](const std::optional<int>& value, const char* flag) {
@@ -189,6 +192,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->group(system);
   app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default)")->group(system);
+  app.add_flag("--benchmark", o.benchmark,
+               "Time every step (synchronised) and report the median step, tokens/s, MFU and peak memory")
+      ->group(system);
+  app.add_option("--benchmark-warmup", o.benchmark_warmup, "Steps left out of the benchmark timing")->group(system);
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
   try {

@@ -44,18 +44,19 @@ class CpuEngine final : public TrainingEngine {
     metrics_.grad_norm = global_grad_norm(model_.gradients().data(), model_.layout());
     metrics_.skipped = !std::isfinite(metrics_.loss) || !std::isfinite(metrics_.grad_norm);
     if (metrics_.skipped) {
-      ++consecutive_skips_;
+      ++skips_.consecutive;
+      ++skips_.total;
       model_.scaling().discard_current_amaxes();
       return;
     }
-    consecutive_skips_ = 0;
+    skips_.consecutive = 0;
     const float grad_scale = clip_coefficient(metrics_.grad_norm, clip_grad);
     optimizer_.step(model_.parameters().data(), model_.gradients().data(), hyperparams, grad_scale);
     model_.scaling().update(step);
   }
 
   StepMetrics step_metrics() override { return metrics_; }
-  int consecutive_skips() override { return consecutive_skips_; }
+  SkipStatus skip_status() override { return skips_; }
 
   double evaluate(const int32_t* inputs, const int32_t* targets) override { return model_.evaluate(inputs, targets); }
 
@@ -63,6 +64,12 @@ class CpuEngine final : public TrainingEngine {
   void set_parameters(const std::vector<float>& values) override {
     FP8LM_CHECK(values.size() == model_.parameters().size());
     model_.parameters() = values;
+  }
+
+  BenchmarkMemory benchmark_memory() const override {
+    BenchmarkMemory memory;
+    memory.allocated_bytes = 2 * model_.layout().total_elements() * sizeof(float) + optimizer_.state_bytes();
+    return memory;
   }
 
   SettingsTable describe() const override {
@@ -93,7 +100,7 @@ class CpuEngine final : public TrainingEngine {
   double loss_sum_ = 0.0;
   int micro_batches_ = 0;
   StepMetrics metrics_;
-  int consecutive_skips_ = 0;
+  SkipStatus skips_;
 };
 
 }  // namespace
@@ -101,3 +108,4 @@ class CpuEngine final : public TrainingEngine {
 std::unique_ptr<TrainingEngine> make_cpu_engine(const RunSetup& setup) { return std::make_unique<CpuEngine>(setup); }
 
 }  // namespace fp8lm
+

@@ -20,6 +20,11 @@ namespace fp8lm {
 
 struct RunSetup;
 
+struct BenchmarkMemory {
+  size_t allocated_bytes = 0;    // every slab the engine allocated
+  size_t device_used_bytes = 0;  // the device's own count (context and library pools included)
+};
+
 struct StepMetrics {
   double loss = 0.0;       // mean loss over the step's micro-batches
   double grad_norm = 0.0;  // global gradient norm before clipping
@@ -42,8 +47,13 @@ class TrainingEngine {
 
   // Metrics of the last finished step (may wait for the device).
   virtual StepMetrics step_metrics() = 0;
-  // Non-finite steps in a row so far (may wait for the device).
-  virtual int consecutive_skips() = 0;
+  // Non-finite (skipped) steps so far. Never waits: the GPU engine answers from the
+  // newest step whose result has reached the host, so it may lag by a step.
+  struct SkipStatus {
+    int64_t total = 0;
+    int consecutive = 0;
+  };
+  virtual SkipStatus skip_status() = 0;
   // Mean loss of one batch, forward only; touches no training state.
   virtual double evaluate(const int32_t* inputs, const int32_t* targets) = 0;
 
@@ -52,10 +62,15 @@ class TrainingEngine {
   virtual std::vector<float> parameters() = 0;
   virtual void set_parameters(const std::vector<float>& values) = 0;
 
+  virtual BenchmarkMemory benchmark_memory() const = 0;
+
   // Rows for the startup table: memory per tensor class, optimizer bytes per parameter.
   virtual SettingsTable describe() const = 0;
 };
 
 std::unique_ptr<TrainingEngine> make_cpu_engine(const RunSetup& setup);
+std::unique_ptr<TrainingEngine> make_cuda_engine(const RunSetup& setup);
+// The engine for setup.use_cuda.
+std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup);
 
 }  // namespace fp8lm

@@ -81,6 +81,10 @@ struct TrainOptions {
   DeviceKind device = DeviceKind::auto_select;  // --device
   int num_threads = 0;                 // --num-threads (CPU); 0 = OpenMP's default
 
+  // Benchmark
+  bool benchmark = false;              // --benchmark: time steps (synchronised), report median, MFU
+  int benchmark_warmup = 5;            // --benchmark-warmup: steps left out of the timing
+
   bool fp8_enabled() const { return precision == GemmPrecision::fp8; }
 };
 

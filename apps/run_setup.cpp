@@ -156,6 +156,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"tensor-model-parallel-size", str(o.tensor_model_parallel_size)},
       {"data-parallel size", str(s.data_parallel_size)},
       {"log-level", o.log_level},
+      {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps)" : "off"},
   };
   return rows;
 }

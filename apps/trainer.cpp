@@ -1,9 +1,13 @@
 #include "apps/trainer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <fstream>
 #include <optional>
+
+#include <omp.h>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -76,20 +80,58 @@ class MetricsFile {
   std::ofstream file_;
 };
 
+// The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
+// 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s, as
+// ../shared/device-notes.md defines it) and peak memory, as a table and one JSON line.
+void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector<double> step_ms, double loss) {
+  const TrainOptions& o = setup.options;
+  step_ms.erase(step_ms.begin(), step_ms.begin() + std::min<size_t>(o.benchmark_warmup, step_ms.size()));
+  std::sort(step_ms.begin(), step_ms.end());
+  const double median_ms = step_ms[step_ms.size() / 2];
+  const GptConfig& m = setup.model;
+  const double tokens = double(setup.global_batch_size) * setup.seq_length;
+  const double flops_per_token = 6.0 * double(m.num_parameters()) + 12.0 * m.n_layer * setup.seq_length * m.n_embd;
+  const double tokens_per_s = tokens / (median_ms * 1e-3);
+  const double mfu = flops_per_token * tokens_per_s / 989e12;
+  const BenchmarkMemory memory = engine.benchmark_memory();
+  const std::string mode = o.fp8_enabled() ? "fp8-" + std::string(to_string(o.fp8.format)) : std::string(to_string(o.precision));
+  log_settings_table("benchmark", {{"mode", mode},
+                                   {"model", m.name},
+                                   {"micro-batch x seq-length", std::to_string(o.micro_batch_size) + " x " + std::to_string(setup.seq_length)},
+                                   {"timed steps (median)", std::to_string(step_ms.size())},
+                                   {"median step", std::to_string(median_ms) + " ms"},
+                                   {"tokens/s", std::to_string(tokens_per_s)},
+                                   {"MFU (of 989 TFLOP/s BF16)", std::to_string(mfu)},
+                                   {"peak memory (fp8lm slabs)", std::to_string(memory.allocated_bytes / 1073741824.0) + " GiB"},
+                                   {"device memory in use", std::to_string(memory.device_used_bytes / 1073741824.0) + " GiB"}});
+  const nlohmann::json line = {{"peer", "fp8lm-" + mode},
+                               {"model", m.name},
+                               {"params", m.num_parameters()},
+                               {"B", o.micro_batch_size},
+                               {"T", setup.seq_length},
+                               {"step_ms", median_ms},
+                               {"tok_s", tokens_per_s},
+                               {"tflops", flops_per_token * tokens_per_s / 1e12},
+                               {"mfu_bf16", mfu},
+                               {"peak_gib", memory.allocated_bytes / 1073741824.0},
+                               {"device_used_gib", memory.device_used_bytes / 1073741824.0},
+                               {"loss", loss}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 TrainingSummary run_training(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
+  if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
   spdlog::info("train data: {} shard(s), {} tokens, {} samples per epoch", data.train->num_shards(),
                data.train->num_tokens(), data.train->samples_per_epoch());
   if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
     spdlog::info("no --valid-data-path: evaluation is off");
 
-  if (setup.use_cuda)
-    throw RuntimeError("the CUDA training engine is not available in this build",
-                       "pass --device cpu to train on the CPU reference path");
-  std::unique_ptr<TrainingEngine> engine = make_cpu_engine(setup);
+  std::unique_ptr<TrainingEngine> engine = make_engine(setup);
   log_settings_table("memory and optimizer state", engine->describe());
 
   LrSchedule schedule;
@@ -121,29 +163,33 @@ TrainingSummary run_training(const RunSetup& setup) {
   };
 
   TrainingSummary summary;
+  std::vector<double> benchmark_step_ms;
   using Clock = std::chrono::steady_clock;
   Clock::time_point interval_start = Clock::now();
   int64_t interval_steps = 0;
   for (int64_t step = 0; step < o.train_iters; ++step) {
     const double lr = learning_rate(step, schedule);
+    const Clock::time_point step_start = Clock::now();
     engine->begin_step();
     for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
       data.train->next_batch(inputs.data(), targets.data());
       engine->forward_backward(inputs.data(), targets.data(), dloss);
     }
     engine->end_step(hyperparams_at(o, lr), o.clip_grad, step);
+    if (o.benchmark) {
+      engine->step_metrics();  // waits for the device: each step is timed whole
+      benchmark_step_ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - step_start).count());
+    }
     ++interval_steps;
     const int64_t iteration = step + 1;  // Megatron counts finished iterations from 1
 
-    const int skips_in_a_row = engine->consecutive_skips();
-    if (skips_in_a_row > 0) {
-      const StepMetrics m = engine->step_metrics();
-      ++summary.skipped_steps;
-      spdlog::warn("iter {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, {} in total)",
-                   iteration, std::isfinite(m.loss) ? "gradient" : "loss", m.loss, m.grad_norm, skips_in_a_row,
-                   summary.skipped_steps);
-      if (skips_in_a_row >= o.max_skipped_steps)
-        throw RuntimeError("stopping: " + std::to_string(skips_in_a_row) + " non-finite steps in a row",
+    const TrainingEngine::SkipStatus skips = engine->skip_status();
+    if (skips.total > summary.skipped_steps) {
+      summary.skipped_steps = skips.total;
+      spdlog::warn("iter {}: non-finite loss or gradient; update skipped ({} in a row, {} in total)", iteration,
+                   skips.consecutive, skips.total);
+      if (skips.consecutive >= o.max_skipped_steps)
+        throw RuntimeError("stopping: " + std::to_string(skips.consecutive) + " non-finite steps in a row",
                            "lower --lr, raise --fp8-margin, or check the data; --max-skipped-steps sets the limit");
     }
 
@@ -174,6 +220,8 @@ TrainingSummary run_training(const RunSetup& setup) {
   }
   if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
     summary.last_val_loss = evaluate(o.train_iters);
+  summary.skipped_steps = engine->skip_status().total;
+  if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss);
   return summary;
 }
 

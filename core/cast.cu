@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  if (partial) {  // fixed order: rows of a lane, then lanes 0..kLanes-1
+  if (partial) {  // fixed order: rows of a lane (above), then lanes 0..kLanes-1
 #pragma unroll
     for (int j = 0; j < kVec; ++j) lane_sums[lane][c + j] = sums[j];
     __syncthreads();
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads)
   if (amax) commit_block_amax(amax, local_amax);
 }
 
-// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ...
+// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ... (one thread per column).
 __global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* __restrict__ out,
                                                                        const float* __restrict__ partial, int tiles,
                                                                        int N) {
@@ -210,6 +210,11 @@ __global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* __
   float s = 0.0f;
   for (int t = 0; t < tiles; ++t) s += partial[static_cast<size_t>(t) * N + c];
   out[c] += s;
+}
+
+void launch_add_column_partials(float* out, const float* partial, int tiles, int N, cudaStream_t stream) {
+  add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(out, partial, tiles, N);
+  CUDA_CHECK_LAUNCH();
 }
 
 // ---- FP8 byte transpose ----------------------------------------------------------------
@@ -321,10 +326,7 @@ void launch_cast_transpose(uint8_t* out, uint8_t* out_t, float* dbias, float* am
         <<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t);
   }
   CUDA_CHECK_LAUNCH();
-  if (dbias) {
-    add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dbias, scratch, grid.y, N);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (dbias) launch_add_column_partials(dbias, scratch, static_cast<int>(grid.y), N, stream);
 }
 
 int elementwise_blocks(size_t n) {
@@ -402,8 +404,7 @@ void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratc
   cast_transpose_kernel<__nv_bfloat16, Fp8Dtype::e4m3>
       <<<grid, kThreads, 0, stream>>>(nullptr, nullptr, scratch, nullptr, in, nullptr, M, N, vec_in, false, false);
   CUDA_CHECK_LAUNCH();
-  add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(out, scratch, grid.y, N);
-  CUDA_CHECK_LAUNCH();
+  launch_add_column_partials(out, scratch, static_cast<int>(grid.y), N, stream);
 }
 
 void compute_current_scale(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin,

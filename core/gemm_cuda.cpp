@@ -75,7 +75,7 @@ std::string describe(const GemmEngine::Key& key) {
 
 std::string alignment_hint(const GemmEngine::Key& key) {
   if (is_fp8(key.a_type))
-    return "cuBLASLt's FP8 kernels need K and N multiples of 16 and 16-byte-aligned A, B, C, D pointers "
+    return "cuBLASLt's FP8 kernels need K and N multiples of 16 and 16-byte-aligned A, B, C, D and bias pointers "
            "(pad the model dimensions, e.g. the vocabulary, to a multiple of 16)";
   return "cuBLASLt's BF16 kernels want K and N multiples of 8 and 16-byte-aligned pointers";
 }
@@ -119,17 +119,21 @@ GemmEngine::GemmEngine() {
   CUBLAS_CHECK(cublasLtCreate(&handle));
   handle_ = handle;
   // cudaMalloc returns 256-byte-aligned memory, as cuBLASLt requires of the workspace.
-  const cudaError_t status = cudaMalloc(&workspace_, kWorkspaceBytes);
+  cudaError_t status = cudaMalloc(&workspace_, kWorkspaceBytes);
+  if (status == cudaSuccess) status = cudaMalloc(&scale_staging_, kScaleStagingFloats * sizeof(float));
   if (status != cudaSuccess) {
+    if (workspace_) cudaFree(workspace_);
     cublasLtDestroy(handle_);
     handle_ = nullptr;
     workspace_ = nullptr;
+    scale_staging_ = nullptr;
     CUDA_CHECK(status);
   }
 }
 
 GemmEngine::~GemmEngine() {
   plans_.clear();
+  if (scale_staging_) cudaFree(scale_staging_);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(handle_);
 }
@@ -140,8 +144,11 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
 
   auto plan = std::make_unique<Plan>();
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  // Transposed storage flips the op: B stored [K,N] row-major is column-major [N,K], which
+  // is already op(A') = B with transa = N; A stored [K,M] is column-major [M,K], so
+  // transb = T gives A^T [K,M].
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, key.b_transposed ? CUBLAS_OP_N : CUBLAS_OP_T);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, key.a_transposed ? CUBLAS_OP_T : CUBLAS_OP_N);
   if (is_fp8(key.a_type)) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(key.fast_accum ? 1 : 0));
   // The heuristic reads these pointers' values (alignment, presence), so the plan is made
   // with the first call's pointers; later calls overwrite them (same alignment: it is in the key).
@@ -154,8 +161,16 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
     set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
   }
 
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(key.b_type), key.K, key.N, key.K));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(key.a_type), key.K, key.M, key.K));
+  if (key.b_transposed) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(key.b_type), key.N, key.K, key.N));
+  } else {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(key.b_type), key.K, key.N, key.K));
+  }
+  if (key.a_transposed) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(key.a_type), key.M, key.K, key.M));
+  } else {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(key.a_type), key.K, key.M, key.K));
+  }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, cuda_type(key.d_type), key.N, key.M, key.N));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.d_type), key.N, key.M, key.N));
 
@@ -212,6 +227,11 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   key.has_bias = args.bias != nullptr;
   key.bias_type = key.has_bias ? desc.bias_type : GemmType::bf16;
   key.fast_accum = fp8 && desc.fast_accum;
+  key.a_transposed = desc.a_transposed;
+  key.b_transposed = desc.b_transposed;
+  if (fp8 && (desc.a_transposed || desc.b_transposed))
+    throw RuntimeError(describe(key) + ": FP8 operands must be K-contiguous (not transposed)",
+                       "cast a transposed FP8 copy with cast_transpose_fp8 / transpose_fp8");
   key.has_a_scale = args.a_scale_inv != nullptr;
   key.has_b_scale = args.b_scale_inv != nullptr;
   key.c_mode = args.C == nullptr ? 0 : args.C == args.D ? 1 : 2;
@@ -246,13 +266,39 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   if ((key.has_a_scale && !is_fp8(desc.a_type)) || (key.has_b_scale && !is_fp8(desc.b_type)))
     throw RuntimeError(describe(key) + ": scale_inv pointers are for FP8 operands only",
                        "pass a_scale_inv / b_scale_inv = nullptr for BF16 operands");
+  if (fp8_inputs) {
+    // cuBLASLt's FP8 requirement (16-byte-aligned matrices), checked here rather than left
+    // to the library: on cuBLASLt 13.1 (H100) a bias that is not 16-byte aligned either
+    // makes the heuristic fail (FP32 output) or, 2-byte aligned with BF16 output, passes the
+    // heuristic and then faults in the kernel (misaligned address), which kills the context.
+    const bool operands_ok = key.align_a >= 16 && key.align_b >= 16 && key.align_c >= 16 && key.align_d >= 16;
+    if (!operands_ok || (key.has_bias && key.align_bias < 16))
+      throw RuntimeError(describe(key) + ": FP8 GEMM operands and bias must be 16-byte aligned",
+                         "align every tensor carved out of a slab to 16 bytes (or 256)");
+  }
 
-  Plan& plan = plan_for(key, args);
+  // cuBLASLt 13.1's FP8 kernels return NOT_SUPPORTED for a scale pointer that is not
+  // 16-byte aligned (seen on H100; the heuristic does not catch it), and a scaling table
+  // keeps scale_inv [S] contiguous. Such a pointer's value is first copied, on the stream,
+  // into a 16-byte-aligned slot of the engine (one 4-byte device copy; stream order keeps
+  // the slot valid for this GEMM and refills it for the next). Aligned pointers are used
+  // directly.
+  GemmArgs call = args;
+  if (call.a_scale_inv && reinterpret_cast<uintptr_t>(call.a_scale_inv) % 16 != 0) {
+    CUDA_CHECK(cudaMemcpyAsync(scale_staging_, call.a_scale_inv, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    call.a_scale_inv = scale_staging_;
+  }
+  if (call.b_scale_inv && reinterpret_cast<uintptr_t>(call.b_scale_inv) % 16 != 0) {
+    CUDA_CHECK(cudaMemcpyAsync(scale_staging_ + 4, call.b_scale_inv, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    call.b_scale_inv = scale_staging_ + 4;
+  }
+
+  Plan& plan = plan_for(key, call);
 
   // Per-call pointers: host-side attribute writes on the cached descriptor.
-  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
-  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
-  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(call.a_scale_inv));
+  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(call.b_scale_inv));
+  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias);
 
   const float alpha = args.alpha;
   const float beta = args.C == nullptr ? 0.0f : args.beta;

@@ -14,7 +14,11 @@
 //   bf16 x bf16      fp32           fp32
 //   fp8  x fp8       bf16           bf16     fp8 = e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2
 //   fp8  x fp8       fp32           bf16     (e5m2 x e5m2 has no cuBLASLt kernel)
-// FP8 also needs K and N multiples of 16 and 16-byte-aligned pointers.
+// FP8 also needs K and N multiples of 16 and 16-byte-aligned A, B, C, D and bias pointers
+// (checked: RuntimeError). scale_inv pointers may have any alignment: cuBLASLt needs 16
+// bytes there, so the engine copies a misaligned one into an aligned slot first (one
+// 4-byte device copy on the stream); a scaling table whose scale_inv entries sit 16 bytes
+// apart avoids that copy.
 //
 // C may be nullptr (beta must be 0; C is not read), equal to D (accumulate in place, e.g.
 // the wgrad GEMM adding into the FP32 gradient slab with beta = 1), or another buffer of
@@ -58,6 +62,11 @@ struct GemmDesc {
   GemmType d_type = GemmType::bf16;     // D [M,N] and C [M,N]
   GemmType bias_type = GemmType::bf16;  // bias [N], when GemmArgs::bias is set (see the table above)
   bool fast_accum = false;              // FP8 only (CUBLASLT_MATMUL_DESC_FAST_ACCUM); ignored for BF16
+  // BF16 only: the operand is stored transposed, A as [K,M] or B as [K,N] (row-major), so
+  // BF16 dgrad and wgrad need no transposed copies. FP8 requires both false (Hopper's
+  // FP8 tensor cores take K-contiguous operands only).
+  bool a_transposed = false;
+  bool b_transposed = false;
 };
 
 // The pointers and scalars of one call; they may change from call to call at no cost.
@@ -102,7 +111,7 @@ class GemmEngine {
   struct Key {
     int M, N, K;
     GemmType a_type, b_type, d_type, bias_type;
-    bool has_bias, fast_accum, has_a_scale, has_b_scale;
+    bool has_bias, fast_accum, has_a_scale, has_b_scale, a_transposed, b_transposed;
     uint8_t c_mode;  // 0: no C, 1: C == D, 2: C is another buffer
     uint16_t align_a, align_b, align_c, align_d, align_bias;  // bytes, capped at 256
     auto operator<=>(const Key&) const = default;
@@ -112,8 +121,11 @@ class GemmEngine {
  private:
   Plan& plan_for(const Key& key, const GemmArgs& args);
 
+  static constexpr int kScaleStagingFloats = 64;  // slots at [0] (A) and [4] (B), 16-byte aligned
+
   cublasLtContext* handle_ = nullptr;
   void* workspace_ = nullptr;
+  float* scale_staging_ = nullptr;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

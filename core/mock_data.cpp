@@ -1,5 +1,7 @@
 #include "core/mock_data.h"
 
+#include "core/random.h"
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -27,21 +29,6 @@ constexpr uint64_t kZipfScale = uint64_t{1} << 20;  // integer weights kZipfScal
 // The language's own seed: fixed, so the lexicon is the same for every stream seed.
 constexpr uint64_t kLanguageSeed = 0x6670386C6D6F636Bull;  // "fp8lmock"
 
-// SplitMix64 (Steele, Lea, Flood 2014): tiny, fast, and its output is fixed by its definition.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t operator()() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-
- private:
-  uint64_t state_;
-};
-
 struct MockLanguage {
   std::vector<std::vector<uint16_t>> words;                 // [kLexiconWords][2..6]
   std::vector<std::vector<uint64_t>> successor_cumulative;  // [kLexiconWords][kLexiconWords]
@@ -51,7 +38,7 @@ struct MockLanguage {
 uint64_t zipf_weight(int rank) { return kZipfScale / uint64_t(rank + 1); }
 
 MockLanguage make_language(int vocab_size) {
-  SplitMix64 rng(kLanguageSeed);
+  Random rng(kLanguageSeed);
   MockLanguage language;
   for (int w = 0; w < kLexiconWords; ++w) {
     const int length = kMinWordTokens + int(uniform_below(rng, kMaxWordTokens - kMinWordTokens + 1));
@@ -79,7 +66,7 @@ MockLanguage make_language(int vocab_size) {
 std::vector<uint16_t> make_mock_tokens(size_t count, int vocab_size, uint64_t seed) {
   FP8LM_CHECK(vocab_size > 0 && vocab_size <= 65536, "mock data vocab_size ", vocab_size, " (uint16 tokens)");
   const MockLanguage language = make_language(vocab_size);
-  SplitMix64 rng(seed);
+  Random rng(seed);
   std::vector<uint16_t> tokens;
   tokens.reserve(count + kMaxWordTokens);
   int word = int(uniform_below(rng, kLexiconWords));

@@ -14,6 +14,12 @@ class Random {
  public:
   explicit Random(uint64_t seed) : state_(seed) {}
 
+  // A UniformRandomBitGenerator too, for uniform_below() and the like.
+  using result_type = uint64_t;
+  static constexpr uint64_t min() { return 0; }
+  static constexpr uint64_t max() { return ~uint64_t{0}; }
+  uint64_t operator()() { return next_u64(); }
+
   uint64_t next_u64() {
     uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

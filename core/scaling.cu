@@ -14,8 +14,12 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     update_delayed_scales_kernel(float* __restrict__ history, float* __restrict__ scale,
                                  float* __restrict__ scale_inv, const float* __restrict__ format_max, int L,
-                                 AmaxComputeAlgo algo, int margin) {
+                                 AmaxComputeAlgo algo, int margin, const int* __restrict__ skip) {
   extern __shared__ float window[];  // [L]
+  if (skip != nullptr && *skip) {  // a skipped step: forget its amaxes, keep every scale
+    if (threadIdx.x == 0) history[static_cast<size_t>(blockIdx.x) * L] = 0.0f;
+    return;
+  }
   __shared__ float warp_max[kThreads / 32];
   float* h = history + static_cast<size_t>(blockIdx.x) * L;
 
@@ -57,7 +61,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void discard_current_amaxes_kernel(float* history, int S, int L) {
+__global__ void discard_current_amaxes_kernel(float* history, int S, int L, const int* only_if) {
+  if (only_if != nullptr && !*only_if) return;
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s < S) history[static_cast<size_t>(s) * L] = 0.0f;
 }
@@ -65,7 +70,7 @@ __global__ void discard_current_amaxes_kernel(float* history, int S, int L) {
 }  // namespace
 
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
-                           AmaxComputeAlgo algo, int margin, cudaStream_t stream) {
+                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip) {
   FP8LM_CHECK(S >= 0 && L >= 1, "update_delayed_scales: S=", S, " L=", L);
   FP8LM_CHECK(margin >= 0 && margin < 64, "update_delayed_scales: margin ", margin);
   if (S == 0) return;
@@ -81,15 +86,15 @@ void update_delayed_scales(float* history, float* scale, float* scale_inv, const
     CUDA_CHECK(cudaFuncSetAttribute(update_delayed_scales_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   }
-  update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, L, algo, margin);
+  update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, L, algo, margin, skip);
   CUDA_CHECK_LAUNCH();
 }
 
-void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream) {
+void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if) {
   FP8LM_CHECK(S >= 0 && L >= 1, "discard_current_amaxes: S=", S, " L=", L);
   if (S == 0) return;
   FP8LM_CHECK(history != nullptr, "discard_current_amaxes needs history");
-  discard_current_amaxes_kernel<<<(S + kThreads - 1) / kThreads, kThreads, 0, stream>>>(history, S, L);
+  discard_current_amaxes_kernel<<<(S + kThreads - 1) / kThreads, kThreads, 0, stream>>>(history, S, L, only_if);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -18,9 +18,9 @@ namespace fp8lm::cuda {
 // history [S,L], scale [S], scale_inv [S], format_max [S] (fp8_max of each state's dtype).
 // The caller decides when to update (delayed recipe, interval boundaries), as update() does.
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
-                           AmaxComputeAlgo algo, int margin, cudaStream_t stream);
+                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip = nullptr);
 
 // history[s, 0] = 0 for every state s < S (a skipped step leaves no amaxes behind).
-void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream);
+void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if = nullptr);
 
 }  // namespace fp8lm::cuda

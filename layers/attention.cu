@@ -30,13 +30,15 @@
 // forward  grid (ceil(T/BR), NH, B), query blocks scheduled longest first.
 //   BR = 64*MT queries per block, each warp owns 16*MT query rows (MT = 2 for HS <= 64, 1 for
 //   HS = 128: registers); K/V tiles of BC = 64 keys, double-buffered in shared memory. Per key
-//   tile: S = Q K^T (Q fragments live in registers), scale*log2(e) folded into S, causal mask
-//   only on tiles that cross the diagonal or T, online softmax (exp2), O += P V. Tiles above
+//   tile: S = Q K^T (Q fragments live in registers), causal mask only on tiles that cross the
+//   diagonal or T, online softmax on the raw scores with p = exp2(S*sl2 - m*sl2) (one FFMA,
+//   sl2 = log2(e)/sqrt(HS)), O += P V (P in bf16 straight from the accumulators). Tiles above
 //   the diagonal are never loaded; a warp whose rows all precede the tile skips its mma work.
-//   Epilogue: O / l -> bf16 (optionally FP8 + amax), lse = ln2 * (m + log2 l).
+//   Epilogue: O / l -> bf16 (optionally FP8 + amax), lse = ln2 * (m*sl2 + log2 l).
 //   smem: Q [BR][HS+8] + K,V [2][64][HS+8]   (HS=64: 55,296 B; HS=128: 87,040 B).
 // backward (three kernels, no atomics, each output element written once by one thread):
-//   1. D[b,h,t] = dout_t . out_t (one warp per (b,t,h), fixed shuffle order) -> scratch.
+//   1. D[b,h,t] = dout_t . out_t (HS/8 lanes per (b,t,h), 16-byte loads, fixed shuffle
+//      order) -> scratch [B,NH,T].
 //   2. dK/dV: grid (ceil(T/64), NH, B); a block owns 64 keys (16 per warp), keeps K and V
 //      (fragments in registers for HS <= 64), and walks the query tiles (BQ = 64, or 32 for
 //      HS = 128) from its diagonal to T, double-buffering Q, dO, lse, D. Per tile:
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
 
   uint32_t qf[MT][KT][4];
   float o[MT][NT][4];
-  float m[MT][2], l[MT][2];  // running max (log2 domain) and this thread's partial row sums
+  float m[MT][2], l[MT][2];  // running max of the raw scores and this thread's partial row sums
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -274,24 +276,24 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 
-      // Scale into the log2 domain; mask s > t (and s >= T) on tiles that cross the diagonal.
-      const bool need_mask = (k0 + BC - 1 > warp_q0) || (k0 + BC > T);
+      // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T. S stays
+      // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA.
+      if ((k0 + BC - 1 > warp_q0) || (k0 + BC > T)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < SN; ++nt)
+          for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = s[mt][nt][e] * sl2;
-            if (need_mask) {
+            for (int e = 0; e < 4; ++e) {
               const int row = warp_q0 + mt * 16 + g + (e >> 1) * 8;
               const int col = k0 + nt * 8 + c2 + (e & 1);
-              if (col > row || col >= T) v = -INFINITY;
+              if (col > row || col >= T) s[mt][nt][e] = -INFINITY;
             }
-            s[mt][nt][e] = v;
-          }
+      }
 
-        // Online softmax, per row r (g and g+8); the 4 threads of a quad share a row.
+      // Online softmax, per row r (g and g+8); the 4 threads of a quad share a row.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = -INFINITY;
@@ -301,13 +303,14 @@ __global__ void __launch_bounds__(kThreads)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m[mt][r], mx);
           const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;  // a row with no key yet
-          const float alpha = fast_exp2(m[mt][r] - m_use);          // m_old = -inf -> 0
+          const float alpha = fast_exp2((m[mt][r] - m_use) * sl2);  // m_old = -inf -> 0
+          const float m_scaled = m_use * sl2;
           m[mt][r] = m_new;
           float sum = 0.0f;
 #pragma unroll
           for (int nt = 0; nt < SN; ++nt) {
-            const float p0 = fast_exp2(s[mt][nt][2 * r] - m_use);
-            const float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_use);
+            const float p0 = fast_exp2(fmaf(s[mt][nt][2 * r], sl2, -m_scaled));
+            const float p1 = fast_exp2(fmaf(s[mt][nt][2 * r + 1], sl2, -m_scaled));
             s[mt][nt][2 * r] = p0;
             s[mt][nt][2 * r + 1] = p1;
             sum += p0 + p1;
@@ -362,7 +365,7 @@ __global__ void __launch_bounds__(kThreads)
       const int row = warp_q0 + mt * 16 + g + r * 8;
       if (row < T) {
         const float inv_l = row_l > 0.0f ? 1.0f / row_l : 0.0f;
-        if ((lane & 3) == 0) lse[bh * T + row] = (m[mt][r] + log2f(row_l)) * kLn2;
+        if ((lane & 3) == 0) lse[bh * T + row] = (m[mt][r] * sl2 + log2f(row_l)) * kLn2;
         const size_t row_off = (static_cast<size_t>(b) * T + row) * C + static_cast<size_t>(h) * HS;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -390,28 +393,41 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward: D = rowsum(dout * out) -----------------------------------------------------------
 
-// D [B,NH,T] (written), dout [B,T,C], out [B,T,C]. One warp per (b, t, h), fixed order.
+// D [B,NH,T] (written), dout [B,T,C], out [B,T,C]. G = HS/8 consecutive lanes share one
+// (b, t, h) row, each lane one 16-byte chunk (8 bf16) of dout and out, then a fixed xor
+// shuffle tree over the G lanes: deterministic. rows = B*T*NH < 2^31 (checked on the host).
+template <int HS>
 __global__ void __launch_bounds__(256)
     attention_backward_dot_kernel(float* __restrict__ D, const bf16* __restrict__ dout, const bf16* __restrict__ out,
-                                  int B, int T, int C, int NH, int HS) {
-  const size_t row = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b*T + t)*NH + h
-  const int lane = threadIdx.x % 32;
-  if (row >= static_cast<size_t>(B) * T * NH) return;  // warp-uniform
-  const int h = static_cast<int>(row % NH);
-  const size_t bt = row / NH;
-  const size_t off = bt * C + static_cast<size_t>(h) * HS;
+                                  int rows, int T, int C, int NH) {
+  constexpr int G = HS / 8;  // lanes per row: 4, 8 or 16
+  const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = gid / G;  // (b*T + t)*NH + h
+  const int chunk = gid % G;
   float sum = 0.0f;
-  for (int i = 2 * lane; i < HS; i += 64) {
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + off + i));
-    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + off + i));
-    sum += a.x * o.x + a.y * o.y;
+  if (row < rows) {
+    const int h = row % NH;
+    const int bt = row / NH;
+    const size_t off = static_cast<size_t>(bt) * C + static_cast<size_t>(h) * HS + chunk * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + off);
+    const uint4 o = *reinterpret_cast<const uint4*>(out + off);
+    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 af = __bfloat1622float2(a2[i]);
+      const float2 of = __bfloat1622float2(o2[i]);
+      sum += af.x * of.x + af.y * of.y;
+    }
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) {
-    const size_t b = bt / T;
-    const size_t t = bt % T;
-    D[(b * NH + h) * T + t] = sum;
+  for (int offset = G / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (row < rows && chunk == 0) {
+    const int h = row % NH;
+    const int bt = row / NH;
+    const int b = bt / T;
+    const int t = bt % T;
+    D[(static_cast<size_t>(b) * NH + h) * T + t] = sum;
   }
 }
 
@@ -421,7 +437,7 @@ template <int HS>
 struct DkDvConfig {
   static constexpr int LD = HS + 8;
   static constexpr int BK = kKeyTile;          // keys per block (16 per warp)
-  static constexpr int BQ = HS <= 64 ? 64 : 32;  // queries per tile
+  static constexpr int BQ = HS <= 64 ? 64 : 32;  // queries per tile (32: measured slower for HS=64)
   static constexpr bool kv_in_regs = HS <= 64;   // K/V fragments held in registers
   static constexpr size_t smem_bytes =
       static_cast<size_t>(2 * BK + 4 * BQ) * LD * sizeof(bf16) + 4 * BQ * sizeof(float);
@@ -929,19 +945,24 @@ void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __
                         cudaStream_t stream) {
   const int HS = checked_head_size("attention_backward", B, T, C, NH);
   if (B == 0 || T == 0) return;
-  FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16), "attention_backward: qkv/dout must be 16-byte aligned");
-  FP8LM_CHECK(aligned(dqkv, 4) && aligned(out, 4) && aligned(lse, 4) && aligned(scratch, 4),
-              "attention_backward: dqkv/out/lse/scratch must be 4-byte aligned");
+  FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16) && aligned(out, 16),
+              "attention_backward: qkv/dout/out must be 16-byte aligned");
+  FP8LM_CHECK(aligned(dqkv, 4) && aligned(lse, 4) && aligned(scratch, 4),
+              "attention_backward: dqkv/lse/scratch must be 4-byte aligned");
   FP8LM_CHECK(scratch != nullptr, "attention_backward: scratch is required");
 
   float* D = scratch;  // [B,NH,T]
+  const size_t rows = static_cast<size_t>(B) * T * NH;
+  FP8LM_CHECK(rows * (HS / 8) + 256 < 0x7fffffffu, "attention_backward: B*T*NH=", rows, " is too large");
   {
-    const size_t warps = static_cast<size_t>(B) * T * NH;
     const int threads = 256;
-    const size_t blocks = (warps * 32 + threads - 1) / threads;
-    FP8LM_CHECK(blocks <= 0x7fffffffu, "attention_backward: too many rows");
-    attention_backward_dot_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(D, dout, out, B, T, C, NH,
-                                                                                          HS);
+    const int blocks = static_cast<int>((rows * (HS / 8) + threads - 1) / threads);
+    const int r = static_cast<int>(rows);
+    switch (HS) {
+      case 32: attention_backward_dot_kernel<32><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+      case 64: attention_backward_dot_kernel<64><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+      default: attention_backward_dot_kernel<128><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+    }
     CUDA_CHECK_LAUNCH();
   }
   switch (HS) {

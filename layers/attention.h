@@ -35,8 +35,9 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 // Causal flash attention with mma.sync tensor cores: BF16 in/out, FP32 accumulation and
 // softmax statistics, O(T) memory (no T x T matrix in global memory). Head sizes
 // HS = C/NH of 32, 64 and 128 (others throw RuntimeError with a HINT). Scale 1/sqrt(HS).
-// Requirements, checked on the host (FP8LM_CHECK): qkv and dout 16-byte aligned, other
-// bf16/float pointers 4-byte aligned, out_fp8 2-byte aligned (cudaMalloc gives all of it).
+// Requirements, checked on the host (FP8LM_CHECK): qkv, and in backward dout and out,
+// 16-byte aligned; other bf16/float pointers 4-byte aligned, out_fp8 2-byte aligned
+// (cudaMalloc and 16-byte-aligned slab offsets give all of it).
 namespace fp8lm::cuda {
 
 // out [B,T,C] (=, bf16, heads concatenated), lse [B,NH,T] (=, natural log, FP32),

@@ -168,7 +168,8 @@ TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[t
     engine->forward_backward(inputs.data(), targets.data(), 1.0f / 32);
     engine->end_step(hp, 1.0, step);
     CHECK(engine->step_metrics().skipped);
-    CHECK(engine->consecutive_skips() == step + 1);
+    CHECK(engine->skip_status().consecutive == step + 1);
+    CHECK(engine->skip_status().total == step + 1);
   }
   const std::vector<float> after = engine->parameters();
   for (size_t i = 0; i < params.size(); ++i) {

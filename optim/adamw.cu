@@ -1,0 +1,442 @@
+// Kernels of optim/adamw_cuda.h. No spdlog here (nvcc, C++20).
+//
+// Work decomposition: one block of 256 threads per chunk of kGradNormChunk (8192)
+// elements of one tensor (DeviceTensorTable: chunk -> tensor is one table load), 4
+// consecutive elements per thread per iteration with vector loads and stores, so the
+// kernels stream at close to memory bandwidth. Bytes moved per parameter:
+//   fp8_fp16: pass 1 reads grad, m, v (7 B); pass 2 reads grad, master, m, v (11 B) and
+//             writes master, bf16, m, v (9 B): 27 B.
+//   fp32:     reads grad, master, m, v (16 B), writes master, bf16, m, v (14 B): 30 B.
+//
+// Exactness. The per-element arithmetic below is adamw_moments()/adamw_param() of
+// optim/adamw.h spelled with __fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn/__fsqrt_rn: the
+// same operations in the same order, each rounded once, never contracted into an FMA.
+// The host reference (g++ -O3, ISO C++ mode: -ffp-contract=off, and no FMA in the x86-64
+// baseline) evaluates the same IEEE operations, so the moments, the master weights, the
+// codes and the scales agree bit for bit. If adamw_moments()/adamw_param() change, the
+// twins below must change with them (tests/test_optim_gpu.cpp compares bitwise).
+// The bias corrections 1 - beta^t use the device's double pow (max error 2 ulp of
+// double) where the host uses glibc's (< 1 ulp); both are rounded to float, so they
+// differ only if the exact value lies within a few double ulps of a float rounding
+// boundary (probability ~1e-8 per (beta, t)); tests check t = 1..4096 and a few large t.
+#include "optim/adamw_cuda.h"
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "optim/grad_clip.h"
+
+namespace fp8lm::cuda {
+namespace {
+
+constexpr int kThreads = 256;       // per chunk block
+constexpr int kScaleThreads = 256;  // the one block of the scale update
+constexpr float kMomentMMax = kE4M3Max;  // m is stored as E4M3 (kFirstMomentDtype)
+constexpr float kMomentVMax = kFp16Max;  // v is stored as FP16
+static_assert(kFirstMomentDtype == Fp8Dtype::e4m3, "the kernels store m as E4M3");
+
+// ---- table lookup ------------------------------------------------------------------------
+
+struct ChunkRange {
+  uint64_t begin;  // slab index of the chunk's first element
+  uint32_t n;      // elements in the chunk (1..kGradNormChunk)
+  int k;           // tensor index
+};
+
+__device__ __forceinline__ ChunkRange chunk_of_block(const DeviceTensorTable& table) {
+  const uint32_t c = blockIdx.x;
+  ChunkRange r;
+  r.k = table.chunk_tensor[c];
+  const uint64_t tensor_begin = table.offsets[r.k];
+  const uint64_t tensor_end = tensor_begin + table.numels[r.k];
+  r.begin = tensor_begin + static_cast<uint64_t>(c - table.chunk_begin[r.k]) * kGradNormChunk;
+  const uint64_t left = tensor_end - r.begin;
+  r.n = static_cast<uint32_t>(left < kGradNormChunk ? left : kGradNormChunk);
+  return r;
+}
+
+// ---- per-element arithmetic: the device twins of optim/adamw.h -----------------------------
+
+// adamw_step_scalars(): 1 - beta^t in double, rounded to float.
+__device__ __forceinline__ float bias_correction(float beta, long long t) {
+  return static_cast<float>(__dsub_rn(1.0, pow(static_cast<double>(beta), static_cast<double>(t))));
+}
+
+__device__ __forceinline__ AdamWStepScalars make_scalars(const AdamWHyperparams& hp, bool decay, float grad_scale,
+                                                         float bias_correction1, float bias_correction2) {
+  AdamWStepScalars s;
+  s.lr = hp.lr;
+  s.beta1 = hp.beta1;
+  s.beta2 = hp.beta2;
+  s.eps = hp.eps;
+  s.weight_decay = decay ? hp.weight_decay : 0.0f;
+  s.bias_correction1 = bias_correction1;
+  s.bias_correction2 = bias_correction2;
+  s.grad_scale = grad_scale;
+  return s;
+}
+
+// adamw_moments():  g = grad * s;  m = b1*m + (1-b1)*g;  v = b2*v + ((1-b2)*g)*g.
+__device__ __forceinline__ void moments_rn(float grad, float& m, float& v, const AdamWStepScalars& s) {
+  const float g = __fmul_rn(grad, s.grad_scale);
+  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(__fsub_rn(1.0f, s.beta1), g));
+  v = __fadd_rn(__fmul_rn(s.beta2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, s.beta2), g), g));
+}
+
+// adamw_param():  param - lr * (m_hat / (sqrt(v_hat) + eps) + wd * param).
+__device__ __forceinline__ float param_rn(float param, float m, float v, const AdamWStepScalars& s) {
+  const float m_hat = __fdiv_rn(m, s.bias_correction1);
+  const float v_hat = __fdiv_rn(v, s.bias_correction2);
+  const float step = __fadd_rn(__fdiv_rn(m_hat, __fadd_rn(__fsqrt_rn(v_hat), s.eps)), __fmul_rn(s.weight_decay, param));
+  return __fsub_rn(param, __fmul_rn(s.lr, step));
+}
+
+// The storage formats (optim/adamw.cpp: quantize_m/quantize_v/dequantize_m/dequantize_v).
+__device__ __forceinline__ float decode_m(uint8_t code, float scale_inv) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __fmul_rn(__half2float(__half(h)), scale_inv);  // E4M3 -> FP16 -> FP32 is exact
+}
+__device__ __forceinline__ float decode_v(uint16_t bits, float scale_inv) {
+  return __fmul_rn(__half2float(__ushort_as_half(bits)), scale_inv);
+}
+__device__ __forceinline__ uint8_t encode_m(float m, float scale) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(m, scale), __NV_SATFINITE, __NV_E4M3));
+}
+// FP16 conversion overflows to infinity, so saturate first; the comparison keeps NaN.
+__device__ __forceinline__ uint16_t encode_v(float v, float scale) {
+  const float scaled = __fmul_rn(v, scale);
+  return __half_as_ushort(__float2half_rn(scaled > kMomentVMax ? kMomentVMax : scaled));
+}
+__device__ __forceinline__ uint16_t bf16_bits(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+
+// ---- vector packing ------------------------------------------------------------------------
+
+__device__ __forceinline__ void unpack4(const float4 a, float (&out)[4]) {
+  out[0] = a.x;
+  out[1] = a.y;
+  out[2] = a.z;
+  out[3] = a.w;
+}
+__device__ __forceinline__ float4 pack4(const float (&in)[4]) { return make_float4(in[0], in[1], in[2], in[3]); }
+__device__ __forceinline__ void unpack4(const uint32_t a, uint8_t (&out)[4]) {
+#pragma unroll
+  for (int l = 0; l < 4; ++l) out[l] = static_cast<uint8_t>(a >> (8 * l));
+}
+__device__ __forceinline__ uint32_t pack4(const uint8_t (&in)[4]) {
+  return static_cast<uint32_t>(in[0]) | (static_cast<uint32_t>(in[1]) << 8) | (static_cast<uint32_t>(in[2]) << 16) |
+         (static_cast<uint32_t>(in[3]) << 24);
+}
+__device__ __forceinline__ void unpack4(const uint2 a, uint16_t (&out)[4]) {
+  out[0] = static_cast<uint16_t>(a.x);
+  out[1] = static_cast<uint16_t>(a.x >> 16);
+  out[2] = static_cast<uint16_t>(a.y);
+  out[3] = static_cast<uint16_t>(a.y >> 16);
+}
+__device__ __forceinline__ uint2 pack4(const uint16_t (&in)[4]) {
+  return make_uint2(static_cast<uint32_t>(in[0]) | (static_cast<uint32_t>(in[1]) << 16),
+                    static_cast<uint32_t>(in[2]) | (static_cast<uint32_t>(in[3]) << 16));
+}
+
+template <typename V, typename T>
+__device__ __forceinline__ V load_vec(const T* base, uint64_t i) {
+  return *reinterpret_cast<const V*>(base + i);
+}
+template <typename V, typename T>
+__device__ __forceinline__ void store_vec(T* base, uint64_t i, V value) {
+  *reinterpret_cast<V*>(base + i) = value;
+}
+
+// ---- kernels -------------------------------------------------------------------------------
+
+// Pass 1 (fp8_fp16): the per-tensor amax of the updated moments; nothing but the amax is
+// written. amax_bits [2, count]: m then v, as float bits (values >= 0, so unsigned
+// comparison orders them; NaN never enters, as on the CPU's running_max).
+__global__ void __launch_bounds__(kThreads)
+    adamw_fp8_pass1_kernel(const float* __restrict__ grads, const uint8_t* __restrict__ m_codes,
+                           const uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
+                           const float* __restrict__ v_scales, DeviceTensorTable table, AdamWHyperparams hp,
+                           const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok) {
+  if (control->skip) return;  // uniform over the grid
+  const ChunkRange c = chunk_of_block(table);
+  // Moments need only beta and grad_scale (bias corrections enter the parameter update).
+  const AdamWStepScalars s = make_scalars(hp, false, control->grad_scale, 1.0f, 1.0f);
+  const float m_inv = __fdiv_rn(1.0f, m_scales[c.k]);
+  const float v_inv = __fdiv_rn(1.0f, v_scales[c.k]);
+
+  float amax_m = 0.0f, amax_v = 0.0f;
+  auto element = [&](float g, uint8_t mc, uint16_t vb) {
+    float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
+    moments_rn(g, m, v, s);
+    const float abs_m = fabsf(m);
+    amax_m = abs_m > amax_m ? abs_m : amax_m;  // running_max(): NaN never wins
+    amax_v = v > amax_v ? v : amax_v;
+  };
+
+  const uint64_t b = c.begin;
+  uint32_t scalar_from = 0;
+  if (vec_ok && b % 4 == 0) {
+    const uint32_t nvec = c.n / 4;
+#pragma unroll 2
+    for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
+      const uint64_t i = b + 4ull * j;
+      float g[4];
+      uint8_t mc[4];
+      uint16_t vb[4];
+      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<uint32_t>(m_codes, i), mc);
+      unpack4(load_vec<uint2>(v_bits, i), vb);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) element(g[l], mc[l], vb[l]);
+    }
+    scalar_from = nvec * 4;
+  }
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(grads[b + i], m_codes[b + i], v_bits[b + i]);
+
+  // Block max (exact, order-independent), then one atomic per block and moment.
+  __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax_m = fmaxf(amax_m, __shfl_xor_sync(0xFFFFFFFFu, amax_m, offset));
+    amax_v = fmaxf(amax_v, __shfl_xor_sync(0xFFFFFFFFu, amax_v, offset));
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_m[threadIdx.x / 32] = amax_m;
+    warp_v[threadIdx.x / 32] = amax_v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float block_m = 0.0f, block_v = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      block_m = fmaxf(block_m, warp_m[w]);
+      block_v = fmaxf(block_v, warp_v[w]);
+    }
+    if (block_m > 0.0f) atomicMax(amax_bits + c.k, __float_as_uint(block_m));
+    if (block_v > 0.0f) atomicMax(amax_bits + table.count + c.k, __float_as_uint(block_v));
+  }
+}
+
+// Between the passes (one block): for every tensor, keep the inverse of the old scales
+// (pass 2 dequantizes with them) and store the new scales; and the bias corrections.
+// scratch: [0, 2count) amax bits, [2count, 3count) old 1/m_scale, [3count, 4count) old
+// 1/v_scale, [4count] 1 - beta1^t, [4count + 1] 1 - beta2^t.
+__global__ void __launch_bounds__(kScaleThreads)
+    adamw_fp8_scales_kernel(float* __restrict__ m_scales, float* __restrict__ v_scales, float* __restrict__ scratch,
+                            int count, float beta1, float beta2, const StepControl* __restrict__ control) {
+  if (control->skip) return;
+  const unsigned* amax_bits = reinterpret_cast<const unsigned*>(scratch);
+  for (int k = threadIdx.x; k < count; k += kScaleThreads) {
+    const float amax_m = __uint_as_float(amax_bits[k]);
+    const float amax_v = __uint_as_float(amax_bits[count + k]);
+    scratch[2 * count + k] = __fdiv_rn(1.0f, m_scales[k]);
+    scratch[3 * count + k] = __fdiv_rn(1.0f, v_scales[k]);
+    m_scales[k] = moment_scale(amax_m, kMomentMMax);
+    v_scales[k] = moment_scale(amax_v, kMomentVMax);
+  }
+  if (threadIdx.x == 0) {
+    const long long t = control->step_count;
+    scratch[4 * count] = bias_correction(beta1, t);
+    scratch[4 * count + 1] = bias_correction(beta2, t);
+  }
+}
+
+// Pass 2 (fp8_fp16): the same moments again, the parameter update, re-quantization.
+__global__ void __launch_bounds__(kThreads)
+    adamw_fp8_pass2_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16,
+                           const float* __restrict__ grads, uint8_t* __restrict__ m_codes,
+                           uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
+                           const float* __restrict__ v_scales, DeviceTensorTable table, AdamWHyperparams hp,
+                           const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok) {
+  if (control->skip) return;
+  const ChunkRange c = chunk_of_block(table);
+  const int count = table.count;
+  const float m_inv = scratch[2 * count + c.k];  // the scales the stored moments were quantized with
+  const float v_inv = scratch[3 * count + c.k];
+  const float m_scale = m_scales[c.k];  // the new scales
+  const float v_scale = v_scales[c.k];
+  const AdamWStepScalars s =
+      make_scalars(hp, table.decay[c.k] != 0, control->grad_scale, scratch[4 * count], scratch[4 * count + 1]);
+
+  auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) {
+    float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
+    moments_rn(g, m, v, s);
+    p = param_rn(p, m, v, s);
+    pb = bf16_bits(p);
+    mc = encode_m(m, m_scale);
+    vb = encode_v(v, v_scale);
+  };
+
+  const uint64_t b = c.begin;
+  uint32_t scalar_from = 0;
+  if (vec_ok && b % 4 == 0) {
+    const uint32_t nvec = c.n / 4;
+#pragma unroll 2
+    for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
+      const uint64_t i = b + 4ull * j;
+      float g[4], p[4];
+      uint8_t mc[4];
+      uint16_t vb[4], pb[4];
+      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<float4>(master, i), p);
+      unpack4(load_vec<uint32_t>(m_codes, i), mc);
+      unpack4(load_vec<uint2>(v_bits, i), vb);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) update(g[l], p[l], mc[l], vb[l], pb[l]);
+      store_vec(master, i, pack4(p));
+      store_vec(params_bf16, i, pack4(pb));
+      store_vec(m_codes, i, pack4(mc));
+      store_vec(v_bits, i, pack4(vb));
+    }
+    scalar_from = nvec * 4;
+  }
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
+    const uint64_t e = b + i;
+    float p = master[e];
+    uint8_t mc = m_codes[e];
+    uint16_t vb = v_bits[e], pb;
+    update(grads[e], p, mc, vb, pb);
+    master[e] = p;
+    params_bf16[e] = pb;
+    m_codes[e] = mc;
+    v_bits[e] = vb;
+  }
+}
+
+// FP32 state: one pass.
+__global__ void __launch_bounds__(kThreads)
+    adamw_fp32_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16, const float* __restrict__ grads,
+                      float* __restrict__ m_state, float* __restrict__ v_state, DeviceTensorTable table,
+                      AdamWHyperparams hp, const StepControl* __restrict__ control, bool vec_ok) {
+  if (control->skip) return;
+  __shared__ float bias_corrections[2];
+  if (threadIdx.x == 0) {
+    const long long t = control->step_count;
+    bias_corrections[0] = bias_correction(hp.beta1, t);
+    bias_corrections[1] = bias_correction(hp.beta2, t);
+  }
+  __syncthreads();
+  const ChunkRange c = chunk_of_block(table);
+  const AdamWStepScalars s =
+      make_scalars(hp, table.decay[c.k] != 0, control->grad_scale, bias_corrections[0], bias_corrections[1]);
+
+  auto update = [&](float g, float& p, float& m, float& v, uint16_t& pb) {
+    moments_rn(g, m, v, s);
+    p = param_rn(p, m, v, s);
+    pb = bf16_bits(p);
+  };
+
+  const uint64_t b = c.begin;
+  uint32_t scalar_from = 0;
+  if (vec_ok && b % 4 == 0) {
+    const uint32_t nvec = c.n / 4;
+#pragma unroll 2
+    for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
+      const uint64_t i = b + 4ull * j;
+      float g[4], p[4], m[4], v[4];
+      uint16_t pb[4];
+      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<float4>(master, i), p);
+      unpack4(load_vec<float4>(m_state, i), m);
+      unpack4(load_vec<float4>(v_state, i), v);
+#pragma unroll
+      for (int l = 0; l < 4; ++l) update(g[l], p[l], m[l], v[l], pb[l]);
+      store_vec(master, i, pack4(p));
+      store_vec(params_bf16, i, pack4(pb));
+      store_vec(m_state, i, pack4(m));
+      store_vec(v_state, i, pack4(v));
+    }
+    scalar_from = nvec * 4;
+  }
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
+    const uint64_t e = b + i;
+    float p = master[e], m = m_state[e], v = v_state[e];
+    uint16_t pb;
+    update(grads[e], p, m, v, pb);
+    master[e] = p;
+    params_bf16[e] = pb;
+    m_state[e] = m;
+    v_state[e] = v;
+  }
+}
+
+__global__ void bias_corrections_kernel(float* out, const long long* steps, int n, float beta1, float beta2) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  out[2 * i] = bias_correction(beta1, steps[i]);
+  out[2 * i + 1] = bias_correction(beta2, steps[i]);
+}
+
+// ---- host helpers --------------------------------------------------------------------------
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The checks of AdamW::step() on the host values.
+void check_hyperparams(const AdamWHyperparams& hp) {
+  FP8LM_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "beta1=", hp.beta1);
+  FP8LM_CHECK(hp.beta2 >= 0.0f && hp.beta2 < 1.0f, "beta2=", hp.beta2);
+  FP8LM_CHECK(hp.eps >= 0.0f && hp.lr >= 0.0f && hp.weight_decay >= 0.0f, "eps=", hp.eps, " lr=", hp.lr,
+              " weight_decay=", hp.weight_decay);
+}
+
+}  // namespace
+
+size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * static_cast<size_t>(table.count) + 2; }
+
+void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+                         uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
+                         const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                         cudaStream_t stream) {
+  check_hyperparams(hp);
+  if (table.count == 0) return;
+  FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
+              "adamw_step_fp8_fp16 needs every array");
+  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m_codes, 4) &&
+                      aligned(v_bits, 8);
+  uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
+  unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
+
+  CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
+  if (table.num_chunks > 0) {
+    adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, m_codes, v_bits, m_scales, v_scales,
+                                                                      table, hp, control, amax_bits, vec_ok);
+    CUDA_CHECK_LAUNCH();
+  }
+  // Also for empty tensors: their scales become 1 (amax 0), as on the CPU.
+  adamw_fp8_scales_kernel<<<1, kScaleThreads, 0, stream>>>(m_scales, v_scales, scratch, table.count, hp.beta1,
+                                                           hp.beta2, control);
+  CUDA_CHECK_LAUNCH();
+  if (table.num_chunks > 0) {
+    adamw_fp8_pass2_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, grads, m_codes, v_bits, m_scales,
+                                                                      v_scales, table, hp, control, scratch, vec_ok);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
+                     const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
+                     cudaStream_t stream) {
+  check_hyperparams(hp);
+  if (table.num_chunks == 0) return;
+  FP8LM_CHECK(master && params_bf16 && grads && m && v && control, "adamw_step_fp32 needs every array");
+  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m, 16) &&
+                      aligned(v, 16);
+  adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16), grads,
+                                                               m, v, table, hp, control, vec_ok);
+  CUDA_CHECK_LAUNCH();
+}
+
+void adamw_bias_corrections(float* out, const long long* steps, int n, float beta1, float beta2,
+                            cudaStream_t stream) {
+  FP8LM_CHECK(n >= 0, "n=", n);
+  if (n == 0) return;
+  FP8LM_CHECK(out && steps, "adamw_bias_corrections needs out and steps");
+  bias_corrections_kernel<<<(n + 255) / 256, 256, 0, stream>>>(out, steps, n, beta1, beta2);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp8lm::cuda

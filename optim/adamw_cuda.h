@@ -1,0 +1,74 @@
+// AdamW on the GPU: the device twin of AdamW::step() (optim/adamw.h), over whole slabs,
+// with no host sync. The step count t, the clip coefficient and the skip decision come
+// from a device StepControl written by finalize_step() (optim/grad_clip_cuda.h).
+//
+// Semantics (exactly those of optim/adamw.h, per tensor of the layout, padding never
+// touched):
+//   - control->skip != 0: every kernel returns at once; nothing anywhere changes.
+//   - otherwise t = control->step_count (already incremented by finalize_step, so >= 1;
+//     t = 0 would divide by a zero bias correction), grad_scale = control->grad_scale,
+//     bias corrections 1 - beta^t computed in double (pow) and rounded to float, as
+//     adamw_step_scalars() does on the host.
+//   - fp8_fp16: pass 1 updates the moments in registers and reduces amax_m = max |m|,
+//     amax_v = max v per tensor (atomicMax on the float bits: values >= 0, NaN ignored as
+//     on the CPU, so the result does not depend on the order); new scales
+//     moment_scale(amax, 448 / 65504); pass 2 recomputes the same moments, updates the
+//     master weight from them (unquantized), writes the BF16 copy and re-quantizes m
+//     (E4M3, RNE, saturating) and v (FP16 RNE after clamping to 65504) with the new scales.
+//   - the per-element arithmetic is that of adamw_moments()/adamw_param(), evaluated with
+//     explicit round-to-nearest intrinsics (no FMA contraction), IEEE division and square
+//     root: the results are bit-identical to the CPU reference (g++ on x86-64 does not
+//     contract either), given bit-identical bias corrections (see the risk note on pow in
+//     optim/adamw.cu).
+//
+// Plain C++ header (no kernels): usable from .cpp files compiled by g++.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "optim/adamw.h"
+#include "optim/grad_clip_cuda.h"
+
+namespace fp8lm::cuda {
+
+// Floats of scratch adamw_step_fp8_fp16() needs: 4 * table.count + 2
+// (per-tensor amax of m and v, the previous scale inverses, the two bias corrections).
+size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table);
+
+// One AdamW step with FP8-LLM state. Four launches on `stream` (memset, pass 1, scales,
+// pass 2), each a no-op when control->skip.
+//   master      [total_elements] FP32 master weights, updated in place
+//   params_bf16 [total_elements] BF16 working copy: written (= round-to-nearest-even of the
+//               updated master) for every real element; padding untouched
+//   grads       [total_elements] FP32 gradients, unscaled (grad_scale is applied on read)
+//   m_codes     [total_elements] E4M3 codes of m * m_scale, updated
+//   v_bits      [total_elements] FP16 bits of v * v_scale, updated
+//   m_scales    [table.count] per-tensor scales, read then overwritten with the new ones
+//   v_scales    [table.count]
+//   hp          host values (lr of this step, betas, eps, weight decay)
+//   control     [1] device: skip, step_count, grad_scale (read only)
+//   scratch     [adamw_fp8_fp16_scratch_size(table)] floats, device
+// Fresh state: codes and bits 0, scales 1 (as the CPU AdamW constructor).
+// Vectorized (4 elements per thread) when every pointer is 16-byte (FP32) / 8-byte
+// (FP16, BF16) / 4-byte (E4M3) aligned and a tensor's offset is a multiple of 4 (the
+// TensorLayout default); any other tensor takes a scalar path with the same results.
+void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+                         uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
+                         const AdamWHyperparams& hp, const StepControl* control, float* scratch, cudaStream_t stream);
+
+// One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
+void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
+                     const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
+                     cudaStream_t stream);
+
+// Diagnostics (tests): out[2i] = 1 - beta1^steps[i], out[2i+1] = 1 - beta2^steps[i], as the
+// kernels compute them (double pow, rounded to float).
+//   out [n, 2] device, written; steps [n] device
+void adamw_bias_corrections(float* out, const long long* steps, int n, float beta1, float beta2,
+                            cudaStream_t stream);
+
+}  // namespace fp8lm::cuda

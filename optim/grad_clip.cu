@@ -1,0 +1,196 @@
+// Kernels of optim/grad_clip_cuda.h. No spdlog here (nvcc, C++20).
+#include "optim/grad_clip_cuda.h"
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace fp8lm::cuda {
+
+// ---- DeviceTensorLayout ------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+void upload_all(DeviceBuffer<T>& buffer, const std::vector<T>& host) {
+  buffer.allocate(host.size());
+  if (!host.empty()) buffer.upload(host);
+}
+
+}  // namespace
+
+DeviceTensorLayout::DeviceTensorLayout(const TensorLayout& layout) {
+  const auto& tensors = layout.tensors();
+  FP8LM_CHECK(tensors.size() < static_cast<size_t>(std::numeric_limits<int32_t>::max()), "too many tensors: ",
+              tensors.size());
+  std::vector<uint64_t> offsets, numels;
+  std::vector<uint8_t> decay;
+  std::vector<uint32_t> chunk_begin;
+  std::vector<int32_t> chunk_tensor;
+  uint64_t chunks = 0;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const TensorInfo& t = tensors[k];
+    FP8LM_CHECK(t.offset + t.numel <= layout.total_elements(), "tensor ", t.name, " outside the slab");
+    offsets.push_back(t.offset);
+    numels.push_back(t.numel);
+    decay.push_back(t.weight_decay ? 1 : 0);
+    chunk_begin.push_back(static_cast<uint32_t>(chunks));
+    const uint64_t n = (t.numel + kGradNormChunk - 1) / kGradNormChunk;
+    // One block per chunk: grid.x (and the uint32 chunk indices) must hold them.
+    FP8LM_CHECK(chunks + n < static_cast<uint64_t>(std::numeric_limits<int32_t>::max()),
+                "layout too large for the optimizer kernels: ", chunks + n, " chunks");
+    chunk_tensor.insert(chunk_tensor.end(), n, static_cast<int32_t>(k));
+    chunks += n;
+  }
+  chunk_begin.push_back(static_cast<uint32_t>(chunks));
+
+  upload_all(offsets_, offsets);
+  upload_all(numels_, numels);
+  upload_all(decay_, decay);
+  upload_all(chunk_begin_, chunk_begin);
+  upload_all(chunk_tensor_, chunk_tensor);
+  table_.offsets = offsets_.data();
+  table_.numels = numels_.data();
+  table_.decay = decay_.data();
+  table_.chunk_begin = chunk_begin_.data();
+  table_.chunk_tensor = chunk_tensor_.data();
+  table_.count = static_cast<int>(tensors.size());
+  table_.num_chunks = static_cast<uint32_t>(chunks);
+  table_.total_elements = layout.total_elements();
+}
+
+// ---- kernels -----------------------------------------------------------------------------
+
+namespace {
+
+constexpr int kThreads = 256;       // per chunk block
+constexpr int kFinalThreads = 1024;  // the one block of the final reduction
+
+// Sum over the block in a fixed order: a shuffle-down tree per warp, then warp 0's
+// thread 0 adds the warp sums in warp order. The result is valid in thread 0 only.
+template <int kBlock>
+__device__ double block_sum_fixed(double x) {
+  __shared__ double warp_sum[kBlock / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x = __dadd_rn(x, __shfl_down_sync(0xFFFFFFFFu, x, offset));
+  if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = x;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kBlock / 32; ++w) total = __dadd_rn(total, warp_sum[w]);
+  }
+  return total;
+}
+
+__device__ __forceinline__ double add_square(double sum, float g) {
+  const double d = static_cast<double>(g);
+  return __dadd_rn(sum, __dmul_rn(d, d));  // g*g rounded, then added (as the CPU, no FMA)
+}
+
+// One block per chunk: partial[c] = sum of squares of chunk c.
+__global__ void __launch_bounds__(kThreads)
+    grad_norm_chunks_kernel(const float* __restrict__ grads, DeviceTensorTable table, double* __restrict__ partial,
+                            bool vec_ok) {
+  const uint32_t c = blockIdx.x;
+  const int k = table.chunk_tensor[c];
+  const uint64_t tensor_end = table.offsets[k] + table.numels[k];
+  const uint64_t begin = table.offsets[k] + static_cast<uint64_t>(c - table.chunk_begin[k]) * kGradNormChunk;
+  const uint64_t left = tensor_end - begin;
+  const uint32_t n = static_cast<uint32_t>(left < kGradNormChunk ? left : kGradNormChunk);
+  const float* g = grads + begin;
+
+  double sum = 0.0;
+  uint32_t scalar_from = 0;
+  if (vec_ok && begin % 4 == 0) {
+    const uint32_t nvec = n / 4;
+    const float4* g4 = reinterpret_cast<const float4*>(g);
+    for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
+      const float4 v = g4[j];
+      sum = add_square(sum, v.x);
+      sum = add_square(sum, v.y);
+      sum = add_square(sum, v.z);
+      sum = add_square(sum, v.w);
+    }
+    scalar_from = nvec * 4;
+  }
+  for (uint32_t i = scalar_from + threadIdx.x; i < n; i += kThreads) sum = add_square(sum, g[i]);
+
+  sum = block_sum_fixed<kThreads>(sum);
+  if (threadIdx.x == 0) partial[c] = sum;
+}
+
+// One block: *out = sum of partial[0..n) in a fixed order.
+__global__ void __launch_bounds__(kFinalThreads)
+    grad_norm_final_kernel(const double* __restrict__ partial, uint32_t n, double* __restrict__ out) {
+  double sum = 0.0;
+  for (uint32_t i = threadIdx.x; i < n; i += kFinalThreads) sum = __dadd_rn(sum, partial[i]);
+  sum = block_sum_fixed<kFinalThreads>(sum);
+  if (threadIdx.x == 0) *out = sum;
+}
+
+__global__ void finalize_step_kernel(StepControl* control, const double* sum_of_squares, const float* loss_sum,
+                                     float loss_divisor, double max_grad_norm) {
+  StepControl c = *control;
+  const double norm = sqrt(*sum_of_squares);
+  const float loss = *loss_sum / loss_divisor;
+  const bool skip = !isfinite(loss) || !isfinite(norm);
+  // clip_coefficient() of optim/grad_clip.cpp, in double as there.
+  float grad_scale = 1.0f;
+  if (max_grad_norm > 0.0 && isfinite(norm)) {
+    const double coeff = max_grad_norm / __dadd_rn(norm, 1e-6);
+    if (coeff < 1.0) grad_scale = static_cast<float>(coeff);
+  }
+  c.loss = loss;
+  c.grad_norm = static_cast<float>(norm);
+  c.grad_scale = grad_scale;
+  c.skip = skip ? 1 : 0;
+  if (skip) {
+    c.consecutive_skips += 1;
+    c.total_skips += 1;
+  } else {
+    c.consecutive_skips = 0;
+    c.step_count += 1;
+  }
+  *control = c;
+}
+
+__global__ void set_step_control_kernel(StepControl* control, StepControl value) { *control = value; }
+
+}  // namespace
+
+void set_step_control(StepControl* control, const StepControl& value, cudaStream_t stream) {
+  FP8LM_CHECK(control != nullptr, "set_step_control needs a device StepControl");
+  set_step_control_kernel<<<1, 1, 0, stream>>>(control, value);
+  CUDA_CHECK_LAUNCH();
+}
+
+size_t grad_norm_scratch_size(const DeviceTensorTable& table) {
+  return table.num_chunks > 0 ? static_cast<size_t>(table.num_chunks) : 1;
+}
+
+void grad_norm_squared(double* out_sum_of_squares, const float* grads, const DeviceTensorTable& table,
+                       double* scratch, cudaStream_t stream) {
+  FP8LM_CHECK(out_sum_of_squares != nullptr, "grad_norm_squared needs an output");
+  if (table.num_chunks == 0) {  // no parameters: the sum is 0
+    CUDA_CHECK(cudaMemsetAsync(out_sum_of_squares, 0, sizeof(double), stream));
+    return;
+  }
+  FP8LM_CHECK(grads != nullptr && scratch != nullptr, "grad_norm_squared needs grads and scratch");
+  const bool vec_ok = reinterpret_cast<uintptr_t>(grads) % 16 == 0;
+  grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, table, scratch, vec_ok);
+  CUDA_CHECK_LAUNCH();
+  grad_norm_final_kernel<<<1, kFinalThreads, 0, stream>>>(scratch, table.num_chunks, out_sum_of_squares);
+  CUDA_CHECK_LAUNCH();
+}
+
+void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
+                   double max_grad_norm, cudaStream_t stream) {
+  FP8LM_CHECK(control && sum_of_squares && loss_sum, "finalize_step needs control, sum_of_squares and loss_sum");
+  finalize_step_kernel<<<1, 1, 0, stream>>>(control, sum_of_squares, loss_sum, loss_divisor, max_grad_norm);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp8lm::cuda
