@@ -1,6 +1,7 @@
 // The whole model on the GPU against the CPU reference, and FP8 against BF16 over a
 // short training run. Every test reports SKIPPED without a GPU.
 #include <cmath>
+#include <cstring>
 
 #include <catch2/catch_test_macros.hpp>
 
@@ -129,4 +130,32 @@ TEST_CASE("50 GPU steps: FP8 and BF16 losses stay together", "[gpu][model]") {
   CHECK(mean_gap < 0.1);
   CHECK(std::fabs(tail_fp8 - tail_bf16) < 0.03 * tail_bf16);
   CHECK(tail_bf16 < 0.6 * losses[0][0]);
+}
+
+TEST_CASE("GPU training is bit-reproducible: two identical runs give identical weights", "[gpu][model]") {
+  FP8LM_REQUIRE_GPU();
+  const int B = 4, T = 128;
+  const auto x = random_tokens(B * T, 50257, 21), y = random_tokens(B * T, 50257, 22);
+  for (const char* mode : {"--bf16", "--fp8-hybrid"}) {
+    std::vector<std::vector<float>> weights;
+    std::vector<double> losses;
+    for (int run = 0; run < 2; ++run) {
+      auto engine = make_cuda_engine(setup_for("gpt2-124m.json", "cuda",
+                                               {mode, "--micro-batch-size", std::to_string(B), "--seq-length",
+                                                std::to_string(T), "--seed", "8"}));
+      AdamWHyperparams hp;
+      hp.lr = 3e-4f;
+      for (int step = 0; step < 4; ++step) {
+        engine->begin_step();
+        engine->forward_backward(x.data(), y.data(), 1.0f / (B * T));
+        engine->forward_backward(y.data(), x.data(), 1.0f / (B * T));  // two micro-batches
+        engine->end_step(hp, 1.0, step);
+      }
+      losses.push_back(engine->step_metrics().loss);
+      weights.push_back(engine->parameters());
+    }
+    INFO(mode << ": losses " << losses[0] << " " << losses[1]);
+    CHECK(losses[0] == losses[1]);
+    CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
+  }
 }
