@@ -8,13 +8,12 @@
 //             writes master, bf16, m, v (9 B): 27 B.
 //   fp32:     reads grad, master, m, v (16 B), writes master, bf16, m, v (14 B): 30 B.
 //
-// Exactness. The per-element arithmetic below is adamw_moments()/adamw_param() of
-// optim/adamw.h spelled with __fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn/__fsqrt_rn: the
-// same operations in the same order, each rounded once, never contracted into an FMA.
+// Exactness. The per-element arithmetic is adamw_moments()/adamw_param() of
+// optim/adamw.h, whose operations are spelled with the _rn intrinsics on the device:
+// the same operations in the same order, each rounded once, never contracted into an FMA.
 // The host reference (g++ -O3, ISO C++ mode: -ffp-contract=off, and no FMA in the x86-64
 // baseline) evaluates the same IEEE operations, so the moments, the master weights, the
-// codes and the scales agree bit for bit. If adamw_moments()/adamw_param() change, the
-// twins below must change with them (tests/test_optim_gpu.cpp compares bitwise).
+// codes and the scales agree bit for bit (tests/test_optim_gpu.cpp compares bitwise).
 // The bias corrections 1 - beta^t use the device's double pow (max error 2 ulp of
 // double) where the host uses glibc's (< 1 ulp); both are rounded to float, so they
 // differ only if the exact value lies within a few double ulps of a float rounding
@@ -80,21 +79,6 @@ __device__ __forceinline__ AdamWStepScalars make_scalars(const AdamWHyperparams&
   s.bias_correction2 = bias_correction2;
   s.grad_scale = grad_scale;
   return s;
-}
-
-// adamw_moments():  g = grad * s;  m = b1*m + (1-b1)*g;  v = b2*v + ((1-b2)*g)*g.
-__device__ __forceinline__ void moments_rn(float grad, float& m, float& v, const AdamWStepScalars& s) {
-  const float g = __fmul_rn(grad, s.grad_scale);
-  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(__fsub_rn(1.0f, s.beta1), g));
-  v = __fadd_rn(__fmul_rn(s.beta2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, s.beta2), g), g));
-}
-
-// adamw_param():  param - lr * (m_hat / (sqrt(v_hat) + eps) + wd * param).
-__device__ __forceinline__ float param_rn(float param, float m, float v, const AdamWStepScalars& s) {
-  const float m_hat = __fdiv_rn(m, s.bias_correction1);
-  const float v_hat = __fdiv_rn(v, s.bias_correction2);
-  const float step = __fadd_rn(__fdiv_rn(m_hat, __fadd_rn(__fsqrt_rn(v_hat), s.eps)), __fmul_rn(s.weight_decay, param));
-  return __fsub_rn(param, __fmul_rn(s.lr, step));
 }
 
 // The storage formats (optim/adamw.cpp: quantize_m/quantize_v/dequantize_m/dequantize_v).
@@ -172,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
   float amax_m = 0.0f, amax_v = 0.0f;
   auto element = [&](float g, uint8_t mc, uint16_t vb) {
     float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
-    moments_rn(g, m, v, s);
+    adamw_moments(g, m, v, s);
     const float abs_m = fabsf(m);
     amax_m = abs_m > amax_m ? abs_m : amax_m;  // running_max(): NaN never wins
     amax_v = v > amax_v ? v : amax_v;
@@ -264,8 +248,8 @@ __global__ void __launch_bounds__(kThreads)
 
   auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) {
     float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
-    moments_rn(g, m, v, s);
-    p = param_rn(p, m, v, s);
+    adamw_moments(g, m, v, s);
+    p = adamw_param(p, m, v, s);
     pb = bf16_bits(p);
     mc = encode_m(m, m_scale);
     vb = encode_v(v, v_scale);
@@ -325,8 +309,8 @@ __global__ void __launch_bounds__(kThreads)
       make_scalars(hp, table.decay[c.k] != 0, control->grad_scale, bias_corrections[0], bias_corrections[1]);
 
   auto update = [&](float g, float& p, float& m, float& v, uint16_t& pb) {
-    moments_rn(g, m, v, s);
-    p = param_rn(p, m, v, s);
+    adamw_moments(g, m, v, s);
+    p = adamw_param(p, m, v, s);
     pb = bf16_bits(p);
   };
 

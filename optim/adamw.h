@@ -115,18 +115,41 @@ struct AdamWStepScalars {
 AdamWStepScalars adamw_step_scalars(const AdamWHyperparams& hp, int64_t t, float grad_scale,
                                     bool decay);
 
-// The moment update of one element (m and v in and out, FP32).
+// Single-rounding FP32 operations: on the GPU spelled with the _rn intrinsics, which
+// nvcc never contracts into an FMA, so the kernel computes exactly what the host does
+// (g++ in ISO mode does not contract, and x86-64's baseline has no FMA).
+namespace exact {
+#if defined(__CUDA_ARCH__)
+FP8LM_HOST_DEVICE inline float mul(float a, float b) { return __fmul_rn(a, b); }
+FP8LM_HOST_DEVICE inline float add(float a, float b) { return __fadd_rn(a, b); }
+FP8LM_HOST_DEVICE inline float sub(float a, float b) { return __fsub_rn(a, b); }
+FP8LM_HOST_DEVICE inline float div(float a, float b) { return __fdiv_rn(a, b); }
+FP8LM_HOST_DEVICE inline float sqrt(float a) { return __fsqrt_rn(a); }
+#else
+inline float mul(float a, float b) { return a * b; }
+inline float add(float a, float b) { return a + b; }
+inline float sub(float a, float b) { return a - b; }
+inline float div(float a, float b) { return a / b; }
+inline float sqrt(float a) { return std::sqrt(a); }
+#endif
+}  // namespace exact
+
+// The moment update of one element (m and v in and out, FP32):
+//   g = grad * s;  m = b1*m + (1-b1)*g;  v = b2*v + ((1-b2)*g)*g
 FP8LM_HOST_DEVICE inline void adamw_moments(float grad, float& m, float& v, const AdamWStepScalars& s) {
-  const float g = grad * s.grad_scale;
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * g * g;
+  const float g = exact::mul(grad, s.grad_scale);
+  m = exact::add(exact::mul(s.beta1, m), exact::mul(exact::sub(1.0f, s.beta1), g));
+  v = exact::add(exact::mul(s.beta2, v), exact::mul(exact::mul(exact::sub(1.0f, s.beta2), g), g));
 }
 
-// The parameter update of one element from its updated moments; returns the new value.
+// The parameter update of one element from its updated moments; returns the new value:
+//   param - lr * (m_hat / (sqrt(v_hat) + eps) + wd * param)
 FP8LM_HOST_DEVICE inline float adamw_param(float param, float m, float v, const AdamWStepScalars& s) {
-  const float m_hat = m / s.bias_correction1;
-  const float v_hat = v / s.bias_correction2;
-  return param - s.lr * (m_hat / (sqrtf(v_hat) + s.eps) + s.weight_decay * param);
+  const float m_hat = exact::div(m, s.bias_correction1);
+  const float v_hat = exact::div(v, s.bias_correction2);
+  const float update = exact::add(exact::div(m_hat, exact::add(exact::sqrt(v_hat), s.eps)),
+                                  exact::mul(s.weight_decay, param));
+  return exact::sub(param, exact::mul(s.lr, update));
 }
 
 // The per-tensor scale of a stored moment: maps amax onto the format's largest value
