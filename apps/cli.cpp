@@ -56,6 +56,10 @@ void validate_options(const TrainOptions& o) {
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
   require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
+  require(!o.ckpt_step || !o.load_dir.empty(), "--ckpt-step needs --load DIR");
+  require(o.exit_interval >= 0, "--exit-interval must be >= 0 (got " + num(o.exit_interval) + ")");
+  require(!o.ckpt_step || *o.ckpt_step >= 0, "--ckpt-step must be >= 0");
+  require(o.load_dir.empty() || o.init_from.empty(), "--load and --init-from are alternatives; give one");
   require(o.eval_interval >= 0, "--eval-interval must be >= 0 (got " + num(o.eval_interval) + ")");
   require(o.eval_iters >= 0, "--eval-iters must be >= 0 (got " + num(o.eval_iters) + ")");
   require(o.log_interval >= 1, "--log-interval must be >= 1 (got " + num(o.log_interval) + ")");
@@ -170,7 +174,16 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   const char* checkpoints = "Checkpoints";
   app.add_option("--save", o.save_dir, "Checkpoint directory to write")->group(checkpoints);
   app.add_option("--load", o.load_dir, "Checkpoint directory to resume from")->group(checkpoints);
-  app.add_option("--save-interval", o.save_interval, "Save every N steps (0: never periodically)")
+  app.add_option("--save-interval", o.save_interval, "Save every N steps (0: only at the end and on SIGTERM)")
+      ->group(checkpoints);
+  app.add_option("--exit-interval", o.exit_interval,
+                 "Stop (saving a checkpoint with --save) once the iteration is a multiple of N; 0: off")
+      ->group(checkpoints);
+  app.add_option("--ckpt-step", o.ckpt_step, "With --load: resume from this iteration instead of `latest`")
+      ->group(checkpoints);
+  app.add_option("--init-from", o.init_from,
+                 "Start from these weights only: a Hugging Face GPT-2 model.safetensors (or its directory) "
+                 "or an fp8lm checkpoint")
       ->group(checkpoints);
 
   // ---- Evaluation and logging

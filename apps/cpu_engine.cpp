@@ -66,6 +66,64 @@ class CpuEngine final : public TrainingEngine {
     model_.parameters() = values;
   }
 
+  OptimizerSnapshot optimizer_state() override {
+    OptimizerSnapshot state;
+    state.precision = optimizer_.precision();
+    state.step_count = optimizer_.step_count();
+    const auto copy = [](auto span) { return std::vector<typename decltype(span)::value_type>(span.begin(), span.end()); };
+    state.m8 = copy(optimizer_.m8());
+    state.v16 = copy(optimizer_.v16());
+    state.m_scales = copy(optimizer_.m_scales());
+    state.v_scales = copy(optimizer_.v_scales());
+    state.m32 = copy(optimizer_.m32());
+    state.v32 = copy(optimizer_.v32());
+    return state;
+  }
+
+  void set_optimizer_state(const OptimizerSnapshot& state) override {
+    FP8LM_CHECK(state.precision == optimizer_.precision());
+    optimizer_.set_step_count(state.step_count);
+    const auto put = [](const auto& from, auto to) {
+      FP8LM_CHECK(from.size() == to.size(), "optimizer state size ", from.size(), " != ", to.size());
+      std::copy(from.begin(), from.end(), to.begin());
+    };
+    put(state.m8, optimizer_.m8());
+    put(state.v16, optimizer_.v16());
+    put(state.m_scales, optimizer_.m_scales());
+    put(state.v_scales, optimizer_.v_scales());
+    put(state.m32, optimizer_.m32());
+    put(state.v32, optimizer_.v32());
+  }
+
+  ScalingSnapshot scaling_state() override {
+    ScalingTable& table = model_.scaling();
+    ScalingSnapshot state;
+    for (int i = 0; i < table.size(); ++i) {
+      state.names.push_back(table.name(i));
+      state.dtypes.push_back(table.dtype(i));
+    }
+    state.history_len = table.config().amax_history_len;
+    state.history = table.history();
+    state.scale = table.scales();
+    state.scale_inv = table.scale_invs();
+    state.initialized = table.size() > 0 && table.initialized(0);
+    return state;
+  }
+
+  void set_scaling_state(const ScalingSnapshot& state) override {
+    ScalingTable& table = model_.scaling();
+    FP8LM_CHECK(int(state.names.size()) == table.size() && state.history.size() == table.history().size());
+    table.history() = state.history;
+    table.scales() = state.scale;
+    table.scale_invs() = state.scale_inv;
+    std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), state.initialized ? 1 : 0);
+  }
+
+  void set_total_skips(int64_t total) override {
+    skips_.total = total;
+    skips_.consecutive = 0;
+  }
+
   BenchmarkMemory benchmark_memory() const override {
     BenchmarkMemory memory;
     memory.allocated_bytes = 2 * model_.layout().total_elements() * sizeof(float) + optimizer_.state_bytes();

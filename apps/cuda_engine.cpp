@@ -163,6 +163,95 @@ class CudaEngine final : public TrainingEngine {
   std::vector<float> parameters() override { return model_.parameters(); }
   void set_parameters(const std::vector<float>& values) override { model_.set_parameters(values); }
 
+  OptimizerSnapshot optimizer_state() override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    OptimizerSnapshot state;
+    state.precision = state_precision_;
+    state.m8 = m8_.download();
+    state.v16 = v16_.download();
+    state.m_scales = m_scales_.download();
+    state.v_scales = v_scales_.download();
+    state.m32 = m32_.download();
+    state.v32 = v32_.download();
+    cuda::StepControl control;
+    CUDA_CHECK(cudaMemcpy(&control, control_.data(), sizeof control, cudaMemcpyDeviceToHost));
+    state.step_count = control.step_count;
+    return state;
+  }
+
+  void set_optimizer_state(const OptimizerSnapshot& state) override {
+    FP8LM_CHECK(state.precision == state_precision_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const auto put = [](const auto& from, auto& to) {
+      FP8LM_CHECK(from.size() == to.size(), "optimizer state size ", from.size(), " != ", to.size());
+      if (!from.empty()) to.upload(from);
+    };
+    put(state.m8, m8_);
+    put(state.v16, v16_);
+    put(state.m_scales, m_scales_);
+    put(state.v_scales, v_scales_);
+    put(state.m32, m32_);
+    put(state.v32, v32_);
+    cuda::StepControl control;
+    CUDA_CHECK(cudaMemcpy(&control, control_.data(), sizeof control, cudaMemcpyDeviceToHost));
+    control.step_count = state.step_count;
+    cuda::set_step_control(control_.data(), control, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  ScalingSnapshot scaling_state() override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const ScalingTable& table = model_.scaling_table();
+    ScalingSnapshot state;
+    for (int i = 0; i < table.size(); ++i) {
+      state.names.push_back(table.name(i));
+      state.dtypes.push_back(table.dtype(i));
+    }
+    state.history_len = recipe_.amax_history_len;
+    const size_t S = table.size();
+    state.history.resize(S * state.history_len);
+    state.scale.resize(S);
+    state.scale_inv.resize(S);
+    if (S > 0) {
+      CUDA_CHECK(cudaMemcpy(state.history.data(), model_.scaling_history(), state.history.size() * sizeof(float),
+                            cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(state.scale.data(), model_.scaling_scale(), S * sizeof(float), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(state.scale_inv.data(), model_.scaling_scale_inv(), S * sizeof(float),
+                            cudaMemcpyDeviceToHost));
+    }
+    state.initialized = !model_.current_scaling();
+    return state;
+  }
+
+  void set_scaling_state(const ScalingSnapshot& state) override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const size_t S = model_.scaling_table().size();
+    FP8LM_CHECK(state.names.size() == S && state.history.size() == S * size_t(recipe_.amax_history_len));
+    if (S > 0) {
+      CUDA_CHECK(cudaMemcpy(model_.scaling_history(), state.history.data(), state.history.size() * sizeof(float),
+                            cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(model_.scaling_scale(), state.scale.data(), S * sizeof(float), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(model_.scaling_scale_inv(), state.scale_inv.data(), S * sizeof(float),
+                            cudaMemcpyHostToDevice));
+    }
+    if (state.initialized) model_.mark_scales_initialized();
+    // The FP8 weight copies must be cast with the restored weight scales. Recording the
+    // weight amaxes again is idempotent: the saved slot 0 already holds them.
+    model_.refresh_fp8_weights();
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void set_total_skips(int64_t total) override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cuda::StepControl control;
+    CUDA_CHECK(cudaMemcpy(&control, control_.data(), sizeof control, cudaMemcpyDeviceToHost));
+    control.total_skips = static_cast<int>(total);
+    control.consecutive_skips = 0;
+    cuda::set_step_control(control_.data(), control, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    last_seen_ = control;
+  }
+
   BenchmarkMemory benchmark_memory() const override {
     BenchmarkMemory memory;
     memory.allocated_bytes = model_.total_bytes() + m8_.bytes() + v16_.bytes() + m32_.bytes() + v32_.bytes() +

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fp8.h"
 #include "core/logging.h"
 #include "core/tensor.h"
 #include "optim/adamw.h"
@@ -23,6 +24,28 @@ struct RunSetup;
 struct BenchmarkMemory {
   size_t allocated_bytes = 0;    // every slab the engine allocated
   size_t device_used_bytes = 0;  // the device's own count (context and library pools included)
+};
+
+// The optimizer state in its stored precision, on the host (checkpoints).
+struct OptimizerSnapshot {
+  OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
+  int64_t step_count = 0;             // AdamW's t: applied steps
+  std::vector<uint8_t> m8;            // fp8_fp16: E4M3 codes of m * m_scale   [slab]
+  std::vector<uint16_t> v16;          // fp8_fp16: FP16 bits of v * v_scale    [slab]
+  std::vector<float> m_scales;        // fp8_fp16: [tensors]
+  std::vector<float> v_scales;        // fp8_fp16: [tensors]
+  std::vector<float> m32, v32;        // fp32 state [slab]
+};
+
+// Every FP8 scaling state (amax history and scales), on the host (checkpoints).
+struct ScalingSnapshot {
+  std::vector<std::string> names;     // "h.0.attn.c_attn.input", ...
+  std::vector<Fp8Dtype> dtypes;
+  int history_len = 0;
+  std::vector<float> history;         // [S, history_len], slot 0 current
+  std::vector<float> scale;           // [S]
+  std::vector<float> scale_inv;       // [S]
+  bool initialized = false;           // delayed scales learned (false: current scaling next)
 };
 
 struct StepMetrics {
@@ -61,6 +84,15 @@ class TrainingEngine {
   // (checkpoints, tests, initialisation from another model).
   virtual std::vector<float> parameters() = 0;
   virtual void set_parameters(const std::vector<float>& values) = 0;
+
+  // Checkpoint state. Setting it replaces the engine's state wholesale; the caller has
+  // checked shapes and precisions (apps/checkpointing.cpp converts between them).
+  virtual OptimizerSnapshot optimizer_state() = 0;
+  virtual void set_optimizer_state(const OptimizerSnapshot& state) = 0;
+  virtual ScalingSnapshot scaling_state() = 0;
+  virtual void set_scaling_state(const ScalingSnapshot& state) = 0;
+  // Restores the skip counter of a resumed run (the consecutive count restarts at 0).
+  virtual void set_total_skips(int64_t total) = 0;
 
   virtual BenchmarkMemory benchmark_memory() const = 0;
 

@@ -1,6 +1,7 @@
 // fp8lm: one binary, with subcommands. `train` is the default, so
 //   fp8lm --config configs/tiny.json --mock-data
-// trains; later subcommands (eval, sample, convert, tokenize) dispatch here too.
+// trains; `convert` exports a checkpoint for Hugging Face. Later subcommands (eval,
+// sample, tokenize) dispatch here too.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -17,7 +18,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (command == "train") return fp8lm::run_train_command(args);
-    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default)");
+    if (command == "convert") return fp8lm::run_convert_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert");
   } catch (const fp8lm::InputError& e) {
     std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
     return fp8lm::kExitInputError;

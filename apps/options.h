@@ -68,6 +68,9 @@ struct TrainOptions {
   std::string save_dir;              // --save
   std::string load_dir;              // --load
   int64_t save_interval = 0;         // --save-interval; 0 = only at the end / on signal
+  std::optional<int64_t> ckpt_step;  // --ckpt-step: resume from this iteration, not `latest`
+  std::string init_from;             // --init-from: weights only (a Hugging Face model or checkpoint)
+  int64_t exit_interval = 0;         // --exit-interval: stop (and save) when iteration % N == 0
 
   // Evaluation and logging
   int64_t eval_interval = 1000;      // --eval-interval; 0 = never

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "apps/checkpointing.h"
 #include "apps/cli.h"
 #include "core/device.h"
 #include "core/error.h"
@@ -22,8 +23,13 @@ std::string format_double(double value) {
 GptConfig model_config_from(const TrainOptions& o) {
   GptConfig config;
   const ModelOverrides& m = o.model;
+  const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
+  std::optional<GptConfig> stored;
+  if (o.config_path.empty() && !checkpoint.empty()) stored = stored_model_config(checkpoint, o.ckpt_step);
   if (!o.config_path.empty()) {
     config = load_gpt_config(o.config_path);
+  } else if (stored) {
+    config = *stored;
   } else {
     FP8LM_INPUT_CHECK(m.num_layers && m.hidden_size && m.num_attention_heads && m.vocab_size,
                       "--config is required (or all of --num-layers, --hidden-size, --num-attention-heads, "
@@ -149,7 +155,9 @@ SettingsTable settings_table(const RunSetup& s) {
       {"valid-data-path", o.mock_data && o.valid_data_path.empty() ? "(mock data)" : or_none(o.valid_data_path)},
       {"save", or_none(o.save_dir)},
       {"save-interval", str(o.save_interval)},
-      {"load", or_none(o.load_dir)},
+      {"load", or_none(o.load_dir) + (o.ckpt_step ? " (ckpt-step " + str(*o.ckpt_step) + ")" : "")},
+      {"init-from", or_none(o.init_from)},
+      {"exit-interval", str(o.exit_interval)},
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},

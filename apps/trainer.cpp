@@ -12,7 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "apps/checkpointing.h"
 #include "apps/engine.h"
+#include "apps/signals.h"
 #include "core/error.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
@@ -134,6 +136,27 @@ TrainingSummary run_training(const RunSetup& setup) {
   std::unique_ptr<TrainingEngine> engine = make_engine(setup);
   log_settings_table("memory and optimizer state", engine->describe());
 
+  TrainingSummary summary;
+  int64_t start_step = 0;
+  const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
+  if (!checkpoint.empty()) {
+    const LoadedState loaded = load_into_engine(checkpoint, o.ckpt_step, setup, *engine);
+    if (loaded.resumed && !o.load_dir.empty()) {  // --init-from takes weights only
+      start_step = loaded.progress.iteration;
+      data.train->set_position(loaded.progress.data);
+      summary.skipped_steps = loaded.progress.skipped_steps;
+    }
+  }
+  auto progress_now = [&](int64_t iteration) {
+    TrainingProgress progress;
+    progress.iteration = iteration;
+    progress.data = data.train->position();
+    progress.consumed_samples = data.train->consumed_samples();
+    progress.skipped_steps = engine->skip_status().total;
+    return progress;
+  };
+  install_stop_signal_handlers();
+
   LrSchedule schedule;
   schedule.max_lr = o.lr;
   schedule.min_lr = o.min_lr;
@@ -162,12 +185,12 @@ TrainingSummary run_training(const RunSetup& setup) {
     return val_loss;
   };
 
-  TrainingSummary summary;
   std::vector<double> benchmark_step_ms;
   using Clock = std::chrono::steady_clock;
   Clock::time_point interval_start = Clock::now();
   int64_t interval_steps = 0;
-  for (int64_t step = 0; step < o.train_iters; ++step) {
+  summary.steps = start_step;
+  for (int64_t step = start_step; step < o.train_iters; ++step) {
     const double lr = learning_rate(step, schedule);
     const Clock::time_point step_start = Clock::now();
     engine->begin_step();
@@ -193,13 +216,13 @@ TrainingSummary run_training(const RunSetup& setup) {
                            "lower --lr, raise --fp8-margin, or check the data; --max-skipped-steps sets the limit");
     }
 
-    const bool log_now = iteration % o.log_interval == 0 || iteration == o.train_iters || step == 0;
+    const bool log_now = iteration % o.log_interval == 0 || iteration == o.train_iters || step == start_step;
     if (log_now) {
       const StepMetrics m = engine->step_metrics();
       const double seconds = std::chrono::duration<double>(Clock::now() - interval_start).count();
       const double ms_per_iter = 1e3 * seconds / double(interval_steps);
       const double tokens_per_second = double(tokens_per_step) * interval_steps / seconds;
-      if (step == 0) summary.first_loss = m.loss;
+      if (step == start_step) summary.first_loss = m.loss;
       summary.last_loss = m.loss;
       spdlog::info("iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s{}",
                    iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second,
@@ -217,7 +240,27 @@ TrainingSummary run_training(const RunSetup& setup) {
     if (data.valid && o.eval_interval > 0 && o.eval_iters > 0 && iteration % o.eval_interval == 0)
       summary.last_val_loss = evaluate(iteration);
     summary.steps = iteration;
+
+    const int signal_number = pending_stop_signal();
+    const bool periodic = o.save_interval > 0 && iteration % o.save_interval == 0;
+    const bool exit_now = o.exit_interval > 0 && iteration % o.exit_interval == 0;
+    if (!o.save_dir.empty() && (periodic || exit_now || signal_number != 0 || iteration == o.train_iters))
+      summary.last_checkpoint = save_checkpoint(o.save_dir, setup, *engine, progress_now(iteration));
+    if (exit_now && signal_number == 0 && iteration < o.train_iters) {
+      spdlog::info("--exit-interval {}: stopping after iteration {}", o.exit_interval, iteration);
+      return summary;
+    }
+    if (signal_number != 0) {
+      summary.stop_signal = signal_number;
+      if (o.save_dir.empty())
+        throw RuntimeError("stopped by signal " + std::to_string(signal_number) + " after iteration " +
+                               std::to_string(iteration) + "; nothing saved",
+                           "pass --save DIR so a preempted run keeps its progress");
+      spdlog::warn("signal {}: stopped after iteration {}, checkpoint saved", signal_number, iteration);
+      return summary;
+    }
   }
+
   if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
     summary.last_val_loss = evaluate(o.train_iters);
   summary.skipped_steps = engine->skip_status().total;

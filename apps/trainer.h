@@ -13,6 +13,8 @@ struct TrainingSummary {
   double first_loss = 0.0;
   double last_loss = 0.0;
   double last_val_loss = -1.0;  // < 0 when never evaluated
+  int stop_signal = 0;          // SIGTERM/SIGINT that ended the run early (after saving)
+  std::string last_checkpoint;  // directory of the last checkpoint written
 };
 
 TrainingSummary run_training(const RunSetup& setup);

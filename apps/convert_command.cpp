@@ -1,0 +1,87 @@
+// fp8lm convert: export a checkpoint's weights as a Hugging Face GPT-2 model
+// (model.safetensors + config.json) that transformers loads as GPT2LMHeadModel.
+#include <filesystem>
+#include <fstream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "apps/checkpointing.h"
+#include "apps/commands.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/logging.h"
+#include "core/safetensors.h"
+#include "layers/gpt.h"
+#include "layers/gpt_hf.h"
+
+namespace fp8lm {
+
+namespace fs = std::filesystem;
+
+int run_convert_command(const std::vector<std::string>& args) {
+  std::string load, to, dtype = "bf16", log_level = "info";
+  std::optional<int64_t> step;
+  CLI::App app{"fp8lm convert: export a checkpoint as a Hugging Face GPT-2 model", "fp8lm convert"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--load", load, "Checkpoint directory (uses `latest`) or iteration directory")->required();
+  app.add_option("--ckpt-step", step, "Export this iteration instead of `latest`");
+  app.add_option("--to", to, "Output directory for model.safetensors and config.json")->required();
+  app.add_option("--dtype", dtype, "bf16, fp16 or fp32")->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return kExitOk;
+  } catch (const CLI::ParseError& e) {
+    throw InputError(e.what(), "run `fp8lm convert --help`");
+  }
+  init_logging(log_level);
+
+  const std::string dir = resolve_checkpoint_dir(load, step);
+  const std::optional<GptConfig> stored = stored_model_config(load, step);
+  FP8LM_INPUT_CHECK(stored.has_value(), dir, ": no model config (state.json or config.json) to export with");
+  const GptConfig& config = *stored;
+  const TensorLayout layout = make_gpt_layout(config);
+  std::vector<float> params(layout.total_elements(), 0.0f);
+  const fs::path model_path = fs::is_regular_file(dir) ? fs::path(dir) : fs::path(dir) / "model.safetensors";
+  const SafetensorsFile model = SafetensorsFile::open(model_path.string());
+  load_hf_parameters(model, layout, config, params.data());
+
+  // transformers' GPT2LMHeadModel names: "transformer." + GPT2Model names; lm_head is
+  // tied to wte and left out, as save_pretrained does.
+  const std::vector<HfTensor> tensors = to_hf_tensors(layout, params.data(), config);
+  const SafetensorsDtype out_dtype =
+      dtype == "bf16" ? SafetensorsDtype::BF16 : dtype == "fp16" ? SafetensorsDtype::F16 : SafetensorsDtype::F32;
+  std::vector<std::vector<uint16_t>> halves;
+  halves.reserve(tensors.size());
+  SafetensorsWriter writer;
+  for (const HfTensor& t : tensors) {
+    const std::string name = "transformer." + t.name;
+    if (out_dtype == SafetensorsDtype::F32) {
+      writer.add_borrowed(name, out_dtype, t.shape, t.values.data(), t.values.size() * 4);
+      continue;
+    }
+    std::vector<uint16_t>& bits = halves.emplace_back(t.values.size());
+    for (size_t i = 0; i < bits.size(); ++i)
+      bits[i] = out_dtype == SafetensorsDtype::BF16 ? bf16_from_float(t.values[i]) : fp16_from_float(t.values[i]);
+    writer.add_borrowed(name, out_dtype, t.shape, bits.data(), bits.size() * 2);
+  }
+  writer.set_metadata("format", "pt");
+  std::error_code error;
+  fs::create_directories(to, error);
+  FP8LM_INPUT_CHECK(!error, "--to ", to, ": cannot create the directory (", error.message(), ")");
+  writer.write((fs::path(to) / "model.safetensors").string());
+  nlohmann::json hf_config = to_hf_json(config);
+  hf_config["torch_dtype"] = dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32";
+  const fs::path config_path = fs::path(to) / "config.json";
+  std::ofstream(config_path) << hf_config.dump(2) << "\n";
+  spdlog::info("exported {} ({} tensors, {}) to {}", dir, tensors.size(), dtype, to);
+  return kExitOk;
+}
+
+}  // namespace fp8lm
