@@ -91,7 +91,9 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   TrainOptions& o = parsed.options;
 
   CLI::App app{"fp8lm train: pretrain a GPT model with FP8 GEMMs", "fp8lm train"};
-  app.option_defaults()->always_capture_default();
+  // As with argparse (Megatron), a repeated flag takes its last value, so scripts can
+  // append overrides.
+  app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.get_formatter()->column_width(40);
 

@@ -24,7 +24,9 @@ int run_convert_command(const std::vector<std::string>& args) {
   std::string load, to, dtype = "bf16", log_level = "info";
   std::optional<int64_t> step;
   CLI::App app{"fp8lm convert: export a checkpoint as a Hugging Face GPT-2 model", "fp8lm convert"};
-  app.option_defaults()->always_capture_default();
+  // As with argparse (Megatron), a repeated flag takes its last value, so scripts can
+  // append overrides.
+  app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--load", load, "Checkpoint directory (uses `latest`) or iteration directory")->required();
   app.add_option("--ckpt-step", step, "Export this iteration instead of `latest`");
   app.add_option("--to", to, "Output directory for model.safetensors and config.json")->required();

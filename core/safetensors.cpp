@@ -279,6 +279,9 @@ ParsedTensor parse_tensor_entry(const std::string& path, const std::string& name
       if (offsets[i].is_number_integer() && !offsets[i].is_number_unsigned()) {
         throw error("data_offsets[", i, "] is negative (", offsets[i].get<int64_t>(), ")");
       }
+      if (!offsets[i].is_number_integer()) {
+        throw error("data_offsets[", i, "] is ", json_type_name(offsets[i]), ", not a non-negative integer");
+      }
     }
   }
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||

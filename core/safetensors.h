@@ -13,8 +13,14 @@
 // file throws InputError("<path>: <problem>") in one line. Accepted beyond the strictest
 // reading of the format (harmless, and written by some tools): gaps between tensors and
 // bytes after the last tensor, unknown extra fields in a tensor entry, and leading/trailing
-// JSON whitespace in the header. Rejected: everything listed in safetensors.cpp's
-// validate_header, including duplicate JSON keys at any level and overlapping tensors.
+// JSON whitespace in the header. Rejected: a file under 8 bytes; a header size over 100 MB
+// or past the end of the file; a header that is not UTF-8, contains a NUL byte, is not JSON,
+// nests over 64 levels, repeats a key at any level, or is not an object; a tensor entry that
+// is not an object, lacks or mistypes "dtype" / "shape" / "data_offsets", names an unknown
+// dtype, has a negative, non-integer or overflowing shape, offsets that are not two
+// non-negative integers with begin <= end, a byte span != numel * dtype size, or a span past
+// the data buffer; two tensors whose (non-empty) byte ranges overlap; "__metadata__" that is
+// not an object of strings.
 // The mapping is only as stable as the file: truncating the file on disk while it is
 // mapped makes later reads fault (SIGBUS), as with any mmap.
 //

@@ -432,7 +432,7 @@ TEST_CASE("safetensors reader rejects each kind of malformed file with a specifi
        "\"data_offsets\" must be [begin, end], two non-negative integers; it is an array of 1 elements"},
       {"data_offsets object", one(R"({"dtype":"F32","shape":[2],"data_offsets":{"0":8}})"), "it is an object"},
       {"data_offsets negative", one(R"({"dtype":"F32","shape":[2],"data_offsets":[-8,0]})"), "data_offsets[0] is negative (-8)"},
-      {"data_offsets fractional", one(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8.5]})"), "two non-negative integers"},
+      {"data_offsets fractional", one(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8.5]})"), "data_offsets[1] is a non-integer number"},
       {"data_offsets begin > end", one(R"({"dtype":"F32","shape":[2],"data_offsets":[8,0]})"), "data_offsets begin 8 is after end 0"},
       {"offsets out of range", one(R"({"dtype":"F32","shape":[2],"data_offsets":[4,12]})"),
        "data_offsets [4, 12] run past the end of the data buffer (8 bytes"},

@@ -1,0 +1,318 @@
+// Checkpoints end to end on the CPU: bit-exact resume, the files and `latest`, loud
+// failures on damaged checkpoints, Hugging Face import and export, precision switches
+// and SIGTERM.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
+
+#include "apps/checkpointing.h"
+#include "apps/cli.h"
+#include "apps/engine.h"
+#include "apps/run_setup.h"
+#include "cli_testing.h"
+#include "core/dtype.h"
+#include "core/random.h"
+#include "core/safetensors.h"
+#include "layers/gpt.h"
+#include "layers/gpt_hf.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int counter = 0;
+    path = fs::temp_directory_path() / ("fp8lm_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+const std::string kTiny = testing::source_path("configs/tiny.json");
+const std::string kRun = "--config " + kTiny +
+                         " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
+                         "--lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-interval 0 --eval-iters 0 "
+                         "--log-level warn --train-iters 8 ";
+
+std::vector<nlohmann::json> read_metrics(const std::string& path) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream file(path);
+  std::string line;
+  while (std::getline(file, line)) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(file), {});
+}
+
+testing::CommandResult run(const std::string& args) {
+  auto result = testing::run_fp8lm(args);
+  INFO("fp8lm " << args << "\n" << result.output);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("resume is bit-exact: 8 steps straight equal 4, save, load, 4 more", "[checkpoint]") {
+  for (const char* precision : {"--fp8-hybrid", "--bf16"}) {
+    TempDir dir;
+    INFO(precision);
+    const std::string args = kRun + precision;
+    REQUIRE(run(args + " --save " + (dir / "straight") + " --metrics-file " + (dir / "straight.jsonl")).exit_code == 0);
+    REQUIRE(run(args + " --exit-interval 4 --save " + (dir / "split") + " --metrics-file " + (dir / "split.jsonl"))
+                .exit_code == 0);
+    CHECK(file_bytes(dir / "split/latest") == "4\n");
+    REQUIRE(run(args + " --load " + (dir / "split") + " --save " + (dir / "split") + " --metrics-file " +
+                (dir / "split.jsonl"))
+                .exit_code == 0);
+
+    const auto straight = read_metrics(dir / "straight.jsonl");
+    const auto split = read_metrics(dir / "split.jsonl");
+    REQUIRE(straight.size() == 8);
+    REQUIRE(split.size() == 8);
+    for (size_t i = 0; i < 8; ++i) {
+      INFO("iteration " << i + 1);
+      CHECK(split[i]["iter"] == straight[i]["iter"]);
+      CHECK(split[i]["loss"].get<double>() == straight[i]["loss"].get<double>());  // to the last bit
+      CHECK(split[i]["grad_norm"].get<double>() == straight[i]["grad_norm"].get<double>());
+    }
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      CHECK(file_bytes(dir / (std::string("straight/iter_0000008/") + file)) ==
+            file_bytes(dir / (std::string("split/iter_0000008/") + file)));
+    if (std::string(precision) == "--fp8-hybrid")
+      CHECK(file_bytes(dir / "straight/iter_0000008/fp8_scaling.safetensors") ==
+            file_bytes(dir / "split/iter_0000008/fp8_scaling.safetensors"));
+  }
+}
+
+TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries", "[checkpoint]") {
+  TempDir dir;
+  REQUIRE(run(kRun + "--fp8-hybrid --save-interval 4 --save " + (dir / "ck")).exit_code == 0);
+  CHECK(file_bytes(dir / "ck/latest") == "8\n");
+  for (const char* iteration : {"iter_0000004", "iter_0000008"}) {
+    const fs::path d = fs::path(dir / "ck") / iteration;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors", "fp8_scaling.safetensors", "state.json"})
+      CHECK(fs::is_regular_file(d / file));
+  }
+  for (const auto& entry : fs::directory_iterator(dir / "ck"))
+    CHECK(entry.path().filename().string().find(".tmp") == std::string::npos);
+
+  std::ifstream state_file(dir / "ck/iter_0000008/state.json");
+  const auto state = nlohmann::json::parse(state_file);
+  CHECK(state["iteration"] == 8);
+  CHECK(state["consumed_samples"] == 32);  // 8 steps x global batch 4
+  CHECK(state["config"]["n_embd"] == 64);
+  CHECK(state["args"]["fp8_amax_history_len"] == 1024);
+  CHECK(state["files"]["model.safetensors"]["crc32"].get<std::string>().size() == 8);
+
+  // The weights are Hugging Face GPT-2 names and layout; E4M3 m and FP16 v in the optimizer file.
+  const auto model = SafetensorsFile::open(dir / "ck/iter_0000008/model.safetensors");
+  CHECK(model.tensor("h.0.attn.c_attn.weight").shape == std::vector<int64_t>{64, 192});  // Conv1D [in, out]
+  CHECK(model.tensor("wte.weight").shape == std::vector<int64_t>{256, 64});
+  const auto optimizer = SafetensorsFile::open(dir / "ck/iter_0000008/optimizer.safetensors");
+  CHECK(optimizer.tensor("h.0.mlp.c_fc.weight.exp_avg").dtype == SafetensorsDtype::F8_E4M3);
+  CHECK(optimizer.tensor("h.0.mlp.c_fc.weight.exp_avg_sq").dtype == SafetensorsDtype::F16);
+  CHECK(optimizer.metadata().at("step_count") == "8");
+  const auto scaling = SafetensorsFile::open(dir / "ck/iter_0000008/fp8_scaling.safetensors");
+  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{24, 1024});
+
+  // --ckpt-step picks an older iteration; --load without --config takes the stored one.
+  const auto resumed = run("--mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
+                           "--fp8-hybrid --train-iters 5 --log-level info --eval-iters 0 --load " +
+                           (dir / "ck") + " --ckpt-step 4");
+  CHECK(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("at iteration 4"));
+  CHECK_THAT(resumed.output, ContainsSubstring("iter      5/5"));
+}
+
+TEST_CASE("damaged checkpoints fail with the file named, and nothing is overwritten", "[checkpoint]") {
+  TempDir dir;
+  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir / "ck")).exit_code == 0);
+  const fs::path iteration = fs::path(dir / "ck") / "iter_0000008";
+  const std::string load = kRun + "--fp8-hybrid --train-iters 10 --save " + (dir / "ck") + " --load " + (dir / "ck");
+
+  auto expect_failure = [&](const std::string& args, const std::string& phrase) {
+    const std::string before = file_bytes(dir / "ck/latest");
+    const auto result = run(args);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.output, ContainsSubstring(phrase));
+    CHECK(file_bytes(dir / "ck/latest") == before);
+    CHECK_FALSE(fs::exists(fs::path(dir / "ck") / "iter_0000009"));
+  };
+  SECTION("a flipped byte: checksum mismatch") {
+    std::fstream file(iteration / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(-7, std::ios::end);
+    file.put('\x5A');
+    file.close();
+    expect_failure(load, "model.safetensors: checksum mismatch");
+  }
+  SECTION("a truncated file") {
+    fs::resize_file(iteration / "optimizer.safetensors", fs::file_size(iteration / "optimizer.safetensors") - 100);
+    expect_failure(load, "optimizer.safetensors: size");
+  }
+  SECTION("a missing file") {
+    fs::remove(iteration / "fp8_scaling.safetensors");
+    expect_failure(load, "fp8_scaling.safetensors: missing from the checkpoint");
+  }
+  SECTION("a broken latest") {
+    std::ofstream(dir / "ck/latest") << "12\n";
+    expect_failure(load, "latest names iteration 12");
+  }
+  SECTION("shapes that disagree with the config") {
+    expect_failure(load + " --num-layers 3", "model shape differs from this run's config");
+  }
+  SECTION("no such step") { expect_failure(load + " --ckpt-step 7", "no checkpoint for --ckpt-step 7"); }
+}
+
+TEST_CASE("a Hugging Face GPT-2 safetensors file imports: Conv1D, prefix, BF16, tied head", "[checkpoint]") {
+  TempDir dir;
+  GptConfig config = load_gpt_config(kTiny);
+  const TensorLayout layout = make_gpt_layout(config);
+  std::vector<float> reference(layout.total_elements(), 0.0f);
+  init_gpt_parameters(reference.data(), layout, config, 77);
+  // What transformers would save: BF16, "transformer." names, Conv1D [in, out], the
+  // tied lm_head, and the attention-mask buffers of older checkpoints.
+  std::vector<std::vector<uint16_t>> storage;
+  SafetensorsWriter writer;
+  for (const HfTensor& t : to_hf_tensors(layout, reference.data(), config)) {
+    auto& bits = storage.emplace_back(t.values.size());
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = bf16_from_float(t.values[i]);
+    writer.add_borrowed("transformer." + t.name, SafetensorsDtype::BF16, t.shape, bits.data(), bits.size() * 2);
+    if (t.name == "wte.weight")
+      writer.add_borrowed("lm_head.weight", SafetensorsDtype::BF16, t.shape, bits.data(), bits.size() * 2);
+  }
+  std::vector<uint16_t> mask(64 * 64, bf16_from_float(1.0f));
+  writer.add_borrowed("transformer.h.0.attn.bias", SafetensorsDtype::BF16, {1, 1, 64, 64}, mask.data(), mask.size() * 2);
+  fs::create_directories(dir / "hf");
+  writer.write(dir / "hf/model.safetensors");
+  std::ofstream(dir / "hf/config.json") << nlohmann::json(to_hf_json(config)).dump();
+
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--init-from", dir / "hf", "--mock-data", "--device", "cpu", "--fp8-hybrid"}).options);
+  CHECK(setup.model.n_embd == 64);  // from the directory's config.json
+  auto engine = make_cpu_engine(setup);
+  const LoadedState loaded = load_into_engine(dir / "hf", std::nullopt, setup, *engine);
+  CHECK_FALSE(loaded.resumed);
+  const std::vector<float> params = engine->parameters();
+  for (const TensorInfo& t : layout.tensors()) {
+    for (size_t i = 0; i < t.numel; ++i) {
+      INFO(t.name << "[" << i << "]");
+      REQUIRE(params[t.offset + i] == round_to_bf16(reference[t.offset + i]));
+    }
+  }
+  // Fresh FP8 state: the first step uses current scaling, not scale 1.
+  CHECK_FALSE(engine->scaling_state().initialized);
+  CHECK(engine->optimizer_state().step_count == 0);
+
+  // Training from it works, and a wrong shape names the file and tensor.
+  CHECK(run(kRun + "--fp8-hybrid --train-iters 3 --init-from " + (dir / "hf")).exit_code == 0);
+  const auto wrong = run(kRun + "--fp8-hybrid --train-iters 3 --hidden-size 128 --init-from " + (dir / "hf"));
+  CHECK(wrong.exit_code == 2);
+  CHECK_THAT(wrong.output, ContainsSubstring("model.safetensors: tensor \"transformer.wte.weight\" has shape"));
+}
+
+TEST_CASE("precision switches both ways with loss continuity", "[checkpoint]") {
+  TempDir dir;
+  const std::string base = "--config " + kTiny +
+                           " --mock-data --device cpu --seq-length 32 --micro-batch-size 4 --lr 3e-3 "
+                           "--lr-warmup-iters 5 --log-interval 1 --eval-interval 0 --eval-iters 0 --log-level warn "
+                           "--train-iters 60 --lr-decay-style constant ";
+  struct Switch {
+    const char* first;
+    const char* second;
+  };
+  for (const Switch s : {Switch{"--bf16", "--fp8-hybrid"}, Switch{"--fp8-hybrid", "--bf16"},
+                         Switch{"--fp8-hybrid --optimizer-state-precision fp32", "--fp8-hybrid"}}) {
+    INFO(s.first << " -> " << s.second);
+    const std::string name = std::to_string(std::hash<std::string>{}(std::string(s.first) + s.second));
+    const std::string ck = dir / name, metrics = dir / (name + ".jsonl");
+    REQUIRE(run(base + s.first + " --exit-interval 40 --save " + ck + " --metrics-file " + metrics).exit_code == 0);
+    REQUIRE(run(base + s.second + " --load " + ck + " --metrics-file " + metrics).exit_code == 0);
+    const auto lines = read_metrics(metrics);
+    REQUIRE(lines.size() == 60);
+    CHECK(lines[40]["iter"] == 41);
+    // Continuity: the first steps after the switch stay near the last steps before it
+    // (mean of 5 vs 5, within 10%), and far below the initial loss.
+    double before = 0, after = 0;
+    for (int i = 35; i < 40; ++i) before += lines[i]["loss"].get<double>() / 5;
+    for (int i = 40; i < 45; ++i) after += lines[i]["loss"].get<double>() / 5;
+    CHECK(std::fabs(after - before) < 0.10 * before);
+    CHECK(after < 0.7 * lines[0]["loss"].get<double>());
+  }
+}
+
+TEST_CASE("SIGTERM finishes the step, saves a checkpoint and exits 0", "[checkpoint]") {
+  TempDir dir;
+  const std::string log = dir / "run.log";
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    const std::string command = std::string(FP8LM_BINARY) + " " + kRun + "--train-iters 100000 --log-level info --save " +
+                                (dir / "ck") + " > " + log + " 2>&1";
+    execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait until training runs, then stop it as a cluster scheduler would.
+  bool started = false;
+  for (int i = 0; i < 600 && !started; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    started = file_bytes(log).find("iter      1/") != std::string::npos;
+  }
+  REQUIRE(started);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  kill(child, SIGTERM);
+  int status = 0;
+  waitpid(child, &status, 0);
+  INFO(file_bytes(log));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK_THAT(file_bytes(log), ContainsSubstring("checkpoint saved"));
+  const std::string latest = file_bytes(dir / "ck/latest");
+  REQUIRE_FALSE(latest.empty());
+  const long iteration = std::stol(latest);
+  CHECK(iteration >= 1);
+  CHECK(fs::is_regular_file(fs::path(dir / "ck") / ("iter_" + std::string(7 - std::to_string(iteration).size(), '0') +
+                                                    std::to_string(iteration)) / "state.json"));
+}
+
+TEST_CASE("convert exports a Hugging Face GPT-2 model in BF16", "[checkpoint]") {
+  TempDir dir;
+  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir / "ck")).exit_code == 0);
+  const auto result = run("convert --load " + (dir / "ck") + " --to " + (dir / "hf") + " --dtype bf16");
+  REQUIRE(result.exit_code == 0);
+  const auto model = SafetensorsFile::open(dir / "hf/model.safetensors");
+  const auto& c_attn = model.tensor("transformer.h.1.attn.c_attn.weight");
+  CHECK(c_attn.dtype == SafetensorsDtype::BF16);
+  CHECK(c_attn.shape == std::vector<int64_t>{64, 192});
+  CHECK(model.contains("transformer.wte.weight"));
+  CHECK_FALSE(model.contains("lm_head.weight"));  // tied, as save_pretrained writes it
+  std::ifstream config_file(dir / "hf/config.json");
+  const auto config = nlohmann::json::parse(config_file);
+  CHECK(config["model_type"] == "gpt2");
+  CHECK(config["architectures"][0] == "GPT2LMHeadModel");
+  CHECK(config["n_embd"] == 64);
+  // The export's weights equal the checkpoint's, rounded to BF16.
+  const auto master = SafetensorsFile::open(dir / "ck/iter_0000008/model.safetensors");
+  const auto exported = read_as_float(c_attn);
+  const auto original = read_as_float(master.tensor("h.1.attn.c_attn.weight"));
+  for (size_t i = 0; i < original.size(); ++i) REQUIRE(exported[i] == round_to_bf16(original[i]));
+  CHECK(run("convert --load " + (dir / "nowhere") + " --to " + (dir / "x")).exit_code == 2);
+}
