@@ -86,6 +86,8 @@ class CudaEngine final : public TrainingEngine {
     cudaStreamSynchronize(stream_);
     if (control_ready_) cudaEventDestroy(control_ready_);
     if (host_control_) cudaFreeHost(host_control_);
+    // The model's buffers are freed after this body; none of that needs the stream.
+    cudaStreamDestroy(stream_);
   }
 
   const TensorLayout& layout() const override { return model_.layout(); }

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/device_helpers.cuh"
 #include "core/cuda_check.h"
 #include "core/error.h"
 
@@ -23,29 +24,11 @@ namespace fp8lm::cuda {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using namespace device;
 
 constexpr int kForwardThreads = 256;
 constexpr int kForwardMaxBlocks = 4096;
 constexpr int kBackwardThreads = 32;  // one warp per block: 32 chunks of 8 columns
-
-__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
 
 // dst[0..7] += acc[0..7] (two float4 read-modify-writes).
 __device__ __forceinline__ void add_f32x8(float* dst, const float (&acc)[8]) {

@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "core/device_helpers.cuh"
 #include "core/cuda_check.h"
 #include "core/error.h"
 
@@ -26,8 +27,8 @@ namespace fp8lm::cuda {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using namespace device;
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2/pi), as cpu::gelu
 constexpr float kCubicCoefficient = 0.044715f;
 
@@ -51,32 +52,6 @@ __device__ __forceinline__ float gelu_derivative(float x) {
   return 0.5f * (1.0f + tanh_u) + 0.5f * x * (1.0f - tanh_u * tanh_u) * du_dx;
 }
 
-__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-// Two FP8 codes, a in the low byte (lower address), b in the high byte.
-__device__ __forceinline__ uint32_t fp8x2(float a, float b, __nv_fp8_interpretation_t interp) {
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp));
-}
-
 // Eight values (already bf16-rounded) times s as 8 FP8 codes in two little-endian words.
 __device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_interpretation_t interp) {
   uint32_t word[2];
@@ -85,29 +60,6 @@ __device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_in
     word[h] = fp8x2(v[4 * h] * s, v[4 * h + 1] * s, interp) | (fp8x2(v[4 * h + 2] * s, v[4 * h + 3] * s, interp) << 16);
   }
   return make_uint2(word[0], word[1]);
-}
-
-// |x| as ordered bits: for x >= 0 the unsigned order is the float order, and every NaN
-// (sign cleared) is above +inf.
-__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(fabsf(x)); }
-
-// Block-wide max of `bits` into *amax (atomicMax on the float's bits). Every thread of the
-// block must call it (it synchronises). NaN is written as 0x7fc00000.
-__device__ __forceinline__ void block_amax_update(float* amax, unsigned bits) {
-  __shared__ unsigned warp_max[32];
-  bits = __reduce_max_sync(kFullMask, bits);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_warps = (blockDim.x + 31) / 32;
-  if (lane == 0) warp_max[warp] = bits;
-  __syncthreads();
-  if (warp == 0) {
-    bits = lane < num_warps ? warp_max[lane] : 0u;
-    bits = __reduce_max_sync(kFullMask, bits);
-    if (lane == 0 && amax != nullptr && bits != 0u) {
-      if (bits > 0x7f800000u) bits = 0x7fc00000u;
-      atomicMax(reinterpret_cast<int*>(amax), static_cast<int>(bits));
-    }
-  }
 }
 
 // ---- forward ---------------------------------------------------------------------------

@@ -345,7 +345,7 @@ void GptModel::forward_backward(const int32_t* inputs, const int32_t* targets, f
   cross_entropy_forward_backward(carved_->logits, carved_->losses, tokens_.data() + BT, int(BT), config_.vocab_size,
                                  config_.padded_vocab_size(), dloss, stream_);
   sum_losses(loss_sum_.data(), carved_->losses, int(BT), stream_);
-  backward(dloss);
+  backward();
 }
 
 void GptModel::forward_eval(const int32_t* inputs, const int32_t* targets) {
@@ -498,7 +498,7 @@ void GptModel::forward(bool training) {
        false);
 }
 
-void GptModel::backward(float dloss) {
+void GptModel::backward() {
   const int B = B_, T = T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head;
   const int BT = B * T, Vp = config_.padded_vocab_size();
   const bf16* P = params_bf16_.data();
@@ -594,7 +594,6 @@ void GptModel::backward(float dloss) {
   const size_t BTs = size_t(BT);
   encoder_backward(G + offset("wte.weight"), G + offset("wpe.weight"), v.dresid, tokens_.data() + 2 * BTs,
                    tokens_.data() + 3 * BTs, tokens_.data() + 4 * BTs + 1, num_unique_tokens_, B, T, C, stream_);
-  (void)dloss;
 }
 
 // ---------------------------------------------------------------------------------------

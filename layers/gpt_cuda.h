@@ -90,7 +90,7 @@ class GptModel {
   BlockActivations block(int layer);
   void upload_tokens(const int32_t* inputs, const int32_t* targets);
   void forward(bool training);
-  void backward(float dloss);
+  void backward();  // the loss gradient is already in the logits (fused cross-entropy)
   // Quantization glue for the current-scaling path.
   void quantize(uint8_t* out, uint8_t* out_t, float* dbias, int state, const __nv_bfloat16* in, int M, int N,
                 bool record);
