@@ -2,6 +2,7 @@
 // short training run. Every test reports SKIPPED without a GPU.
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <catch2/catch_test_macros.hpp>
 
@@ -11,6 +12,8 @@
 #include "cli_testing.h"
 #include "core/mock_data.h"
 #include "core/random.h"
+#include "core/current_scaling.h"
+#include "core/scaling.h"
 #include "gpu_testing.h"
 
 using namespace fp8lm;
@@ -60,17 +63,19 @@ TEST_CASE("gpt2-124m: GPU training steps match the CPU reference", "[gpu][model]
   // ones on the CPU, which moves a few codes per tensor.
   struct Mode {
     const char* flag;
+    const char* recipe;
     double loss_bound, norm_bound;
   };
-  for (const Mode mode : {Mode{"--bf16", 2e-3, 3e-2}, Mode{"--fp8-hybrid", 4e-3, 5e-2}}) {
-    const std::vector<std::string> flags = {mode.flag, "--micro-batch-size", std::to_string(B), "--seq-length",
-                                            std::to_string(T), "--seed", "5"};
+  for (const Mode mode : {Mode{"--bf16", "delayed", 2e-3, 3e-2}, Mode{"--fp8-hybrid", "delayed", 4e-3, 5e-2},
+                          Mode{"--fp8-hybrid", "tensorwise", 4e-3, 5e-2}}) {
+    const std::vector<std::string> flags = {mode.flag, "--fp8-recipe", mode.recipe, "--micro-batch-size",
+                                            std::to_string(B), "--seq-length", std::to_string(T), "--seed", "5"};
     auto cpu = make_cpu_engine(setup_for("gpt2-124m.json", "cpu", flags));
     auto gpu = make_cuda_engine(setup_for("gpt2-124m.json", "cuda", flags));
     const float dloss = 1.0f / (B * T);
     const TwoSteps c = two_steps(*cpu, x, y, dloss);
     const TwoSteps g = two_steps(*gpu, x, y, dloss);
-    INFO(mode.flag << ": cpu loss " << c.first.loss << " -> " << c.second.loss << ", gpu " << g.first.loss << " -> "
+    INFO(mode.flag << " " << mode.recipe << ": cpu loss " << c.first.loss << " -> " << c.second.loss << ", gpu " << g.first.loss << " -> "
                    << g.second.loss << "; grad norm cpu " << c.first.grad_norm << " gpu " << g.first.grad_norm);
     CHECK(std::fabs(g.first.loss - c.first.loss) < mode.loss_bound * c.first.loss);
     CHECK(std::fabs(g.second.loss - c.second.loss) < mode.loss_bound * c.second.loss);
@@ -157,5 +162,33 @@ TEST_CASE("GPU training is bit-reproducible: two identical runs give identical w
     INFO(mode << ": losses " << losses[0] << " " << losses[1]);
     CHECK(losses[0] == losses[1]);
     CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("current_scale_and_record: the scale from the tensor's amax, recorded for the window", "[gpu][scaling]") {
+  FP8LM_REQUIRE_GPU();
+  struct Case {
+    float previous_scale, tensor_amax, recorded;
+    int margin;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const Case c : {Case{1.0f, 2.0f, 0.0f, 0}, Case{3.0f, 0.5f, 7.0f, 1}, Case{5.0f, 0.0f, 1.0f, 0},
+                       Case{5.0f, nan, 1.0f, 0}, Case{1.0f, 1e-40f, 0.0f, 0}}) {
+    std::vector<float> host = {c.previous_scale, -1.0f, c.recorded, c.tensor_amax};  // scale, scale_inv, slot, amax
+    auto device = fp8lm::testing::device_copy(host);
+    float* d = device.data();
+    cuda::current_scale_and_record(d, d + 1, d + 2, d + 3, 448.0f, c.margin, nullptr);
+    const std::vector<float> out = device.download();
+    const float expected = compute_scale(c.tensor_amax, 448.0f, c.margin, c.previous_scale);
+    INFO("amax " << c.tensor_amax << " previous " << c.previous_scale);
+    CHECK(out[0] == expected);
+    CHECK(out[1] == 1.0f / expected);
+    if (std::isnan(c.tensor_amax)) {
+      CHECK(std::isnan(out[2]));  // a NaN stays visible to the delayed update
+    } else {
+      CHECK(out[2] == std::max(c.recorded, c.tensor_amax));
+    }
+    cuda::current_scale_and_record(d, d + 1, nullptr, d + 3, 448.0f, c.margin, nullptr);  // no slot: nothing recorded
+    CHECK(device.download()[2] == out[2] || std::isnan(out[2]));
   }
 }
