@@ -1,5 +1,7 @@
 #include "core/safetensors.h"
 
+#include "core/mapped_file.h"
+
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -342,32 +344,16 @@ size_t SafetensorsTensorView::numel() const {
 // SafetensorsFile
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw InputError(detail::concat(path, ": cannot open (", std::strerror(errno), ")"));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-    ::close(fd);
-    throw InputError(detail::concat(path, ": not a regular file"));
-  }
-  const uint64_t file_bytes = static_cast<uint64_t>(info.st_size);
+  SafetensorsFile file;
+  file.path_ = path;
+  file.file_ = MappedFile::open(path);  // unmapped by the destructor, also when validation throws
+  const uint64_t file_bytes = file.file_.size();
   if (file_bytes < 8) {
-    ::close(fd);
     if (file_bytes == 0) throw InputError(detail::concat(path, ": empty file (not a safetensors file)"));
     throw InputError(detail::concat(path, ": file too short (", file_bytes,
                                     " bytes) to hold the 8-byte header size of a safetensors file"));
   }
-  void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);  // the mapping keeps the file readable
-  if (mapping == MAP_FAILED) {
-    throw RuntimeError(detail::concat(path, ": mmap failed (", std::strerror(map_errno), ")"));
-  }
-
-  SafetensorsFile file;
-  file.path_ = path;
-  file.mapping_ = mapping;  // from here on the destructor unmaps, also when validation throws
-  file.mapping_bytes_ = file_bytes;
-  const uint8_t* bytes = static_cast<const uint8_t*>(mapping);
+  const uint8_t* bytes = file.file_.data();
 
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | bytes[i];
@@ -429,32 +415,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   return file;
 }
 
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
-    : path_(std::move(other.path_)),
-      mapping_(std::exchange(other.mapping_, nullptr)),
-      mapping_bytes_(std::exchange(other.mapping_bytes_, 0)),
-      header_bytes_(std::exchange(other.header_bytes_, 0)),
-      tensors_(std::move(other.tensors_)),
-      index_(std::move(other.index_)),
-      metadata_(std::move(other.metadata_)) {}
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
-  if (this != &other) {
-    if (mapping_) ::munmap(mapping_, mapping_bytes_);
-    path_ = std::move(other.path_);
-    mapping_ = std::exchange(other.mapping_, nullptr);
-    mapping_bytes_ = std::exchange(other.mapping_bytes_, 0);
-    header_bytes_ = std::exchange(other.header_bytes_, 0);
-    tensors_ = std::move(other.tensors_);
-    index_ = std::move(other.index_);
-    metadata_ = std::move(other.metadata_);
-  }
-  return *this;
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (mapping_) ::munmap(mapping_, mapping_bytes_);
-}
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept = default;
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept = default;
+SafetensorsFile::~SafetensorsFile() = default;
 
 std::vector<std::string> SafetensorsFile::names() const {
   std::vector<std::string> result;

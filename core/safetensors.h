@@ -40,6 +40,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/mapped_file.h"
+
 namespace fp8lm {
 
 // The element types this reader and writer know, by their safetensors names (to_string):
@@ -96,8 +98,7 @@ class SafetensorsFile {
   SafetensorsFile() = default;
 
   std::string path_;
-  void* mapping_ = nullptr;
-  size_t mapping_bytes_ = 0;
+  MappedFile file_;
   size_t header_bytes_ = 0;
   std::vector<SafetensorsTensorView> tensors_;
   std::map<std::string, size_t, std::less<>> index_;  // name -> position in tensors_

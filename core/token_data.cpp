@@ -1,5 +1,7 @@
 #include "core/token_data.h"
 
+#include "core/mapped_file.h"
+
 #include <fcntl.h>
 #include <glob.h>
 #include <sys/mman.h>
@@ -156,34 +158,15 @@ std::vector<std::string> expand_shard_paths(const std::string& path_spec) {
 // TokenShard
 
 TokenShard TokenShard::open_file(const std::string& path, int vocab_size, size_t min_tokens) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw InputError(detail::concat(path, ": cannot open (", std::strerror(errno), ")"));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-    ::close(fd);
-    throw InputError(detail::concat(path, ": not a regular file"));
-  }
-  const size_t file_bytes = static_cast<size_t>(info.st_size);
-  if (file_bytes == 0) {
-    ::close(fd);
-    throw InputError(detail::concat(path, ": empty file (no tokens)"));
-  }
-  void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);  // the mapping keeps the file readable
-  if (mapping == MAP_FAILED) {
-    throw RuntimeError(detail::concat(path, ": mmap failed (", std::strerror(map_errno), ")"));
-  }
-
   TokenShard shard;
   shard.name_ = path;
-  shard.mapping_ = mapping;  // from here on the destructor unmaps, also when validation throws
-  shard.mapping_bytes_ = file_bytes;
-  shard.tokens_ = locate_tokens(static_cast<const unsigned char*>(mapping), file_bytes, path, &shard.num_tokens_);
+  shard.file_ = MappedFile::open(path);
+  if (shard.file_.size() == 0) throw InputError(detail::concat(path, ": empty file (no tokens)"));
+  shard.tokens_ = locate_tokens(shard.file_.data(), shard.file_.size(), path, &shard.num_tokens_);
   check_token_count(shard.num_tokens_, min_tokens, path);
-  ::madvise(mapping, file_bytes, MADV_SEQUENTIAL);  // a hint for the one full scan
+  shard.file_.advise_sequential();  // a hint for the one full scan
   check_token_range(shard.tokens_, shard.num_tokens_, vocab_size, path);
-  ::madvise(mapping, file_bytes, MADV_RANDOM);  // training reads windows in shuffled order
+  shard.file_.advise_random();  // training reads windows in shuffled order
   return shard;
 }
 
@@ -203,24 +186,16 @@ TokenShard::TokenShard(TokenShard&& other) noexcept { *this = std::move(other); 
 
 TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
   if (this == &other) return *this;
-  unmap();
   name_ = std::move(other.name_);
   // A moved vector keeps its buffer, so tokens_ stays valid for in-memory shards.
   owned_tokens_ = std::move(other.owned_tokens_);
-  mapping_ = std::exchange(other.mapping_, nullptr);
-  mapping_bytes_ = std::exchange(other.mapping_bytes_, 0);
+  file_ = std::move(other.file_);
   tokens_ = std::exchange(other.tokens_, nullptr);
   num_tokens_ = std::exchange(other.num_tokens_, 0);
   return *this;
 }
 
-TokenShard::~TokenShard() { unmap(); }
-
-void TokenShard::unmap() {
-  if (mapping_ != nullptr) ::munmap(mapping_, mapping_bytes_);
-  mapping_ = nullptr;
-  mapping_bytes_ = 0;
-}
+TokenShard::~TokenShard() = default;
 
 // ---------------------------------------------------------------------------------------------
 // DataLoader

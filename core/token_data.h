@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "core/mapped_file.h"
+
 namespace fp8lm {
 
 inline constexpr int32_t kLlmcShardMagic = 20240520;
@@ -55,16 +57,14 @@ class TokenShard {
   const uint16_t* tokens() const { return tokens_; }  // [size()]
   size_t size() const { return num_tokens_; }
   const std::string& name() const { return name_; }
-  bool is_memory_mapped() const { return mapping_ != nullptr; }
+  bool is_memory_mapped() const { return file_.is_mapped(); }
 
  private:
   TokenShard() = default;
-  void unmap();
 
   std::string name_;
   std::vector<uint16_t> owned_tokens_;  // in-memory shards only
-  void* mapping_ = nullptr;             // file shards only: the whole file
-  size_t mapping_bytes_ = 0;
+  MappedFile file_;                     // file shards only: the whole file
   const uint16_t* tokens_ = nullptr;    // into owned_tokens_ or past the mapping's header
   size_t num_tokens_ = 0;
 };

@@ -20,6 +20,7 @@
 #include "apps/engine.h"
 #include "apps/run_setup.h"
 #include "cli_testing.h"
+#include "temp_dir.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/safetensors.h"
@@ -32,17 +33,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() / ("fp8lm_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using testing::TempDir;
 
 const std::string kTiny = testing::source_path("configs/tiny.json");
 const std::string kRun = "--config " + kTiny +
@@ -76,16 +67,16 @@ TEST_CASE("resume is bit-exact: 8 steps straight equal 4, save, load, 4 more", "
     TempDir dir;
     INFO(precision);
     const std::string args = kRun + precision;
-    REQUIRE(run(args + " --save " + (dir / "straight") + " --metrics-file " + (dir / "straight.jsonl")).exit_code == 0);
-    REQUIRE(run(args + " --exit-interval 4 --save " + (dir / "split") + " --metrics-file " + (dir / "split.jsonl"))
+    REQUIRE(run(args + " --save " + (dir.file("straight")) + " --metrics-file " + (dir.file("straight.jsonl"))).exit_code == 0);
+    REQUIRE(run(args + " --exit-interval 4 --save " + (dir.file("split")) + " --metrics-file " + (dir.file("split.jsonl")))
                 .exit_code == 0);
-    CHECK(file_bytes(dir / "split/latest") == "4\n");
-    REQUIRE(run(args + " --load " + (dir / "split") + " --save " + (dir / "split") + " --metrics-file " +
-                (dir / "split.jsonl"))
+    CHECK(file_bytes(dir.file("split/latest")) == "4\n");
+    REQUIRE(run(args + " --load " + (dir.file("split")) + " --save " + (dir.file("split")) + " --metrics-file " +
+                (dir.file("split.jsonl")))
                 .exit_code == 0);
 
-    const auto straight = read_metrics(dir / "straight.jsonl");
-    const auto split = read_metrics(dir / "split.jsonl");
+    const auto straight = read_metrics(dir.file("straight.jsonl"));
+    const auto split = read_metrics(dir.file("split.jsonl"));
     REQUIRE(straight.size() == 8);
     REQUIRE(split.size() == 8);
     for (size_t i = 0; i < 8; ++i) {
@@ -95,27 +86,27 @@ TEST_CASE("resume is bit-exact: 8 steps straight equal 4, save, load, 4 more", "
       CHECK(split[i]["grad_norm"].get<double>() == straight[i]["grad_norm"].get<double>());
     }
     for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-      CHECK(file_bytes(dir / (std::string("straight/iter_0000008/") + file)) ==
-            file_bytes(dir / (std::string("split/iter_0000008/") + file)));
+      CHECK(file_bytes(dir.file(std::string("straight/iter_0000008/") + file)) ==
+            file_bytes(dir.file(std::string("split/iter_0000008/") + file)));
     if (std::string(precision) == "--fp8-hybrid")
-      CHECK(file_bytes(dir / "straight/iter_0000008/fp8_scaling.safetensors") ==
-            file_bytes(dir / "split/iter_0000008/fp8_scaling.safetensors"));
+      CHECK(file_bytes(dir.file("straight/iter_0000008/fp8_scaling.safetensors")) ==
+            file_bytes(dir.file("split/iter_0000008/fp8_scaling.safetensors")));
   }
 }
 
 TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries", "[checkpoint]") {
   TempDir dir;
-  REQUIRE(run(kRun + "--fp8-hybrid --save-interval 4 --save " + (dir / "ck")).exit_code == 0);
-  CHECK(file_bytes(dir / "ck/latest") == "8\n");
+  REQUIRE(run(kRun + "--fp8-hybrid --save-interval 4 --save " + (dir.file("ck"))).exit_code == 0);
+  CHECK(file_bytes(dir.file("ck/latest")) == "8\n");
   for (const char* iteration : {"iter_0000004", "iter_0000008"}) {
-    const fs::path d = fs::path(dir / "ck") / iteration;
+    const fs::path d = fs::path(dir.file("ck")) / iteration;
     for (const char* file : {"model.safetensors", "optimizer.safetensors", "fp8_scaling.safetensors", "state.json"})
       CHECK(fs::is_regular_file(d / file));
   }
-  for (const auto& entry : fs::directory_iterator(dir / "ck"))
+  for (const auto& entry : fs::directory_iterator(dir.file("ck")))
     CHECK(entry.path().filename().string().find(".tmp") == std::string::npos);
 
-  std::ifstream state_file(dir / "ck/iter_0000008/state.json");
+  std::ifstream state_file(dir.file("ck/iter_0000008/state.json"));
   const auto state = nlohmann::json::parse(state_file);
   CHECK(state["iteration"] == 8);
   CHECK(state["consumed_samples"] == 32);  // 8 steps x global batch 4
@@ -124,20 +115,20 @@ TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries"
   CHECK(state["files"]["model.safetensors"]["crc32"].get<std::string>().size() == 8);
 
   // The weights are Hugging Face GPT-2 names and layout; E4M3 m and FP16 v in the optimizer file.
-  const auto model = SafetensorsFile::open(dir / "ck/iter_0000008/model.safetensors");
+  const auto model = SafetensorsFile::open(dir.file("ck/iter_0000008/model.safetensors"));
   CHECK(model.tensor("h.0.attn.c_attn.weight").shape == std::vector<int64_t>{64, 192});  // Conv1D [in, out]
   CHECK(model.tensor("wte.weight").shape == std::vector<int64_t>{256, 64});
-  const auto optimizer = SafetensorsFile::open(dir / "ck/iter_0000008/optimizer.safetensors");
+  const auto optimizer = SafetensorsFile::open(dir.file("ck/iter_0000008/optimizer.safetensors"));
   CHECK(optimizer.tensor("h.0.mlp.c_fc.weight.exp_avg").dtype == SafetensorsDtype::F8_E4M3);
   CHECK(optimizer.tensor("h.0.mlp.c_fc.weight.exp_avg_sq").dtype == SafetensorsDtype::F16);
   CHECK(optimizer.metadata().at("step_count") == "8");
-  const auto scaling = SafetensorsFile::open(dir / "ck/iter_0000008/fp8_scaling.safetensors");
+  const auto scaling = SafetensorsFile::open(dir.file("ck/iter_0000008/fp8_scaling.safetensors"));
   CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{24, 1024});
 
   // --ckpt-step picks an older iteration; --load without --config takes the stored one.
   const auto resumed = run("--mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
                            "--fp8-hybrid --train-iters 5 --log-level info --eval-iters 0 --load " +
-                           (dir / "ck") + " --ckpt-step 4");
+                           (dir.file("ck")) + " --ckpt-step 4");
   CHECK(resumed.exit_code == 0);
   CHECK_THAT(resumed.output, ContainsSubstring("at iteration 4"));
   CHECK_THAT(resumed.output, ContainsSubstring("iter      5/5"));
@@ -145,17 +136,17 @@ TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries"
 
 TEST_CASE("damaged checkpoints fail with the file named, and nothing is overwritten", "[checkpoint]") {
   TempDir dir;
-  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir / "ck")).exit_code == 0);
-  const fs::path iteration = fs::path(dir / "ck") / "iter_0000008";
-  const std::string load = kRun + "--fp8-hybrid --train-iters 10 --save " + (dir / "ck") + " --load " + (dir / "ck");
+  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir.file("ck"))).exit_code == 0);
+  const fs::path iteration = fs::path(dir.file("ck")) / "iter_0000008";
+  const std::string load = kRun + "--fp8-hybrid --train-iters 10 --save " + (dir.file("ck")) + " --load " + (dir.file("ck"));
 
   auto expect_failure = [&](const std::string& args, const std::string& phrase) {
-    const std::string before = file_bytes(dir / "ck/latest");
+    const std::string before = file_bytes(dir.file("ck/latest"));
     const auto result = run(args);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.output, ContainsSubstring(phrase));
-    CHECK(file_bytes(dir / "ck/latest") == before);
-    CHECK_FALSE(fs::exists(fs::path(dir / "ck") / "iter_0000009"));
+    CHECK(file_bytes(dir.file("ck/latest")) == before);
+    CHECK_FALSE(fs::exists(fs::path(dir.file("ck")) / "iter_0000009"));
   };
   SECTION("a flipped byte: checksum mismatch") {
     std::fstream file(iteration / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
@@ -173,7 +164,7 @@ TEST_CASE("damaged checkpoints fail with the file named, and nothing is overwrit
     expect_failure(load, "fp8_scaling.safetensors: missing from the checkpoint");
   }
   SECTION("a broken latest") {
-    std::ofstream(dir / "ck/latest") << "12\n";
+    std::ofstream(dir.file("ck/latest")) << "12\n";
     expect_failure(load, "latest names iteration 12");
   }
   SECTION("shapes that disagree with the config") {
@@ -201,15 +192,15 @@ TEST_CASE("a Hugging Face GPT-2 safetensors file imports: Conv1D, prefix, BF16, 
   }
   std::vector<uint16_t> mask(64 * 64, bf16_from_float(1.0f));
   writer.add_borrowed("transformer.h.0.attn.bias", SafetensorsDtype::BF16, {1, 1, 64, 64}, mask.data(), mask.size() * 2);
-  fs::create_directories(dir / "hf");
-  writer.write(dir / "hf/model.safetensors");
-  std::ofstream(dir / "hf/config.json") << nlohmann::json(to_hf_json(config)).dump();
+  fs::create_directories(dir.file("hf"));
+  writer.write(dir.file("hf/model.safetensors"));
+  std::ofstream(dir.file("hf/config.json")) << nlohmann::json(to_hf_json(config)).dump();
 
   const RunSetup setup = resolve_run_setup(
-      parse_train_command_line({"--init-from", dir / "hf", "--mock-data", "--device", "cpu", "--fp8-hybrid"}).options);
+      parse_train_command_line({"--init-from", dir.file("hf"), "--mock-data", "--device", "cpu", "--fp8-hybrid"}).options);
   CHECK(setup.model.n_embd == 64);  // from the directory's config.json
   auto engine = make_cpu_engine(setup);
-  const LoadedState loaded = load_into_engine(dir / "hf", std::nullopt, setup, *engine);
+  const LoadedState loaded = load_into_engine(dir.file("hf"), std::nullopt, setup, *engine);
   CHECK_FALSE(loaded.resumed);
   const std::vector<float> params = engine->parameters();
   for (const TensorInfo& t : layout.tensors()) {
@@ -223,8 +214,8 @@ TEST_CASE("a Hugging Face GPT-2 safetensors file imports: Conv1D, prefix, BF16, 
   CHECK(engine->optimizer_state().step_count == 0);
 
   // Training from it works, and a wrong shape names the file and tensor.
-  CHECK(run(kRun + "--fp8-hybrid --train-iters 3 --init-from " + (dir / "hf")).exit_code == 0);
-  const auto wrong = run(kRun + "--fp8-hybrid --train-iters 3 --hidden-size 128 --init-from " + (dir / "hf"));
+  CHECK(run(kRun + "--fp8-hybrid --train-iters 3 --init-from " + (dir.file("hf"))).exit_code == 0);
+  const auto wrong = run(kRun + "--fp8-hybrid --train-iters 3 --hidden-size 128 --init-from " + (dir.file("hf")));
   CHECK(wrong.exit_code == 2);
   CHECK_THAT(wrong.output, ContainsSubstring("model.safetensors: tensor \"transformer.wte.weight\" has shape"));
 }
@@ -243,7 +234,7 @@ TEST_CASE("precision switches both ways with loss continuity", "[checkpoint]") {
                          Switch{"--fp8-hybrid --optimizer-state-precision fp32", "--fp8-hybrid"}}) {
     INFO(s.first << " -> " << s.second);
     const std::string name = std::to_string(std::hash<std::string>{}(std::string(s.first) + s.second));
-    const std::string ck = dir / name, metrics = dir / (name + ".jsonl");
+    const std::string ck = dir.file(name), metrics = dir.file(name + ".jsonl");
     REQUIRE(run(base + s.first + " --exit-interval 40 --save " + ck + " --metrics-file " + metrics).exit_code == 0);
     REQUIRE(run(base + s.second + " --load " + ck + " --metrics-file " + metrics).exit_code == 0);
     const auto lines = read_metrics(metrics);
@@ -261,12 +252,12 @@ TEST_CASE("precision switches both ways with loss continuity", "[checkpoint]") {
 
 TEST_CASE("SIGTERM finishes the step, saves a checkpoint and exits 0", "[checkpoint]") {
   TempDir dir;
-  const std::string log = dir / "run.log";
+  const std::string log = dir.file("run.log");
   const pid_t child = fork();
   REQUIRE(child >= 0);
   if (child == 0) {
     const std::string command = std::string(FP8LM_BINARY) + " " + kRun + "--train-iters 100000 --log-level info --save " +
-                                (dir / "ck") + " > " + log + " 2>&1";
+                                (dir.file("ck")) + " > " + log + " 2>&1";
     execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
@@ -285,34 +276,34 @@ TEST_CASE("SIGTERM finishes the step, saves a checkpoint and exits 0", "[checkpo
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
   CHECK_THAT(file_bytes(log), ContainsSubstring("checkpoint saved"));
-  const std::string latest = file_bytes(dir / "ck/latest");
+  const std::string latest = file_bytes(dir.file("ck/latest"));
   REQUIRE_FALSE(latest.empty());
   const long iteration = std::stol(latest);
   CHECK(iteration >= 1);
-  CHECK(fs::is_regular_file(fs::path(dir / "ck") / ("iter_" + std::string(7 - std::to_string(iteration).size(), '0') +
+  CHECK(fs::is_regular_file(fs::path(dir.file("ck")) / ("iter_" + std::string(7 - std::to_string(iteration).size(), '0') +
                                                     std::to_string(iteration)) / "state.json"));
 }
 
 TEST_CASE("convert exports a Hugging Face GPT-2 model in BF16", "[checkpoint]") {
   TempDir dir;
-  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir / "ck")).exit_code == 0);
-  const auto result = run("convert --load " + (dir / "ck") + " --to " + (dir / "hf") + " --dtype bf16");
+  REQUIRE(run(kRun + "--fp8-hybrid --save " + (dir.file("ck"))).exit_code == 0);
+  const auto result = run("convert --load " + (dir.file("ck")) + " --to " + (dir.file("hf")) + " --dtype bf16");
   REQUIRE(result.exit_code == 0);
-  const auto model = SafetensorsFile::open(dir / "hf/model.safetensors");
+  const auto model = SafetensorsFile::open(dir.file("hf/model.safetensors"));
   const auto& c_attn = model.tensor("transformer.h.1.attn.c_attn.weight");
   CHECK(c_attn.dtype == SafetensorsDtype::BF16);
   CHECK(c_attn.shape == std::vector<int64_t>{64, 192});
   CHECK(model.contains("transformer.wte.weight"));
   CHECK_FALSE(model.contains("lm_head.weight"));  // tied, as save_pretrained writes it
-  std::ifstream config_file(dir / "hf/config.json");
+  std::ifstream config_file(dir.file("hf/config.json"));
   const auto config = nlohmann::json::parse(config_file);
   CHECK(config["model_type"] == "gpt2");
   CHECK(config["architectures"][0] == "GPT2LMHeadModel");
   CHECK(config["n_embd"] == 64);
   // The export's weights equal the checkpoint's, rounded to BF16.
-  const auto master = SafetensorsFile::open(dir / "ck/iter_0000008/model.safetensors");
+  const auto master = SafetensorsFile::open(dir.file("ck/iter_0000008/model.safetensors"));
   const auto exported = read_as_float(c_attn);
   const auto original = read_as_float(master.tensor("h.1.attn.c_attn.weight"));
   for (size_t i = 0; i < original.size(); ++i) REQUIRE(exported[i] == round_to_bf16(original[i]));
-  CHECK(run("convert --load " + (dir / "nowhere") + " --to " + (dir / "x")).exit_code == 2);
+  CHECK(run("convert --load " + (dir.file("nowhere")) + " --to " + (dir.file("x"))).exit_code == 2);
 }

@@ -18,6 +18,7 @@
 #include <catch2/matchers/catch_matchers_string.hpp>
 
 #include "core/error.h"
+#include "temp_dir.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
 
@@ -27,25 +28,7 @@ using Catch::Matchers::ContainsSubstring;
 
 namespace {
 
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("fp8lm_test_data_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 void write_bytes(const std::string& path, const void* data, size_t bytes) {
   std::ofstream out(path, std::ios::binary);

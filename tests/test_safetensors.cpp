@@ -27,6 +27,7 @@
 #include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "temp_dir.h"
 #include "core/fp8.h"
 #include "core/safetensors.h"
 
@@ -36,26 +37,7 @@ using Catch::Matchers::ContainsSubstring;
 
 namespace {
 
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("fp8lm_test_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -1,0 +1,44 @@
+// A read-only memory map of a whole file, unmapped when the owner goes away. The data
+// readers (token shards, safetensors) validate what they map before they use it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace fp8lm {
+
+class MappedFile {
+ public:
+  // Maps `path`. InputError naming it when it cannot be opened or is not a regular
+  // file; an empty file gives an empty mapping (data() null, size() 0).
+  static MappedFile open(const std::string& path);
+
+  MappedFile() = default;
+  MappedFile(MappedFile&& other) noexcept { swap(other); }
+  MappedFile& operator=(MappedFile&& other) noexcept {
+    MappedFile(std::move(other)).swap(*this);
+    return *this;
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+
+  const uint8_t* data() const { return static_cast<const uint8_t*>(mapping_); }
+  size_t size() const { return bytes_; }
+  bool is_mapped() const { return mapping_ != nullptr; }
+  // Access-pattern hints to the kernel.
+  void advise_sequential() const;
+  void advise_random() const;
+
+ private:
+  void swap(MappedFile& other) noexcept {
+    std::swap(mapping_, other.mapping_);
+    std::swap(bytes_, other.bytes_);
+  }
+  void* mapping_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace fp8lm
