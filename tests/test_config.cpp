@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_testing.h"
+#include "temp_dir.h"
 #include "core/error.h"
 #include "core/gpt_config.h"
 
@@ -94,17 +95,15 @@ TEST_CASE("bad configs are errors naming the file and key", "[config]") {
   CHECK_THAT(config_error(with("layer_norm_epsilon", -1.0)), ContainsSubstring("layer_norm_epsilon"));
   CHECK_THAT(config_error(nlohmann::json::array()), ContainsSubstring("must be a JSON object"));
 
-  const auto dir = std::filesystem::temp_directory_path() / ("fp8lm_config_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  const auto broken = dir / "broken.json";
+  const testing::TempDir dir;
+  const std::string broken = dir.file("broken.json");
   std::ofstream(broken) << "{\"n_layer\": 2,";
   try {
-    load_gpt_config(broken.string());
+    load_gpt_config(broken);
     FAIL("no error");
   } catch (const InputError& e) {
-    CHECK_THAT(std::string(e.what()), ContainsSubstring(broken.string()));
+    CHECK_THAT(std::string(e.what()), ContainsSubstring(broken));
     CHECK_THAT(std::string(e.what()), ContainsSubstring("not valid JSON"));
   }
-  CHECK_THROWS_AS(load_gpt_config((dir / "missing.json").string()), InputError);
-  std::filesystem::remove_all(dir);
+  CHECK_THROWS_AS(load_gpt_config(dir.file("missing.json")), InputError);
 }

@@ -14,6 +14,7 @@
 #include "apps/run_setup.h"
 #include "apps/trainer.h"
 #include "cli_testing.h"
+#include "temp_dir.h"
 #include "core/fp8.h"
 #include "core/random.h"
 #include "layers/gpt.h"
@@ -190,11 +191,10 @@ TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp3
   // 150 steps of 4 x 32 tokens on the mock language (entropy about 1.3 nats/token at
   // vocab 256, uniform is log 256 = 5.55). Measured on the dev machine: validation
   // loss 1.876 (fp32), 1.875 (bf16), 1.878 (fp8 hybrid, delayed scaling).
-  const auto dir = std::filesystem::temp_directory_path() / ("fp8lm_train_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
+  const testing::TempDir dir;
   std::map<std::string, double> val_loss;
   for (const char* precision : {"--fp32", "--bf16", "--fp8-hybrid"}) {
-    const std::string metrics = (dir / (std::string(precision + 2) + ".jsonl")).string();
+    const std::string metrics = dir.file(std::string(precision + 2) + ".jsonl");
     const RunSetup setup =
         setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data", precision, "--train-iters",
                     "150", "--micro-batch-size", "4", "--seq-length", "32", "--lr", "3e-3", "--lr-warmup-iters", "10",
@@ -225,5 +225,4 @@ TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp3
   // Stated tolerances: within 2% of the FP32 validation loss.
   CHECK(std::fabs(val_loss["--bf16"] - val_loss["--fp32"]) < 0.02 * val_loss["--fp32"]);
   CHECK(std::fabs(val_loss["--fp8-hybrid"] - val_loss["--fp32"]) < 0.02 * val_loss["--fp32"]);
-  std::filesystem::remove_all(dir);
 }
