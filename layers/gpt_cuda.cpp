@@ -148,6 +148,17 @@ GptModel::GptModel(const GptConfig& config, int batch_size, int seq_length, cons
     }
   }
 
+  auto layernorm_at = [&](const std::string& prefix) {
+    return LayerNormOffsets{layout_.find(prefix + ".weight")->offset, layout_.find(prefix + ".bias")->offset};
+  };
+  for (int l = 0; l < config.n_layer; ++l) {
+    ln1_.push_back(layernorm_at("h." + std::to_string(l) + ".ln_1"));
+    ln2_.push_back(layernorm_at("h." + std::to_string(l) + ".ln_2"));
+  }
+  ln_f_ = layernorm_at("ln_f");
+  wte_offset_ = layout_.find("wte.weight")->offset;
+  wpe_offset_ = layout_.find("wpe.weight")->offset;
+
   // ---- Parameter-class slabs.
   master_.allocate(layout_.total_elements());
   params_bf16_.allocate(layout_.total_elements());
@@ -415,20 +426,18 @@ void GptModel::forward(bool training) {
   const int BT = B * T, Vp = config_.padded_vocab_size();
   const float eps = config_.layer_norm_epsilon;
   const bf16* P = params_bf16_.data();
-  auto param = [&](const std::string& name) { return P + layout_.find(name)->offset; };
   Carved& v = *carved_;
   const Fp8Dtype fwd = forward_dtype(precision_.fp8.format);
   auto slot = [&](int state) { return training ? amax_slot(state) : sink(); };
 
-  encoder_forward(v.encoded, tokens_.data(), param("wte.weight"), param("wpe.weight"), B, T, C, stream_);
+  encoder_forward(v.encoded, tokens_.data(), P + wte_offset_, P + wpe_offset_, B, T, C, stream_);
   for (int l = 0; l < config_.n_layer; ++l) {
     const BlockActivations a = block(l);
     const Linear* lin = &linears_[size_t(l) * 4];
-    const std::string h = "h." + std::to_string(l) + ".";
-    const bf16* ln1_w = param(h + "ln_1.weight");
-    const bf16* ln1_b = param(h + "ln_1.bias");
-    const bf16* ln2_w = param(h + "ln_2.weight");
-    const bf16* ln2_b = param(h + "ln_2.bias");
+    const bf16* ln1_w = P + ln1_[l].weight;
+    const bf16* ln1_b = P + ln1_[l].bias;
+    const bf16* ln2_w = P + ln2_[l].weight;
+    const bf16* ln2_b = P + ln2_[l].bias;
     if (fp8_) {
       const uint8_t* W = fp8_weights_.data();
       // ln_1 -> FP8 input of c_attn
@@ -490,11 +499,11 @@ void GptModel::forward(bool training) {
     }
   }
   const BlockActivations last = block(config_.n_layer - 1);
-  layernorm_forward_bf16(v.lnf, v.lnf_mean, v.lnf_rstd, last.resid_out, param("ln_f.weight"), param("ln_f.bias"), BT,
+  layernorm_forward_bf16(v.lnf, v.lnf_mean, v.lnf_rstd, last.resid_out, P + ln_f_.weight, P + ln_f_.bias, BT,
                          C, eps, stream_);
   // The tied LM head stays in BF16 (as Megatron's output layer does).
   const Linear lm_head;
-  gemm(lm_head, 0, v.logits, GemmType::bf16, v.lnf, param("wte.weight"), nullptr, 0.0f, nullptr, BT, Vp, C, false,
+  gemm(lm_head, 0, v.logits, GemmType::bf16, v.lnf, P + wte_offset_, nullptr, 0.0f, nullptr, BT, Vp, C, false,
        false);
 }
 
@@ -503,20 +512,19 @@ void GptModel::backward() {
   const int BT = B * T, Vp = config_.padded_vocab_size();
   const bf16* P = params_bf16_.data();
   float* G = grads_.data();
-  auto offset = [&](const std::string& name) { return layout_.find(name)->offset; };
   Carved& v = *carved_;
   float* scratch = scratch_.data();
   const uint8_t* W = fp8_weights_.data();
 
   // LM head (BF16): dlnf = dlogits . wte ; dwte += dlogits^T . lnf
   const Linear lm_head;
-  gemm(lm_head, 1, v.dln, GemmType::bf16, v.logits, P + offset("wte.weight"), nullptr, 0.0f, nullptr, BT, C, Vp,
+  gemm(lm_head, 1, v.dln, GemmType::bf16, v.logits, P + wte_offset_, nullptr, 0.0f, nullptr, BT, C, Vp,
        false, true);
-  gemm(lm_head, 2, G + offset("wte.weight"), GemmType::fp32, v.logits, v.lnf, G + offset("wte.weight"), 1.0f, nullptr,
+  gemm(lm_head, 2, G + wte_offset_, GemmType::fp32, v.logits, v.lnf, G + wte_offset_, 1.0f, nullptr,
        Vp, C, BT, true, true);
   CUDA_CHECK(cudaMemsetAsync(v.dresid, 0, size_t(BT) * C * sizeof(bf16), stream_));
-  layernorm_backward(v.dresid, G + offset("ln_f.weight"), G + offset("ln_f.bias"), v.dln,
-                     block(config_.n_layer - 1).resid_out, P + offset("ln_f.weight"), v.lnf_mean, v.lnf_rstd, BT, C,
+  layernorm_backward(v.dresid, G + ln_f_.weight, G + ln_f_.bias, v.dln,
+                     block(config_.n_layer - 1).resid_out, P + ln_f_.weight, v.lnf_mean, v.lnf_rstd, BT, C,
                      scratch, stream_);
 
   // Output gradient of a Linear into FP8 (both layouts) with its bias gradient fused.
@@ -549,7 +557,6 @@ void GptModel::backward() {
   for (int l = config_.n_layer - 1; l >= 0; --l) {
     const BlockActivations a = block(l);
     const Linear* lin = &linears_[size_t(l) * 4];
-    const std::string h = "h." + std::to_string(l) + ".";
     if (fp8_) {
       // mlp.c_proj: its output gradient is the residual gradient.
       quantize_grad(lin[3], v.dresid, BT, C);
@@ -567,8 +574,8 @@ void GptModel::backward() {
         }
       }
       fp8_linear_backward(lin[2], v.dln, a.ln2_8);
-      layernorm_backward(v.dresid, G + offset(h + "ln_2.weight"), G + offset(h + "ln_2.bias"), v.dln, a.resid_mid,
-                         P + offset(h + "ln_2.weight"), a.ln2_mean, a.ln2_rstd, BT, C, scratch, stream_);
+      layernorm_backward(v.dresid, G + ln2_[l].weight, G + ln2_[l].bias, v.dln, a.resid_mid,
+                         P + ln2_[l].weight, a.ln2_mean, a.ln2_rstd, BT, C, scratch, stream_);
       quantize_grad(lin[1], v.dresid, BT, C);
       fp8_linear_backward(lin[1], v.datty, a.atty8);
       attention_backward(v.dqkv, v.datty, a.qkv, a.atty, a.lse, B, T, C, NH, scratch, stream_);
@@ -582,17 +589,17 @@ void GptModel::backward() {
            false, true);
       gemm(lin[2], 2, G + lin[2].weight_offset, GemmType::fp32, v.staging, a.ln2, G + lin[2].weight_offset, 1.0f,
            nullptr, F, C, BT, true, true);
-      layernorm_backward(v.dresid, G + offset(h + "ln_2.weight"), G + offset(h + "ln_2.bias"), v.dln, a.resid_mid,
-                         P + offset(h + "ln_2.weight"), a.ln2_mean, a.ln2_rstd, BT, C, scratch, stream_);
+      layernorm_backward(v.dresid, G + ln2_[l].weight, G + ln2_[l].bias, v.dln, a.resid_mid,
+                         P + ln2_[l].weight, a.ln2_mean, a.ln2_rstd, BT, C, scratch, stream_);
       bf16_linear_backward(lin[1], v.datty, v.dresid, a.atty);
       attention_backward(v.dqkv, v.datty, a.qkv, a.atty, a.lse, B, T, C, NH, scratch, stream_);
       bf16_linear_backward(lin[0], v.dln, v.dqkv, a.ln1);
     }
-    layernorm_backward(v.dresid, G + offset(h + "ln_1.weight"), G + offset(h + "ln_1.bias"), v.dln, a.resid_in,
-                       P + offset(h + "ln_1.weight"), a.ln1_mean, a.ln1_rstd, BT, C, scratch, stream_);
+    layernorm_backward(v.dresid, G + ln1_[l].weight, G + ln1_[l].bias, v.dln, a.resid_in,
+                       P + ln1_[l].weight, a.ln1_mean, a.ln1_rstd, BT, C, scratch, stream_);
   }
   const size_t BTs = size_t(BT);
-  encoder_backward(G + offset("wte.weight"), G + offset("wpe.weight"), v.dresid, tokens_.data() + 2 * BTs,
+  encoder_backward(G + wte_offset_, G + wpe_offset_, v.dresid, tokens_.data() + 2 * BTs,
                    tokens_.data() + 3 * BTs, tokens_.data() + 4 * BTs + 1, num_unique_tokens_, B, T, C, stream_);
 }
 

@@ -108,6 +108,13 @@ class GptModel {
   TensorLayout layout_;
   ScalingTable scaling_table_;
   std::vector<Linear> linears_;  // [L*4]: c_attn, attn.c_proj, c_fc, mlp.c_proj
+  // Slab offsets of the non-Linear parameters, looked up once (not per step).
+  struct LayerNormOffsets {
+    size_t weight = 0, bias = 0;
+  };
+  std::vector<LayerNormOffsets> ln1_, ln2_;  // [L]
+  LayerNormOffsets ln_f_;
+  size_t wte_offset_ = 0, wpe_offset_ = 0;
 
   DeviceBuffer<float> master_;
   DeviceBuffer<__nv_bfloat16> params_bf16_;
