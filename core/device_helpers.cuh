@@ -62,4 +62,39 @@ __device__ __forceinline__ void block_amax_update(float* amax, unsigned bits) {
   }
 }
 
+// One definition per translation unit (a .cu-only header, no relocatable device code).
+namespace {
+
+// dst_lo[c] += sum_r partials[r][c] for c < split, dst_hi[c - split] += ... for c >= split.
+// partials [rows][cols] (per-block partial sums of a parameter gradient); dst_hi may be
+// null when split == cols. Block (32, 8): column blockIdx.x*32 + tx; thread row ty sums rows
+// ty, ty+8, ... in order; the 8 sums are then added in order. Deterministic.
+// Launch with grid ceil(cols/32), block (32, 8).
+__global__ void __launch_bounds__(256) add_column_sums_kernel(float* __restrict__ dst_lo, float* __restrict__ dst_hi,
+                                                              int split, const float* __restrict__ partials,
+                                                              int rows, int cols) {
+  __shared__ float sums[8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int col = blockIdx.x * 32 + tx;
+  float sum = 0.0f;
+  if (col < cols) {
+#pragma unroll 4
+    for (int r = ty; r < rows; r += 8) sum += partials[static_cast<size_t>(r) * cols + col];
+  }
+  sums[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    float total = sums[0][tx];
+#pragma unroll
+    for (int g = 1; g < 8; g++) total += sums[g][tx];
+    if (col < split) {
+      dst_lo[col] += total;
+    } else {
+      dst_hi[col - split] += total;
+    }
+  }
+}
+
+}  // namespace
+
 }  // namespace fp8lm::cuda::device

@@ -193,28 +193,6 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// dst[c] += sum_r partials[r][c]. Block (32, 8): column blockIdx.x*32 + tx; thread row ty
-// sums rows ty, ty+8, ... in order; the 8 sums are then added in order. Deterministic.
-__global__ void __launch_bounds__(256)
-    add_column_sums_kernel(float* __restrict__ dst, const float* __restrict__ partials, int rows, int cols) {
-  __shared__ float sums[8][33];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int col = blockIdx.x * 32 + tx;
-  float sum = 0.0f;
-  if (col < cols) {
-#pragma unroll 4
-    for (int r = ty; r < rows; r += 8) sum += partials[static_cast<size_t>(r) * cols + col];
-  }
-  sums[ty][tx] = sum;
-  __syncthreads();
-  if (ty == 0 && col < cols) {
-    float total = sums[0][tx];
-#pragma unroll
-    for (int g = 1; g < 8; g++) total += sums[g][tx];
-    dst[col] += total;
-  }
-}
-
 // ---- host side -------------------------------------------------------------------------
 
 bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_t>(p) % alignment == 0; }
@@ -276,7 +254,7 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float*
   gelu_backward_tile_kernel<kFp8><<<grid, kTileThreads, 0, stream>>>(dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale,
                                                                      interpretation(dtype), dout, pre, M, F);
   CUDA_CHECK_LAUNCH();
-  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, scratch, row_tiles, F);
+  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, nullptr, F, scratch, row_tiles, F);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -14,17 +14,11 @@ std::string_view to_string(OptimizerStatePrecision precision) {
 AdamWStepScalars adamw_step_scalars(const AdamWHyperparams& hp, int64_t t, float grad_scale,
                                     bool decay) {
   FP8LM_CHECK(t >= 1, "t=", t);
-  AdamWStepScalars s;
-  s.lr = hp.lr;
-  s.beta1 = hp.beta1;
-  s.beta2 = hp.beta2;
-  s.eps = hp.eps;
-  s.weight_decay = decay ? hp.weight_decay : 0.0f;
   // In double: 1 - b2^t for b2 = 0.999 and t = 1 loses half its digits in FP32 powers.
-  s.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(t)));
-  s.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(t)));
-  s.grad_scale = grad_scale;
-  return s;
+  const auto correction = [t](float beta) {
+    return static_cast<float>(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(t)));
+  };
+  return adamw_scalars(hp, decay, grad_scale, correction(hp.beta1), correction(hp.beta2));
 }
 
 namespace {

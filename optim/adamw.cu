@@ -60,25 +60,11 @@ __device__ __forceinline__ ChunkRange chunk_of_block(const DeviceTensorTable& ta
   return r;
 }
 
-// ---- per-element arithmetic: the device twins of optim/adamw.h -----------------------------
+// ---- per-element helpers (the arithmetic itself is optim/adamw.h's, shared with the host) ----
 
 // adamw_step_scalars(): 1 - beta^t in double, rounded to float.
 __device__ __forceinline__ float bias_correction(float beta, long long t) {
   return static_cast<float>(__dsub_rn(1.0, pow(static_cast<double>(beta), static_cast<double>(t))));
-}
-
-__device__ __forceinline__ AdamWStepScalars make_scalars(const AdamWHyperparams& hp, bool decay, float grad_scale,
-                                                         float bias_correction1, float bias_correction2) {
-  AdamWStepScalars s;
-  s.lr = hp.lr;
-  s.beta1 = hp.beta1;
-  s.beta2 = hp.beta2;
-  s.eps = hp.eps;
-  s.weight_decay = decay ? hp.weight_decay : 0.0f;
-  s.bias_correction1 = bias_correction1;
-  s.bias_correction2 = bias_correction2;
-  s.grad_scale = grad_scale;
-  return s;
 }
 
 // The storage formats (optim/adamw.cpp: quantize_m/quantize_v/dequantize_m/dequantize_v).
@@ -149,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   if (control->skip) return;  // uniform over the grid
   const ChunkRange c = chunk_of_block(table);
   // Moments need only beta and grad_scale (bias corrections enter the parameter update).
-  const AdamWStepScalars s = make_scalars(hp, false, control->grad_scale, 1.0f, 1.0f);
+  const AdamWStepScalars s = adamw_scalars(hp, false, control->grad_scale, 1.0f, 1.0f);
   const float m_inv = __fdiv_rn(1.0f, m_scales[c.k]);
   const float v_inv = __fdiv_rn(1.0f, v_scales[c.k]);
 
@@ -244,7 +230,7 @@ __global__ void __launch_bounds__(kThreads)
   const float m_scale = m_scales[c.k];  // the new scales
   const float v_scale = v_scales[c.k];
   const AdamWStepScalars s =
-      make_scalars(hp, table.decay[c.k] != 0, control->grad_scale, scratch[4 * count], scratch[4 * count + 1]);
+      adamw_scalars(hp, table.decay[c.k] != 0, control->grad_scale, scratch[4 * count], scratch[4 * count + 1]);
 
   auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) {
     float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
@@ -306,7 +292,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const ChunkRange c = chunk_of_block(table);
   const AdamWStepScalars s =
-      make_scalars(hp, table.decay[c.k] != 0, control->grad_scale, bias_corrections[0], bias_corrections[1]);
+      adamw_scalars(hp, table.decay[c.k] != 0, control->grad_scale, bias_corrections[0], bias_corrections[1]);
 
   auto update = [&](float g, float& p, float& m, float& v, uint16_t& pb) {
     adamw_moments(g, m, v, s);

@@ -111,6 +111,22 @@ struct AdamWStepScalars {
   float grad_scale;        // clipping coefficient, multiplies every gradient
 };
 
+// The scalars of one step from the hyperparameters and the bias corrections 1 - beta^t
+// (computed in double by the caller). One definition for the host and the kernels.
+FP8LM_HOST_DEVICE inline AdamWStepScalars adamw_scalars(const AdamWHyperparams& hp, bool decay, float grad_scale,
+                                                        float bias_correction1, float bias_correction2) {
+  AdamWStepScalars s;
+  s.lr = hp.lr;
+  s.beta1 = hp.beta1;
+  s.beta2 = hp.beta2;
+  s.eps = hp.eps;
+  s.weight_decay = decay ? hp.weight_decay : 0.0f;
+  s.bias_correction1 = bias_correction1;
+  s.bias_correction2 = bias_correction2;
+  s.grad_scale = grad_scale;
+  return s;
+}
+
 // Step t (1-based) of the hyperparameters, for a tensor that is (or is not) decayed.
 AdamWStepScalars adamw_step_scalars(const AdamWHyperparams& hp, int64_t t, float grad_scale,
                                     bool decay);
