@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstddef>
 
+#include "core/error.h"
+
 namespace fp8lm::cpu {
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -30,6 +32,28 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
     mean[n] = row_mean;
     rstd[n] = row_rstd;
   }
+}
+
+void residual_layernorm_forward(float* out, float* residual_out, float* mean, float* rstd, const float* residual_in,
+                                const float* branch, const float* branch_bias, const float* weight,
+                                const float* bias, int N, int C, float eps) {
+  if (branch == nullptr) {
+    FP8LM_CHECK(branch_bias == nullptr, "residual_layernorm_forward: branch_bias without a branch");
+    layernorm_forward(out, mean, rstd, residual_in, weight, bias, N, C, eps);
+    return;
+  }
+  FP8LM_CHECK(residual_out != nullptr, "residual_layernorm_forward: null residual_out");
+  // Bias into the branch first, then the residual: the order the GPU adds in. Without a
+  // bias nothing is added (x + 0 would turn a -0 branch into +0).
+#pragma omp parallel for
+  for (int n = 0; n < N; n++) {
+    for (int c = 0; c < C; c++) {
+      const size_t i = static_cast<size_t>(n) * C + c;
+      const float branch_value = branch_bias != nullptr ? branch[i] + branch_bias[c] : branch[i];
+      residual_out[i] = residual_in[i] + branch_value;  // GPU: rounded to BF16 here
+    }
+  }
+  layernorm_forward(out, mean, rstd, residual_out, weight, bias, N, C, eps);
 }
 
 // With xhat = (x - mean) * rstd and g = dout * weight, the row's input gradient is

@@ -4,7 +4,11 @@
 // 16-byte load each) in registers, so the row is read from memory once. Mean and variance
 // are FP32 warp reductions in two passes over the registers (as the CPU reference).
 // The FP8 variant rounds each output to BF16 first and quantizes that, so its codes are
-// those of a cast of the BF16 output.
+// those of a cast of the BF16 output. The residual variant builds the row from
+// residual_in + (branch + branch_bias) instead of loading it, rounds it to BF16, writes it
+// back as the new residual stream and continues with the rounded values in registers: from
+// there on the code is the plain kernel's, so the results are bit for bit those of the plain
+// kernel run on the stored residual.
 //
 // Backward: one warp per row as well (grid-strided over rows). dinp is finished per row;
 // each lane accumulates its columns' dweight/dbias over the warp's rows in registers, the
@@ -47,28 +51,55 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // ---- forward ---------------------------------------------------------------------------
 
+// The residual add of the residual variant (unused by the plain one). No __restrict__: out
+// may alias in (in place; each lane reads its chunks before it writes them).
+struct ResidualArgs {
+  bf16* out;                // [N,C]
+  const bf16* in;           // [N,C]
+  const bf16* branch;       // [N,C]
+  const bf16* branch_bias;  // [C], nullable
+};
+
 // K: chunks of 8 per lane (the row width is at most K * 32 * 8).
-template <int K, bool kFp8>
+// kResidual: the row is residual.in + (residual.branch + residual.branch_bias), rounded to
+// BF16 and stored to residual.out; inp is unused. Otherwise the row is inp and residual unused.
+template <int K, bool kFp8, bool kResidual>
 __global__ void __launch_bounds__(kThreads)
     layernorm_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
                              const float* __restrict__ scale, __nv_fp8_interpretation_t interp,
                              float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ inp,
-                             const bf16* __restrict__ weight, const bf16* __restrict__ bias, int N, int C,
-                             float eps) {
+                             ResidualArgs residual, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
+                             int N, int C, float eps) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerBlock + warp;
   const int chunks = C / 8;
   unsigned amax_local = 0u;
 
   if (row < N) {  // warp-uniform
-    const bf16* x = inp + static_cast<size_t>(row) * C;
     float xv[K][8];
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; k++) {
       const int i = lane + 32 * k;
       if (i < chunks) {
-        load_bf16x8(x + i * 8, xv[k]);
+        if constexpr (kResidual) {
+          const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
+          float r[8], b[8];
+          load_bf16x8(residual.in + offset, r);
+          load_bf16x8(residual.branch + offset, b);
+          if (residual.branch_bias != nullptr) {  // uniform
+            float bb[8];
+            load_bf16x8(residual.branch_bias + i * 8, bb);
+#pragma unroll
+            for (int j = 0; j < 8; j++) b[j] += bb[j];
+          }
+          // One rounding: the BF16 value stored is the value normalized below.
+#pragma unroll
+          for (int j = 0; j < 8; j++) xv[k][j] = round_bf16(r[j] + b[j]);
+          store_bf16x8(residual.out + offset, xv[k]);  // exact: already BF16 values
+        } else {
+          load_bf16x8(inp + static_cast<size_t>(row) * C + i * 8, xv[k]);
+        }
 #pragma unroll
         for (int j = 0; j < 8; j++) sum += xv[k][j];
       }
@@ -244,15 +275,33 @@ void check_shape(int N, int C, const char* what) {
               kLayerNormMaxC, "], got ", C);
 }
 
-template <bool kFp8>
+const char* forward_name(bool fp8, bool residual) {
+  if (residual) return fp8 ? "residual_layernorm_forward_fp8" : "residual_layernorm_forward_bf16";
+  return fp8 ? "layernorm_forward_fp8" : "layernorm_forward_bf16";
+}
+
+template <bool kFp8, bool kResidual>
 void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* scale, Fp8Dtype dtype, float* mean,
-                    float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, float eps,
-                    cudaStream_t stream) {
-  const char* what = kFp8 ? "layernorm_forward_fp8" : "layernorm_forward_bf16";
+                    float* rstd, const bf16* inp, const ResidualArgs& residual, const bf16* weight, const bf16* bias,
+                    int N, int C, float eps, cudaStream_t stream) {
+  const char* what = forward_name(kFp8, kResidual);
   check_shape(N, C, what);
-  FP8LM_CHECK(inp != nullptr && weight != nullptr && bias != nullptr, what, ": null input");
-  FP8LM_CHECK(aligned(inp, 16) && aligned(weight, 16) && aligned(bias, 16), what,
-              ": inp, weight and bias must be 16-byte aligned");
+  FP8LM_CHECK(weight != nullptr && bias != nullptr, what, ": null weight or bias");
+  FP8LM_CHECK(aligned(weight, 16) && aligned(bias, 16), what, ": weight and bias must be 16-byte aligned");
+  if constexpr (kResidual) {
+    FP8LM_CHECK(residual.out != nullptr && residual.in != nullptr && residual.branch != nullptr, what,
+                ": null residual_out, residual_in or branch");
+    FP8LM_CHECK(aligned(residual.out, 16) && aligned(residual.in, 16) && aligned(residual.branch, 16) &&
+                    (residual.branch_bias == nullptr || aligned(residual.branch_bias, 16)),
+                what, ": residual_out, residual_in, branch and branch_bias must be 16-byte aligned");
+    FP8LM_CHECK(residual.out != residual.branch, what, ": residual_out must not alias branch");
+    const void* out = kFp8 ? static_cast<const void*>(out_fp8) : static_cast<const void*>(out_bf16);
+    FP8LM_CHECK(out != residual.out && out != residual.in && out != residual.branch, what,
+                ": out must not alias residual_out, residual_in or branch");
+  } else {
+    FP8LM_CHECK(inp != nullptr, what, ": null input");
+    FP8LM_CHECK(aligned(inp, 16), what, ": inp must be 16-byte aligned");
+  }
   if constexpr (kFp8) {
     FP8LM_CHECK(out_fp8 != nullptr && scale != nullptr, what, ": null out or scale");
     FP8LM_CHECK(aligned(out_fp8, 8), what, ": out must be 8-byte aligned");
@@ -264,9 +313,9 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   if (N == 0) return;
   const int blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const __nv_fp8_interpretation_t interp = interpretation(dtype);
-#define FP8LM_LN_FORWARD(K)                                                                                      \
-  layernorm_forward_kernel<K, kFp8><<<blocks, kThreads, 0, stream>>>(out_bf16, out_fp8, amax, scale, interp, mean, \
-                                                                     rstd, inp, weight, bias, N, C, eps)
+#define FP8LM_LN_FORWARD(K)                                                                               \
+  layernorm_forward_kernel<K, kFp8, kResidual><<<blocks, kThreads, 0, stream>>>(                          \
+      out_bf16, out_fp8, amax, scale, interp, mean, rstd, inp, residual, weight, bias, N, C, eps)
   switch (chunks_per_lane(C)) {
     case 1: FP8LM_LN_FORWARD(1); break;
     case 2: FP8LM_LN_FORWARD(2); break;
@@ -286,14 +335,32 @@ int backward_blocks(int N) { return std::max(1, std::min((N + kWarpsPerBlock - 1
 
 void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
                             const bf16* bias, int N, int C, float eps, cudaStream_t stream) {
-  launch_forward<false>(out, nullptr, nullptr, nullptr, Fp8Dtype::e4m3, mean, rstd, inp, weight, bias, N, C, eps,
-                        stream);
+  launch_forward<false, false>(out, nullptr, nullptr, nullptr, Fp8Dtype::e4m3, mean, rstd, inp, ResidualArgs{},
+                               weight, bias, N, C, eps, stream);
 }
 
 void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
                            const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, float eps,
                            cudaStream_t stream) {
-  launch_forward<true>(nullptr, out, amax, scale, dtype, mean, rstd, inp, weight, bias, N, C, eps, stream);
+  launch_forward<true, false>(nullptr, out, amax, scale, dtype, mean, rstd, inp, ResidualArgs{}, weight, bias, N, C,
+                              eps, stream);
+}
+
+void residual_layernorm_forward_bf16(bf16* out, bf16* residual_out, float* mean, float* rstd, const bf16* residual_in,
+                                     const bf16* branch, const bf16* branch_bias, const bf16* weight,
+                                     const bf16* bias, int N, int C, float eps, cudaStream_t stream) {
+  launch_forward<false, true>(out, nullptr, nullptr, nullptr, Fp8Dtype::e4m3, mean, rstd, nullptr,
+                              ResidualArgs{residual_out, residual_in, branch, branch_bias}, weight, bias, N, C, eps,
+                              stream);
+}
+
+void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype,
+                                    bf16* residual_out, float* mean, float* rstd, const bf16* residual_in,
+                                    const bf16* branch, const bf16* branch_bias, const bf16* weight,
+                                    const bf16* bias, int N, int C, float eps, cudaStream_t stream) {
+  launch_forward<true, true>(nullptr, out, amax, scale, dtype, mean, rstd, nullptr,
+                             ResidualArgs{residual_out, residual_in, branch, branch_bias}, weight, bias, N, C, eps,
+                             stream);
 }
 
 size_t layernorm_backward_scratch_floats(int N, int C) {

@@ -21,6 +21,19 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C);
 
+// The residual add of a block's branch, folded into the LayerNorm that follows it (the
+// row-parallel GEMM that produced `branch` wrote neither its bias nor the residual):
+//   residual_out [N,C] = residual_in + (branch + branch_bias)   (FP32; branch_bias [C] broadcast
+//                        over rows; nullptr counts as 0. The GPU rounds residual_out to BF16 and
+//                        normalizes the rounded values.)
+//   out [N,C], mean [N], rstd [N] = layernorm_forward(residual_out)
+// residual_in [N,C], branch [N,C], weight [C], bias [C]. residual_out may alias residual_in.
+// branch == nullptr: nothing is added, residual_out is not written (may be nullptr) and
+// residual_in is normalized; branch_bias must then be nullptr too.
+void residual_layernorm_forward(float* out, float* residual_out, float* mean, float* rstd, const float* residual_in,
+                                const float* branch, const float* branch_bias, const float* weight,
+                                const float* bias, int N, int C, float eps);
+
 }  // namespace fp8lm::cpu
 
 // ---- GPU (layers/layernorm.cu) -------------------------------------------------------
@@ -47,6 +60,29 @@ void layernorm_forward_bf16(__nv_bfloat16* out, float* mean, float* rstd, const 
 void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
                            const __nv_bfloat16* inp, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int N,
                            int C, float eps, cudaStream_t stream);
+
+// The residual add folded into the LayerNorm (see cpu::residual_layernorm_forward):
+//   residual_out [N,C] = bf16(float(residual_in) + (float(branch) + float(branch_bias)))  (one rounding)
+//   out, mean, rstd    = layernorm_forward_bf16 / _fp8 of the BF16 residual_out
+// Bit for bit what "residual_out = bf16(residual_in + (branch + branch_bias))" followed by
+// layernorm_forward_bf16 / _fp8 on residual_out gives (out, mean, rstd and amax), in one read
+// of the three inputs. residual_in [N,C], branch [N,C], branch_bias [C] (nullptr: nothing is
+// added, not even a zero), weight [C], bias [C]; residual_out [N,C] written.
+// residual_out may alias residual_in (in place) but not branch; out aliases none of them.
+// branch may not be nullptr (layernorm_forward_* is the no-branch case). Requirements as
+// above; residual_in, residual_out, branch and branch_bias 16-byte aligned.
+void residual_layernorm_forward_bf16(__nv_bfloat16* out, __nv_bfloat16* residual_out, float* mean, float* rstd,
+                                     const __nv_bfloat16* residual_in, const __nv_bfloat16* branch,
+                                     const __nv_bfloat16* branch_bias, const __nv_bfloat16* weight,
+                                     const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream);
+
+// As layernorm_forward_fp8 (out [N,C] FP8 codes, amax running max, scale [1]) on the residual
+// above.
+void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype,
+                                    __nv_bfloat16* residual_out, float* mean, float* rstd,
+                                    const __nv_bfloat16* residual_in, const __nv_bfloat16* branch,
+                                    const __nv_bfloat16* branch_bias, const __nv_bfloat16* weight,
+                                    const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream);
 
 // Scratch (FP32 elements) that layernorm_backward needs for N rows of width C.
 size_t layernorm_backward_scratch_floats(int N, int C);
