@@ -1,5 +1,6 @@
 #include "layers/cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 
@@ -37,6 +38,86 @@ void cross_entropy_forward_backward(float* logits, float* losses, const int32_t*
       row[v] = (probability - (v == target ? 1.0f : 0.0f)) * dloss;
     }
     for (int v = V; v < Vp; v++) row[v] = 0.0f;
+  }
+}
+
+namespace {
+
+// The slice layout both halves need; an exception cannot leave an OpenMP loop, so the
+// targets are checked here, up front.
+void check_vocab_slice(const char* what, const int32_t* targets, int N, int V, int Vs, int vocab_begin) {
+  FP8LM_CHECK(N >= 0 && V > 0 && Vs > 0, what, ": needs N >= 0, V > 0, Vs > 0, got N=", N, " V=", V, " Vs=", Vs);
+  FP8LM_CHECK(vocab_begin >= 0 && vocab_begin % Vs == 0, what, ": vocab_begin must be a multiple of Vs=", Vs,
+              ", got ", vocab_begin);
+  for (int i = 0; i < N; i++) {
+    FP8LM_CHECK(targets[i] >= 0 && targets[i] < V, what, ": target ", targets[i], " at row ", i,
+                " is outside the vocabulary [0, ", V, ")");
+  }
+}
+
+}  // namespace
+
+void cross_entropy_partials(float* partials, const float* logits, const int32_t* targets, int N, int V, int Vs,
+                            int vocab_begin) {
+  check_vocab_slice("cross_entropy_partials", targets, N, V, Vs, vocab_begin);
+  // The slice's real columns are its first `real` (global index < V); the rest is padding.
+  const int real = std::clamp(V - vocab_begin, 0, Vs);
+
+#pragma omp parallel for
+  for (int i = 0; i < N; i++) {
+    const float* row = logits + static_cast<size_t>(i) * Vs;  // [Vs]
+
+    // As cross_entropy_forward_backward over the slice's real columns.
+    float max_logit = -INFINITY;
+    for (int v = 0; v < real; v++) max_logit = std::fmax(max_logit, row[v]);
+    float sum_exp = 0.0f;
+    for (int v = 0; v < real; v++) sum_exp += std::exp(row[v] - max_logit);
+
+    const int local_target = targets[i] - vocab_begin;  // < real when in the slice: targets are < V
+    float* out = partials + static_cast<size_t>(i) * 3;  // [3]
+    out[0] = max_logit;
+    out[1] = sum_exp;
+    out[2] = local_target >= 0 && local_target < Vs ? row[local_target] : 0.0f;
+  }
+}
+
+void cross_entropy_finish(float* logits, float* losses, const float* all_partials, const int32_t* targets, int N,
+                          int V, int Vs, int vocab_begin, int R, float dloss) {
+  check_vocab_slice("cross_entropy_finish", targets, N, V, Vs, vocab_begin);
+  FP8LM_CHECK(R >= 1 && vocab_begin / Vs < R && static_cast<int64_t>(V) <= static_cast<int64_t>(R) * Vs,
+              "cross_entropy_finish: needs R >= 1, vocab_begin < R*Vs and V <= R*Vs, got R=", R, " Vs=", Vs,
+              " vocab_begin=", vocab_begin, " V=", V);
+
+#pragma omp parallel for
+  for (int i = 0; i < N; i++) {
+    // all_partials[r][i] [3]
+    auto partial = [&](int r) { return all_partials + (static_cast<size_t>(r) * N + i) * 3; };
+
+    // The union of the ranks' (max, sum) pairs, in rank order: every rank gets the same bits.
+    float max_logit = -INFINITY;
+    for (int r = 0; r < R; r++) max_logit = std::fmax(max_logit, partial(r)[0]);
+    float sum_exp = 0.0f;
+    for (int r = 0; r < R; r++) {
+      const float m = partial(r)[0], s = partial(r)[1];
+      if (m == -INFINITY) continue;  // a slice without real columns (or only -inf logits)
+      sum_exp += m == max_logit ? s : s * std::exp(m - max_logit);
+    }
+    const float logsumexp = max_logit + std::log(sum_exp);
+
+    const int target = targets[i];
+    losses[i] = logsumexp - partial(target / Vs)[2];
+
+    if (dloss == 0.0f) continue;  // forward only: the logits stay as they are
+    float* row = logits + static_cast<size_t>(i) * Vs;  // [Vs]
+    for (int v = 0; v < Vs; v++) {
+      const int global = vocab_begin + v;
+      if (global < V) {
+        const float probability = std::exp(row[v] - logsumexp);
+        row[v] = (probability - (global == target ? 1.0f : 0.0f)) * dloss;
+      } else {
+        row[v] = 0.0f;  // padding: never part of the softmax
+      }
+    }
   }
 }
 

@@ -7,6 +7,12 @@
 // columns. A thread only ever writes the chunks it read, and the one cross-thread read
 // (the target logit, by thread 0) happens before the block's first barrier, so in place is
 // safe.
+//
+// Vocabulary-parallel halves: cross_entropy_partials_kernel is pass 1 and the block combine
+// above on one rank's slice (the same code, block_softmax_stats), writing (m, s, target
+// logit) instead of logsumexp; cross_entropy_finish_kernel combines the R ranks' pairs in rank
+// order on one thread and runs pass 2 with the global column index. With R = 1 the combine
+// returns m and s unchanged, so lse, the losses and the dlogits are the fused kernel's bits.
 #include "layers/cross_entropy.h"
 
 #include <cmath>
@@ -42,29 +48,23 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
   s = a + b;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
-                         int V, int Vp, float dloss) {
+// Pass 1 and the block's combine: (m, s) = max and sum of exp(x - max) over row[0, real),
+// row [chunks * 8]. Each thread runs an online softmax over its chunks c = tid, tid + 512, ...,
+// the lanes combine by butterfly, then warp 0 combines the 16 warps' pairs. Every thread of
+// the block calls it (it synchronises once); the result is valid in warp 0 (every lane holds
+// the same bits: the combine is commutative). Shared by the fused kernel and the
+// vocabulary-parallel partials, so that both compute the same bits.
+__device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks, int real, float& m_out,
+                                                    float& s_out) {
   __shared__ float warp_m[kWarps], warp_s[kWarps];
-  __shared__ float row_lse;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vp;
-  const int chunks = Vp / 8;
-  const int target = targets[blockIdx.x];
-  const bool target_valid = target >= 0 && target < V;
-
-  // Thread 0 reads the target logit before the first barrier (no thread writes before the last one).
-  float target_logit = NAN;
-  if (tid == 0 && target_valid) target_logit = __bfloat162float(row[target]);
-
-  // Pass 1: online softmax over this thread's elements v < V.
   float m = -INFINITY, s = 0.0f;
   for (int c = tid; c < chunks; c += kThreads) {
     float x[8];
     load_bf16x8(row + c * 8, x);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-      if (c * 8 + j < V) {
+      if (c * 8 + j < real) {
         if (x[j] > m) {
           s = s * expf(m - x[j]) + 1.0f;  // m == -inf: s * 0 + 1
           m = x[j];
@@ -94,8 +94,46 @@ __global__ void __launch_bounds__(kThreads)
       const float s2 = __shfl_xor_sync(kFullMask, s, offset);
       combine(m, s, m2, s2);
     }
-    if (lane == 0) row_lse = m + logf(s);
   }
+  m_out = m;
+  s_out = s;
+}
+
+// Pass 2 over this thread's own chunks of row [chunks * 8]: dlogits in place, column
+// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel).
+__device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_col, int V, int target, float lse,
+                                              float dloss) {
+  for (int c = threadIdx.x; c < chunks; c += kThreads) {
+    float x[8];
+    load_bf16x8(row + c * 8, x);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int v = first_col + c * 8 + j;
+      const float probability = expf(x[j] - lse);
+      x[j] = v < V ? (probability - (v == target ? 1.0f : 0.0f)) * dloss : 0.0f;
+    }
+    store_bf16x8(row + c * 8, x);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
+                         int V, int Vp, float dloss) {
+  __shared__ float row_lse;
+  const int tid = threadIdx.x;
+  bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vp;
+  const int chunks = Vp / 8;
+  const int target = targets[blockIdx.x];
+  const bool target_valid = target >= 0 && target < V;
+
+  // Thread 0 reads the target logit before the first barrier (no thread writes before the last one).
+  float target_logit = NAN;
+  if (tid == 0 && target_valid) target_logit = __bfloat162float(row[target]);
+
+  // Pass 1: online softmax over the elements v < V.
+  float m, s;
+  block_softmax_stats(row, chunks, V, m, s);
+  if (tid == 0) row_lse = m + logf(s);
   __syncthreads();
   const float lse = row_lse;
   if (tid == 0) losses[blockIdx.x] = target_valid ? lse - target_logit : NAN;
@@ -103,17 +141,59 @@ __global__ void __launch_bounds__(kThreads)
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
 
   // Pass 2: dlogits over this thread's own chunks.
-  for (int c = tid; c < chunks; c += kThreads) {
-    float x[8];
-    load_bf16x8(row + c * 8, x);
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int v = c * 8 + j;
-      const float probability = expf(x[j] - lse);
-      x[j] = v < V ? (probability - (v == target ? 1.0f : 0.0f)) * dloss : 0.0f;
-    }
-    store_bf16x8(row + c * 8, x);
+  write_dlogits(row, chunks, 0, V, target, lse, dloss);
+}
+
+// partials [N,3] = (m, s, target logit or 0) of this rank's slice logits [N,Vs], global
+// columns [vocab_begin, vocab_begin + Vs). Read only.
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_partials_kernel(float* __restrict__ partials, const bf16* __restrict__ logits,
+                                  const int32_t* __restrict__ targets, int V, int Vs, int vocab_begin) {
+  const bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vs;
+  // Real columns of the slice: its first min(max(V - vocab_begin, 0), Vs). With one rank this
+  // is V, the fused kernel's bound.
+  const int real = min(max(V - vocab_begin, 0), Vs);
+  float m, s;
+  block_softmax_stats(row, Vs / 8, real, m, s);
+  if (threadIdx.x == 0) {
+    const int target = targets[blockIdx.x];
+    const int local_target = target - vocab_begin;
+    const bool in_slice = target >= 0 && target < V && local_target >= 0 && local_target < Vs;
+    float* out = partials + static_cast<size_t>(blockIdx.x) * 3;
+    out[0] = m;
+    out[1] = s;
+    out[2] = in_slice ? __bfloat162float(row[local_target]) : 0.0f;
   }
+}
+
+// Losses and (dloss != 0) dlogits of this rank's slice logits [N,Vs] from all_partials
+// [R,N,3]. Thread 0 combines the ranks' pairs in rank order; the block then runs pass 2.
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_finish_kernel(bf16* __restrict__ logits, float* __restrict__ losses,
+                                const float* __restrict__ all_partials, const int32_t* __restrict__ targets, int N,
+                                int V, int Vs, int vocab_begin, int R, float dloss) {
+  __shared__ float row_lse;
+  const int i = blockIdx.x;
+  const int target = targets[i];
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int r = 0; r < R; r++) m = fmaxf(m, all_partials[(static_cast<size_t>(r) * N + i) * 3]);
+    float s = 0.0f;
+    for (int r = 0; r < R; r++) {
+      const float m_r = all_partials[(static_cast<size_t>(r) * N + i) * 3];
+      const float s_r = all_partials[(static_cast<size_t>(r) * N + i) * 3 + 1];
+      // A rank without real columns adds nothing (and no -inf - -inf); the rank holding the
+      // max adds s_r as is (exp(0) = 1): with R = 1 this leaves m and s unchanged.
+      if (m_r != -INFINITY) s += m_r == m ? s_r : s_r * expf(m_r - m);
+    }
+    const float lse = m + logf(s);
+    row_lse = lse;
+    const bool target_valid = target >= 0 && target < V;  // then target / Vs < R (V <= R * Vs)
+    losses[i] = target_valid ? lse - all_partials[(static_cast<size_t>(target / Vs) * N + i) * 3 + 2] : NAN;
+  }
+  __syncthreads();
+  if (dloss == 0.0f) return;  // forward only: the logits stay as they are
+  write_dlogits(logits + static_cast<size_t>(i) * Vs, Vs / 8, vocab_begin, V, target, row_lse, dloss);
 }
 
 // *total += sum(losses): each thread sums a fixed strided subset in order, then a fixed tree.
@@ -145,6 +225,46 @@ void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* 
   FP8LM_CHECK(logits != nullptr && losses != nullptr && targets != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
   cross_entropy_kernel<<<N, kThreads, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
+  CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+void check_vocab_slice(const char* what, int N, int V, int Vs, int vocab_begin) {
+  FP8LM_CHECK(N >= 0, what, ": N must be >= 0, got ", N);
+  FP8LM_CHECK(V > 0 && Vs > 0 && Vs % 8 == 0, what, ": needs V > 0 and Vs a positive multiple of 8, got V=", V,
+              " Vs=", Vs);
+  FP8LM_CHECK(vocab_begin >= 0 && vocab_begin % Vs == 0, what, ": vocab_begin must be a multiple of Vs=", Vs,
+              ", got ", vocab_begin);
+}
+
+}  // namespace
+
+void cross_entropy_partials(float* partials, const bf16* logits, const int32_t* targets, int N, int V, int Vs,
+                            int vocab_begin, cudaStream_t stream) {
+  const char* what = "cross_entropy_partials";
+  check_vocab_slice(what, N, V, Vs, vocab_begin);
+  if (N == 0) return;
+  FP8LM_CHECK(partials != nullptr && logits != nullptr && targets != nullptr, what, ": null pointer");
+  FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
+  cross_entropy_partials_kernel<<<N, kThreads, 0, stream>>>(partials, logits, targets, V, Vs, vocab_begin);
+  CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_finish(bf16* logits, float* losses, const float* all_partials, const int32_t* targets, int N,
+                          int V, int Vs, int vocab_begin, int R, float dloss, cudaStream_t stream) {
+  const char* what = "cross_entropy_finish";
+  check_vocab_slice(what, N, V, Vs, vocab_begin);
+  FP8LM_CHECK(R >= 1 && vocab_begin / Vs < R && static_cast<int64_t>(V) <= static_cast<int64_t>(R) * Vs, what,
+              ": needs R >= 1, vocab_begin < R*Vs and V <= R*Vs, got R=", R, " Vs=", Vs,
+              " vocab_begin=", vocab_begin, " V=", V);
+  FP8LM_CHECK(std::isfinite(dloss), what, ": dloss must be finite, got ", dloss);
+  if (N == 0) return;
+  FP8LM_CHECK(logits != nullptr && losses != nullptr && all_partials != nullptr && targets != nullptr, what,
+              ": null pointer");
+  FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
+  cross_entropy_finish_kernel<<<N, kThreads, 0, stream>>>(logits, losses, all_partials, targets, N, V, Vs,
+                                                          vocab_begin, R, dloss);
   CUDA_CHECK_LAUNCH();
 }
 

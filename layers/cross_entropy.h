@@ -20,6 +20,37 @@ namespace fp8lm::cpu {
 void cross_entropy_forward_backward(float* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
                                     float dloss);
 
+// ---- vocabulary-parallel cross-entropy -------------------------------------------------
+// Under tensor parallelism rank r of R holds the logits of the columns
+// [vocab_begin, vocab_begin + Vs) of the padded vocabulary Vp = R * Vs (vocab_begin = r * Vs);
+// the real columns are those with global index < V. The loss takes two passes around one
+// all-gather (done by the caller) of per-row partial statistics:
+//   1. cross_entropy_partials on every rank: max, sum of exp(x - max) and the target's logit
+//      over the rank's slice;
+//   2. all-gather the partials [N,3] into all_partials [R,N,3] (rank-major);
+//   3. cross_entropy_finish on every rank: every rank combines all R partials in rank order
+//      (the same bits on every rank), writes the losses and turns its slice into dlogits.
+// With R = 1 (vocab_begin 0, Vs = Vp) the losses and dlogits are those of
+// cross_entropy_forward_backward, bit for bit.
+
+// partials [N,3]: per row (max m, sum s of exp(x - m), target logit t) over the slice's real
+// columns. m = -inf and s = 0 when the slice has no real column; t = 0 when targets[i] is not
+// in the slice. logits [N,Vs] (this rank's slice), targets [N] global ids in [0, V) (a target
+// outside throws, as in cross_entropy_forward_backward; the GPU gives a NaN loss instead).
+// vocab_begin: a multiple of Vs.
+void cross_entropy_partials(float* partials, const float* logits, const int32_t* targets, int N, int V, int Vs,
+                            int vocab_begin);
+
+// all_partials [R,N,3] (rank-major, every rank's cross_entropy_partials):
+//   M = max_r m_r;  S = sum over r in order of (m_r == -inf ? 0 : s_r * exp(m_r - M));
+//   (a rank with m_r == M adds s_r as is: the same value for finite M, since exp(0) = 1,
+//   and an infinite max gives what the fused kernel gives rather than exp(inf - inf) = NaN)
+//   lse = M + log(S);  losses [N] (written) = lse - t_{rank of the target}  (rank = target / Vs)
+// dloss != 0: logits [N,Vs] (in place) become dlogits (exp(x - lse) - [global col == target])
+// * dloss on real columns, 0 on padded ones; dloss == 0 leaves them untouched.
+void cross_entropy_finish(float* logits, float* losses, const float* all_partials, const int32_t* targets, int N,
+                          int V, int Vs, int vocab_begin, int R, float dloss);
+
 }  // namespace fp8lm::cpu
 
 // ---- GPU (layers/cross_entropy.cu) ---------------------------------------------------
@@ -36,6 +67,24 @@ namespace fp8lm::cuda {
 // Requirements (FP8LM_CHECK before launch): 0 < V <= Vp, Vp % 8 == 0, logits 16-byte aligned.
 void cross_entropy_forward_backward(__nv_bfloat16* logits, float* losses, const int32_t* targets, int N, int V,
                                     int Vp, float dloss, cudaStream_t stream);
+
+// Vocabulary-parallel cross-entropy (see the CPU twins above for the math), one block per
+// row in each half; pass 1 and the block's combine are the fused kernel's code, so with R = 1
+// the losses and dlogits are bit-identical to cross_entropy_forward_backward's.
+// Requirements (FP8LM_CHECK before launch): Vs % 8 == 0, Vs > 0, 0 < V, vocab_begin a
+// multiple of Vs; for the finish also R >= 1, vocab_begin < R * Vs, V <= R * Vs. logits
+// 16-byte aligned. A target outside [0, V) makes its row's loss NaN (its dlogits are the
+// softmax without the one-hot), as in the fused kernel.
+//   partials [N,3] (written) FP32 (m, s, target logit or 0), logits [N,Vs] bf16 (read only),
+//   targets [N] (device) global ids.
+void cross_entropy_partials(float* partials, const __nv_bfloat16* logits, const int32_t* targets, int N, int V,
+                            int Vs, int vocab_begin, cudaStream_t stream);
+
+//   logits [N,Vs] (in: bf16 logits; out: bf16 dlogits when dloss != 0, padded columns 0;
+//                  untouched when dloss == 0), losses [N] (written; the same on every rank),
+//   all_partials [R,N,3] rank-major, targets [N] (device) global ids.
+void cross_entropy_finish(__nv_bfloat16* logits, float* losses, const float* all_partials, const int32_t* targets,
+                          int N, int V, int Vs, int vocab_begin, int R, float dloss, cudaStream_t stream);
 
 // *total += sum(losses [N]) in a fixed order (one block; deterministic). total is a device
 // pointer (the step's loss accumulates on the device across micro-batches).
