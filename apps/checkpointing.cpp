@@ -26,7 +26,10 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kScalingFile = "fp8_scaling.safetensors";
 constexpr const char* kStateFile = "state.json";
-constexpr int kFormatVersion = 1;
+// Version 2 stores the amax history [history, states] (Transformer Engine's layout);
+// version 1 stored it [states, history] and is converted when loaded.
+constexpr int kFormatVersion = 2;
+constexpr int kOldestReadableVersion = 1;
 
 std::string iteration_dir_name(int64_t iteration) {
   char name[32];
@@ -193,7 +196,7 @@ OptimizerSnapshot read_optimizer_state(const SafetensorsFile& file, const Tensor
 
 void add_scaling_tensors(SafetensorsWriter& writer, const ScalingSnapshot& state) {
   const int64_t S = static_cast<int64_t>(state.names.size());
-  writer.add_borrowed("amax_history", SafetensorsDtype::F32, {S, state.history_len}, state.history.data(),
+  writer.add_borrowed("amax_history", SafetensorsDtype::F32, {state.history_len, S}, state.history.data(),
                       state.history.size() * 4);
   writer.add_borrowed("scale", SafetensorsDtype::F32, {S}, state.scale.data(), S * 4);
   writer.add_borrowed("scale_inv", SafetensorsDtype::F32, {S}, state.scale_inv.data(), S * 4);
@@ -206,7 +209,8 @@ void add_scaling_tensors(SafetensorsWriter& writer, const ScalingSnapshot& state
 
 // The stored scaling state when it matches the run's operands exactly; otherwise none
 // (with the reason logged), and the run starts with an empty history.
-std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, const ScalingSnapshot& expected) {
+std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, const ScalingSnapshot& expected,
+                                                  int version) {
   const auto& meta = file.metadata();
   FP8LM_INPUT_CHECK(meta.count("names") && meta.count("dtypes") && meta.count("initialized"), file.path(),
                     ": missing FP8 scaling metadata");
@@ -218,10 +222,13 @@ std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, c
   } catch (const nlohmann::json::exception& e) {
     throw InputError(file.path() + ": bad FP8 scaling metadata (" + e.what() + ")");
   }
+  FP8LM_INPUT_CHECK(file.contains("amax_history"), file.path(), ": missing tensor \"amax_history\"");
   const auto& history = file.tensor("amax_history");
-  FP8LM_INPUT_CHECK(history.shape.size() == 2 && history.shape[0] == int64_t(state.names.size()), file.path(),
+  const bool state_major = version < 2;  // version 1: [states, history]
+  const int64_t states = int64_t(state.names.size());
+  FP8LM_INPUT_CHECK(history.shape.size() == 2 && history.shape[state_major ? 0 : 1] == states, file.path(),
                     ": amax_history shape does not match its names");
-  state.history_len = static_cast<int>(history.shape[1]);
+  state.history_len = static_cast<int>(history.shape[state_major ? 1 : 0]);
   if (state.names != expected.names || state.dtypes != expected.dtypes || state.history_len != expected.history_len) {
     spdlog::warn("{}: FP8 scaling state is for other operands, formats or history length; starting it afresh",
                  file.path());
@@ -229,6 +236,7 @@ std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, c
   }
   const int64_t S = static_cast<int64_t>(state.names.size());
   state.history = read_as_float(history);
+  if (state_major) state.history = history_from_state_major(state.history, int(S), state.history_len);
   state.scale = read_as_float(expect_tensor(file, "scale", SafetensorsDtype::F32, {S}));
   state.scale_inv = read_as_float(expect_tensor(file, "scale_inv", SafetensorsDtype::F32, {S}));
   state.initialized = meta.at("initialized") == "1";
@@ -409,8 +417,10 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   const nlohmann::json state = read_json(dir / kStateFile);
   const std::string state_path = (dir / kStateFile).string();
   FP8LM_INPUT_CHECK(state.value("format", "") == "fp8lm-checkpoint", state_path, ": not an fp8lm checkpoint");
-  FP8LM_INPUT_CHECK(state.value("version", 0) == kFormatVersion, state_path, ": unsupported checkpoint version ",
-                    state.value("version", 0));
+  const int version = state.value("version", 0);
+  FP8LM_INPUT_CHECK(version >= kOldestReadableVersion && version <= kFormatVersion, state_path,
+                    ": unsupported checkpoint version ", version, " (this fp8lm reads versions ", kOldestReadableVersion,
+                    " to ", kFormatVersion, ")");
   verify_files(dir, state);
   const GptConfig stored = parse_gpt_config(state.at("config"), state_path);
   FP8LM_INPUT_CHECK(stored.n_layer == setup.model.n_layer && stored.n_embd == setup.model.n_embd &&
@@ -427,7 +437,7 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   if (setup.options.fp8_enabled()) {
     if (fs::is_regular_file(dir / kScalingFile)) {
       const SafetensorsFile scaling_file = SafetensorsFile::open((dir / kScalingFile).string());
-      scaling = read_scaling_state(scaling_file, engine.scaling_state());
+      scaling = read_scaling_state(scaling_file, engine.scaling_state(), version);
     } else {
       spdlog::info("{}: no FP8 scaling state (a BF16 run); FP8 starts with empty amax histories", dir.string());
     }

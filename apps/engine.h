@@ -1,10 +1,9 @@
-// A training engine: the model, its gradients, the optimizer and the FP8 scaling state
-// on one device. The training loop (apps/trainer.cpp) drives an engine without
-// knowing whether it is the CPU reference or the CUDA implementation.
+// The training engine: the model, its gradients, the optimizer and the FP8 scaling state,
+// over one backend (layers/ops.h). The training loop (apps/trainer.cpp) drives it.
 //
-// The GPU engine must not synchronise with the host inside a step, so everything that
-// reads results back (step_metrics, evaluate) is a separate call the loop makes only
-// at log and eval intervals.
+// A step must not synchronise with the host (on the GPU), so everything that reads
+// results back (step_metrics, evaluate) is a separate call the loop makes only at log
+// and eval intervals.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +14,7 @@
 #include "core/fp8.h"
 #include "core/logging.h"
 #include "core/tensor.h"
+#include "layers/ops.h"
 #include "optim/adamw.h"
 
 namespace fp8lm {
@@ -42,7 +42,7 @@ struct ScalingSnapshot {
   std::vector<std::string> names;     // "h.0.attn.c_attn.input", ...
   std::vector<Fp8Dtype> dtypes;
   int history_len = 0;
-  std::vector<float> history;         // [S, history_len], slot 0 current
+  std::vector<float> history;         // [history_len, S], row 0 current
   std::vector<float> scale;           // [S]
   std::vector<float> scale_inv;       // [S]
   bool initialized = false;           // delayed scales learned (false: current scaling next)
@@ -54,55 +54,70 @@ struct StepMetrics {
   bool skipped = false;    // non-finite loss or gradient: no update was made
 };
 
+// The training step, written once over the Ops interface: the CPU reference backend or
+// the CUDA one (chosen by the run set-up), the model, the optimizer state and the
+// device-resident step control.
 class TrainingEngine {
  public:
-  virtual ~TrainingEngine() = default;
-  virtual const TensorLayout& layout() const = 0;
+  explicit TrainingEngine(const RunSetup& setup);
+  ~TrainingEngine();
+  TrainingEngine(const TrainingEngine&) = delete;
+  TrainingEngine& operator=(const TrainingEngine&) = delete;
+
+  const TensorLayout& layout() const;
+  std::string_view backend() const;
 
   // Starts an optimizer step: clears gradients and the loss accumulator.
-  virtual void begin_step() = 0;
+  void begin_step();
   // One micro-batch: forward and backward, gradients accumulated with weight `dloss`
   // per token loss (1 / (B*T*accumulation steps)). inputs/targets [B,T] on the host.
-  virtual void forward_backward(const int32_t* inputs, const int32_t* targets, float dloss) = 0;
+  void forward_backward(const int32_t* inputs, const int32_t* targets, float dloss);
   // Ends the step: gradient norm, clipping, and (unless the loss or gradient is not
-  // finite) the AdamW update and the FP8 scale update. `step` is 0-based.
-  virtual void end_step(const AdamWHyperparams& hyperparams, double clip_grad, int64_t step) = 0;
+  // finite) the AdamW update and the FP8 scale update. `step` is 0-based. Never waits
+  // for the device.
+  void end_step(const AdamWHyperparams& hyperparams, double clip_grad, int64_t step);
 
-  // Metrics of the last finished step (may wait for the device).
-  virtual StepMetrics step_metrics() = 0;
-  // Non-finite (skipped) steps so far. Never waits: the GPU engine answers from the
+  // Metrics of the last finished step (waits for the device).
+  StepMetrics step_metrics();
+  // Non-finite (skipped) steps so far. Never waits: on the GPU it answers from the
   // newest step whose result has reached the host, so it may lag by a step.
   struct SkipStatus {
     int64_t total = 0;
     int consecutive = 0;
   };
-  virtual SkipStatus skip_status() = 0;
+  SkipStatus skip_status();
   // Mean loss of one batch, forward only; touches no training state.
-  virtual double evaluate(const int32_t* inputs, const int32_t* targets) = 0;
+  double evaluate(const int32_t* inputs, const int32_t* targets);
 
   // The FP32 master weights, [layout().total_elements()], copied to / from the host
   // (checkpoints, tests, initialisation from another model).
-  virtual std::vector<float> parameters() = 0;
-  virtual void set_parameters(const std::vector<float>& values) = 0;
+  std::vector<float> parameters();
+  void set_parameters(const std::vector<float>& values);
+  // The FP32 gradients of the last step, [layout().total_elements()] (tests).
+  std::vector<float> gradients();
 
   // Checkpoint state. Setting it replaces the engine's state wholesale; the caller has
   // checked shapes and precisions (apps/checkpointing.cpp converts between them).
-  virtual OptimizerSnapshot optimizer_state() = 0;
-  virtual void set_optimizer_state(const OptimizerSnapshot& state) = 0;
-  virtual ScalingSnapshot scaling_state() = 0;
-  virtual void set_scaling_state(const ScalingSnapshot& state) = 0;
+  OptimizerSnapshot optimizer_state();
+  void set_optimizer_state(const OptimizerSnapshot& state);
+  ScalingSnapshot scaling_state();
+  void set_scaling_state(const ScalingSnapshot& state);
   // Restores the skip counter of a resumed run (the consecutive count restarts at 0).
-  virtual void set_total_skips(int64_t total) = 0;
+  void set_total_skips(int64_t total);
 
-  virtual BenchmarkMemory benchmark_memory() const = 0;
-
+  BenchmarkMemory benchmark_memory() const;
   // Rows for the startup table: memory per tensor class, optimizer bytes per parameter.
-  virtual SettingsTable describe() const = 0;
+  SettingsTable describe() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
-std::unique_ptr<TrainingEngine> make_cpu_engine(const RunSetup& setup);
-std::unique_ptr<TrainingEngine> make_cuda_engine(const RunSetup& setup);
-// The engine for setup.use_cuda.
+// The backend a run set-up asks for (setup.use_cuda), with its model shape checked
+// against the backend's limits first: InputError before anything is allocated.
+std::unique_ptr<Ops> make_ops(const RunSetup& setup);
+
 std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup);
 
 }  // namespace fp8lm

@@ -1,11 +1,18 @@
 #include "core/logging.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 namespace fp8lm {
+
+std::string format_mib(size_t bytes) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.1f MiB", bytes / 1048576.0);
+  return text;
+}
 
 void init_logging(const std::string& level, int rank) {
   auto logger = spdlog::stderr_color_mt("fp8lm");

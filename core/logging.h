@@ -2,6 +2,7 @@
 // nvcc cannot compile spdlog/fmt in C++20 mode (see docs/DEVELOPING.md).
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,9 @@ namespace fp8lm {
 void init_logging(const std::string& level, int rank = 0);
 
 using SettingsTable = std::vector<std::pair<std::string, std::string>>;
+
+// "12.3 MiB": how every memory figure is printed.
+std::string format_mib(size_t bytes);
 
 // Logs every row as "| name | value |" under a title, aligned.
 void log_settings_table(const std::string& title, const SettingsTable& rows);

@@ -20,13 +20,23 @@ ScalingTable::ScalingTable(const Fp8RecipeConfig& config) : config_(config) {
 }
 
 int ScalingTable::add(std::string name, Fp8Dtype dtype) {
+  const int old_states = size();
+  const int length = config_.amax_history_len;
+  std::vector<float> history(static_cast<size_t>(length) * (old_states + 1), 0.0f);
+  for (int slot = 0; slot < length; ++slot)
+    for (int s = 0; s < old_states; ++s)
+      history[static_cast<size_t>(slot) * (old_states + 1) + s] = history_[static_cast<size_t>(slot) * old_states + s];
+  history_ = std::move(history);
   names_.push_back(std::move(name));
   dtypes_.push_back(dtype);
-  history_.resize(history_.size() + config_.amax_history_len, 0.0f);
   scale_.push_back(1.0f);
   scale_inv_.push_back(1.0f);
   initialized_.push_back(0);
   return size() - 1;
+}
+
+void ScalingTable::mark_initialized() {
+  if (config_.recipe == ScalingRecipe::delayed) std::fill(initialized_.begin(), initialized_.end(), 1);
 }
 
 float ScalingTable::scale_for(int index, float tensor_amax) {
@@ -38,42 +48,55 @@ float ScalingTable::scale_for(int index, float tensor_amax) {
 }
 
 void ScalingTable::record_amax(int index, float amax) {
-  float& slot = history_[static_cast<size_t>(index) * config_.amax_history_len];
+  float& slot = history_[index];  // row 0
   // NaN propagates on purpose: a non-finite amax must be visible to the update rule.
   if (!(amax <= slot)) slot = amax;
 }
 
-float window_amax(const float* history, int length, AmaxComputeAlgo algo) {
+float window_amax(const float* history, int length, int stride, AmaxComputeAlgo algo) {
   if (algo == AmaxComputeAlgo::most_recent) return history[0];
   float amax = 0.0f;
   for (int i = 0; i < length; ++i) {
-    if (std::isnan(history[i])) return history[i];  // NaN propagates, as torch.max does
-    amax = std::max(amax, history[i]);
+    const float value = history[static_cast<size_t>(i) * stride];
+    if (std::isnan(value)) return value;  // NaN propagates, as torch.max does
+    amax = std::max(amax, value);
   }
   return amax;
 }
 
-void roll_history(float* history, int length) {
-  std::rotate(history, history + 1, history + length);  // new[i] = old[i+1], new[last] = old[0]
+void roll_history(float* history, int length, int stride) {
+  // new[i] = old[i+1], new[last] = old[0]
+  const float newest = history[0];
+  for (int i = 0; i + 1 < length; ++i) history[static_cast<size_t>(i) * stride] = history[static_cast<size_t>(i + 1) * stride];
+  history[static_cast<size_t>(length - 1) * stride] = newest;
   history[0] = 0.0f;
 }
 
-void ScalingTable::discard_current_amaxes() {
-  for (int i = 0; i < size(); ++i) history_[static_cast<size_t>(i) * config_.amax_history_len] = 0.0f;
+std::vector<float> history_from_state_major(const std::vector<float>& state_major, int num_states, int length) {
+  FP8LM_CHECK(state_major.size() == static_cast<size_t>(num_states) * length);
+  std::vector<float> history(state_major.size());
+  for (int s = 0; s < num_states; ++s)
+    for (int slot = 0; slot < length; ++slot)
+      history[static_cast<size_t>(slot) * num_states + s] = state_major[static_cast<size_t>(s) * length + slot];
+  return history;
 }
 
+void ScalingTable::discard_current_amaxes() { std::fill(history_.begin(), history_.begin() + size(), 0.0f); }
+
 void ScalingTable::update(int64_t step) {
-  if (config_.recipe != ScalingRecipe::delayed) return;
-  if ((step + 1) % config_.interval != 0) return;
+  if (is_scale_update_step(config_, step)) update_now();
+}
+
+void ScalingTable::update_now() {
   const int length = config_.amax_history_len;
   for (int i = 0; i < size(); ++i) {
-    float* window = history_.data() + static_cast<size_t>(i) * length;
-    const float amax = window_amax(window, length, config_.amax_compute_algo);
+    float* window = history_.data() + i;
+    const float amax = window_amax(window, length, size(), config_.amax_compute_algo);
     const float scale = compute_scale(amax, fp8_max(dtypes_[i]), config_.margin, scale_[i]);
     scale_[i] = scale;
     scale_inv_[i] = 1.0f / scale;
     initialized_[i] = 1;  // from now on the window decides, even if it held only zeros
-    roll_history(window, length);
+    roll_history(window, length, size());
   }
 }
 

@@ -9,19 +9,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One block per state. The window is staged in shared memory so the roll can be done in
-// place after every thread has read it.
+// One block per state; the state's window is a column of the [L, S] history (stride S).
+// The window is staged in shared memory so the roll can be done in place after every
+// thread has read it.
 __global__ void __launch_bounds__(kThreads)
     update_delayed_scales_kernel(float* __restrict__ history, float* __restrict__ scale,
-                                 float* __restrict__ scale_inv, const float* __restrict__ format_max, int L,
+                                 float* __restrict__ scale_inv, const float* __restrict__ format_max, int S, int L,
                                  AmaxComputeAlgo algo, int margin, const int* __restrict__ skip) {
   extern __shared__ float window[];  // [L]
   if (skip != nullptr && *skip) {  // a skipped step: forget its amaxes, keep every scale
-    if (threadIdx.x == 0) history[static_cast<size_t>(blockIdx.x) * L] = 0.0f;
+    if (threadIdx.x == 0) history[blockIdx.x] = 0.0f;
     return;
   }
   __shared__ float warp_max[kThreads / 32];
-  float* h = history + static_cast<size_t>(blockIdx.x) * L;
+  float* h = history + blockIdx.x;  // slot i at h[i * S]
 
   // window_amax(): max over the window starting from 0, any NaN wins (as torch.max).
   // fmaxf differs from std::max only in the sign of a zero result, which compute_scale
@@ -29,7 +30,7 @@ __global__ void __launch_bounds__(kThreads)
   float local = 0.0f;
   int saw_nan = 0;
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
-    const float v = h[i];
+    const float v = h[static_cast<size_t>(i) * S];
     window[i] = v;
     if (isnan(v)) saw_nan = 1;
     local = fmaxf(local, v);
@@ -57,14 +58,14 @@ __global__ void __launch_bounds__(kThreads)
 
   // roll_history(): new[i] = old[i+1], new[L-1] = old[0], then new[0] = 0.
   for (int i = threadIdx.x; i < L; i += blockDim.x) {
-    h[i] = i == 0 ? 0.0f : (i == L - 1 ? window[0] : window[i + 1]);
+    h[static_cast<size_t>(i) * S] = i == 0 ? 0.0f : (i == L - 1 ? window[0] : window[i + 1]);
   }
 }
 
 __global__ void discard_current_amaxes_kernel(float* history, int S, int L, const int* only_if) {
   if (only_if != nullptr && !*only_if) return;
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
-  if (s < S) history[static_cast<size_t>(s) * L] = 0.0f;
+  if (s < S) history[s] = 0.0f;  // row 0 of [L, S]
 }
 
 }  // namespace
@@ -86,7 +87,8 @@ void update_delayed_scales(float* history, float* scale, float* scale_inv, const
     CUDA_CHECK(cudaFuncSetAttribute(update_delayed_scales_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   }
-  update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, L, algo, margin, skip);
+  update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, S, L, algo, margin,
+                                                                 skip);
   CUDA_CHECK_LAUNCH();
 }
 

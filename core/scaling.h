@@ -17,10 +17,16 @@
 // checkpoint) quantizes with current scaling until its first update, so step 0 never
 // uses scale 1.
 //
-// ScalingTable holds every operand's state in three contiguous arrays (history, scale,
-// scale_inv) so the GPU can update all of them in one kernel with no host sync.
+// ScalingTable holds every operand's state in three contiguous arrays, laid out as
+// Transformer Engine lays them out: amax history [L, S] (L = history length, S = states)
+// whose row 0 is this step's amaxes, one per operand, contiguous, so one MAX all-reduce
+// of that row keeps every rank's scales identical; scale [S]; scale_inv [S]. The GPU
+// holds a device twin of the three arrays and updates all of them in one kernel with no
+// host sync.
 // THE place where scales change: ScalingTable::update() on the CPU, and the kernel in
-// core/scaling.cu on the GPU; both call compute_scale() below.
+// core/scaling.cu on the GPU (update_delayed_scales); both call compute_scale() below.
+// Current scaling writes a state's scale as it quantizes (scale_for() on the CPU,
+// current_scale_and_record() on the GPU).
 #pragma once
 
 #include <cmath>
@@ -48,6 +54,12 @@ struct Fp8RecipeConfig {
   int interval = 1;  // update the delayed scales every `interval` optimizer steps
 };
 
+// The delayed recipe recomputes its scales at the end of optimizer step `step` (0-based)
+// when this holds: every --fp8-interval steps. The tensorwise recipe never does.
+inline bool is_scale_update_step(const Fp8RecipeConfig& config, int64_t step) {
+  return config.recipe == ScalingRecipe::delayed && (step + 1) % config.interval == 0;
+}
+
 // The one scale rule, shared by the CPU reference and the GPU kernels.
 // Keeps `previous_scale` when amax is 0 or not finite (nothing to learn from), and
 // caps the scale at FLT_MAX when a tiny amax would overflow it.
@@ -64,6 +76,7 @@ class ScalingTable {
   explicit ScalingTable(const Fp8RecipeConfig& config);
 
   // Registers one GEMM operand (e.g. "h.0.attn.c_attn.input") and returns its index.
+  // Registration happens before training; it re-lays the history for the new column.
   int add(std::string name, Fp8Dtype dtype);
 
   int size() const { return static_cast<int>(names_.size()); }
@@ -74,6 +87,12 @@ class ScalingTable {
   float scale_inv(int index) const { return scale_inv_[index]; }
   // True once the state has a scale learned from recorded amaxes (delayed recipe).
   bool initialized(int index) const { return initialized_[index] != 0; }
+  // True while quantization must take its scale from the tensor at hand: the tensorwise
+  // recipe, or the delayed recipe before its first update (all states learn together).
+  bool uses_current_scaling() const { return size() > 0 && needs_tensor_amax(0); }
+  // The delayed recipe's first update has been issued (the GPU engine cannot wait to see
+  // it applied); from now on quantization uses the stored scales.
+  void mark_initialized();
 
   // The scale to quantize operand `index` with, given the amax of the tensor at hand.
   // Delayed recipe, initialized state: the stored scale (tensor_amax is not needed).
@@ -84,8 +103,8 @@ class ScalingTable {
     return config_.recipe == ScalingRecipe::tensorwise || !initialized(index);
   }
 
-  // Records one quantization's amax into the current history slot (running max, so
-  // micro-batches of one step share a slot).
+  // Records one quantization's amax into this step's row (running max, so micro-batches
+  // of one step share a slot).
   void record_amax(int index, float amax);
 
   // A skipped step (non-finite loss or gradient) must not leave its amaxes behind.
@@ -94,13 +113,18 @@ class ScalingTable {
   // End of optimizer step `step` (0-based): on interval boundaries, recompute every
   // delayed scale from its history window and roll the window. No-op for tensorwise.
   void update(int64_t step);
+  // The same without the interval gate: the update itself.
+  void update_now();
 
-  // Raw contiguous arrays: history is [size()][amax_history_len], slot 0 current.
+  // The amax recorded for state `index` `slot` steps ago (slot 0: this step).
+  float amax_at(int index, int slot) const { return history_[static_cast<size_t>(slot) * size() + index]; }
+
+  // Raw contiguous arrays: history is [amax_history_len][size()], row 0 current.
   std::vector<float>& history() { return history_; }
+  const std::vector<float>& history() const { return history_; }
   std::vector<float>& scales() { return scale_; }
   std::vector<float>& scale_invs() { return scale_inv_; }
   std::vector<uint8_t>& initialized_flags() { return initialized_; }
-  const float* history_of(int index) const { return history_.data() + static_cast<size_t>(index) * config_.amax_history_len; }
 
  private:
   Fp8RecipeConfig config_;
@@ -112,11 +136,15 @@ class ScalingTable {
   std::vector<uint8_t> initialized_;
 };
 
-// The amax of a window under the configured algorithm (slot 0 is the newest entry).
-float window_amax(const float* history, int length, AmaxComputeAlgo algo);
+// One state's window: `length` amaxes, `stride` floats apart (the number of states in
+// an [L, S] history), slot 0 the newest.
+float window_amax(const float* history, int length, int stride, AmaxComputeAlgo algo);
 
-// Rolls a history window by one: the newest entry moves to the back, the oldest
-// drops out, and slot 0 is cleared for the next step (Transformer Engine's roll).
-void roll_history(float* history, int length);
+// Rolls one state's window by one: the newest entry moves to the back, the oldest drops
+// out, and slot 0 is cleared for the next step (Transformer Engine's roll along dim 0).
+void roll_history(float* history, int length, int stride);
+
+// Converts a history stored [S, L] (fp8lm checkpoints before version 2) to [L, S].
+std::vector<float> history_from_state_major(const std::vector<float>& state_major, int num_states, int length);
 
 }  // namespace fp8lm

@@ -10,17 +10,17 @@
 namespace fp8lm::cuda {
 
 // One update of every state s < S (one block per state), exactly as ScalingTable::update():
-//   amax          = window amax of history[s, 0..L) (max with NaN propagating, or
-//                   history[s, 0] for most_recent)
+//   amax          = window amax of history[0..L), s] (max with NaN propagating, or
+//                   history[0, s] for most_recent)
 //   scale[s]      = compute_scale(amax, format_max[s], margin, scale[s])
 //   scale_inv[s]  = 1 / scale[s]
-//   history[s]    rolled: new[i] = old[i+1], new[L-1] = old[0], then new[0] = 0.
-// history [S,L], scale [S], scale_inv [S], format_max [S] (fp8_max of each state's dtype).
+//   history[:, s] rolled: new[i] = old[i+1], new[L-1] = old[0], then new[0] = 0.
+// history [L,S] (row 0: this step's amaxes), scale [S], scale_inv [S], format_max [S] (fp8_max of each state's dtype).
 // The caller decides when to update (delayed recipe, interval boundaries), as update() does.
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
                            AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip = nullptr);
 
-// history[s, 0] = 0 for every state s < S (a skipped step leaves no amaxes behind).
+// history[0, s] = 0 for every state s < S (a skipped step leaves no amaxes behind).
 void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if = nullptr);
 
 }  // namespace fp8lm::cuda

@@ -1,15 +1,56 @@
-// Named views into one contiguous slab. Parameters, gradients and optimizer state
-// each live in a single allocation; a TensorLayout says where each named tensor sits,
-// so the gradient slab and the parameter slab share offsets and the optimizer can run
-// one pass over everything.
+// Tensors: the handle every op takes, and named views into one contiguous slab.
+//
+// Parameters, gradients and optimizer state each live in a single allocation; a
+// TensorLayout says where each named tensor sits, so the gradient slab and the parameter
+// slab share offsets and the optimizer can run one pass over everything.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "core/fp8.h"
+
 namespace fp8lm {
+
+// What a tensor's elements are. The CUDA backend stores each in its own width; the CPU
+// backend stores every dtype as FP32 holding exactly the values the GPU would hold (a
+// bf16 tensor holds bf16-rounded values, an FP8 one the quantized values x * scale).
+enum class DType : uint8_t { f32, bf16, e4m3, e5m2 };
+
+std::string_view to_string(DType dtype);
+constexpr bool is_fp8(DType dtype) { return dtype == DType::e4m3 || dtype == DType::e5m2; }
+constexpr DType dtype_of(Fp8Dtype fp8) { return fp8 == Fp8Dtype::e4m3 ? DType::e4m3 : DType::e5m2; }
+constexpr Fp8Dtype fp8_dtype_of(DType dtype) { return dtype == DType::e4m3 ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2; }
+
+// The handle every op takes (Transformer Engine's tensor, reduced to what fp8lm needs):
+// where the data is, what it is, its 2-D shape, and for an FP8 GEMM operand its scaling
+// state (scale, scale_inv and amax slot: core/scaling.h) and, where a GEMM needs one, a
+// transposed copy. The handle owns nothing. An empty handle (data == nullptr) means
+// "absent" wherever an op documents an optional tensor.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t rows = 0;           // row-major [rows, cols]; a vector is [1, n]
+  int64_t cols = 0;
+  void* transposed = nullptr;  // [cols, rows] copy of the same values (FP8 GEMM operands)
+  int scaling_state = -1;      // FP8: index into the scaling state; -1 otherwise
+
+  int64_t numel() const { return rows * cols; }
+  explicit operator bool() const { return data != nullptr; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data); }
+  // Rows [begin, begin + count) of this tensor (same dtype; no transposed copy).
+  Tensor row_slice(int64_t begin, int64_t count, size_t element_bytes) const {
+    Tensor view = *this;
+    view.data = static_cast<char*>(data) + size_t(begin) * size_t(cols) * element_bytes;
+    view.rows = count;
+    view.transposed = nullptr;
+    return view;
+  }
+};
 
 struct TensorInfo {
   std::string name;            // Hugging Face GPT-2 name, e.g. "h.0.attn.c_attn.weight"

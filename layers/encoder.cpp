@@ -8,39 +8,68 @@
 namespace fp8lm::cpu {
 
 void encoder_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B, int T, int C) {
-#pragma omp parallel for collapse(2)
-  for (int b = 0; b < B; b++) {
-    for (int t = 0; t < T; t++) {
-      const size_t row = static_cast<size_t>(b) * T + t;
-      float* out_row = out + row * C;                                       // [C]
-      const float* token_row = wte + static_cast<size_t>(tokens[row]) * C;  // [C]
-      const float* position_row = wpe + static_cast<size_t>(t) * C;         // [C]
-      for (int c = 0; c < C; c++) out_row[c] = token_row[c] + position_row[c];
+  embedding_lookup(out, tokens, wte, 0, INT32_MAX, B * T, C);
+  add_position_embedding(out, out, wpe, 0, T, B * T, C);
+}
+
+void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B, int T, int C) {
+  position_embedding_backward(dwpe, dout, 0, T, B * T, C);
+  embedding_lookup_backward(dwte, dout, tokens, 0, INT32_MAX, B * T, C);
+}
+
+void embedding_lookup(float* out, const int32_t* tokens, const float* wte, int vocab_begin, int vocab_count, int N,
+                      int C) {
+#pragma omp parallel for
+  for (int n = 0; n < N; n++) {
+    float* out_row = out + static_cast<size_t>(n) * C;  // [C]
+    const int64_t local = int64_t(tokens[n]) - vocab_begin;
+    if (local < 0 || local >= vocab_count) {
+      std::fill(out_row, out_row + C, 0.0f);
+      continue;
+    }
+    const float* token_row = wte + static_cast<size_t>(local) * C;  // [C]
+    std::copy(token_row, token_row + C, out_row);
+  }
+}
+
+void add_position_embedding(float* out, const float* token_embeddings, const float* wpe, int first_row, int T, int N,
+                            int C) {
+#pragma omp parallel for
+  for (int n = 0; n < N; n++) {
+    const float* position_row = wpe + static_cast<size_t>((first_row + n) % T) * C;  // [C]
+    const float* token_row = token_embeddings + static_cast<size_t>(n) * C;
+    float* out_row = out + static_cast<size_t>(n) * C;
+    for (int c = 0; c < C; c++) out_row[c] = token_row[c] + position_row[c];
+  }
+}
+
+void position_embedding_backward(float* dwpe, const float* dout, int first_row, int T, int N, int C) {
+  // Each position owns its row: its rows are summed in ascending order, then added once.
+#pragma omp parallel for
+  for (int t = 0; t < T; t++) {
+    const int first = ((t - first_row) % T + T) % T;  // the first local row at position t
+    for (int c = 0; c < C; c++) {
+      float sum = 0.0f;
+      for (int n = first; n < N; n += T) sum += dout[static_cast<size_t>(n) * C + c];
+      dwpe[static_cast<size_t>(t) * C + c] += sum;
     }
   }
 }
 
-void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B, int T, int C) {
-  // dwpe: each position owns its row; the batch is summed in order b = 0..B-1 and then
-  // added to the accumulator once.
-#pragma omp parallel for
-  for (int t = 0; t < T; t++) {
-    for (int c = 0; c < C; c++) {
-      float sum = 0.0f;
-      for (int b = 0; b < B; b++) sum += dout[(static_cast<size_t>(b) * T + t) * C + c];
-      dwpe[static_cast<size_t>(t) * C + c] += sum;
-    }
+void embedding_lookup_backward(float* dwte, const float* dout, const int32_t* tokens, int vocab_begin,
+                               int vocab_count, int N, int C) {
+  // A token can occur many times in the batch, so parallelising over rows would race on
+  // its row. Group the rows by token instead (a stable sort keeps each group in row
+  // order); each group is then owned by one iteration, summed in a fixed order that does
+  // not depend on the thread count, and added to the accumulator once.
+  std::vector<int> rows_by_token;  // rows of this slice's tokens, grouped by token
+  for (int n = 0; n < N; n++) {
+    const int64_t local = int64_t(tokens[n]) - vocab_begin;
+    if (local >= 0 && local < vocab_count) rows_by_token.push_back(n);
   }
-
-  // dwte: a token can occur many times in the batch, so parallelising over (b,t) would race
-  // on its row. Group the positions by token instead (a stable sort keeps each group in
-  // (b,t) order); each group is then owned by one iteration, summed in a fixed order that
-  // does not depend on the thread count, and added to the accumulator once.
-  const int num_rows = B * T;
-  std::vector<int> rows_by_token(num_rows);  // [B*T] flat (b,t) indices, grouped by token
-  std::iota(rows_by_token.begin(), rows_by_token.end(), 0);
   std::stable_sort(rows_by_token.begin(), rows_by_token.end(),
                    [tokens](int a, int b) { return tokens[a] < tokens[b]; });
+  const int num_rows = static_cast<int>(rows_by_token.size());
   std::vector<int> group_begin;  // [num_groups + 1] offsets into rows_by_token
   for (int i = 0; i < num_rows; i++) {
     if (i == 0 || tokens[rows_by_token[i]] != tokens[rows_by_token[i - 1]]) group_begin.push_back(i);
@@ -58,7 +87,8 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t
         const float* dout_row = dout + static_cast<size_t>(rows_by_token[i]) * C;
         for (int c = 0; c < C; c++) sum[c] += dout_row[c];
       }
-      float* dwte_row = dwte + static_cast<size_t>(tokens[rows_by_token[group_begin[group]]]) * C;
+      const int token = tokens[rows_by_token[group_begin[group]]];
+      float* dwte_row = dwte + static_cast<size_t>(token - vocab_begin) * C;
       for (int c = 0; c < C; c++) dwte_row[c] += sum[c];
     }
   }

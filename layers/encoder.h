@@ -1,8 +1,14 @@
 // Token + learned position embedding (GPT-2's "encoder").
 //   out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
 // BF16 on the GPU; FP32 here.
+//
+// Under tensor parallelism the token table is split by vocabulary (Megatron's
+// VocabParallelEmbedding): each rank looks up the tokens of its slice and writes zeros for
+// the others, the ranks sum their FP32 rows (so the sum is exact: one term is non-zero),
+// and the position embedding is added after, to this rank's rows. Hence four pieces.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -16,6 +22,21 @@ void encoder_forward(float* out, const int32_t* tokens, const float* wte, const 
 // Accumulates (+=) into dwte [Vp,C] and dwpe [maxT,C] from dout [B,T,C].
 void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B, int T, int C);
 
+// out [N,C] = wte[tokens[n] - vocab_begin] for tokens in [vocab_begin, vocab_begin + vocab_count),
+// 0 for the others. wte [vocab_count,C] (this rank's slice).
+void embedding_lookup(float* out, const int32_t* tokens, const float* wte, int vocab_begin, int vocab_count, int N,
+                      int C);
+// out [N,C] = token_embeddings [N,C] + wpe[(first_row + n) % T]  (rows of a [B*T,C] tensor).
+void add_position_embedding(float* out, const float* token_embeddings, const float* wpe, int first_row, int T, int N,
+                            int C);
+// dwte [vocab_count,C] += dout rows [N,C] per token of the slice, each token's rows summed in
+// ascending order, then added once.
+void embedding_lookup_backward(float* dwte, const float* dout, const int32_t* tokens, int vocab_begin,
+                               int vocab_count, int N, int C);
+// dwpe [T,C] += dout rows [N,C] (rows first_row.. of a [B*T,C] tensor) summed per position
+// in ascending row order, then added once.
+void position_embedding_backward(float* dwpe, const float* dout, int first_row, int T, int N, int C);
+
 }  // namespace fp8lm::cpu
 
 // ---- GPU (layers/encoder.cu) ---------------------------------------------------------
@@ -24,20 +45,25 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t
 // the device: they must lie in [0, Vp) (the data loader's job).
 namespace fp8lm::cuda {
 
-// out [B,T,C] = bf16(float(wte[tokens[b,t]]) + float(wpe[t])); tokens [B,T] (device),
-// wte [Vp,C], wpe [maxT,C] (T <= maxT).
-void encoder_forward(__nv_bfloat16* out, const int32_t* tokens, const __nv_bfloat16* wte, const __nv_bfloat16* wpe,
-                     int B, int T, int C, cudaStream_t stream);
+// out [N,C] f32 = float(wte[tokens[n] - vocab_begin]) for tokens of the slice, 0 otherwise.
+// tokens [N] (device), wte [vocab_count,C].
+void embedding_lookup(float* out, const int32_t* tokens, const __nv_bfloat16* wte, int vocab_begin, int vocab_count,
+                      int N, int C, cudaStream_t stream);
 
-// Deterministic backward, from the bucket index of layers/encoder_index.h (built on the
-// host from the micro-batch's tokens and uploaded with them; all arrays on the device):
-//   dwte [Vp,C] += for each unique token u: the sum of dout rows positions[offsets[u] ..
-//                  offsets[u+1]) in that (ascending) order;
-//   dwpe [maxT,C] += for t < T: sum over b = 0..B-1 (in order) of dout[b,t,:].
-// unique_tokens [num_unique], offsets [num_unique+1], positions [B*T] (flat b*T+t).
-// The same order as cpu::encoder_backward, so the result equals it bit for bit.
-void encoder_backward(float* dwte, float* dwpe, const __nv_bfloat16* dout, const int32_t* unique_tokens,
-                      const int32_t* offsets, const int32_t* positions, int num_unique, int B, int T, int C,
-                      cudaStream_t stream);
+// out [N,C] = bf16(token_embeddings [N,C] + float(wpe[(first_row + n) % T])): with the lookup
+// above, bit for bit what bf16(float(wte) + float(wpe)) gives.
+void add_position_embedding(__nv_bfloat16* out, const float* token_embeddings, const __nv_bfloat16* wpe,
+                            int first_row, int T, int N, int C, cudaStream_t stream);
+
+// dwte [Vs,C] += for each unique token u (slice-local id): the sum of dout rows
+// positions[offsets[u] .. offsets[u+1]) in that (ascending) order. From the index of
+// layers/encoder_index.h, built on the host with the tokens and uploaded with them.
+void embedding_lookup_backward(float* dwte, const __nv_bfloat16* dout, const int32_t* unique_tokens,
+                               const int32_t* offsets, const int32_t* positions, int num_unique, int C,
+                               cudaStream_t stream);
+
+// dwpe [T,C] += for each t: the sum of dout rows n with (first_row + n) % T == t, n ascending.
+void position_embedding_backward(float* dwpe, const __nv_bfloat16* dout, int first_row, int T, int N, int C,
+                                 cudaStream_t stream);
 
 }  // namespace fp8lm::cuda

@@ -4,12 +4,15 @@
 //
 //   unique_tokens [U]     the distinct token ids, ascending
 //   offsets       [U+1]   positions of unique_tokens[u] are positions[offsets[u] .. offsets[u+1])
-//   positions     [B*T]   flat indices b*T+t, ascending within each token
+//   positions     [P]     flat indices b*T+t, ascending within each token (P <= B*T: only
+//                         the tokens of this rank's vocabulary slice [vocab_begin, vocab_end),
+//                         whose ids become slice-local, token - vocab_begin)
 //
 // Consumed by cuda::encoder_backward (layers/encoder.h): one block per unique token sums
 // its rows in ascending order, the same order as cpu::encoder_backward.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -28,7 +31,8 @@ struct EncoderBackwardIndex {
 EncoderBackwardIndex build_encoder_backward_index(const int32_t* host_tokens, int B, int T);
 
 // The same, reusing `index`'s storage (no allocation once it has grown to B*T): for the
-// training loop, once per micro-batch.
-void build_encoder_backward_index(const int32_t* host_tokens, int B, int T, EncoderBackwardIndex& index);
+// training loop, once per micro-batch. Only tokens in [vocab_begin, vocab_end) are indexed.
+void build_encoder_backward_index(const int32_t* host_tokens, int B, int T, EncoderBackwardIndex& index,
+                                  int vocab_begin = 0, int vocab_end = INT32_MAX);
 
 }  // namespace fp8lm

@@ -1,15 +1,11 @@
 #include "layers/gpt.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "core/error.h"
 #include "core/random.h"
-#include "layers/attention.h"
-#include "layers/cross_entropy.h"
-#include "layers/encoder.h"
-#include "layers/gelu.h"
-#include "layers/layernorm.h"
-#include "layers/residual.h"
 
 namespace fp8lm {
 
@@ -72,229 +68,505 @@ void init_gpt_parameters(float* params, const TensorLayout& layout, const GptCon
   }
 }
 
-namespace cpu {
+DType forward_operand_dtype(GemmPrecision precision) {
+  switch (precision) {
+    case GemmPrecision::fp32: return DType::f32;
+    case GemmPrecision::bf16: return DType::bf16;
+    case GemmPrecision::fp8: return DType::e4m3;
+  }
+  return DType::f32;
+}
 
-// Views of one block's parameters (or gradients: same offsets in the other slab).
-struct GptModel::BlockTensors {
-  float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *attproj_w, *attproj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
+DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format) {
+  return precision == GemmPrecision::fp8 ? dtype_of(gradient_dtype(format)) : forward_operand_dtype(precision);
+}
+
+// One Linear layer: its parameters, gradients, GEMM operands and FP8 scaling states.
+struct GptModel::LinearParams {
+  std::string name;         // "h.3.mlp.c_fc", "lm_head"
+  Tensor master_weight;     // [N,K] f32: what FP8 and rounded weight operands are cast from
+  Tensor weight;            // [N,K] working copy
+  Tensor bias;              // [N] working copy; empty for the tied LM head
+  Tensor weight_operand;    // [N,K] what the GEMMs read: a cast copy, or a view of `weight`
+  Tensor grad_weight;       // [N,K] f32
+  Tensor grad_bias;         // [N] f32
+  DType input_dtype = DType::f32;  // the forward input operand
+  DType grad_dtype = DType::f32;   // the output-gradient operand
+  int input_state = -1;            // FP8 scaling states (the weight's is weight_operand's)
+  int grad_state = -1;
+  bool owns_operand = false;       // weight_operand is refreshed from master_weight
 };
 
-// Views of one block's saved forward activations; residual_in is the block's input.
+struct GptModel::LayerNormParams {
+  Tensor weight, bias;            // [C] working copy
+  Tensor grad_weight, grad_bias;  // [C] f32
+};
+
+struct GptModel::BlockParams {
+  LayerNormParams ln1, ln2;
+  LinearParams qkv, proj, fc, fc2;  // attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+};
+
+// What one block's forward saves for its backward.
 struct GptModel::BlockActivations {
-  float* residual_in;   // [B,T,C]
-  float* ln1;           // [B,T,C]
-  float* ln1_mean;      // [B,T]
-  float* ln1_rstd;      // [B,T]
-  float* qkv;           // [B,T,3C]
-  float* atty;          // [B,T,C]   attention output (heads concatenated)
-  float* lse;           // [B,NH,T]  softmax log-sum-exp per query row
-  float* attproj;       // [B,T,C]
-  float* residual_mid;  // [B,T,C]   residual_in + attproj
-  float* ln2;           // [B,T,C]
-  float* ln2_mean;      // [B,T]
-  float* ln2_rstd;      // [B,T]
-  float* fch;           // [B,T,F]   pre-GELU
-  float* fch_gelu;      // [B,T,F]
-  float* fcproj;        // [B,T,C]
-  float* residual_out;  // [B,T,C]   residual_mid + fcproj
+  Tensor residual;       // [BT,C] the block's input: the residual stream after the fused add
+  Tensor ln1;            // [BT,C] c_attn's input operand
+  Tensor ln1_mean, ln1_rstd;
+  Tensor qkv;            // [BT,3C]
+  Tensor atty;           // [BT,C] attention output (heads concatenated)
+  Tensor atty_operand;   // [BT,C] c_proj's input operand (a view of atty when not cast)
+  Tensor lse;            // [B*NH,T]
+  Tensor residual_mid;   // [BT,C] residual + attention branch
+  Tensor ln2;            // [BT,C] c_fc's input operand
+  Tensor ln2_mean, ln2_rstd;
+  Tensor fc_pre;         // [BT,F] c_fc output + bias, GELU's input
+  Tensor gelu;           // [BT,F] mlp.c_proj's input operand
+};
+
+// Buffers shared by every block, and the head's.
+struct GptModel::Scratch {
+  Tensor token_embeddings;   // [BT,C] f32: wte rows, before the position embedding
+  Tensor encoded;            // [BT,C] block 0's residual input
+  Tensor branch;             // [BT,C] a c_proj GEMM's output, waiting for the fused add
+  Tensor residual_final;     // [BT,C] ln_f's input
+  Tensor lnf;                // [BT,C] the LM head's input operand
+  Tensor lnf_mean, lnf_rstd;
+  Tensor logits;             // [BT,Vs]; dlogits in place after the loss
+  Tensor logits_grad;        // [BT,Vs] the LM head's gradient operand (a view of logits when not cast)
+  Tensor losses;             // [BT]
+  Tensor ce_partials;        // [BT,3]
+  Tensor dresidual;          // [BT,C] gradient of the residual stream
+  Tensor dln;                // [BT,C] gradient into a LayerNorm output
+  Tensor datty;              // [BT,C]
+  Tensor dqkv;               // [BT,3C]
+  Tensor dgelu;              // [BT,F] gradient of the GELU output
+  Tensor grad_operand;       // [BT,max(F,3C)] gradient operand storage (FP8 with transpose, or activation)
 };
 
 namespace {
 
-size_t per_block_floats(const GptConfig& c, size_t BT) {
-  const size_t C = c.n_embd, F = c.n_inner, NH = c.n_head;
-  return BT * C /*ln1*/ + 2 * BT + BT * 3 * C + BT * C /*atty*/ + NH * BT /*lse*/ + BT * C /*attproj*/ +
-         BT * C /*mid*/ + BT * C /*ln2*/ + 2 * BT + 2 * BT * F + BT * C /*fcproj*/ + BT * C /*out*/;
+// Hands out consecutive 256-byte-aligned pieces of one allocation as tensors. Run once
+// over a null base to size the allocation, then over the allocation.
+class Carver {
+ public:
+  Carver(const Ops& ops, void* base) : ops_(ops), base_(static_cast<char*>(base)) {}
+  Tensor take(int64_t rows, int64_t cols, DType dtype, int scaling_state = -1, bool with_transpose = false) {
+    Tensor t;
+    t.dtype = dtype;
+    t.rows = rows;
+    t.cols = cols;
+    t.scaling_state = scaling_state;
+    t.data = reserve(size_t(rows) * size_t(cols) * ops_.element_bytes(dtype));
+    if (with_transpose) t.transposed = reserve(size_t(rows) * size_t(cols) * ops_.element_bytes(dtype));
+    return t;
+  }
+  size_t size() const { return offset_ + 256; }
+
+ private:
+  void* reserve(size_t bytes) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    void* p = base_ ? base_ + offset_ : reinterpret_cast<void*>(uintptr_t{1});  // non-null placeholder when sizing
+    offset_ += bytes;
+    return p;
+  }
+  const Ops& ops_;
+  char* base_;
+  size_t offset_ = 0;
+};
+
+// A view of `count` elements at slab offset `offset`, [rows, cols].
+Tensor slab_view(void* slab, DType dtype, size_t element_bytes, size_t offset, int64_t rows, int64_t cols) {
+  Tensor t;
+  t.data = static_cast<char*>(slab) + offset * element_bytes;
+  t.dtype = dtype;
+  t.rows = rows;
+  t.cols = cols;
+  return t;
 }
 
+std::string mib(size_t bytes) { return format_mib(bytes); }
 
 }  // namespace
 
-GptModel::GptModel(const GptConfig& config, int batch_size, int seq_length, const GptPrecision& precision)
-    : config_(config), B_(batch_size), T_(seq_length), precision_(precision), layout_(make_gpt_layout(config)),
-      scaling_(precision.fp8) {
-  FP8LM_CHECK(seq_length <= config.n_positions);
-  params_.assign(layout_.total_elements(), 0.0f);
-  grads_.assign(layout_.total_elements(), 0.0f);
-  const size_t BT = size_t(B_) * T_, C = config.n_embd;
-  const size_t Vp = config.padded_vocab_size();
-  activations_.assign(BT * C + config.n_layer * per_block_floats(config, BT) + BT * C + 2 * BT + BT * Vp + BT, 0.0f);
-  const size_t F = config.n_inner;
-  grad_activations_.assign(BT * C /*dresidual*/ + BT * F /*dgelu out / dfch*/ + BT * F + BT * 3 * C + BT * C /*datty*/ +
-                               BT * C /*dln*/,
-                           0.0f);
-
-  const bool fp8 = precision.gemm == GemmPrecision::fp8;
-  static const char* kLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
-  for (int l = 0; l < config.n_layer; ++l) {
-    for (const char* name : kLinearNames) {
-      LinearPrecision lp;
-      lp.precision = precision.gemm;
-      if (fp8) {
-        lp.scaling = &scaling_;
-        lp.operands = register_linear_operands(scaling_, "h." + std::to_string(l) + "." + name);
-      }
-      block_linears_.push_back(lp);
-    }
+GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
+                   Ops& ops)
+    : config_(config),
+      B_(micro_batch_size),
+      T_(seq_length),
+      precision_(precision),
+      ops_(ops),
+      layout_(make_gpt_layout(config)),
+      scaling_(precision.fp8),
+      activation_dtype_(ops.activation_dtype()) {
+  FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
+  const size_t n = layout_.total_elements();
+  const size_t act_bytes = ops.element_bytes(activation_dtype_);
+  master_ = ops.allocate(n * sizeof(float));
+  if (activation_dtype_ == DType::f32) {
+    working_ = master_->data();
+  } else {
+    working_copy_ = ops.allocate(n * act_bytes);
+    working_ = working_copy_->data();
   }
-  lm_head_.precision = precision.lm_head();
-  if (lm_head_.precision == GemmPrecision::fp8) {
-    lm_head_.scaling = &scaling_;
-    lm_head_.operands = register_linear_operands(scaling_, "lm_head");
-  }
-}
+  gradients_ = ops.allocate(n * sizeof(float));
 
-GptModel::BlockTensors GptModel::block_tensors(float* slab, int l) const {
-  const std::string h = "h." + std::to_string(l) + ".";
-  auto at = [&](const char* suffix) { return slab + layout_.find(h + suffix)->offset; };
-  return {at("ln_1.weight"), at("ln_1.bias"),    at("attn.c_attn.weight"), at("attn.c_attn.bias"),
-          at("attn.c_proj.weight"), at("attn.c_proj.bias"), at("ln_2.weight"), at("ln_2.bias"),
-          at("mlp.c_fc.weight"), at("mlp.c_fc.bias"), at("mlp.c_proj.weight"), at("mlp.c_proj.bias")};
-}
-
-GptModel::BlockActivations GptModel::block_activations(int l) {
-  const size_t BT = size_t(B_) * T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head;
-  float* encoded = activations_.data();
-  float* base = encoded + BT * C + l * per_block_floats(config_, BT);
-  BlockActivations a;
-  a.residual_in = l == 0 ? encoded : block_activations(l - 1).residual_out;
-  float* p = base;
-  auto take = [&](size_t n) {
-    float* view = p;
-    p += n;
-    return view;
+  auto param = [&](const std::string& name, void* slab, DType dtype, size_t element_bytes) {
+    const TensorInfo* info = layout_.find(name);
+    FP8LM_CHECK(info != nullptr, "no parameter ", name);
+    const int64_t rows = info->shape.size() == 2 ? info->shape[0] : 1;
+    const int64_t cols = info->shape.size() == 2 ? info->shape[1] : info->shape[0];
+    return slab_view(slab, dtype, element_bytes, info->offset, rows, cols);
   };
-  a.ln1 = take(BT * C);
-  a.ln1_mean = take(BT);
-  a.ln1_rstd = take(BT);
-  a.qkv = take(BT * 3 * C);
-  a.atty = take(BT * C);
-  a.lse = take(NH * BT);
-  a.attproj = take(BT * C);
-  a.residual_mid = take(BT * C);
-  a.ln2 = take(BT * C);
-  a.ln2_mean = take(BT);
-  a.ln2_rstd = take(BT);
-  a.fch = take(BT * F);
-  a.fch_gelu = take(BT * F);
-  a.fcproj = take(BT * C);
-  a.residual_out = take(BT * C);
-  return a;
-}
+  auto working = [&](const std::string& name) { return param(name, working_, activation_dtype_, act_bytes); };
+  auto master = [&](const std::string& name) { return param(name, master_->data(), DType::f32, sizeof(float)); };
+  auto grad = [&](const std::string& name) { return param(name, gradients_->data(), DType::f32, sizeof(float)); };
 
-const float* GptModel::losses() const {
-  const size_t BT = size_t(B_) * T_;
-  return activations_.data() + activations_.size() - BT;
-}
-
-void GptModel::zero_gradients() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
-
-void GptModel::set_amax_recording(bool record) {
-  for (LinearPrecision& lp : block_linears_) lp.record_amax = record;
-  lm_head_.record_amax = record;
-}
-
-float GptModel::evaluate(const int32_t* inputs, const int32_t* targets) {
-  set_amax_recording(false);
-  const float loss = run_forward(inputs, targets, 0.0f);
-  set_amax_recording(true);
-  return loss;
-}
-
-float GptModel::forward_backward(const int32_t* inputs, const int32_t* targets, float dloss) {
-  const float loss = run_forward(inputs, targets, dloss);
-  if (dloss != 0.0f) run_backward(inputs);
-  return loss;
-}
-
-float GptModel::run_forward(const int32_t* inputs, const int32_t* targets, float dloss) {
-  const int B = B_, T = T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head, L = config_.n_layer;
-  const int V = config_.vocab_size, Vp = config_.padded_vocab_size();
-  const int BT = B * T;
-  for (int i = 0; i < BT; ++i) {
-    FP8LM_INPUT_CHECK(inputs[i] >= 0 && inputs[i] < V, "input token ", inputs[i], " is outside the vocabulary [0, ", V, ")");
-    FP8LM_INPUT_CHECK(targets[i] >= 0 && targets[i] < V, "target token ", targets[i], " is outside the vocabulary [0, ", V, ")");
+  // Linear layers: parameters and FP8 scaling states, registered in the order
+  // checkpoints name them (per layer: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head).
+  const bool fp8 = precision.gemm == GemmPrecision::fp8;
+  auto make_linear = [&](const std::string& name, const std::string& weight_name, bool has_bias,
+                         GemmPrecision gemm_precision) {
+    LinearParams linear;
+    linear.name = name;
+    linear.master_weight = master(weight_name);
+    linear.weight = working(weight_name);
+    linear.grad_weight = grad(weight_name);
+    if (has_bias) {
+      linear.bias = working(name + ".bias");
+      linear.grad_bias = grad(name + ".bias");
+    }
+    linear.input_dtype = forward_operand_dtype(gemm_precision);
+    linear.grad_dtype = gradient_operand_dtype(gemm_precision, precision.fp8.format);
+    linear.weight_operand = linear.weight;
+    linear.weight_operand.dtype = forward_operand_dtype(gemm_precision);
+    if (gemm_precision == GemmPrecision::fp8) {
+      linear.input_state = scaling_.add(name + ".input", fp8_dtype_of(linear.input_dtype));
+      linear.weight_operand.scaling_state = scaling_.add(name + ".weight", fp8_dtype_of(linear.weight_operand.dtype));
+      linear.grad_state = scaling_.add(name + ".grad_output", fp8_dtype_of(linear.grad_dtype));
+    }
+    linear.owns_operand = linear.weight_operand.dtype != activation_dtype_;
+    return linear;
+  };
+  (void)fp8;
+  for (int l = 0; l < config.n_layer; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    BlockParams block;
+    block.ln1 = {working(h + "ln_1.weight"), working(h + "ln_1.bias"), grad(h + "ln_1.weight"), grad(h + "ln_1.bias")};
+    block.ln2 = {working(h + "ln_2.weight"), working(h + "ln_2.bias"), grad(h + "ln_2.weight"), grad(h + "ln_2.bias")};
+    LinearParams* linears[4] = {&block.qkv, &block.proj, &block.fc, &block.fc2};
+    for (int i = 0; i < 4; ++i) {
+      const std::string name = h + kBlockLinearNames[i];
+      *linears[i] = make_linear(name, name + ".weight", true, precision.gemm);
+    }
+    blocks_.push_back(std::move(block));
   }
-  float* P = params_.data();
-  const float* wte = P + layout_.find("wte.weight")->offset;
-  const float* wpe = P + layout_.find("wpe.weight")->offset;
+  lm_head_ = std::make_unique<LinearParams>(make_linear("lm_head", "wte.weight", false, precision.lm_head()));
+  ln_f_ = std::make_unique<LayerNormParams>(
+      LayerNormParams{working("ln_f.weight"), working("ln_f.bias"), grad("ln_f.weight"), grad("ln_f.bias")});
+  wpe_ = working("wpe.weight");
+  grad_wpe_ = grad("wpe.weight");
 
-  // Residual stream, LayerNorm, attention and GELU are BF16 on the GPU; FP32 here.
-  encoder_forward(activations_.data(), inputs, wte, wpe, B, T, C);
-  for (int l = 0; l < L; ++l) {
-    const BlockTensors w = block_tensors(P, l);
-    const BlockActivations a = block_activations(l);
-    const LinearPrecision* lin = &block_linears_[size_t(l) * 4];
-    layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, a.residual_in, w.ln1_w, w.ln1_b, BT, C, config_.layer_norm_epsilon);
-    linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, BT, 3 * C, C, lin[0]);
-    attention_forward(a.atty, a.lse, a.qkv, B, T, C, NH);
-    linear_forward(a.attproj, a.atty, w.attproj_w, w.attproj_b, BT, C, C, lin[1]);
-    residual_forward(a.residual_mid, a.residual_in, a.attproj, size_t(BT) * C);
-    layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.residual_mid, w.ln2_w, w.ln2_b, BT, C, config_.layer_norm_epsilon);
-    linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, BT, F, C, lin[2]);
-    gelu_forward(a.fch_gelu, a.fch, size_t(BT) * F);
-    linear_forward(a.fcproj, a.fch_gelu, w.fcproj_w, w.fcproj_b, BT, C, F, lin[3]);
-    residual_forward(a.residual_out, a.residual_mid, a.fcproj, size_t(BT) * C);
+  // Weight operands that are not views of the working copy get their own buffers.
+  std::vector<LinearParams*> owned;
+  for (BlockParams& block : blocks_)
+    for (LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
+      if (linear->owns_operand) owned.push_back(linear);
+  if (lm_head_->owns_operand) owned.push_back(lm_head_.get());
+  auto carve_operands = [&](void* base) {
+    Carver carver(ops_, base);
+    for (LinearParams* linear : owned) {
+      const Tensor& w = linear->weight;
+      const int state = linear->weight_operand.scaling_state;
+      linear->weight_operand = carver.take(w.rows, w.cols, linear->weight_operand.dtype, state,
+                                           is_fp8(linear->weight_operand.dtype));
+    }
+    return carver.size();
+  };
+  if (!owned.empty()) {
+    weight_operands_ = ops.allocate(carve_operands(nullptr));
+    carve_operands(weight_operands_->data());
   }
-  float* final_residual = block_activations(L - 1).residual_out;
-  float* lnf = activations_.data() + size_t(BT) * C + size_t(L) * per_block_floats(config_, BT);
-  float* lnf_mean = lnf + size_t(BT) * C;
-  float* lnf_rstd = lnf_mean + BT;
-  float* logits = lnf_rstd + BT;
-  float* losses = logits + size_t(BT) * Vp;
-  layernorm_forward(lnf, lnf_mean, lnf_rstd, final_residual, P + layout_.find("ln_f.weight")->offset,
-                    P + layout_.find("ln_f.bias")->offset, BT, C, config_.layer_norm_epsilon);
-  linear_forward(logits, lnf, wte, nullptr, BT, Vp, C, lm_head_);
-  // Overwrites logits with dlogits when dloss != 0 (the GPU does this in place too).
-  cross_entropy_forward_backward(logits, losses, targets, BT, V, Vp, dloss);
-  double sum = 0.0;
-  for (int i = 0; i < BT; ++i) sum += losses[i];
-  return static_cast<float>(sum / BT);
+
+  plan_memory();
+  ops.attach_scaling(scaling_);
 }
 
-void GptModel::run_backward(const int32_t* inputs) {
-  const int B = B_, T = T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head, L = config_.n_layer;
-  const int Vp = config_.padded_vocab_size();
-  const int BT = B * T;
-  float* P = params_.data();
-  float* G = grads_.data();
-  float* lnf = activations_.data() + size_t(BT) * C + size_t(L) * per_block_floats(config_, BT);
-  float* lnf_mean = lnf + size_t(BT) * C;
-  float* lnf_rstd = lnf_mean + BT;
-  float* dlogits = lnf_rstd + BT;
+GptModel::~GptModel() = default;
 
-  float* dresidual = grad_activations_.data();  // [BT,C] gradient of the residual stream
-  float* dfch_gelu = dresidual + size_t(BT) * C;  // [BT,F]
-  float* dfch = dfch_gelu + size_t(BT) * F;       // [BT,F]
-  float* dqkv = dfch + size_t(BT) * F;            // [BT,3C]
-  float* datty = dqkv + size_t(BT) * 3 * C;       // [BT,C]
-  float* dln = datty + size_t(BT) * C;            // [BT,C] gradient into a LayerNorm output
-
-  const size_t wte_offset = layout_.find("wte.weight")->offset;
-  linear_backward(dln, G + wte_offset, nullptr, dlogits, lnf, P + wte_offset, BT, Vp, C, lm_head_);
-  std::fill(dresidual, dresidual + size_t(BT) * C, 0.0f);
-  const BlockActivations last = block_activations(L - 1);
-  layernorm_backward(dresidual, G + layout_.find("ln_f.weight")->offset, G + layout_.find("ln_f.bias")->offset, dln,
-                     last.residual_out, P + layout_.find("ln_f.weight")->offset, lnf_mean, lnf_rstd, BT, C);
-
-  for (int l = L - 1; l >= 0; --l) {
-    const BlockTensors w = block_tensors(P, l);
-    const BlockTensors g = block_tensors(G, l);
-    const BlockActivations a = block_activations(l);
-    const LinearPrecision* lin = &block_linears_[size_t(l) * 4];
-    // residual_out = residual_mid + fcproj: dresidual flows to both unchanged.
-    linear_backward(dfch_gelu, g.fcproj_w, g.fcproj_b, dresidual, a.fch_gelu, w.fcproj_w, BT, C, F, lin[3]);
-    gelu_backward(dfch, a.fch, dfch_gelu, size_t(BT) * F);
-    linear_backward(dln, g.fc_w, g.fc_b, dfch, a.ln2, w.fc_w, BT, F, C, lin[2]);
-    layernorm_backward(dresidual, g.ln2_w, g.ln2_b, dln, a.residual_mid, w.ln2_w, a.ln2_mean, a.ln2_rstd, BT, C);
-    // residual_mid = residual_in + attproj.
-    linear_backward(datty, g.attproj_w, g.attproj_b, dresidual, a.atty, w.attproj_w, BT, C, C, lin[1]);
-    attention_backward(dqkv, datty, a.qkv, a.atty, a.lse, B, T, C, NH);
-    linear_backward(dln, g.qkv_w, g.qkv_b, dqkv, a.ln1, w.qkv_w, BT, 3 * C, C, lin[0]);
-    layernorm_backward(dresidual, g.ln1_w, g.ln1_b, dln, a.residual_in, w.ln1_w, a.ln1_mean, a.ln1_rstd, BT, C);
-  }
-  encoder_backward(G + wte_offset, G + layout_.find("wpe.weight")->offset, dresidual, inputs, B, T, C);
+VocabSlice GptModel::vocab_slice() const {
+  return VocabSlice{0, config_.padded_vocab_size(), config_.vocab_size};
 }
 
-}  // namespace cpu
+Tensor GptModel::activation(int64_t rows, int64_t cols) const {
+  Tensor t;
+  t.dtype = activation_dtype_;
+  t.rows = rows;
+  t.cols = cols;
+  return t;
+}
+
+void GptModel::plan_memory() {
+  const int64_t BT = int64_t(B_) * T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head;
+  const int64_t Vs = vocab_slice().size, L = config_.n_layer;
+  const DType act = activation_dtype_;
+  auto carve = [&](void* base) {
+    Carver c(ops_, base);
+    Scratch s;
+    s.token_embeddings = c.take(BT, C, DType::f32);
+    s.encoded = c.take(BT, C, act);
+    saved_.assign(L, BlockActivations{});
+    for (int64_t l = 0; l < L; ++l) {
+      const BlockParams& w = blocks_[l];
+      BlockActivations& a = saved_[l];
+      a.residual = l == 0 ? s.encoded : c.take(BT, C, act);
+      a.ln1 = c.take(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+      a.ln1_mean = c.take(BT, 1, DType::f32);
+      a.ln1_rstd = c.take(BT, 1, DType::f32);
+      a.qkv = c.take(BT, 3 * C, act);
+      a.atty = c.take(BT, C, act);
+      a.atty_operand = w.proj.input_dtype == act ? a.atty : c.take(BT, C, w.proj.input_dtype, w.proj.input_state);
+      a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
+      a.residual_mid = c.take(BT, C, act);
+      a.ln2 = c.take(BT, C, w.fc.input_dtype, w.fc.input_state);
+      a.ln2_mean = c.take(BT, 1, DType::f32);
+      a.ln2_rstd = c.take(BT, 1, DType::f32);
+      a.fc_pre = c.take(BT, F, act);
+      a.gelu = c.take(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+    }
+    s.branch = c.take(BT, C, act);
+    s.residual_final = c.take(BT, C, act);
+    s.lnf = c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
+    s.lnf_mean = c.take(BT, 1, DType::f32);
+    s.lnf_rstd = c.take(BT, 1, DType::f32);
+    s.logits = c.take(BT, Vs, act);
+    s.logits_grad = lm_head_->grad_dtype == act
+                        ? s.logits
+                        : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state, is_fp8(lm_head_->grad_dtype));
+    s.losses = c.take(BT, 1, DType::f32);
+    s.ce_partials = c.take(BT, 3, DType::f32);
+    s.dresidual = c.take(BT, C, act);
+    s.dln = c.take(BT, C, act);
+    s.datty = c.take(BT, C, act);
+    s.dqkv = c.take(BT, 3 * C, act);
+    s.dgelu = c.take(BT, F, act);
+    const DType grad_dtype = blocks_.empty() ? act : blocks_[0].fc.grad_dtype;
+    s.grad_operand = c.take(BT, std::max(F, 3 * C), grad_dtype, -1, is_fp8(grad_dtype));
+    scratch_ = std::make_unique<Scratch>(s);
+    return c.size();
+  };
+  activations_ = ops_.allocate(carve(nullptr));
+  carve(activations_->data());
+
+  ModelShape shape;
+  shape.B = B_;
+  shape.T = T_;
+  shape.C = int(C);
+  shape.local_width = int(C);
+  shape.local_ffn = int(F);
+  shape.local_heads = int(NH);
+  shape.vocab_slice = int(Vs);
+  ops_.plan_workspace(shape);
+}
+
+// ---- Forward --------------------------------------------------------------------------
+
+const Tensor& GptModel::previous_residual(int layer) const {
+  return layer == 0 ? scratch_->encoded : saved_[layer - 1].residual_mid;
+}
+
+void GptModel::forward(const TokenBatch& batch) {
+  const Scratch& s = *scratch_;
+  const VocabSlice slice = vocab_slice();
+  ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, slice);
+  ops_.add_position_embedding(s.encoded, s.token_embeddings, wpe_, /*first_row=*/0, T_);
+  for (int l = 0; l < config_.n_layer; ++l) block_forward(l);
+  // ln_f adds the last block's MLP output into the residual stream first.
+  const LinearParams& last_fc2 = blocks_.back().fc2;
+  ops_.layernorm_forward({.out = s.lnf,
+                          .mean = s.lnf_mean,
+                          .rstd = s.lnf_rstd,
+                          .residual_out = s.residual_final,
+                          .residual_in = saved_.back().residual_mid,
+                          .branch = s.branch,
+                          .branch_bias = last_fc2.bias,
+                          .weight = ln_f_->weight,
+                          .bias = ln_f_->bias,
+                          .eps = config_.layer_norm_epsilon});
+  ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = s.lnf, .weight = lm_head_->weight_operand});
+}
+
+void GptModel::block_forward(int l) {
+  const BlockParams& w = blocks_[l];
+  const BlockActivations& a = saved_[l];
+  const Scratch& s = *scratch_;
+  const float eps = config_.layer_norm_epsilon;
+  const AttentionShape heads{B_, T_, config_.n_head, config_.n_embd / config_.n_head};
+
+  // ln_1 adds the previous block's MLP output (and its bias) into the residual stream.
+  const bool first = l == 0;
+  ops_.layernorm_forward({.out = a.ln1,
+                          .mean = a.ln1_mean,
+                          .rstd = a.ln1_rstd,
+                          .residual_out = a.residual,
+                          .residual_in = previous_residual(l),
+                          .branch = first ? Tensor{} : s.branch,
+                          .branch_bias = first ? Tensor{} : blocks_[l - 1].fc2.bias,
+                          .weight = w.ln1.weight,
+                          .bias = w.ln1.bias,
+                          .eps = eps});
+  ops_.gemm({.pass = GemmPass::forward, .out = a.qkv, .input = a.ln1, .weight = w.qkv.weight_operand,
+             .bias = w.qkv.bias});
+  ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
+  ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.atty_operand, .weight = w.proj.weight_operand});
+  ops_.layernorm_forward({.out = a.ln2,
+                          .mean = a.ln2_mean,
+                          .rstd = a.ln2_rstd,
+                          .residual_out = a.residual_mid,
+                          .residual_in = a.residual,
+                          .branch = s.branch,
+                          .branch_bias = w.proj.bias,
+                          .weight = w.ln2.weight,
+                          .bias = w.ln2.bias,
+                          .eps = eps});
+  // c_fc's bias joins the GELU, which also casts the next GEMM's input.
+  ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
+  ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
+  ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.gelu, .weight = w.fc2.weight_operand});
+}
+
+void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
+  const Scratch& s = *scratch_;
+  const VocabSlice slice = vocab_slice();
+  ops_.cross_entropy_partials(s.ce_partials, s.logits, batch, slice);
+  ops_.cross_entropy_finish(s.logits, s.losses, s.ce_partials, /*ranks=*/1, batch, slice, dloss);
+  ops_.accumulate_loss(loss_sum, s.losses);
+}
+
+// ---- Backward -------------------------------------------------------------------------
+
+// The output gradient of `linear` as its GEMM operand: the gradient itself when its dtype
+// is the operand's, else the shared operand storage (FP8 with its transpose).
+Tensor GptModel::gradient_operand(const Tensor& gradient, const LinearParams& linear) const {
+  if (linear.grad_dtype == gradient.dtype) return gradient;
+  return gradient_operand_buffer(gradient.rows, gradient.cols, linear);
+}
+
+Tensor GptModel::gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const {
+  Tensor operand = scratch_->grad_operand;
+  FP8LM_CHECK(operand.dtype == linear.grad_dtype && rows * cols <= operand.numel());
+  operand.rows = rows;
+  operand.cols = cols;
+  operand.scaling_state = linear.grad_state;
+  return operand;
+}
+
+void GptModel::backward(const TokenBatch& batch) {
+  const Scratch& s = *scratch_;
+  const LinearParams& head = *lm_head_;
+  // The LM head: the loss left dlogits in the logits buffer.
+  ops_.quantize(s.logits_grad, s.logits, Tensor{});
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = head.weight_operand, .grad = s.logits_grad});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = head.grad_weight, .input = s.lnf, .grad = s.logits_grad});
+  ops_.zero(s.dresidual.data, size_t(s.dresidual.numel()) * ops_.element_bytes(s.dresidual.dtype));
+  ops_.layernorm_backward({.dresidual = s.dresidual,
+                           .dweight = ln_f_->grad_weight,
+                           .dbias = ln_f_->grad_bias,
+                           .dout = s.dln,
+                           .input = s.residual_final,
+                           .weight = ln_f_->weight,
+                           .mean = s.lnf_mean,
+                           .rstd = s.lnf_rstd});
+  for (int l = config_.n_layer - 1; l >= 0; --l) block_backward(l);
+  ops_.position_embedding_backward(grad_wpe_, s.dresidual, /*first_row=*/0, T_);
+  ops_.embedding_lookup_backward(head.grad_weight, s.dresidual, batch);
+}
+
+void GptModel::block_backward(int l) {
+  const BlockParams& w = blocks_[l];
+  const BlockActivations& a = saved_[l];
+  const Scratch& s = *scratch_;
+  const AttentionShape heads{B_, T_, config_.n_head, config_.n_embd / config_.n_head};
+
+  // mlp.c_proj: the residual gradient is its output gradient (and its bias's).
+  const Tensor dy_fc2 = gradient_operand(s.dresidual, w.fc2);
+  ops_.quantize(dy_fc2, s.dresidual, w.fc2.grad_bias);
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dgelu, .weight = w.fc2.weight_operand, .grad = dy_fc2});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc2.grad_weight, .input = a.gelu, .grad = dy_fc2});
+  // GELU backward writes c_fc's output-gradient operand and its bias gradient.
+  const Tensor dy_fc = gradient_operand_buffer(s.dgelu.rows, s.dgelu.cols, w.fc);
+  ops_.gelu_backward(dy_fc, w.fc.grad_bias, s.dgelu, a.fc_pre);
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc.grad_weight, .input = a.ln2, .grad = dy_fc});
+  ops_.layernorm_backward({.dresidual = s.dresidual,
+                           .dweight = w.ln2.grad_weight,
+                           .dbias = w.ln2.grad_bias,
+                           .dout = s.dln,
+                           .input = a.residual_mid,
+                           .weight = w.ln2.weight,
+                           .mean = a.ln2_mean,
+                           .rstd = a.ln2_rstd});
+
+  // attn.c_proj, attention, c_attn.
+  const Tensor dy_proj = gradient_operand(s.dresidual, w.proj);
+  ops_.quantize(dy_proj, s.dresidual, w.proj.grad_bias);
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.datty, .weight = w.proj.weight_operand, .grad = dy_proj});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = w.proj.grad_weight, .input = a.atty_operand, .grad = dy_proj});
+  ops_.attention_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, heads);
+  const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
+  ops_.quantize(dy_qkv, s.dqkv, w.qkv.grad_bias);
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = w.qkv.grad_weight, .input = a.ln1, .grad = dy_qkv});
+  ops_.layernorm_backward({.dresidual = s.dresidual,
+                           .dweight = w.ln1.grad_weight,
+                           .dbias = w.ln1.grad_bias,
+                           .dout = s.dln,
+                           .input = a.residual,
+                           .weight = w.ln1.weight,
+                           .mean = a.ln1_mean,
+                           .rstd = a.ln1_rstd});
+}
+
+// ---- Steps ----------------------------------------------------------------------------
+
+void GptModel::zero_gradients() { ops_.zero(gradients(), layout_.total_elements() * sizeof(float)); }
+
+void GptModel::forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
+  forward(batch);
+  loss(batch, dloss, loss_sum);
+  backward(batch);
+}
+
+void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
+  ops_.set_amax_recording(false);
+  forward(batch);
+  loss(batch, 0.0f, loss_sum);
+  ops_.set_amax_recording(true);
+}
+
+void GptModel::refresh_weight_operands() {
+  for (BlockParams& block : blocks_)
+    for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
+      if (linear->owns_operand) ops_.quantize(linear->weight_operand, linear->master_weight, Tensor{});
+  if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->master_weight, Tensor{});
+}
+
+size_t GptModel::allocated_bytes() const {
+  size_t total = master_->bytes() + gradients_->bytes() + activations_->bytes();
+  if (working_copy_) total += working_copy_->bytes();
+  if (weight_operands_) total += weight_operands_->bytes();
+  return total;
+}
+
+SettingsTable GptModel::memory_table() const {
+  SettingsTable rows = {{"parameters: FP32 master", mib(master_->bytes())}};
+  if (working_copy_)
+    rows.push_back({"parameters: " + std::string(to_string(activation_dtype_)) + " working copy",
+                    mib(working_copy_->bytes())});
+  if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", mib(weight_operands_->bytes())});
+  rows.push_back({"gradients: FP32", mib(gradients_->bytes())});
+  rows.push_back({"activations", mib(activations_->bytes())});
+  rows.push_back({"FP8 scaling states", std::to_string(scaling_.size())});
+  return rows;
+}
+
 }  // namespace fp8lm

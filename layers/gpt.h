@@ -1,22 +1,29 @@
-// GPT-2: the parameter layout (Hugging Face names) and the CPU reference model,
-// forward and backward, composed from the ops in this folder.
+// GPT-2, written once: the parameter layout (Hugging Face names) and the model's forward
+// and backward over the Ops interface (layers/ops.h), so the CPU reference and the GPU
+// run the same code.
 //
-//   x = wte[tokens] + wpe[positions]                            [B,T,C]
+//   x = wte[tokens] + wpe[positions]                                        [B,T,C]
 //   per block:  x = x + attn.c_proj(attention(attn.c_attn(ln_1(x))))
 //               x = x + mlp.c_proj(gelu(mlp.c_fc(ln_2(x))))
-//   logits = ln_f(x) . wte^T  (LM head tied to the token embedding)   [B,T,Vp]
+//   logits = ln_f(x) . wte^T  (LM head tied to the token embedding)        [B,T,Vp]
 //   loss = mean cross-entropy over the B*T targets
+//
+// Where the residual adds happen: the two c_proj GEMMs (the row-parallel ones under
+// tensor parallelism) write their output without bias; the LayerNorm that follows adds
+// the residual, that output and the bias in one pass (docs/MODEL.md says why).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/gemm.h"
 #include "core/gpt_config.h"
+#include "core/logging.h"
 #include "core/scaling.h"
 #include "core/tensor.h"
-#include "layers/linear.h"
+#include "layers/ops.h"
 
 namespace fp8lm {
 
@@ -32,12 +39,15 @@ namespace fp8lm {
 //   ln_f.weight/bias [C]
 TensorLayout make_gpt_layout(const GptConfig& config);
 
+// The four Linear layers of a block, in the order the forward runs them.
+inline constexpr const char* kBlockLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+
 // GPT-2 initialisation: N(0, 0.02) for embeddings and weights, N(0, 0.02/sqrt(2L)) for
 // the residual projections (attn.c_proj, mlp.c_proj), LayerNorm weight 1, biases 0,
 // padded vocabulary rows 0. Deterministic in `seed` on every platform.
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& config, uint64_t seed);
 
-// How the run's precision maps onto the model's GEMMs.
+// How the run's precision maps onto the model's GEMM operands.
 struct GptPrecision {
   GemmPrecision gemm = GemmPrecision::fp32;  // the transformer blocks' Linear layers
   bool fp8_lm_head = false;                  // the tied LM head in FP8 too (else BF16 under fp8)
@@ -49,55 +59,86 @@ struct GptPrecision {
   }
 };
 
-namespace cpu {
+// The dtype of a GEMM's forward operands (inputs, weights) and of its output gradient.
+DType forward_operand_dtype(GemmPrecision precision);
+DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format);
 
-// The CPU reference GPT: FP32 math everywhere except where the precision mode rounds
-// GEMM operands (BF16) or quantizes them (FP8). Owns its parameter, gradient and
-// activation slabs and the FP8 scaling table.
 class GptModel {
  public:
-  GptModel(const GptConfig& config, int batch_size, int seq_length, const GptPrecision& precision);
+  GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops);
+  ~GptModel();
+  GptModel(const GptModel&) = delete;
+  GptModel& operator=(const GptModel&) = delete;
 
   const GptConfig& config() const { return config_; }
+  const GptPrecision& precision() const { return precision_; }
   const TensorLayout& layout() const { return layout_; }
-  std::vector<float>& parameters() { return params_; }
-  std::vector<float>& gradients() { return grads_; }
   ScalingTable& scaling() { return scaling_; }
-  int batch_size() const { return B_; }
+  int micro_batch_size() const { return B_; }
   int seq_length() const { return T_; }
+  VocabSlice vocab_slice() const;
 
-  // Forward pass over inputs/targets [B,T] (T <= seq_length); returns the mean loss.
-  // With dloss != 0 it also runs backward, accumulating dloss-weighted gradients
-  // (dloss = 1/(B*T*accumulation steps) for a mean over the global batch).
-  float forward_backward(const int32_t* inputs, const int32_t* targets, float dloss);
-  // Forward only, for evaluation: records no FP8 amaxes, so it cannot steer training.
-  float evaluate(const int32_t* inputs, const int32_t* targets);
+  // Slabs [layout().total_elements()]: the FP32 master weights (what the optimizer
+  // updates), the working copy in the activation dtype (what the forward reads; the
+  // master itself where the activation dtype is FP32) and the FP32 gradients.
+  float* master() { return static_cast<float*>(master_->data()); }
+  void* working() { return working_; }
+  bool working_is_master() const { return working_ == master_->data(); }
+  float* gradients() { return static_cast<float*>(gradients_->data()); }
 
   void zero_gradients();
-  // Per-token losses of the last forward [B,T].
-  const float* losses() const;
+  // One micro-batch: forward, loss, backward. Gradients accumulate with weight dloss per
+  // token loss; the token losses accumulate into loss_sum [1] f32.
+  void forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum);
+  // Forward and loss only; the token losses accumulate into loss_sum. Records no amax.
+  void forward_eval(const TokenBatch& batch, const Tensor& loss_sum);
+  // Casts every weight operand that is not a view of the working copy (FP8 weights and
+  // their transposes; BF16-rounded copies on the CPU) from the master weights, recording
+  // the FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
+  void refresh_weight_operands();
+
+  // Bytes per memory class, for the startup table and the benchmark.
+  SettingsTable memory_table() const;
+  size_t allocated_bytes() const;
+
+  struct LinearParams;
+  struct LayerNormParams;
+  struct BlockParams;
+  struct BlockActivations;
 
  private:
-  struct BlockTensors;
-  struct BlockActivations;
-  BlockTensors block_tensors(float* slab, int layer) const;
-  BlockActivations block_activations(int layer);
-  float run_forward(const int32_t* inputs, const int32_t* targets, float dloss);
-  void run_backward(const int32_t* inputs);
-  void set_amax_recording(bool record);
+  void plan_memory();
+  void forward(const TokenBatch& batch);
+  void loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum);
+  void backward(const TokenBatch& batch);
+  void block_forward(int layer);
+  void block_backward(int layer);
+  // The residual-stream input of block `layer`'s ln_1: the embeddings for block 0, else
+  // the previous block's residual after attention (its MLP output is the branch).
+  const Tensor& previous_residual(int layer) const;
+  Tensor activation(int64_t rows, int64_t cols) const;  // shape/dtype only, for views
+  Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
+  Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
 
   GptConfig config_;
   int B_, T_;
   GptPrecision precision_;
+  Ops& ops_;
   TensorLayout layout_;
-  std::vector<float> params_;
-  std::vector<float> grads_;
-  std::vector<float> activations_;       // one slab: forward activations
-  std::vector<float> grad_activations_;  // one slab: backward scratch
   ScalingTable scaling_;
-  std::vector<LinearPrecision> block_linears_;  // [L*4]: c_attn, attn.c_proj, c_fc, mlp.c_proj
-  LinearPrecision lm_head_;
+  DType activation_dtype_;
+
+  std::unique_ptr<Allocation> master_, working_copy_, gradients_, weight_operands_, activations_;
+  void* working_ = nullptr;
+
+  std::vector<BlockParams> blocks_;
+  std::unique_ptr<LinearParams> lm_head_;
+  std::unique_ptr<LayerNormParams> ln_f_;
+  Tensor wpe_, grad_wpe_;
+
+  std::vector<BlockActivations> saved_;
+  struct Scratch;
+  std::unique_ptr<Scratch> scratch_;
 };
 
-}  // namespace cpu
 }  // namespace fp8lm

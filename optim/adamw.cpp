@@ -99,6 +99,23 @@ void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, 
   v_scale = new_v_scale;
 }
 
+void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
+                const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale) {
+  const auto& tensors = layout.tensors();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const TensorInfo& info = tensors[k];
+    const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
+    float* p = params + info.offset;
+    const float* g = grads + info.offset;
+    if (precision == OptimizerStatePrecision::fp32) {
+      adamw_tensor_fp32(p, g, state.m32 + info.offset, state.v32 + info.offset, info.numel, s);
+    } else {
+      adamw_tensor_fp8_fp16(p, g, state.m8 + info.offset, state.v16 + info.offset, info.numel, state.m_scales[k],
+                            state.v_scales[k], s);
+    }
+  }
+}
+
 }  // namespace cpu
 
 AdamW::AdamW(const TensorLayout& layout, OptimizerStatePrecision precision)
@@ -124,19 +141,8 @@ void AdamW::step(float* params, const float* grads, const AdamWHyperparams& hp, 
   FP8LM_CHECK(grad_scale > 0.0f && std::isfinite(grad_scale), "grad_scale=", grad_scale);
 
   ++step_count_;
-  const auto& tensors = layout_.tensors();
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const TensorInfo& info = tensors[k];
-    const AdamWStepScalars s = adamw_step_scalars(hp, step_count_, grad_scale, info.weight_decay);
-    float* p = params + info.offset;
-    const float* g = grads + info.offset;
-    if (precision_ == OptimizerStatePrecision::fp32) {
-      cpu::adamw_tensor_fp32(p, g, m32_.data() + info.offset, v32_.data() + info.offset, info.numel, s);
-    } else {
-      cpu::adamw_tensor_fp8_fp16(p, g, m8_.data() + info.offset, v16_.data() + info.offset, info.numel,
-                                 m_scales_[k], v_scales_[k], s);
-    }
-  }
+  const AdamWStateSlabs state{m32_.data(), v32_.data(), m8_.data(), v16_.data(), m_scales_.data(), v_scales_.data()};
+  cpu::adamw_step(layout_, precision_, params, grads, state, hp, step_count_, grad_scale);
 }
 
 void AdamW::set_step_count(int64_t t) {

@@ -188,6 +188,25 @@ void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, 
 
 }  // namespace cpu
 
+// The state slabs of one optimizer, [layout.total_elements()] each with the layout's
+// offsets (scales: [tensors]); the other precision's pointers are unused.
+struct AdamWStateSlabs {
+  float* m32 = nullptr;          // fp32
+  float* v32 = nullptr;          // fp32
+  uint8_t* m8 = nullptr;         // fp8_fp16: E4M3 codes of m * m_scale
+  uint16_t* v16 = nullptr;       // fp8_fp16: FP16 bits of v * v_scale
+  float* m_scales = nullptr;     // fp8_fp16
+  float* v_scales = nullptr;     // fp8_fp16
+};
+
+namespace cpu {
+
+// One step (t already counted, 1-based) over every tensor of `layout`.
+void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
+                const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale);
+
+}  // namespace cpu
+
 // The CPU reference optimizer: owns the moment state (host memory) for a layout.
 class AdamW {
  public:

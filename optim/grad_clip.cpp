@@ -41,10 +41,4 @@ double global_grad_norm(const float* grads, const TensorLayout& layout) {
   return std::sqrt(grad_sum_of_squares(grads, layout));
 }
 
-float clip_coefficient(double norm, double max_norm) {
-  if (max_norm <= 0.0 || !std::isfinite(norm)) return 1.0f;
-  const double coeff = max_norm / (norm + 1e-6);
-  return coeff < 1.0 ? static_cast<float>(coeff) : 1.0f;
-}
-
 }  // namespace fp8lm

@@ -134,26 +134,7 @@ __global__ void __launch_bounds__(kFinalThreads)
 __global__ void finalize_step_kernel(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                                      float loss_divisor, double max_grad_norm) {
   StepControl c = *control;
-  const double norm = sqrt(*sum_of_squares);
-  const float loss = *loss_sum / loss_divisor;
-  const bool skip = !isfinite(loss) || !isfinite(norm);
-  // clip_coefficient() of optim/grad_clip.cpp, in double as there.
-  float grad_scale = 1.0f;
-  if (max_grad_norm > 0.0 && isfinite(norm)) {
-    const double coeff = max_grad_norm / __dadd_rn(norm, 1e-6);
-    if (coeff < 1.0) grad_scale = static_cast<float>(coeff);
-  }
-  c.loss = loss;
-  c.grad_norm = static_cast<float>(norm);
-  c.grad_scale = grad_scale;
-  c.skip = skip ? 1 : 0;
-  if (skip) {
-    c.consecutive_skips += 1;
-    c.total_skips += 1;
-  } else {
-    c.consecutive_skips = 0;
-    c.step_count += 1;
-  }
+  decide_step(c, *sum_of_squares, *loss_sum, loss_divisor, max_grad_norm);
   *control = c;
 }
 

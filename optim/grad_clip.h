@@ -7,8 +7,10 @@
 // themselves are never rescaled in memory.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 
+#include "core/fp8.h"  // FP8LM_HOST_DEVICE
 #include "core/tensor.h"
 
 namespace fp8lm {
@@ -29,6 +31,15 @@ double global_grad_norm(const float* grads, const TensorLayout& layout);
 // as Megatron's clip_grad_norm computes it. Returns 1 (no clipping) when max_norm <= 0
 // (clipping disabled) and when norm is not finite: the caller must then skip the step
 // rather than apply it, since no factor repairs inf/NaN gradients.
-float clip_coefficient(double norm, double max_norm);
+// x - x is 0 for every finite x and NaN for infinities and NaN: the same test on the host
+// and on the device, with no library overloads to choose between.
+FP8LM_HOST_DEVICE inline bool is_finite(double x) { return x - x == 0.0; }
+
+// One definition for the host and the GPU's step kernel.
+FP8LM_HOST_DEVICE inline float clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0 || !is_finite(norm)) return 1.0f;
+  const double coeff = max_norm / (norm + 1e-6);
+  return coeff < 1.0 ? static_cast<float>(coeff) : 1.0f;
+}
 
 }  // namespace fp8lm

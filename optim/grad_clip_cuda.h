@@ -21,6 +21,7 @@
 #include "core/device_memory.h"
 #include "core/tensor.h"
 #include "optim/grad_clip.h"
+#include "optim/step_control.h"
 
 namespace fp8lm::cuda {
 
@@ -53,18 +54,6 @@ class DeviceTensorLayout {
   DeviceBuffer<uint32_t> chunk_begin_;
   DeviceBuffer<int32_t> chunk_tensor_;
   DeviceTensorTable table_;
-};
-
-// The per-step decision, in device memory (one struct per engine). Plain data: the host
-// may cudaMemcpy it in both directions (checkpoints, logging).
-struct StepControl {
-  float loss = 0.0f;           // loss_sum / loss_divisor of the last finalized step
-  float grad_norm = 0.0f;      // global L2 gradient norm (before clipping), rounded to float
-  float grad_scale = 1.0f;     // clip coefficient for AdamW (1 = no clipping)
-  int skip = 0;                // 1: non-finite loss or norm, the optimizer must not update
-  int consecutive_skips = 0;   // skipped steps in a row (0 after an applied step)
-  int total_skips = 0;         // skipped steps since the start (or the restored value)
-  long long step_count = 0;    // AdamW t: applied steps so far (t of the step just finalized)
 };
 
 // *control = value, as a kernel on `stream` (no host sync, no pageable-memory copy).

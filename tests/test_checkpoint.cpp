@@ -123,7 +123,9 @@ TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries"
   CHECK(optimizer.tensor("h.0.mlp.c_fc.weight.exp_avg_sq").dtype == SafetensorsDtype::F16);
   CHECK(optimizer.metadata().at("step_count") == "8");
   const auto scaling = SafetensorsFile::open(dir.file("ck/iter_0000008/fp8_scaling.safetensors"));
-  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{24, 1024});
+  // [history, states]: this step's amaxes are one contiguous row (checkpoint version 2).
+  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{1024, 24});
+  CHECK(state["version"] == 2);
 
   // --ckpt-step picks an older iteration; --load without --config takes the stored one.
   const auto resumed = run("--mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
@@ -199,7 +201,7 @@ TEST_CASE("a Hugging Face GPT-2 safetensors file imports: Conv1D, prefix, BF16, 
   const RunSetup setup = resolve_run_setup(
       parse_train_command_line({"--init-from", dir.file("hf"), "--mock-data", "--device", "cpu", "--fp8-hybrid"}).options);
   CHECK(setup.model.n_embd == 64);  // from the directory's config.json
-  auto engine = make_cpu_engine(setup);
+  auto engine = make_engine(setup);
   const LoadedState loaded = load_into_engine(dir.file("hf"), std::nullopt, setup, *engine);
   CHECK_FALSE(loaded.resumed);
   const std::vector<float> params = engine->parameters();

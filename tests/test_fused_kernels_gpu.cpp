@@ -559,7 +559,9 @@ TEST_CASE("encoder forward and deterministic backward match the CPU reference", 
     std::vector<float> ref(n);
     cpu::encoder_forward(ref.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
     auto d_out = poisoned<bf16>(n);
-    cuda::encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), B, T, C, kStream);
+    auto d_token_embeddings = poisoned<float>(n);
+    cuda::embedding_lookup(d_token_embeddings.data(), d_tokens.data(), d_wte.data(), 0, Vp, B * T, C, kStream);
+    cuda::add_position_embedding(d_out.data(), d_token_embeddings.data(), d_wpe.data(), 0, T, B * T, C, kStream);
     device_sync();
     const std::vector<float> out = from_bf16(d_out.download());
     CHECK(relative_error(out, ref) < kBf16Tol);
@@ -581,8 +583,9 @@ TEST_CASE("encoder forward and deterministic backward match the CPU reference", 
     auto run = [&]() {
       auto d_dwte = device_copy(dwte0);
       auto d_dwpe = device_copy(dwpe0);
-      cuda::encoder_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), d_unique.data(), d_offsets.data(),
-                             d_positions.data(), index.num_unique(), B, T, C, kStream);
+      cuda::position_embedding_backward(d_dwpe.data(), d_dout.data(), 0, T, B * T, C, kStream);
+      cuda::embedding_lookup_backward(d_dwte.data(), d_dout.data(), d_unique.data(), d_offsets.data(),
+                                      d_positions.data(), index.num_unique(), C, kStream);
       device_sync();
       return std::make_pair(d_dwte.download(), d_dwpe.download());
     };
@@ -602,6 +605,58 @@ TEST_CASE("encoder forward and deterministic backward match the CPU reference", 
     CHECK(same_bytes(dwte, dwte2));
     CHECK(same_bytes(dwpe, dwpe2));
   }
+}
+
+TEST_CASE("vocabulary-parallel embedding pieces: a slice of the table and a slice of the rows", "[gpu][encoder]") {
+  FP8LM_REQUIRE_GPU();
+  // Rank 1 of 3 over the vocabulary (rows [128, 256) of Vp = 384) and rows [40, 70) of the
+  // B*T rows (sequence parallelism), against the CPU twins bit for bit.
+  const int B = 3, T = 29, C = 64, Vp = 384, begin = 128, count = 128, first_row = 40, N = 30;
+  std::vector<int32_t> tokens(static_cast<size_t>(B) * T);
+  Random random(77);
+  for (int32_t& token : tokens) token = static_cast<int32_t>(random.next_u64() % Vp);
+  const std::vector<float> wte = bf16_rounded(random_floats(static_cast<size_t>(count) * C, 78, 0.5f));
+  const std::vector<float> wpe = bf16_rounded(random_floats(static_cast<size_t>(T) * C, 79, 0.5f));
+  auto d_tokens = device_copy(tokens);
+  auto d_wte = device_copy(to_bf16(wte));
+  auto d_wpe = device_copy(to_bf16(wpe));
+  const size_t all = tokens.size() * C;
+
+  std::vector<float> ref_lookup(all);
+  cpu::embedding_lookup(ref_lookup.data(), tokens.data(), wte.data(), begin, count, B * T, C);
+  auto d_lookup = poisoned<float>(all);
+  cuda::embedding_lookup(d_lookup.data(), d_tokens.data(), d_wte.data(), begin, count, B * T, C, kStream);
+  device_sync();
+  CHECK(same_bytes(d_lookup.download(), ref_lookup));
+
+  std::vector<float> ref_rows(static_cast<size_t>(N) * C);
+  cpu::add_position_embedding(ref_rows.data(), ref_lookup.data() + size_t(first_row) * C, wpe.data(), first_row, T, N,
+                              C);
+  auto d_rows = poisoned<bf16>(static_cast<size_t>(N) * C);
+  cuda::add_position_embedding(d_rows.data(), d_lookup.data() + size_t(first_row) * C, d_wpe.data(), first_row, T, N,
+                               C, kStream);
+  device_sync();
+  CHECK(from_bf16(d_rows.download()) == bf16_rounded(ref_rows));
+
+  const std::vector<float> dout = bf16_rounded(random_floats(all, 80));
+  std::vector<float> ref_dwte(static_cast<size_t>(count) * C, 0.0f), ref_dwpe(static_cast<size_t>(T) * C, 0.0f);
+  cpu::embedding_lookup_backward(ref_dwte.data(), dout.data(), tokens.data(), begin, count, B * T, C);
+  cpu::position_embedding_backward(ref_dwpe.data(), dout.data() + size_t(first_row) * C, first_row, T, N, C);
+  EncoderBackwardIndex index;
+  build_encoder_backward_index(tokens.data(), B, T, index, begin, begin + count);
+  auto d_dout = device_copy(to_bf16(dout));
+  auto d_unique = device_copy(index.unique_tokens);
+  auto d_offsets = device_copy(index.offsets);
+  auto d_positions = device_copy(index.positions.empty() ? std::vector<int32_t>{0} : index.positions);
+  auto d_dwte = device_copy(std::vector<float>(ref_dwte.size(), 0.0f));
+  auto d_dwpe = device_copy(std::vector<float>(ref_dwpe.size(), 0.0f));
+  cuda::embedding_lookup_backward(d_dwte.data(), d_dout.data(), d_unique.data(), d_offsets.data(), d_positions.data(),
+                                  index.num_unique(), C, kStream);
+  cuda::position_embedding_backward(d_dwpe.data(), d_dout.data() + size_t(first_row) * C, first_row, T, N, C,
+                                    kStream);
+  device_sync();
+  CHECK(same_bytes(d_dwte.download(), ref_dwte));
+  CHECK(same_bytes(d_dwpe.download(), ref_dwpe));
 }
 
 // ---- Cross-entropy ----------------------------------------------------------------------

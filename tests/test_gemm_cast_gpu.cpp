@@ -691,15 +691,16 @@ TEST_CASE("update_delayed_scales matches ScalingTable::update bit for bit", "[gp
         for (float& h : history) h = static_cast<float>(random.uniform() * 10.0);
         for (int s = 0; s < kStates; ++s) table.scales()[s] = static_cast<float>(0.5 + random.uniform());
         for (int s = 0; s < kStates; ++s) table.scale_invs()[s] = 1.0f / table.scales()[s];
-        float* h = history.data();
+        // history is [L, S]: slot i of state s at i * S + s.
+        const auto h = [&](int s, size_t slot) -> float& { return history[slot * kStates + s]; };
         const size_t L = length;
-        for (size_t i = 0; i < L; ++i) h[1 * L + i] = 0.0f;  // state 1: all zeros, keeps its scale
-        h[2 * L + (L - 1)] = nan;                              // state 2: NaN at the oldest slot
-        h[3 * L] = inf;                                        // state 3: inf, most recent
-        h[4 * L] = nan;                                        // state 4: NaN, most recent
-        h[5 * L] = 1e-40f;                                     // state 5: tiny (scale caps at FLT_MAX) ...
-        for (size_t i = 1; i < L; ++i) h[5 * L + i] = 0.0f;    // ... and alone in its window
-        h[6 * L] = -0.0f;                                      // state 6: negative zero newest
+        for (size_t i = 0; i < L; ++i) h(1, i) = 0.0f;  // state 1: all zeros, keeps its scale
+        h(2, L - 1) = nan;                                // state 2: NaN at the oldest slot
+        h(3, 0) = inf;                                    // state 3: inf, most recent
+        h(4, 0) = nan;                                    // state 4: NaN, most recent
+        h(5, 0) = 1e-40f;                                 // state 5: tiny (scale caps at FLT_MAX) ...
+        for (size_t i = 1; i < L; ++i) h(5, i) = 0.0f;    // ... and alone in its window
+        h(6, 0) = -0.0f;                                  // state 6: negative zero newest
 
         DeviceBuffer<float> d_history = device_copy(history);
         DeviceBuffer<float> d_scale = device_copy(table.scales());

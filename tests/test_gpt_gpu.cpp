@@ -70,8 +70,8 @@ TEST_CASE("gpt2-124m: GPU training steps match the CPU reference", "[gpu][model]
                           Mode{"--fp8-hybrid", "tensorwise", 4e-3, 5e-2}}) {
     const std::vector<std::string> flags = {mode.flag, "--fp8-recipe", mode.recipe, "--micro-batch-size",
                                             std::to_string(B), "--seq-length", std::to_string(T), "--seed", "5"};
-    auto cpu = make_cpu_engine(setup_for("gpt2-124m.json", "cpu", flags));
-    auto gpu = make_cuda_engine(setup_for("gpt2-124m.json", "cuda", flags));
+    auto cpu = make_engine(setup_for("gpt2-124m.json", "cpu", flags));
+    auto gpu = make_engine(setup_for("gpt2-124m.json", "cuda", flags));
     const float dloss = 1.0f / (B * T);
     const TwoSteps c = two_steps(*cpu, x, y, dloss);
     const TwoSteps g = two_steps(*gpu, x, y, dloss);
@@ -96,7 +96,7 @@ TEST_CASE("50 GPU steps: FP8 and BF16 losses stay together", "[gpu][model]") {
     const RunSetup setup = setup_for("gpt2-124m.json", "cuda",
                                      {modes[m], "--micro-batch-size", std::to_string(B), "--seq-length",
                                       std::to_string(T), "--seed", "3"});
-    auto engine = make_cuda_engine(setup);
+    auto engine = make_engine(setup);
     DataLoaderOptions data_options;
     data_options.micro_batch_size = B;
     data_options.seq_len = T;
@@ -145,7 +145,7 @@ TEST_CASE("GPU training is bit-reproducible: two identical runs give identical w
     std::vector<std::vector<float>> weights;
     std::vector<double> losses;
     for (int run = 0; run < 2; ++run) {
-      auto engine = make_cuda_engine(setup_for("gpt2-124m.json", "cuda",
+      auto engine = make_engine(setup_for("gpt2-124m.json", "cuda",
                                                {mode, "--micro-batch-size", std::to_string(B), "--seq-length",
                                                 std::to_string(T), "--seed", "8"}));
       AdamWHyperparams hp;

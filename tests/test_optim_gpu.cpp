@@ -45,7 +45,7 @@
 
 using namespace fp8lm;
 using fp8lm::cuda::DeviceBuffer;
-using fp8lm::cuda::StepControl;
+using fp8lm::StepControl;
 using fp8lm::testing::device_copy;
 using fp8lm::testing::kPoisonByte;
 

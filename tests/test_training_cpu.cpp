@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <span>
 
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
@@ -18,7 +19,7 @@
 #include "core/fp8.h"
 #include "core/random.h"
 #include "layers/gpt.h"
-#include "layers/linear.h"
+#include "layers/ops_cpu.h"
 
 using namespace fp8lm;
 
@@ -49,34 +50,67 @@ RunSetup setup_from(std::vector<std::string> args) {
   return resolve_run_setup(parse_train_command_line(args).options);
 }
 
+// The one model over the CPU backend, with host access to its slabs (CPU backend memory
+// is host memory; the working copy is the FP32 master itself).
+struct CpuModel {
+  std::unique_ptr<Ops> ops = make_cpu_ops();
+  GptModel model;
+  float loss_sum = 0.0f;
+  CpuModel(const GptConfig& config, int B, int T, const GptPrecision& precision = GptPrecision{})
+      : model(config, B, T, precision, *ops) {}
+  std::span<float> parameters() { return {model.master(), model.layout().total_elements()}; }
+  std::span<float> gradients() { return {model.gradients(), model.layout().total_elements()}; }
+  Tensor loss_tensor() {
+    Tensor t;
+    t.data = &loss_sum;
+    t.rows = t.cols = 1;
+    return t;
+  }
+  // Mean loss of the micro-batch; with dloss != 0 the gradients accumulate too.
+  double forward_backward(const std::vector<int32_t>& inputs, const std::vector<int32_t>& targets, float dloss,
+                          size_t offset = 0) {
+    const int B = model.micro_batch_size(), T = model.seq_length();
+    const TokenBatch batch = ops->load_batch(inputs.data() + offset, targets.data() + offset, B, T, model.vocab_slice());
+    loss_sum = 0.0f;
+    if (dloss != 0.0f) {
+      model.forward_backward(batch, dloss, loss_tensor());
+    } else {
+      model.forward_eval(batch, loss_tensor());
+    }
+    return double(loss_sum) / (B * T);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("fp32 model gradients match finite differences for every parameter tensor", "[training][cpu]") {
   const GptConfig config = small_config();
   const int B = 2, T = 8;
-  cpu::GptModel model(config, B, T, GptPrecision{});
-  init_gpt_parameters(model.parameters().data(), model.layout(), config, 42);
+  CpuModel cpu_model(config, B, T);
+  const TensorLayout& layout = cpu_model.model.layout();
+  std::span<float> parameters = cpu_model.parameters();
+  init_gpt_parameters(parameters.data(), layout, config, 42);
   // Give biases and LayerNorm parameters non-trivial values so their gradients are generic.
   Random random(3);
-  for (const TensorInfo& t : model.layout().tensors())
+  for (const TensorInfo& t : layout.tensors())
     if (t.shape.size() == 1)
-      for (size_t i = 0; i < t.numel; ++i) model.parameters()[t.offset + i] += 0.1f * float(random.normal());
+      for (size_t i = 0; i < t.numel; ++i) parameters[t.offset + i] += 0.1f * float(random.normal());
 
   const auto inputs = random_tokens(B * T, config.vocab_size, 1);
   const auto targets = random_tokens(B * T, config.vocab_size, 2);
-  model.zero_gradients();
-  model.forward_backward(inputs.data(), targets.data(), 1.0f / (B * T));
-  const std::vector<float> analytic = model.gradients();
+  cpu_model.model.zero_gradients();
+  cpu_model.forward_backward(inputs, targets, 1.0f / (B * T));
+  const std::vector<float> analytic(cpu_model.gradients().begin(), cpu_model.gradients().end());
 
   auto loss_at = [&](size_t index, float value) {
-    const float saved = model.parameters()[index];
-    model.parameters()[index] = value;
-    const double loss = model.evaluate(inputs.data(), targets.data());
-    model.parameters()[index] = saved;
+    const float saved = parameters[index];
+    parameters[index] = value;
+    const double loss = cpu_model.forward_backward(inputs, targets, 0.0f);
+    parameters[index] = saved;
     return loss;
   };
   int checked = 0;
-  for (const TensorInfo& t : model.layout().tensors()) {
+  for (const TensorInfo& t : layout.tensors()) {
     // The largest-gradient element plus a few random ones of each tensor.
     size_t largest = 0;
     for (size_t i = 0; i < t.numel; ++i)
@@ -84,7 +118,7 @@ TEST_CASE("fp32 model gradients match finite differences for every parameter ten
     std::vector<size_t> picks = {largest, random.next_u64() % t.numel, random.next_u64() % t.numel};
     for (size_t i : picks) {
       const size_t index = t.offset + i;
-      const float x = model.parameters()[index];
+      const float x = parameters[index];
       const float h = 1e-2f * std::max(1.0f, std::fabs(x));
       const double numeric = (loss_at(index, x + h) - loss_at(index, x - h)) / (2.0 * h);
       INFO(t.name << "[" << i << "] analytic " << analytic[index] << " numeric " << numeric);
@@ -95,23 +129,37 @@ TEST_CASE("fp32 model gradients match finite differences for every parameter ten
       for (size_t i = size_t(config.vocab_size) * config.n_embd; i < t.numel; ++i) REQUIRE(analytic[t.offset + i] == 0.0f);
     }
   }
-  CHECK(checked == 3 * int(model.layout().tensors().size()));
+  CHECK(checked == 3 * int(layout.tensors().size()));
 }
 
 TEST_CASE("fp8 GEMM emulation: exact FP8 values and scaled FP32 accumulation, hand-worked", "[training][cpu][fp8]") {
   // x [2,3], W [2,3]; amax(x) = 4 -> current scale 448/4 = 112 (E4M3); amax(W) = 0.5 -> scale 896.
-  const float x[6] = {1.0f, -4.0f, 0.3f, 2.5f, 0.01f, -1.0f};
-  const float w[6] = {0.5f, 0.25f, -0.125f, 0.1f, -0.2f, 0.3f};
+  float x[6] = {1.0f, -4.0f, 0.3f, 2.5f, 0.01f, -1.0f};
+  float w[6] = {0.5f, 0.25f, -0.125f, 0.1f, -0.2f, 0.3f};
   Fp8RecipeConfig recipe;
   ScalingTable table(recipe);
-  LinearPrecision p;
-  p.precision = GemmPrecision::fp8;
-  p.scaling = &table;
-  p.operands = register_linear_operands(table, "test");
-  float y[4];
-  cpu::linear_forward(y, x, w, nullptr, 2, 2, 3, p);
-  CHECK(table.scale(p.operands.input) == 112.0f);
-  CHECK(table.scale(p.operands.weight) == 896.0f);
+  const int input_state = table.add("test.input", Fp8Dtype::e4m3);
+  const int weight_state = table.add("test.weight", Fp8Dtype::e4m3);
+  std::unique_ptr<Ops> ops = make_cpu_ops();
+  ops->attach_scaling(table);
+  float x8[6], w8[6], w8t[6], y[4];
+  auto tensor = [](float* data, int64_t rows, int64_t cols, DType dtype = DType::f32, int state = -1) {
+    Tensor t;
+    t.data = data;
+    t.rows = rows;
+    t.cols = cols;
+    t.dtype = dtype;
+    t.scaling_state = state;
+    return t;
+  };
+  Tensor weight8 = tensor(w8, 2, 3, DType::e4m3, weight_state);
+  weight8.transposed = w8t;
+  ops->quantize(tensor(x8, 2, 3, DType::e4m3, input_state), tensor(x, 2, 3), Tensor{});
+  ops->quantize(weight8, tensor(w, 2, 3), Tensor{});
+  ops->gemm({.pass = GemmPass::forward, .out = tensor(y, 2, 2), .input = tensor(x8, 2, 3, DType::e4m3, input_state),
+             .weight = weight8});
+  CHECK(table.scale(input_state) == 112.0f);
+  CHECK(table.scale(weight_state) == 896.0f);
   // Quantized x*112: 112, -448, 33.6->32 (E4M3 step 4 in [32,64)), 280->288 (step 32 in [256,512)),
   // 1.12->1.125 (step 1/8 in [1,2)), -112. Quantized w*896: 448, 224, -112, 89.6->88, -179.2->-176, 268.8->256.
   CHECK(fp8_round(33.6f, Fp8Dtype::e4m3) == 32.0f);
@@ -125,9 +173,12 @@ TEST_CASE("fp8 GEMM emulation: exact FP8 values and scaled FP32 accumulation, ha
   CHECK(y[1] == (112.0f * 88 + -448.0f * -176 + 32.0f * 256) * s);
   CHECK(y[2] == (288.0f * 448 + 1.125f * 224 + -112.0f * -112) * s);
   CHECK(y[3] == (288.0f * 88 + 1.125f * -176 + -112.0f * 256) * s);
-  // Amaxes were recorded for the delayed-scaling update.
-  CHECK(table.history_of(p.operands.input)[0] == 4.0f);
-  CHECK(table.history_of(p.operands.weight)[0] == 0.5f);
+  // The weight operand carries its transpose (for dgrad), and the amaxes were recorded
+  // for the delayed-scaling update.
+  CHECK(w8t[0] == w8[0]);
+  CHECK(w8t[1] == w8[3]);
+  CHECK(table.amax_at(input_state, 0) == 4.0f);
+  CHECK(table.amax_at(weight_state, 0) == 0.5f);
 }
 
 TEST_CASE("gradient accumulation over micro-batches equals one large batch", "[training][cpu]") {
@@ -135,16 +186,16 @@ TEST_CASE("gradient accumulation over micro-batches equals one large batch", "[t
   const int T = 8;
   const auto inputs = random_tokens(4 * T, config.vocab_size, 5);
   const auto targets = random_tokens(4 * T, config.vocab_size, 6);
-  cpu::GptModel big(config, 4, T, GptPrecision{});
-  cpu::GptModel small(config, 2, T, GptPrecision{});
-  init_gpt_parameters(big.parameters().data(), big.layout(), config, 9);
-  small.parameters() = big.parameters();
-  big.zero_gradients();
-  small.zero_gradients();
+  CpuModel big(config, 4, T);
+  CpuModel small(config, 2, T);
+  init_gpt_parameters(big.parameters().data(), big.model.layout(), config, 9);
+  std::copy(big.parameters().begin(), big.parameters().end(), small.parameters().begin());
+  big.model.zero_gradients();
+  small.model.zero_gradients();
   const float dloss = 1.0f / (4 * T);
-  const double big_loss = big.forward_backward(inputs.data(), targets.data(), dloss);
-  const double small_loss = 0.5 * (small.forward_backward(inputs.data(), targets.data(), dloss) +
-                                   small.forward_backward(inputs.data() + 2 * T, targets.data() + 2 * T, dloss));
+  const double big_loss = big.forward_backward(inputs, targets, dloss);
+  const double small_loss =
+      0.5 * (small.forward_backward(inputs, targets, dloss) + small.forward_backward(inputs, targets, dloss, 2 * T));
   CHECK(std::fabs(big_loss - small_loss) < 1e-5);
   double diff = 0, norm = 0;
   for (size_t i = 0; i < big.gradients().size(); ++i) {
@@ -157,7 +208,7 @@ TEST_CASE("gradient accumulation over micro-batches equals one large batch", "[t
 TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[training][cpu]") {
   const RunSetup setup = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data",
                                      "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid"});
-  auto engine = make_cpu_engine(setup);
+  auto engine = make_engine(setup);
   std::vector<float> params = engine->parameters();
   params[engine->layout().find("ln_f.weight")->offset] = NAN;
   engine->set_parameters(params);

@@ -1,0 +1,255 @@
+// The Ops interface: every piece of work the GPT model and its training step do, at the
+// granularity of the GPU's fused kernels. The model (layers/gpt.h) and the step
+// (apps/engine.h) are written once against it; two backends implement it:
+//
+//   CpuOps  (layers/ops_cpu.h)   plain reference loops, the readable specification. FP8 is
+//                                emulated exactly: FP8 tensors hold the quantized values.
+//   CudaOps (layers/ops_cuda.h)  the fused kernels and cuBLASLt, on one stream, never
+//                                waiting for the host inside a step.
+//
+// Precision and recipe live in the operands, not in the model: an op looks at its output
+// tensor's dtype (an FP8 operand with a scaling state, or the activation dtype) and at the
+// scaling table's recipe to decide whether it also casts, records an amax, or first takes
+// the tensor's own amax (current scaling). A GEMM operand whose dtype is the activation
+// dtype is a plain view of the activation: nothing is cast.
+//
+// Shapes: B micro-batch, T sequence, C width, F MLP width, V vocabulary, Vs this rank's
+// vocabulary slice (the whole padded vocabulary without tensor parallelism). Every
+// pointer is backend memory (host for CpuOps, device for CudaOps). `=` writes, `+=`
+// accumulates.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "core/scaling.h"
+#include "core/tensor.h"
+#include "optim/adamw.h"
+#include "optim/step_control.h"
+
+namespace fp8lm {
+
+// Backend memory, zero-filled at allocation, freed with the object.
+class Allocation {
+ public:
+  virtual ~Allocation() = default;
+  virtual void* data() = 0;
+  virtual size_t bytes() const = 0;
+};
+
+// A copy of a small backend buffer on the host, taken in stream order: capture() never
+// waits, wait() does, ready() only looks.
+class HostReadback {
+ public:
+  virtual ~HostReadback() = default;
+  virtual void capture(const void* source) = 0;
+  virtual bool ready() = 0;
+  virtual const void* wait() = 0;
+};
+
+// This rank's slice of the padded vocabulary: columns [begin, begin + size); real
+// tokens are those below vocab_size.
+struct VocabSlice {
+  int begin = 0;
+  int size = 0;        // Vs
+  int vocab_size = 0;  // V (unpadded)
+};
+
+// A micro-batch's tokens in backend memory, plus what the deterministic embedding
+// backward needs (GPU: the positions of each distinct token of the vocabulary slice).
+struct TokenBatch {
+  int B = 0, T = 0;
+  const int32_t* inputs = nullptr;   // [B,T]
+  const int32_t* targets = nullptr;  // [B,T]
+  // Embedding-backward index (CudaOps; layers/encoder_index.h), tokens of the slice only.
+  const int32_t* unique_tokens = nullptr;  // [U] slice-local ids
+  const int32_t* offsets = nullptr;        // [U+1]
+  const int32_t* positions = nullptr;      // [B*T]
+  int num_unique = 0;
+};
+
+// A TensorLayout in the form the backend's optimizer and norm passes walk.
+class TensorTable {
+ public:
+  virtual ~TensorTable() = default;
+  virtual const TensorLayout& layout() const = 0;
+};
+
+// LayerNorm with the residual add folded in:
+//   residual_out = residual_in + (branch + branch_bias)      (when branch is given)
+//   out          = LayerNorm(residual_out) * weight + bias    (out's dtype: FP8 operand or activation)
+// Without a branch, residual_in itself is normalized and residual_out is unused.
+struct LayerNormForward {
+  Tensor out;           // [N,C]
+  Tensor mean, rstd;    // [N] f32, saved for backward
+  Tensor residual_out;  // [N,C] activation
+  Tensor residual_in;   // [N,C] activation
+  Tensor branch;        // [N,C] activation, or empty: a row-parallel GEMM's reduced output, no bias
+  Tensor branch_bias;   // [C], or empty
+  Tensor weight, bias;  // [C]
+  float eps = 1e-5f;
+};
+
+// dresidual [N,C] += d(input), dweight [C] +=, dbias [C] += from dout [N,C] and the saved
+// input [N,C], weight, mean and rstd.
+struct LayerNormBackward {
+  Tensor dresidual;
+  Tensor dweight, dbias;
+  Tensor dout;
+  Tensor input;
+  Tensor weight;
+  Tensor mean, rstd;
+};
+
+// The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
+//   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N])        (=)
+//   dgrad    out [M,K]  = grad [M,N] . weight [N,K]                         (=)
+//   wgrad    out [N,K] += grad [M,N]^T . input [M,K]                         (FP32)
+// FP8 operands are multiplied by their scale_inv; an FP8 weight carries its transposed
+// copy for dgrad, an FP8 gradient its transpose for wgrad (Hopper's FP8 tensor cores
+// take K-contiguous operands only).
+enum class GemmPass : uint8_t { forward, dgrad, wgrad };
+struct GemmCall {
+  GemmPass pass = GemmPass::forward;
+  Tensor out;
+  Tensor input;   // forward, wgrad
+  Tensor weight;  // forward, dgrad
+  Tensor grad;    // dgrad, wgrad
+  Tensor bias;    // forward only, optional
+};
+
+// Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.
+struct AttentionShape {
+  int B = 0, T = 0, heads = 0, head_size = 0;
+  int width() const { return heads * head_size; }
+};
+
+// The sizes of one rank's model, so a backend can size its workspaces once, before the
+// first step ("local" = this rank's share under tensor parallelism).
+struct ModelShape {
+  int B = 0, T = 0;
+  int C = 0;             // the residual width
+  int local_width = 0;   // attention width of this rank's heads
+  int local_ffn = 0;     // MLP width of this rank
+  int local_heads = 0;
+  int vocab_slice = 0;   // Vs
+};
+
+// One AdamW step over the tensors of `table` (optim/adamw.h), a no-op when control->skip.
+struct AdamWCall {
+  const TensorTable* table = nullptr;
+  float* master = nullptr;        // FP32 master weights, updated
+  void* working = nullptr;        // the working copy (activation dtype), rewritten; null when it is the master
+  const float* grads = nullptr;   // unscaled; control->grad_scale applies the clip
+  OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
+  AdamWStateSlabs state;
+  AdamWHyperparams hyperparams;
+  const StepControl* control = nullptr;
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual std::string_view name() const = 0;  // "cpu", "cuda"
+
+  // ---- Memory ---------------------------------------------------------------------
+  // The dtype of activations and of the working copy of the parameters: FP32 on the CPU
+  // (the reference), BF16 on the GPU.
+  virtual DType activation_dtype() const = 0;
+  virtual size_t element_bytes(DType dtype) const = 0;
+  virtual std::unique_ptr<Allocation> allocate(size_t bytes) = 0;
+  virtual std::unique_ptr<HostReadback> make_readback(size_t bytes) = 0;
+  virtual std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) = 0;
+  virtual void zero(void* data, size_t bytes) = 0;                        // in stream order
+  virtual void copy(void* destination, const void* source, size_t bytes) = 0;  // backend to backend
+  virtual void upload(void* destination, const void* host, size_t bytes) = 0;  // waits for the copy
+  virtual void download(void* host, const void* source, size_t bytes) = 0;     // waits for the stream
+  // FP32 host values into a tensor of any dtype (rounded to it) and back.
+  virtual void upload_values(const Tensor& destination, const float* host) = 0;
+  virtual void synchronize() = 0;
+  // Sizes the backend's own workspaces (transposes, reductions, cuBLASLt) for the model.
+  virtual void plan_workspace(const ModelShape& shape) = 0;
+  virtual size_t workspace_bytes() const = 0;
+  // The device's own count of memory in use (context and library pools included); 0 on the CPU.
+  virtual size_t device_memory_in_use() const = 0;
+
+  // ---- FP8 scaling ----------------------------------------------------------------
+  // The table whose states FP8 tensors index. CpuOps uses the table's own arrays; CudaOps
+  // keeps a device twin (download_scaling / upload_scaling move it to and from the table).
+  virtual void attach_scaling(ScalingTable& table) = 0;
+  virtual void download_scaling() = 0;
+  virtual void upload_scaling() = 0;
+  // Evaluation passes must not steer the training scales: they record no amax.
+  virtual void set_amax_recording(bool record) = 0;
+  // End of a step: the delayed-scaling update (core/scaling.h), or, when control->skip,
+  // only the discard of this step's amaxes.
+  virtual void update_scales(const StepControl* control) = 0;
+  virtual void discard_current_amaxes(const StepControl* control) = 0;
+
+  // ---- Tokens ---------------------------------------------------------------------
+  virtual TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
+                                const VocabSlice& slice) = 0;
+
+  // ---- Embedding ------------------------------------------------------------------
+  // out [B*T,C] f32 = wte[token - slice.begin] for tokens of the slice, 0 for the others.
+  virtual void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
+                                const VocabSlice& slice) = 0;
+  // out [N,C] activation = token_embeddings [N,C] + wpe[(first_row + n) % T].
+  virtual void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe,
+                                      int first_row, int T) = 0;
+  // dwte [Vs,C] += rows of dout [B*T,C] summed per token of the slice (fixed order).
+  virtual void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) = 0;
+  // dwpe [T,C] += dout [N,C] rows summed per position (fixed order).
+  virtual void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) = 0;
+
+  // ---- LayerNorm ------------------------------------------------------------------
+  virtual void layernorm_forward(const LayerNormForward& call) = 0;
+  virtual void layernorm_backward(const LayerNormBackward& call) = 0;
+
+  // ---- GEMM and casts -------------------------------------------------------------
+  virtual void gemm(const GemmCall& call) = 0;
+  // out [M,N] = in [M,N] in out's dtype (FP8: with out's scale, recording the amax, and
+  // the transpose when out carries one); dbias [N] += column sums of in (optional).
+  // When out is a view of in (same data), only dbias is computed.
+  virtual void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) = 0;
+
+  // ---- MLP ------------------------------------------------------------------------
+  // pre [M,F] += bias (saved for backward); out [M,F] = gelu(pre) in out's dtype.
+  virtual void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) = 0;
+  // dpre [M,F] = dout * gelu'(pre) in dpre's dtype (an FP8 gradient operand with its
+  // transpose, or the activation dtype); dbias [F] += its column sums.
+  virtual void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) = 0;
+
+  // ---- Attention ------------------------------------------------------------------
+  // out [B*T,C'] activation (kept for backward), operand = out in the next GEMM's dtype
+  // (a view of out when that is the activation dtype), lse [B,heads,T] f32.
+  virtual void attention_forward(const Tensor& out, const Tensor& operand, const Tensor& lse, const Tensor& qkv,
+                                 const AttentionShape& shape) = 0;
+  // dqkv [B*T,3C'] = from dout [B*T,C'] and the forward's qkv, out and lse.
+  virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                  const Tensor& lse, const AttentionShape& shape) = 0;
+
+  // ---- Loss (vocabulary-parallel cross-entropy, layers/cross_entropy.h) ------------
+  // partials [N,3] f32: this slice's row max, sum of exp(x - max) and target logit (or 0).
+  virtual void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
+                                      const VocabSlice& slice) = 0;
+  // Combines all_partials [ranks,N,3] in rank order: losses [N] =; when dloss != 0 the
+  // logits [N,Vs] become (softmax - onehot) * dloss in place.
+  virtual void cross_entropy_finish(const Tensor& logits, const Tensor& losses, const Tensor& all_partials,
+                                    int ranks, const TokenBatch& batch, const VocabSlice& slice, float dloss) = 0;
+  // loss_sum [1] f32 += sum of losses [N] (fixed order).
+  virtual void accumulate_loss(const Tensor& loss_sum, const Tensor& losses) = 0;
+
+  // ---- The optimizer step ---------------------------------------------------------
+  // *sum_of_squares [1] f64 = sum of grads^2 over the table's tensors (deterministic).
+  virtual void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) = 0;
+  // control = decide_step(...) (optim/step_control.h), in stream order.
+  virtual void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum,
+                             float loss_divisor, double max_grad_norm) = 0;
+  virtual void set_step_control(StepControl* control, const StepControl& value) = 0;
+  virtual void adamw_step(const AdamWCall& call) = 0;
+};
+
+}  // namespace fp8lm

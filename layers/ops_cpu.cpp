@@ -1,0 +1,332 @@
+#include "layers/ops_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/gemm.h"
+#include "layers/attention.h"
+#include "layers/cross_entropy.h"
+#include "layers/encoder.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "optim/grad_clip.h"
+
+namespace fp8lm {
+namespace {
+
+class HostAllocation final : public Allocation {
+ public:
+  explicit HostAllocation(size_t bytes) : bytes_(bytes) {
+    // 64-byte aligned, zero-filled: what every slab assumes.
+    data_ = bytes ? std::aligned_alloc(64, (bytes + 63) / 64 * 64) : nullptr;
+    FP8LM_CHECK(bytes == 0 || data_ != nullptr, "out of host memory allocating ", bytes, " bytes");
+    if (data_) std::memset(data_, 0, bytes);
+  }
+  ~HostAllocation() override { std::free(data_); }
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class HostCopy final : public HostReadback {
+ public:
+  explicit HostCopy(size_t bytes) : copy_(bytes) {}
+  void capture(const void* source) override { std::memcpy(copy_.data(), source, copy_.size()); }
+  bool ready() override { return true; }
+  const void* wait() override { return copy_.data(); }
+
+ private:
+  std::vector<char> copy_;
+};
+
+class HostTable final : public TensorTable {
+ public:
+  explicit HostTable(const TensorLayout& layout) : layout_(layout) {}
+  const TensorLayout& layout() const override { return layout_; }
+
+ private:
+  TensorLayout layout_;
+};
+
+float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
+
+bool same_data(const Tensor& a, const Tensor& b) { return a.data == b.data; }
+
+// dbias [N] += column sums of in [M,N], each column summed in row order.
+void add_column_sums(float* dbias, const float* in, int64_t M, int64_t N) {
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < N; ++j) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < M; ++i) sum += in[i * N + j];
+    dbias[j] += sum;
+  }
+}
+
+class CpuOps final : public Ops {
+ public:
+  std::string_view name() const override { return "cpu"; }
+
+  // ---- Memory
+  DType activation_dtype() const override { return DType::f32; }
+  size_t element_bytes(DType) const override { return sizeof(float); }
+  std::unique_ptr<Allocation> allocate(size_t bytes) override { return std::make_unique<HostAllocation>(bytes); }
+  std::unique_ptr<HostReadback> make_readback(size_t bytes) override { return std::make_unique<HostCopy>(bytes); }
+  std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) override {
+    return std::make_unique<HostTable>(layout);
+  }
+  void zero(void* data, size_t bytes) override { std::memset(data, 0, bytes); }
+  void copy(void* destination, const void* source, size_t bytes) override { std::memmove(destination, source, bytes); }
+  void upload(void* destination, const void* host, size_t bytes) override { std::memcpy(destination, host, bytes); }
+  void download(void* host, const void* source, size_t bytes) override { std::memcpy(host, source, bytes); }
+  void upload_values(const Tensor& destination, const float* host) override {
+    store(destination, host, /*record=*/false);
+  }
+  void synchronize() override {}
+  void plan_workspace(const ModelShape&) override {}
+  size_t workspace_bytes() const override { return 0; }
+  size_t device_memory_in_use() const override { return 0; }
+
+  // ---- FP8 scaling: the table's own host arrays.
+  void attach_scaling(ScalingTable& table) override { scaling_ = &table; }
+  void download_scaling() override {}
+  void upload_scaling() override {}
+  void set_amax_recording(bool record) override { recording_ = record; }
+  void update_scales(const StepControl* control) override {
+    if (control->skip) {
+      scaling_->discard_current_amaxes();
+    } else {
+      scaling_->update_now();
+    }
+  }
+  void discard_current_amaxes(const StepControl* control) override {
+    if (control->skip) scaling_->discard_current_amaxes();
+  }
+
+  // ---- Tokens
+  TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
+                        const VocabSlice& slice) override {
+    const size_t n = size_t(B) * T;
+    for (size_t i = 0; i < n; ++i) {
+      FP8LM_INPUT_CHECK(host_inputs[i] >= 0 && host_inputs[i] < slice.vocab_size, "input token ", host_inputs[i],
+                        " is outside the vocabulary [0, ", slice.vocab_size, ")");
+      FP8LM_INPUT_CHECK(host_targets[i] >= 0 && host_targets[i] < slice.vocab_size, "target token ", host_targets[i],
+                        " is outside the vocabulary [0, ", slice.vocab_size, ")");
+    }
+    inputs_.assign(host_inputs, host_inputs + n);
+    targets_.assign(host_targets, host_targets + n);
+    TokenBatch batch;
+    batch.B = B;
+    batch.T = T;
+    batch.inputs = inputs_.data();
+    batch.targets = targets_.data();
+    batch_slice_ = slice;
+    return batch;
+  }
+
+  // ---- Embedding
+  void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
+                        const VocabSlice& slice) override {
+    cpu::embedding_lookup(f32(out), batch.inputs, f32(wte), slice.begin, slice.size, int(out.rows), int(out.cols));
+  }
+  void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
+                              int T) override {
+    cpu::add_position_embedding(f32(out), f32(token_embeddings), f32(wpe), first_row, T, int(out.rows), int(out.cols));
+  }
+  void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
+    cpu::embedding_lookup_backward(f32(dwte), f32(dout), batch.inputs, batch_slice_.begin, batch_slice_.size,
+                                   int(dout.rows), int(dout.cols));
+  }
+  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
+    cpu::position_embedding_backward(f32(dwpe), f32(dout), first_row, T, int(dout.rows), int(dout.cols));
+  }
+
+  // ---- LayerNorm
+  void layernorm_forward(const LayerNormForward& call) override {
+    const int N = int(call.residual_in.rows), C = int(call.residual_in.cols);
+    std::vector<float>& normalized = scratch(size_t(N) * C);
+    cpu::residual_layernorm_forward(normalized.data(), call.branch ? f32(call.residual_out) : nullptr, f32(call.mean),
+                                    f32(call.rstd), f32(call.residual_in), call.branch ? f32(call.branch) : nullptr,
+                                    call.branch_bias ? f32(call.branch_bias) : nullptr, f32(call.weight),
+                                    f32(call.bias), N, C, call.eps);
+    store(call.out, normalized.data(), recording_);
+  }
+  void layernorm_backward(const LayerNormBackward& call) override {
+    cpu::layernorm_backward(f32(call.dresidual), f32(call.dweight), f32(call.dbias), f32(call.dout), f32(call.input),
+                            f32(call.weight), f32(call.mean), f32(call.rstd), int(call.dout.rows), int(call.dout.cols));
+  }
+
+  // ---- GEMM and casts
+  void gemm(const GemmCall& call) override {
+    switch (call.pass) {
+      case GemmPass::forward: {
+        // out [M,N] = input [M,K] . weight [N,K]^T (+ bias, added to the FP32 result as the
+        // GPU's epilogue does)
+        const int M = int(call.input.rows), K = int(call.input.cols), N = int(call.weight.rows);
+        FP8LM_CHECK(call.weight.cols == K && call.out.rows == M && call.out.cols == N, "forward GEMM shapes");
+        cpu::gemm_nt(f32(call.out), f32(call.input), f32(call.weight), M, N, K,
+                     scale_inv(call.input) * scale_inv(call.weight), false);
+        if (call.bias) {
+          const float* bias = f32(call.bias);
+          float* out = f32(call.out);
+#pragma omp parallel for schedule(static)
+          for (int i = 0; i < M; ++i)
+            for (int j = 0; j < N; ++j) out[size_t(i) * N + j] += bias[j];
+        }
+        break;
+      }
+      case GemmPass::dgrad: {
+        // out [M,K] = grad [M,N] . weight [N,K] = grad . (weight^T [K,N])^T
+        const int M = int(call.grad.rows), N = int(call.grad.cols), K = int(call.weight.cols);
+        FP8LM_CHECK(call.weight.rows == N && call.out.rows == M && call.out.cols == K, "dgrad GEMM shapes");
+        const float* weight_t = transposed(call.weight, transpose_a_);
+        cpu::gemm_nt(f32(call.out), f32(call.grad), weight_t, M, K, N, scale_inv(call.grad) * scale_inv(call.weight),
+                     false);
+        break;
+      }
+      case GemmPass::wgrad: {
+        // out [N,K] += grad^T [N,M] . (input^T [K,M])^T
+        const int M = int(call.grad.rows), N = int(call.grad.cols), K = int(call.input.cols);
+        FP8LM_CHECK(call.input.rows == M && call.out.rows == N && call.out.cols == K, "wgrad GEMM shapes");
+        const float* grad_t = transposed(call.grad, transpose_a_);
+        const float* input_t = transposed(call.input, transpose_b_);
+        cpu::gemm_nt(f32(call.out), grad_t, input_t, N, K, M, scale_inv(call.grad) * scale_inv(call.input), true);
+        break;
+      }
+    }
+  }
+
+  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
+    if (dbias) add_column_sums(f32(dbias), f32(in), in.rows, in.cols);
+    if (!same_data(out, in)) store(out, f32(in), recording_);
+  }
+
+  // ---- MLP
+  void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) override {
+    const int64_t M = pre.rows, F = pre.cols;
+    float* p = f32(pre);
+    const float* b = f32(bias);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < F; ++j) p[i * F + j] += b[j];
+    std::vector<float>& activated = scratch(size_t(M) * F);
+    cpu::gelu_forward(activated.data(), p, size_t(M) * F);
+    store(out, activated.data(), recording_);
+  }
+  void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
+    std::vector<float>& gradient = scratch(size_t(pre.numel()));
+    cpu::gelu_backward(gradient.data(), f32(pre), f32(dout), size_t(pre.numel()));
+    if (dbias) add_column_sums(f32(dbias), gradient.data(), pre.rows, pre.cols);
+    store(dpre, gradient.data(), recording_);
+  }
+
+  // ---- Attention
+  void attention_forward(const Tensor& out, const Tensor& operand, const Tensor& lse, const Tensor& qkv,
+                         const AttentionShape& shape) override {
+    cpu::attention_forward(f32(out), f32(lse), f32(qkv), shape.B, shape.T, shape.width(), shape.heads);
+    if (!same_data(operand, out)) store(operand, f32(out), recording_);
+  }
+  void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                          const Tensor& lse, const AttentionShape& shape) override {
+    cpu::attention_backward(f32(dqkv), f32(dout), f32(qkv), f32(out), f32(lse), shape.B, shape.T, shape.width(),
+                            shape.heads);
+  }
+
+  // ---- Loss
+  void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
+                              const VocabSlice& slice) override {
+    cpu::cross_entropy_partials(f32(partials), f32(logits), batch.targets, int(logits.rows), slice.vocab_size,
+                                slice.size, slice.begin);
+  }
+  void cross_entropy_finish(const Tensor& logits, const Tensor& losses, const Tensor& all_partials, int ranks,
+                            const TokenBatch& batch, const VocabSlice& slice, float dloss) override {
+    cpu::cross_entropy_finish(f32(logits), f32(losses), f32(all_partials), batch.targets, int(logits.rows),
+                              slice.vocab_size, slice.size, slice.begin, ranks, dloss);
+  }
+  void accumulate_loss(const Tensor& loss_sum, const Tensor& losses) override {
+    double sum = 0.0;
+    const float* l = f32(losses);
+    for (int64_t i = 0; i < losses.numel(); ++i) sum += l[i];
+    *f32(loss_sum) += static_cast<float>(sum);
+  }
+
+  // ---- The optimizer step
+  void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) override {
+    *sum_of_squares = fp8lm::grad_sum_of_squares(grads, table.layout());
+  }
+  void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
+                     double max_grad_norm) override {
+    decide_step(*control, *sum_of_squares, *loss_sum, loss_divisor, max_grad_norm);
+  }
+  void set_step_control(StepControl* control, const StepControl& value) override { *control = value; }
+  void adamw_step(const AdamWCall& call) override {
+    if (call.control->skip) return;
+    cpu::adamw_step(call.table->layout(), call.precision, call.master, call.grads, call.state, call.hyperparams,
+                    call.control->step_count, call.control->grad_scale);
+    FP8LM_CHECK(call.working == nullptr || call.working == call.master, "the CPU's working copy is the master");
+  }
+
+ private:
+  // Writes FP32 values into `out` in its dtype: FP8 with its scaling state (current
+  // scaling takes the values' amax now; the amax is recorded for the delayed window when
+  // `record`), and its transposed copy when it has one.
+  void store(const Tensor& out, const float* values, bool record) {
+    const size_t n = size_t(out.numel());
+    float* destination = f32(out);
+    switch (out.dtype) {
+      case DType::f32:
+        if (destination != values) std::copy(values, values + n, destination);
+        break;
+      case DType::bf16:
+        cpu::round_bf16(destination, values, n);
+        break;
+      case DType::e4m3:
+      case DType::e5m2: {
+        FP8LM_CHECK(out.scaling_state >= 0, "an FP8 tensor without a scaling state");
+        const float tensor_amax = cpu::amax(values, n);
+        const float scale = scaling_->scale_for(out.scaling_state, tensor_amax);
+        cpu::quantize_fp8(destination, values, n, scale, fp8_dtype_of(out.dtype));
+        if (record) scaling_->record_amax(out.scaling_state, tensor_amax);
+        break;
+      }
+    }
+    if (out.transposed) cpu::transpose(static_cast<float*>(out.transposed), destination, int(out.rows), int(out.cols));
+  }
+
+  // 1 outside FP8; the state's scale_inv for an FP8 operand (what cuBLASLt multiplies by).
+  float scale_inv(const Tensor& t) const {
+    return is_fp8(t.dtype) ? scaling_->scale_inv(t.scaling_state) : 1.0f;
+  }
+
+  // t's values transposed, [cols, rows]: its own transposed copy, or one made in `buffer`.
+  static const float* transposed(const Tensor& t, std::vector<float>& buffer) {
+    if (t.transposed) return static_cast<const float*>(t.transposed);
+    buffer.resize(size_t(t.numel()));
+    cpu::transpose(buffer.data(), f32(t), int(t.rows), int(t.cols));
+    return buffer.data();
+  }
+
+  std::vector<float>& scratch(size_t n) {
+    scratch_.resize(n);
+    return scratch_;
+  }
+
+  ScalingTable* scaling_ = nullptr;
+  bool recording_ = true;
+  std::vector<int32_t> inputs_, targets_;
+  VocabSlice batch_slice_;
+  std::vector<float> scratch_, transpose_a_, transpose_b_;
+};
+
+}  // namespace
+
+std::unique_ptr<Ops> make_cpu_ops() { return std::make_unique<CpuOps>(); }
+
+}  // namespace fp8lm

@@ -1,0 +1,595 @@
+#include "layers/ops_cuda.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "core/cast.h"
+#include "core/cuda_check.h"
+#include "core/current_scaling.h"
+#include "core/device_memory.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/gemm_cuda.h"
+#include "core/scaling_cuda.h"
+#include "layers/attention.h"
+#include "layers/cross_entropy.h"
+#include "layers/encoder.h"
+#include "layers/encoder_index.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "optim/adamw_cuda.h"
+#include "optim/grad_clip_cuda.h"
+
+namespace fp8lm {
+
+void check_cuda_model_support(const GptConfig& config, bool fp32_gemms) {
+  if (fp32_gemms)
+    throw InputError("--fp32 is a CPU reference mode; the GPU trains in --bf16 or FP8", "drop --fp32, or pass --device cpu");
+  if (config.n_embd > cuda::kLayerNormMaxC || config.n_embd % 8 != 0)
+    throw InputError("n_embd " + std::to_string(config.n_embd) + " is not supported by the GPU LayerNorm (a multiple of 8, at most " +
+                     std::to_string(cuda::kLayerNormMaxC) + ")");
+  const int head_size = config.n_embd / config.n_head;
+  if (head_size != 32 && head_size != 64 && head_size != 128)
+    throw InputError("head size n_embd / n_head = " + std::to_string(head_size) +
+                     " is not supported by the GPU attention (32, 64 or 128)");
+}
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+class DeviceAllocation final : public Allocation {
+ public:
+  explicit DeviceAllocation(size_t bytes) : bytes_(bytes) {
+    if (bytes) {
+      CUDA_CHECK(cudaMalloc(&data_, bytes));
+      CUDA_CHECK(cudaMemset(data_, 0, bytes));
+    }
+  }
+  ~DeviceAllocation() override {
+    if (data_) cudaFree(data_);
+  }
+  void* data() override { return data_; }
+  size_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A pinned host copy filled by an asynchronous device-to-host copy; an event says when
+// it has landed.
+class PinnedReadback final : public HostReadback {
+ public:
+  PinnedReadback(size_t bytes, cudaStream_t stream) : bytes_(bytes), stream_(stream) {
+    CUDA_CHECK(cudaHostAlloc(&host_, bytes, cudaHostAllocDefault));
+    std::memset(host_, 0, bytes);
+    CUDA_CHECK(cudaEventCreateWithFlags(&landed_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(landed_, stream_));
+  }
+  ~PinnedReadback() override {
+    if (landed_) cudaEventDestroy(landed_);
+    if (host_) cudaFreeHost(host_);
+  }
+  void capture(const void* source) override {
+    CUDA_CHECK(cudaMemcpyAsync(host_, source, bytes_, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaEventRecord(landed_, stream_));
+  }
+  bool ready() override {
+    const cudaError_t state = cudaEventQuery(landed_);
+    if (state == cudaErrorNotReady) return false;
+    CUDA_CHECK(state);
+    return true;
+  }
+  const void* wait() override {
+    CUDA_CHECK(cudaEventSynchronize(landed_));
+    return host_;
+  }
+
+ private:
+  size_t bytes_;
+  cudaStream_t stream_;
+  void* host_ = nullptr;
+  cudaEvent_t landed_ = nullptr;
+};
+
+// A layout on the device, with the scratch its norm and AdamW passes need.
+class DeviceTable final : public TensorTable {
+ public:
+  explicit DeviceTable(const TensorLayout& layout) : layout_(layout), device_(layout) {
+    norm_scratch_.allocate(std::max<size_t>(1, cuda::grad_norm_scratch_size(device_.table())));
+    adamw_scratch_.allocate(std::max<size_t>(1, cuda::adamw_fp8_fp16_scratch_size(device_.table())));
+  }
+  const TensorLayout& layout() const override { return layout_; }
+  const cuda::DeviceTensorTable& table() const { return device_.table(); }
+  double* norm_scratch() { return norm_scratch_.data(); }
+  float* adamw_scratch() { return adamw_scratch_.data(); }
+
+ private:
+  TensorLayout layout_;
+  cuda::DeviceTensorLayout device_;
+  cuda::DeviceBuffer<double> norm_scratch_;
+  cuda::DeviceBuffer<float> adamw_scratch_;
+};
+
+bf16* bf(const Tensor& t) { return static_cast<bf16*>(t.data); }
+const bf16* cbf(const Tensor& t) { return static_cast<const bf16*>(t.data); }
+float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
+uint8_t* u8(const Tensor& t) { return static_cast<uint8_t*>(t.data); }
+int rows(const Tensor& t) { return static_cast<int>(t.rows); }
+int cols(const Tensor& t) { return static_cast<int>(t.cols); }
+
+cuda::GemmType gemm_type_of(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return cuda::GemmType::fp32;
+    case DType::bf16: return cuda::GemmType::bf16;
+    case DType::e4m3: return cuda::GemmType::e4m3;
+    case DType::e5m2: return cuda::GemmType::e5m2;
+  }
+  return cuda::GemmType::bf16;
+}
+
+class CudaOps final : public Ops {
+ public:
+  CudaOps() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    amax_sink_.allocate(1);
+    tensor_amax_.allocate(1);
+    for (cudaEvent_t& event : staging_done_) CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  ~CudaOps() override {
+    cudaStreamSynchronize(stream_);
+    for (cudaEvent_t event : staging_done_)
+      if (event) cudaEventDestroy(event);
+    if (staging_host_) cudaFreeHost(staging_host_);
+    gemm_.reset();
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string_view name() const override { return "cuda"; }
+
+  // ---- Memory
+  DType activation_dtype() const override { return DType::bf16; }
+  size_t element_bytes(DType dtype) const override {
+    switch (dtype) {
+      case DType::f32: return 4;
+      case DType::bf16: return 2;
+      default: return 1;
+    }
+  }
+  std::unique_ptr<Allocation> allocate(size_t bytes) override { return std::make_unique<DeviceAllocation>(bytes); }
+  std::unique_ptr<HostReadback> make_readback(size_t bytes) override {
+    return std::make_unique<PinnedReadback>(bytes, stream_);
+  }
+  std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) override {
+    return std::make_unique<DeviceTable>(layout);
+  }
+  void zero(void* data, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream_)); }
+  void copy(void* destination, const void* source, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  void upload(void* destination, const void* host, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(destination, host, bytes, cudaMemcpyHostToDevice, stream_));
+    synchronize();
+  }
+  void download(void* host, const void* source, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(host, source, bytes, cudaMemcpyDeviceToHost, stream_));
+    synchronize();
+  }
+  void upload_values(const Tensor& destination, const float* host) override {
+    const size_t n = size_t(destination.numel());
+    if (destination.dtype == DType::f32) return upload(destination.data, host, n * sizeof(float));
+    FP8LM_CHECK(destination.dtype == DType::bf16, "upload_values: FP8 tensors are cast on the device");
+    std::vector<uint16_t> bits(n);
+    for (size_t i = 0; i < n; ++i) bits[i] = bf16_from_float(host[i]);
+    upload(destination.data, bits.data(), n * sizeof(uint16_t));
+  }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void plan_workspace(const ModelShape& shape) override {
+    const int BT = shape.B * shape.T;
+    const int widest = std::max({shape.local_ffn, 3 * shape.local_width, shape.C});
+    size_t floats = cuda::layernorm_backward_scratch_floats(BT, shape.C);
+    floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, shape.local_ffn));
+    floats = std::max(floats, cuda::attention_backward_scratch_floats(shape.B, shape.T, shape.local_width,
+                                                                      shape.local_heads));
+    floats = std::max(floats, cuda::dbias_scratch_floats(BT, widest));
+    floats = std::max(floats, cuda::dbias_scratch_floats(widest, widest));  // weight casts
+    float_scratch_.allocate(floats);
+    // BF16 staging for current scaling (a producer writes BF16, then the cast follows) and
+    // the transposed FP8 input of a wgrad GEMM.
+    staging_.allocate(size_t(BT) * std::max(widest, shape.vocab_slice));
+    transposed_input_.allocate(size_t(BT) * std::max(widest, shape.C));
+    tokens_.allocate(5 * size_t(BT) + 1);
+    if (staging_host_) cudaFreeHost(staging_host_);
+    staging_host_ = nullptr;
+    token_slot_ints_ = 5 * size_t(BT) + 1;
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&staging_host_), kStagingSlots * token_slot_ints_ * sizeof(int32_t),
+                             cudaHostAllocDefault));
+  }
+  size_t workspace_bytes() const override {
+    return float_scratch_.bytes() + staging_.bytes() + transposed_input_.bytes() + tokens_.bytes() +
+           cuda::GemmEngine::kWorkspaceBytes;
+  }
+  size_t device_memory_in_use() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+    return total_bytes - free_bytes;
+  }
+
+  // ---- FP8 scaling: a device twin of the table's arrays.
+  void attach_scaling(ScalingTable& table) override {
+    table_ = &table;
+    const int S = table.size(), L = table.config().amax_history_len;
+    history_.allocate(std::max<size_t>(1, size_t(S) * L));
+    scale_.allocate(std::max(1, S));
+    scale_inv_.allocate(std::max(1, S));
+    format_max_.allocate(std::max(1, S));
+    std::vector<float> maxima(std::max(1, S), 1.0f);
+    for (int s = 0; s < S; ++s) maxima[s] = fp8_max(table.dtype(s));
+    format_max_.upload(maxima);
+    upload_scaling();
+  }
+  void download_scaling() override {
+    const size_t S = table_->size();
+    if (S == 0) return;
+    download(table_->history().data(), history_.data(), table_->history().size() * sizeof(float));
+    download(table_->scales().data(), scale_.data(), S * sizeof(float));
+    download(table_->scale_invs().data(), scale_inv_.data(), S * sizeof(float));
+  }
+  void upload_scaling() override {
+    const size_t S = table_->size();
+    if (S == 0) return;
+    upload(history_.data(), table_->history().data(), table_->history().size() * sizeof(float));
+    upload(scale_.data(), table_->scales().data(), S * sizeof(float));
+    upload(scale_inv_.data(), table_->scale_invs().data(), S * sizeof(float));
+  }
+  void set_amax_recording(bool record) override { recording_ = record; }
+  void update_scales(const StepControl* control) override {
+    const Fp8RecipeConfig& recipe = table_->config();
+    cuda::update_delayed_scales(history_.data(), scale_.data(), scale_inv_.data(), format_max_.data(), table_->size(),
+                                recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, stream_,
+                                &control->skip);
+  }
+  void discard_current_amaxes(const StepControl* control) override {
+    cuda::discard_current_amaxes(history_.data(), table_->size(), table_->config().amax_history_len, stream_,
+                                 &control->skip);
+  }
+
+  // ---- Tokens
+  TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
+                        const VocabSlice& slice) override {
+    const size_t BT = size_t(B) * T;
+    FP8LM_CHECK(5 * BT + 1 <= token_slot_ints_, "load_batch: more tokens than the planned micro-batch");
+    const int slot = staging_next_;
+    staging_next_ = (staging_next_ + 1) % kStagingSlots;
+    // Waits only if the GPU has not yet copied this slot's previous contents, i.e. the host
+    // is kStagingSlots micro-batches ahead: flow control, not a per-step sync.
+    CUDA_CHECK(cudaEventSynchronize(staging_done_[slot]));
+    int32_t* host = staging_host_ + slot * token_slot_ints_;
+    std::memcpy(host, host_inputs, BT * sizeof(int32_t));
+    std::memcpy(host + BT, host_targets, BT * sizeof(int32_t));
+    build_encoder_backward_index(host_inputs, B, T, index_, slice.begin, slice.begin + slice.size);
+    const int unique = index_.num_unique();
+    std::memcpy(host + 2 * BT, index_.unique_tokens.data(), unique * sizeof(int32_t));
+    std::memcpy(host + 3 * BT, index_.offsets.data(), (unique + 1) * sizeof(int32_t));
+    std::memcpy(host + 4 * BT + 1, index_.positions.data(), index_.positions.size() * sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host, token_slot_ints_ * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(staging_done_[slot], stream_));
+    TokenBatch batch;
+    batch.B = B;
+    batch.T = T;
+    batch.inputs = tokens_.data();
+    batch.targets = tokens_.data() + BT;
+    batch.unique_tokens = tokens_.data() + 2 * BT;
+    batch.offsets = tokens_.data() + 3 * BT;
+    batch.positions = tokens_.data() + 4 * BT + 1;
+    batch.num_unique = unique;
+    return batch;
+  }
+
+  // ---- Embedding
+  void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
+                        const VocabSlice& slice) override {
+    cuda::embedding_lookup(f32(out), batch.inputs, cbf(wte), slice.begin, slice.size, rows(out), cols(out), stream_);
+  }
+  void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
+                              int T) override {
+    cuda::add_position_embedding(bf(out), f32(token_embeddings), cbf(wpe), first_row, T, rows(out), cols(out), stream_);
+  }
+  void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
+    cuda::embedding_lookup_backward(f32(dwte), cbf(dout), batch.unique_tokens, batch.offsets, batch.positions,
+                                    batch.num_unique, cols(dout), stream_);
+  }
+  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
+    cuda::position_embedding_backward(f32(dwpe), cbf(dout), first_row, T, rows(dout), cols(dout), stream_);
+  }
+
+  // ---- LayerNorm
+  void layernorm_forward(const LayerNormForward& call) override {
+    const int N = rows(call.residual_in), C = cols(call.residual_in);
+    const bool fused_add = static_cast<bool>(call.branch);
+    const bf16* branch_bias = call.branch_bias ? cbf(call.branch_bias) : nullptr;
+    // Delayed FP8 (or BF16 output): one kernel. Current scaling: BF16 first, then the cast
+    // with the scale of the result's own amax.
+    if (is_fp8(call.out.dtype) && !table_->uses_current_scaling()) {
+      const int s = call.out.scaling_state;
+      const Fp8Dtype dtype = fp8_dtype_of(call.out.dtype);
+      if (fused_add) {
+        cuda::residual_layernorm_forward_fp8(u8(call.out), amax_slot(s), scale_.data() + s, dtype,
+                                             bf(call.residual_out), f32(call.mean), f32(call.rstd),
+                                             cbf(call.residual_in), cbf(call.branch), branch_bias, cbf(call.weight),
+                                             cbf(call.bias), N, C, call.eps, stream_);
+      } else {
+        cuda::layernorm_forward_fp8(u8(call.out), amax_slot(s), scale_.data() + s, dtype, f32(call.mean),
+                                    f32(call.rstd), cbf(call.residual_in), cbf(call.weight), cbf(call.bias), N, C,
+                                    call.eps, stream_);
+      }
+      return;
+    }
+    bf16* out = is_fp8(call.out.dtype) ? staging_.data() : bf(call.out);
+    if (fused_add) {
+      cuda::residual_layernorm_forward_bf16(out, bf(call.residual_out), f32(call.mean), f32(call.rstd),
+                                            cbf(call.residual_in), cbf(call.branch), branch_bias, cbf(call.weight),
+                                            cbf(call.bias), N, C, call.eps, stream_);
+    } else {
+      cuda::layernorm_forward_bf16(out, f32(call.mean), f32(call.rstd), cbf(call.residual_in), cbf(call.weight),
+                                   cbf(call.bias), N, C, call.eps, stream_);
+    }
+    if (is_fp8(call.out.dtype)) quantize_current(call.out, out, Tensor{});
+  }
+  void layernorm_backward(const LayerNormBackward& call) override {
+    cuda::layernorm_backward(bf(call.dresidual), f32(call.dweight), f32(call.dbias), cbf(call.dout), cbf(call.input),
+                             cbf(call.weight), f32(call.mean), f32(call.rstd), rows(call.dout), cols(call.dout),
+                             float_scratch_.data(), stream_);
+  }
+
+  // ---- GEMM and casts
+  void gemm(const GemmCall& call) override {
+    cuda::GemmDesc desc;
+    cuda::GemmArgs args;
+    args.D = call.out.data;
+    desc.d_type = gemm_type_of(call.out.dtype);
+    switch (call.pass) {
+      case GemmPass::forward:  // D [M,N] = input [M,K] . weight [N,K]^T (+ bias)
+        desc.M = rows(call.input);
+        desc.N = rows(call.weight);
+        desc.K = cols(call.input);
+        set_operand_a(desc, args, call.input, call.input.data);
+        set_operand_b(desc, args, call.weight, call.weight.data);
+        desc.fast_accum = true;  // Transformer Engine: fast accumulation in forward only
+        if (call.bias) {
+          args.bias = call.bias.data;
+          desc.bias_type = gemm_type_of(call.bias.dtype);
+        }
+        break;
+      case GemmPass::dgrad:  // D [M,K] = grad [M,N] . (weight^T [K,N])^T
+        desc.M = rows(call.grad);
+        desc.N = cols(call.weight);
+        desc.K = cols(call.grad);
+        set_operand_a(desc, args, call.grad, call.grad.data);
+        if (is_fp8(call.weight.dtype)) {
+          FP8LM_CHECK(call.weight.transposed != nullptr, "an FP8 weight needs its transposed copy for dgrad");
+          set_operand_b(desc, args, call.weight, call.weight.transposed);
+        } else {
+          set_operand_b(desc, args, call.weight, call.weight.data);
+          desc.b_transposed = true;  // weight [N,K] read as [K,N]^T
+        }
+        break;
+      case GemmPass::wgrad:  // D [N,K] += (grad^T [N,M]) . (input^T [K,M])^T
+        desc.M = cols(call.grad);
+        desc.N = cols(call.input);
+        desc.K = rows(call.grad);
+        if (is_fp8(call.grad.dtype)) {
+          FP8LM_CHECK(call.grad.transposed != nullptr, "an FP8 gradient needs its transposed copy for wgrad");
+          set_operand_a(desc, args, call.grad, call.grad.transposed);
+          const void* input_t = call.input.transposed;
+          if (input_t == nullptr) {
+            cuda::transpose_fp8(transposed_input_.data(), u8(call.input), rows(call.input), cols(call.input), stream_);
+            input_t = transposed_input_.data();
+          }
+          set_operand_b(desc, args, call.input, input_t);
+        } else {
+          set_operand_a(desc, args, call.grad, call.grad.data);
+          set_operand_b(desc, args, call.input, call.input.data);
+          desc.a_transposed = true;
+          desc.b_transposed = true;
+        }
+        args.C = call.out.data;
+        args.beta = 1.0f;
+        break;
+    }
+    gemm_->gemm(desc, args, stream_);
+  }
+
+  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
+    const int M = rows(in), N = cols(in);
+    if (out.data == in.data) {
+      if (dbias) cuda::column_sum(f32(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
+      return;
+    }
+    FP8LM_CHECK(is_fp8(out.dtype), "quantize: the GPU casts to FP8 only, not to ", to_string(out.dtype));
+    if (table_->uses_current_scaling()) return quantize_current(out, in.data, dbias, in.dtype);
+    const int s = out.scaling_state;
+    cast(out, amax_slot(s), in.data, in.dtype, dbias);
+  }
+
+  // ---- MLP
+  void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) override {
+    const int M = rows(pre), F = cols(pre);
+    if (!is_fp8(out.dtype)) return cuda::bias_gelu_forward_bf16(bf(out), bf(pre), cbf(bias), M, F, stream_);
+    if (table_->uses_current_scaling()) {
+      cuda::bias_gelu_forward_bf16(staging_.data(), bf(pre), cbf(bias), M, F, stream_);
+      return quantize_current(out, staging_.data(), Tensor{});
+    }
+    const int s = out.scaling_state;
+    cuda::bias_gelu_forward_fp8(u8(out), amax_slot(s), scale_.data() + s, fp8_dtype_of(out.dtype), bf(pre), cbf(bias),
+                                M, F, stream_);
+  }
+  void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
+    const int M = rows(pre), F = cols(pre);
+    float* scratch = float_scratch_.data();
+    if (!is_fp8(dpre.dtype))
+      return cuda::gelu_backward_dbias_bf16(bf(dpre), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
+    if (table_->uses_current_scaling()) {
+      cuda::gelu_backward_dbias_bf16(staging_.data(), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
+      return quantize_current(dpre, staging_.data(), Tensor{});
+    }
+    const int s = dpre.scaling_state;
+    cuda::gelu_backward_cast_transpose_dbias_fp8(u8(dpre), static_cast<uint8_t*>(dpre.transposed), f32(dbias),
+                                                 amax_slot(s), scale_.data() + s, fp8_dtype_of(dpre.dtype), cbf(dout),
+                                                 cbf(pre), M, F, scratch, stream_);
+  }
+
+  // ---- Attention
+  void attention_forward(const Tensor& out, const Tensor& operand, const Tensor& lse, const Tensor& qkv,
+                         const AttentionShape& shape) override {
+    const bool fused_cast = operand.data != out.data && !table_->uses_current_scaling();
+    const int s = operand.scaling_state;
+    const Fp8Dtype dtype = is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3;
+    cuda::attention_forward(bf(out), f32(lse), fused_cast ? u8(operand) : nullptr, fused_cast ? amax_slot(s) : nullptr,
+                            fused_cast ? scale_.data() + s : nullptr, dtype, cbf(qkv), shape.B, shape.T, shape.width(),
+                            shape.heads, stream_);
+    if (operand.data != out.data && !fused_cast) quantize_current(operand, out.data, Tensor{}, DType::bf16);
+  }
+  void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                          const Tensor& lse, const AttentionShape& shape) override {
+    cuda::attention_backward(bf(dqkv), cbf(dout), cbf(qkv), cbf(out), f32(lse), shape.B, shape.T, shape.width(),
+                             shape.heads, float_scratch_.data(), stream_);
+  }
+
+  // ---- Loss
+  void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
+                              const VocabSlice& slice) override {
+    cuda::cross_entropy_partials(f32(partials), cbf(logits), batch.targets, rows(logits), slice.vocab_size, slice.size,
+                                 slice.begin, stream_);
+  }
+  void cross_entropy_finish(const Tensor& logits, const Tensor& losses, const Tensor& all_partials, int ranks,
+                            const TokenBatch& batch, const VocabSlice& slice, float dloss) override {
+    cuda::cross_entropy_finish(bf(logits), f32(losses), f32(all_partials), batch.targets, rows(logits),
+                               slice.vocab_size, slice.size, slice.begin, ranks, dloss, stream_);
+  }
+  void accumulate_loss(const Tensor& loss_sum, const Tensor& losses) override {
+    cuda::sum_losses(f32(loss_sum), f32(losses), int(losses.numel()), stream_);
+  }
+
+  // ---- The optimizer step
+  void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) override {
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(table));
+    cuda::grad_norm_squared(sum_of_squares, grads, device.table(), device.norm_scratch(), stream_);
+  }
+  void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
+                     double max_grad_norm) override {
+    cuda::finalize_step(control, sum_of_squares, loss_sum, loss_divisor, max_grad_norm, stream_);
+  }
+  void set_step_control(StepControl* control, const StepControl& value) override {
+    cuda::set_step_control(control, value, stream_);
+  }
+  void adamw_step(const AdamWCall& call) override {
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
+    FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
+    bf16* working = static_cast<bf16*>(call.working);
+    if (call.precision == OptimizerStatePrecision::fp8_fp16) {
+      cuda::adamw_step_fp8_fp16(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
+                                call.state.v_scales, device.table(), call.hyperparams, call.control,
+                                device.adamw_scratch(), stream_);
+    } else {
+      cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, device.table(),
+                            call.hyperparams, call.control, stream_);
+    }
+  }
+
+ private:
+  static constexpr int kStagingSlots = 4;
+
+  // Where a producer records its output's amax: the state's slot in this step's row of
+  // the history, or a sink while evaluating.
+  float* amax_slot(int state) { return recording_ ? history_.data() + state : amax_sink_.data(); }
+
+  void set_operand_a(cuda::GemmDesc& desc, cuda::GemmArgs& args, const Tensor& t, const void* data) {
+    desc.a_type = gemm_type_of(t.dtype);
+    args.A = data;
+    if (is_fp8(t.dtype)) args.a_scale_inv = scale_inv_.data() + t.scaling_state;
+  }
+  void set_operand_b(cuda::GemmDesc& desc, cuda::GemmArgs& args, const Tensor& t, const void* data) {
+    desc.b_type = gemm_type_of(t.dtype);
+    args.B = data;
+    if (is_fp8(t.dtype)) args.b_scale_inv = scale_inv_.data() + t.scaling_state;
+  }
+
+  // The FP8 cast of `in` [M,N] (BF16 or FP32) into `out` with out's stored scale, its
+  // transpose when out has one, dbias when given; `amax` gets max |in|.
+  void cast(const Tensor& out, float* amax, const void* in, DType in_dtype, const Tensor& dbias) {
+    const int M = rows(out), N = cols(out), s = out.scaling_state;
+    const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
+    uint8_t* transposed = static_cast<uint8_t*>(out.transposed);
+    float* bias_grad = dbias ? f32(dbias) : nullptr;
+    if (in_dtype == DType::f32) {
+      const float* values = static_cast<const float*>(in);
+      if (transposed || bias_grad) {
+        cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
+                                 float_scratch_.data(), stream_);
+      } else {
+        cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_);
+      }
+      return;
+    }
+    const bf16* values = static_cast<const bf16*>(in);
+    if (transposed || bias_grad) {
+      cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
+                               float_scratch_.data(), stream_);
+    } else {
+      cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_);
+    }
+  }
+
+  // Current scaling: `in`'s own amax sets the state's scale (and is recorded for the
+  // delayed window while training), then the cast.
+  void quantize_current(const Tensor& out, const void* in, const Tensor& dbias, DType in_dtype = DType::bf16) {
+    const int s = out.scaling_state;
+    const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
+    const size_t n = size_t(out.numel());
+    CUDA_CHECK(cudaMemsetAsync(tensor_amax_.data(), 0, sizeof(float), stream_));
+    if (in_dtype == DType::f32) {
+      cuda::amax_of(tensor_amax_.data(), static_cast<const float*>(in), n, stream_);
+    } else {
+      cuda::amax_of(tensor_amax_.data(), static_cast<const bf16*>(in), n, stream_);
+    }
+    cuda::current_scale_and_record(scale_.data() + s, scale_inv_.data() + s,
+                                   recording_ ? history_.data() + s : nullptr, tensor_amax_.data(), fp8_max(dtype),
+                                   table_->config().margin, stream_);
+    cast(out, amax_sink_.data(), in, in_dtype, dbias);
+  }
+  void quantize_current(const Tensor& out, const bf16* in, const Tensor& dbias) {
+    quantize_current(out, static_cast<const void*>(in), dbias, DType::bf16);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<cuda::GemmEngine> gemm_ = std::make_unique<cuda::GemmEngine>();
+  ScalingTable* table_ = nullptr;
+  bool recording_ = true;
+  cuda::DeviceBuffer<float> history_, scale_, scale_inv_, format_max_;
+  cuda::DeviceBuffer<float> amax_sink_;    // [1] where evaluation passes send amaxes
+  cuda::DeviceBuffer<float> tensor_amax_;  // [1] current-scaling temporary
+  cuda::DeviceBuffer<float> float_scratch_;
+  cuda::DeviceBuffer<bf16> staging_;
+  cuda::DeviceBuffer<uint8_t> transposed_input_;
+  cuda::DeviceBuffer<int32_t> tokens_;  // inputs [BT] | targets [BT] | unique [BT] | offsets [BT+1] | positions [BT]
+  // Pinned staging for token uploads: a ring so the host can prepare the next
+  // micro-batch while the GPU still copies the previous one.
+  int32_t* staging_host_ = nullptr;
+  size_t token_slot_ints_ = 0;
+  cudaEvent_t staging_done_[kStagingSlots] = {};
+  int staging_next_ = 0;
+  EncoderBackwardIndex index_;
+};
+
+}  // namespace
+
+std::unique_ptr<Ops> make_cuda_ops() { return std::make_unique<CudaOps>(); }
+
+}  // namespace fp8lm

@@ -1,0 +1,21 @@
+// The CUDA backend of layers/ops.h: the fused kernels of layers/, core/ and optim/ and
+// cuBLASLt GEMMs, all enqueued on one stream. A step never waits for the host: scales,
+// amaxes, the clip coefficient and the skip decision stay on the device.
+//
+// Plain C++ header (no kernels), usable from .cpp files compiled by g++.
+#pragma once
+
+#include <memory>
+
+#include "core/gpt_config.h"
+#include "layers/ops.h"
+
+namespace fp8lm {
+
+std::unique_ptr<Ops> make_cuda_ops();
+
+// Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
+// LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).
+void check_cuda_model_support(const GptConfig& config, bool fp32_gemms);
+
+}  // namespace fp8lm
