@@ -87,9 +87,11 @@ struct TrainingEngine::State {
   }
 };
 
-TrainingEngine::TrainingEngine(const RunSetup& setup) : state_(std::make_unique<State>()) {
+TrainingEngine::TrainingEngine(const RunSetup& setup) : TrainingEngine(setup, make_ops(setup)) {}
+
+TrainingEngine::TrainingEngine(const RunSetup& setup, std::unique_ptr<Ops> ops) : state_(std::make_unique<State>()) {
   State& s = *state_;
-  s.ops = make_ops(setup);
+  s.ops = std::move(ops);
   s.model = std::make_unique<GptModel>(setup.model, setup.options.micro_batch_size, setup.seq_length,
                                        precision_of(setup), *s.ops);
   s.table = s.ops->make_table(s.model->layout());

@@ -60,6 +60,8 @@ struct StepMetrics {
 class TrainingEngine {
  public:
   explicit TrainingEngine(const RunSetup& setup);
+  // Over a given backend (tests wrap one to record the op sequence).
+  TrainingEngine(const RunSetup& setup, std::unique_ptr<Ops> ops);
   ~TrainingEngine();
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;

@@ -1,0 +1,157 @@
+// The one model's op sequence, pinned: the CPU backend wrapped in a recording Ops runs a
+// two-layer model, and the log must be exactly the order layers/gpt.cpp states. The next
+// issue's collectives get pinned between these lines the same way.
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+
+#include "apps/cli.h"
+#include "apps/engine.h"
+#include "apps/run_setup.h"
+#include "cli_testing.h"
+#include "core/random.h"
+#include "layers/gpt.h"
+#include "layers/ops_cpu.h"
+#include "recording_ops.h"
+
+using namespace fp8lm;
+
+namespace {
+
+GptConfig two_layers() {
+  GptConfig c;
+  c.name = "two-layers";
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 32;
+  c.n_inner = 64;
+  c.vocab_size = 50;
+  c.n_positions = 16;
+  return c;
+}
+
+// The forward and backward of layers/gpt.cpp, written out: `op` is the GEMM operand
+// dtype of the blocks, `grad` their gradient dtype, `head` the LM head's operand dtype.
+// `cast` is what turns an activation into a GEMM operand ("quantize", or "view" when the
+// operand is the activation itself).
+std::vector<std::string> expected_sequence(int layers, const std::string& op, const std::string& grad,
+                                           const std::string& head, const std::string& head_cast,
+                                           const std::string& grad_cast) {
+  std::vector<std::string> s = {"embedding_lookup", "add_position_embedding"};
+  for (int l = 0; l < layers; ++l) {
+    s.push_back(std::string(l == 0 ? "layernorm" : "residual_layernorm") + " -> " + op);
+    s.push_back("gemm forward " + op + "x" + op + " +bias");  // c_attn
+    s.push_back("attention -> " + op);
+    s.push_back("gemm forward " + op + "x" + op);  // attn.c_proj: no bias, no residual
+    s.push_back("residual_layernorm -> " + op);    // ln_2 adds residual, branch and bias
+    s.push_back("gemm forward " + op + "x" + op);  // c_fc: its bias joins the GELU
+    s.push_back("bias_gelu -> " + op);
+    s.push_back("gemm forward " + op + "x" + op);  // mlp.c_proj
+  }
+  s.push_back("residual_layernorm -> " + head);  // ln_f
+  s.push_back("gemm forward " + head + "x" + head);
+  for (const char* line : {"cross_entropy_partials", "cross_entropy_finish", "accumulate_loss"}) s.push_back(line);
+  s.push_back(head_cast + " -> " + head);
+  s.push_back("gemm dgrad " + head + "x" + head);
+  s.push_back("gemm wgrad " + head + "x" + head);
+  s.push_back("zero");
+  s.push_back("layernorm_backward");
+  for (int l = layers - 1; l >= 0; --l) {
+    s.push_back(grad_cast + " -> " + grad + " +dbias");  // mlp.c_proj's output gradient
+    s.push_back("gemm dgrad " + grad + "x" + op);
+    s.push_back("gemm wgrad " + grad + "x" + op);
+    s.push_back("gelu_backward -> " + grad + " +dbias");
+    s.push_back("gemm dgrad " + grad + "x" + op);
+    s.push_back("gemm wgrad " + grad + "x" + op);
+    s.push_back("layernorm_backward");
+    s.push_back(grad_cast + " -> " + grad + " +dbias");  // attn.c_proj
+    s.push_back("gemm dgrad " + grad + "x" + op);
+    s.push_back("gemm wgrad " + grad + "x" + op);
+    s.push_back("attention_backward");
+    s.push_back(grad_cast + " -> " + grad + " +dbias");  // c_attn
+    s.push_back("gemm dgrad " + grad + "x" + op);
+    s.push_back("gemm wgrad " + grad + "x" + op);
+    s.push_back("layernorm_backward");
+  }
+  s.push_back("position_embedding_backward");
+  s.push_back("embedding_lookup_backward");
+  return s;
+}
+
+std::vector<int32_t> tokens(size_t n, uint64_t seed) {
+  Random random(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(random.next_u64() % 50);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("the model calls the ops in the order it states, for every precision", "[model][cpu]") {
+  struct Case {
+    GemmPrecision precision;
+    const char *op, *grad, *head, *head_cast, *grad_cast;
+  };
+  // On the CPU activations are FP32: BF16 and FP8 operands are casts, FP32 ones are views.
+  for (const Case c : {Case{GemmPrecision::fp8, "e4m3", "e5m2", "bf16", "quantize", "quantize"},
+                       Case{GemmPrecision::bf16, "bf16", "bf16", "bf16", "quantize", "quantize"},
+                       Case{GemmPrecision::fp32, "f32", "f32", "f32", "view", "view"}}) {
+    INFO(to_string(c.precision));
+    std::vector<std::string> log;
+    auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+    GptPrecision precision;
+    precision.gemm = c.precision;
+    const int B = 2, T = 8;
+    GptModel model(two_layers(), B, T, precision, *ops);
+    std::vector<float> params(model.layout().total_elements());
+    init_gpt_parameters(params.data(), model.layout(), model.config(), 1);
+    std::copy(params.begin(), params.end(), model.master());
+    model.refresh_weight_operands();
+    float loss_sum = 0.0f;
+    Tensor loss;
+    loss.data = &loss_sum;
+    loss.rows = loss.cols = 1;
+    const auto x = tokens(B * T, 1), y = tokens(B * T, 2);
+    const TokenBatch batch = ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice());
+    log.clear();
+    model.forward_backward(batch, 1.0f / (B * T), loss);
+    CHECK(log == expected_sequence(2, c.op, c.grad, c.head, c.head_cast, c.grad_cast));
+    CHECK(loss_sum > 0.0f);
+
+    // Evaluation: the same forward and loss with amax recording off around it, no backward.
+    log.clear();
+    model.forward_eval(batch, loss);
+    std::vector<std::string> eval = expected_sequence(2, c.op, c.grad, c.head, c.head_cast, c.grad_cast);
+    eval.resize(eval.size() - 5 - 2 * 15 - 2);  // drop the backward
+    eval.insert(eval.begin(), "amax_recording off");
+    eval.push_back("amax_recording on");
+    CHECK(log == eval);
+  }
+}
+
+TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts, in that order", "[model][cpu]") {
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
+                                "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--fp8-interval", "2"})
+          .options);
+  std::vector<std::string> log;
+  TrainingEngine engine(setup, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  const auto x = tokens(32, 3), y = tokens(32, 4);
+  AdamWHyperparams hp;
+  hp.lr = 1e-3f;
+  const int layers = setup.model.n_layer;
+  for (int step = 0; step < 2; ++step) {
+    engine.begin_step();
+    engine.forward_backward(x.data(), y.data(), 1.0f / 32);
+    log.clear();
+    engine.end_step(hp, 1.0, step);
+    // --fp8-interval 2: step 0 keeps accumulating amaxes (discarded only if skipped),
+    // step 1 updates the scales.
+    std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_step",
+                                         step == 1 ? "update_scales" : "discard_current_amaxes"};
+    for (int i = 0; i < 4 * layers; ++i) expected.push_back("quantize -> e4m3");  // FP8 weights and W^T
+    expected.push_back("quantize -> bf16");                                         // the LM head's BF16 copy (CPU)
+    CHECK(log == expected);
+  }
+}
