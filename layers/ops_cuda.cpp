@@ -198,11 +198,10 @@ class CudaOps final : public Ops {
     floats = std::max(floats, cuda::attention_backward_scratch_floats(shape.B, shape.T, shape.local_width,
                                                                       shape.local_heads));
     floats = std::max(floats, cuda::dbias_scratch_floats(BT, widest));
-    floats = std::max(floats, cuda::dbias_scratch_floats(widest, widest));  // weight casts
     float_scratch_.allocate(floats);
     // BF16 staging for current scaling (a producer writes BF16, then the cast follows) and
     // the transposed FP8 input of a wgrad GEMM.
-    staging_.allocate(size_t(BT) * std::max(widest, shape.vocab_slice));
+    staging_.allocate(size_t(BT) * widest);
     transposed_input_.allocate(size_t(BT) * std::max(widest, shape.C));
     tokens_.allocate(5 * size_t(BT) + 1);
     if (staging_host_) cudaFreeHost(staging_host_);
