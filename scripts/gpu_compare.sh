@@ -10,13 +10,15 @@
 # The earlier tree is a source folder (e.g. `git archive REV | tar -x -C .carry/before`),
 # carried to the device beside this one.
 #   scripts/gpu_compare.sh .carry/before
-# Logs go to $OUT when set, else build-gpu/logs.
+# Logs go to build-gpu/logs, and as one logs.tgz to $OUT when set (the device tool's
+# output folder returns a few files only).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 before=$(cd "${1:?usage: gpu_compare.sh BEFORE_SOURCE_DIR}" && pwd)
-logs=${OUT:-$repo/build-gpu/logs}
+logs=$repo/build-gpu/logs
 mkdir -p "$logs"
+[ -n "${OUT:-}" ] && trap 'tar czf "$OUT/logs.tgz" -C "$logs" .' EXIT
 export NCCL_NVLS_ENABLE=0 PATH=/usr/local/cuda/bin:$PATH
 status=0
 step() { echo; echo "==== $*"; }

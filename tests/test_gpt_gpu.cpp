@@ -197,3 +197,34 @@ TEST_CASE("current_scale_and_record: the scale from the tensor's amax, recorded 
     CHECK((slot_after == out[2] || std::isnan(out[2])));
   }
 }
+
+TEST_CASE("debug: GPU steps on changing batches stay finite", "[.debug][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  for (const char* config : {"tiny.json", "gpt2-124m.json"}) {
+    const int B = 2, T = config[0] == 't' ? 64 : 128;
+    const int V = config[0] == 't' ? 256 : 50257;
+    auto engine = make_engine(setup_for(config, "cuda", {"--bf16", "--micro-batch-size", std::to_string(B),
+                                                         "--seq-length", std::to_string(T), "--seed", "5"}));
+    AdamWHyperparams hp;
+    hp.lr = 3e-5f;
+    for (int step = 0; step < 3; ++step) {
+      const auto x = random_tokens(B * T, V, 100 + step), y = random_tokens(B * T, V, 200 + step);
+      engine->begin_step();
+      engine->forward_backward(x.data(), y.data(), 1.0f / (B * T));
+      const std::vector<float> grads = engine->gradients();
+      engine->end_step(hp, 1.0, step);
+      const StepMetrics m = engine->step_metrics();
+      const std::vector<float> params = engine->parameters();
+      std::string bad;
+      for (const TensorInfo& t : engine->layout().tensors()) {
+        size_t nan_g = 0, nan_p = 0;
+        for (size_t i = 0; i < t.numel; ++i) {
+          nan_g += !std::isfinite(grads[t.offset + i]);
+          nan_p += !std::isfinite(params[t.offset + i]);
+        }
+        if (nan_g || nan_p) bad += " " + t.name + "(g" + std::to_string(nan_g) + ",p" + std::to_string(nan_p) + ")";
+      }
+      WARN(config << " step " << step << " loss " << m.loss << " norm " << m.grad_norm << " bad:" << bad);
+    }
+  }
+}
