@@ -47,7 +47,10 @@ class DeviceAllocation final : public Allocation {
   explicit DeviceAllocation(size_t bytes) : bytes_(bytes) {
     if (bytes) {
       CUDA_CHECK(cudaMalloc(&data_, bytes));
+      // cudaMemset runs on the legacy default stream, which does not order itself with the
+      // backend's non-blocking stream: wait for it, or a later upload may land first.
       CUDA_CHECK(cudaMemset(data_, 0, bytes));
+      CUDA_CHECK(cudaDeviceSynchronize());
     }
   }
   ~DeviceAllocation() override {
