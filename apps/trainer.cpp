@@ -83,8 +83,8 @@ class MetricsFile {
 };
 
 // The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
-// 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s, as
-// ../shared/device-notes.md defines it) and peak memory, as a table and one JSON line.
+// 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
+// memory, as a table and one JSON line.
 void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector<double> step_ms, double loss) {
   const TrainOptions& o = setup.options;
   step_ms.erase(step_ms.begin(), step_ms.begin() + std::min<size_t>(o.benchmark_warmup, step_ms.size()));

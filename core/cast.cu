@@ -1,11 +1,11 @@
-// Kernels of core/cast.h. No spdlog here (nvcc, C++20): errors throw through CUDA_CHECK.
-#include "core/cast.h"
+// Kernels of core/cast_cuda.h. No spdlog here (nvcc, C++20): errors throw through CUDA_CHECK.
+#include "core/cast_cuda.h"
 
 #include <cuda_fp8.h>
 
 #include <cstring>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 #include "core/scaling.h"
 

@@ -5,7 +5,7 @@
 
 #include <cublasLt.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 
 // Row-major to cuBLASLt's column-major, the one mapping every call uses:

@@ -1,7 +1,7 @@
 // Kernels of core/scaling_cuda.h. No spdlog here (nvcc, C++20).
 #include "core/scaling_cuda.h"
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 
 namespace fp8lm::cuda {
@@ -68,6 +68,19 @@ __global__ void discard_current_amaxes_kernel(float* history, int S, int L, cons
   if (s < S) history[s] = 0.0f;  // row 0 of [L, S]
 }
 
+__global__ void current_scale_and_record_kernel(float* scale, float* scale_inv, float* history_slot,
+                                                const float* tensor_amax, float fp8_max, int margin) {
+  const float amax = *tensor_amax;
+  const float new_scale = compute_scale(amax, fp8_max, margin, *scale);
+  *scale = new_scale;
+  *scale_inv = 1.0f / new_scale;
+  if (history_slot != nullptr) {
+    const float recorded = *history_slot;
+    // NaN must stay visible to the update rule, as in ScalingTable::record_amax.
+    if (!(amax <= recorded)) *history_slot = amax;
+  }
+}
+
 }  // namespace
 
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
@@ -97,6 +110,12 @@ void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, c
   if (S == 0) return;
   FP8LM_CHECK(history != nullptr, "discard_current_amaxes needs history");
   discard_current_amaxes_kernel<<<(S + kThreads - 1) / kThreads, kThreads, 0, stream>>>(history, S, L, only_if);
+  CUDA_CHECK_LAUNCH();
+}
+
+void current_scale_and_record(float* scale, float* scale_inv, float* history_slot, const float* tensor_amax,
+                              float fp8_max, int margin, cudaStream_t stream) {
+  current_scale_and_record_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, history_slot, tensor_amax, fp8_max, margin);
   CUDA_CHECK_LAUNCH();
 }
 

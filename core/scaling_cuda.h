@@ -23,4 +23,15 @@ void update_delayed_scales(float* history, float* scale, float* scale_inv, const
 // history[0, s] = 0 for every state s < S (a skipped step leaves no amaxes behind).
 void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if = nullptr);
 
+// Current (tensorwise) scaling: the scale of one quantization comes from the amax of the
+// very tensor being quantized. Used by the tensorwise recipe, and by the delayed recipe
+// until its first update (a fresh run or one started from a BF16 checkpoint), so step 0
+// never quantizes with scale 1. Per tensor: zero a temporary amax, amax_of() it
+// (core/cast_cuda.h), then the function below, then cast with the new scale.
+//   scale = compute_scale(*tensor_amax, fp8_max, margin, *scale); scale_inv = 1/scale;
+//   and, when history_slot is given, *history_slot = max(*history_slot, *tensor_amax)
+//   (recorded for the delayed window exactly as a fused producer records it). One thread.
+void current_scale_and_record(float* scale, float* scale_inv, float* history_slot, const float* tensor_amax,
+                              float fp8_max, int margin, cudaStream_t stream);
+
 }  // namespace fp8lm::cuda

@@ -32,7 +32,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 #include "layers/attention.h"
 #include "layers/attention_backward_dkdv.cuh"

@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "core/device_helpers.cuh"
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 
 namespace fp8lm::cuda {

@@ -297,14 +297,6 @@ VocabSlice GptModel::vocab_slice() const {
   return VocabSlice{0, config_.padded_vocab_size(), config_.vocab_size};
 }
 
-Tensor GptModel::activation(int64_t rows, int64_t cols) const {
-  Tensor t;
-  t.dtype = activation_dtype_;
-  t.rows = rows;
-  t.cols = cols;
-  return t;
-}
-
 void GptModel::plan_memory() {
   const int64_t BT = int64_t(B_) * T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head;
   const int64_t Vs = vocab_slice().size, L = config_.n_layer;

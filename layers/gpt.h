@@ -116,7 +116,6 @@ class GptModel {
   // The residual-stream input of block `layer`'s ln_1: the embeddings for block 0, else
   // the previous block's residual after attention (its MLP output is the branch).
   const Tensor& previous_residual(int layer) const;
-  Tensor activation(int64_t rows, int64_t cols) const;  // shape/dtype only, for views
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
 

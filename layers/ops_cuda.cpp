@@ -7,10 +7,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "core/cast.h"
-#include "core/cuda_check.h"
-#include "core/current_scaling.h"
-#include "core/device_memory.h"
+#include "core/cast_cuda.h"
+#include "core/check_cuda.h"
+#include "core/scaling_cuda.h"
+#include "core/device_memory_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/gemm_cuda.h"

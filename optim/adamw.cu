@@ -26,7 +26,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "optim/grad_clip.h"

@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 
 namespace fp8lm::cuda {

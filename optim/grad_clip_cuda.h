@@ -18,7 +18,7 @@
 
 #include <cuda_runtime.h>
 
-#include "core/device_memory.h"
+#include "core/device_memory_cuda.h"
 #include "core/tensor.h"
 #include "optim/grad_clip.h"
 #include "optim/step_control.h"

@@ -1,12 +1,12 @@
-// NCCL_CHECK for parallel/: the NCCL_CHECK of core/cuda_check.h plus, for system and internal
+// NCCL_CHECK for parallel/: the NCCL_CHECK of core/check_cuda.h plus, for system and internal
 // errors, NCCL's own description of what failed (ncclGetLastError), and a hint per error class.
-// Include this header instead of core/cuda_check.h where NCCL is called; it replaces that
+// Include this header instead of core/check_cuda.h where NCCL is called; it replaces that
 // macro for the including file.
 #pragma once
 
 #include <nccl.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 
 namespace fp8lm::detail {
 

@@ -8,7 +8,7 @@
 
 #include <mpi.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 
 namespace fp8lm {

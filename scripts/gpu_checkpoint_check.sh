@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoint checks on a GPU machine (issue: checkpoints), logs under $OUT:
+# Checkpoint checks on a GPU machine (resume, Hugging Face import and export), logs under $OUT:
 #   1. FP8 gpt2-124m: 40 steps straight vs 20, save, load, 20 more: are losses and
 #      weights bit-identical on the GPU?
 #   2. A BF16 GPT-2 written by transformers' save_pretrained is loaded and trained on.

@@ -12,7 +12,7 @@
 #include <cuda_bf16.h>
 
 #include "core/device.h"
-#include "core/device_memory.h"
+#include "core/device_memory_cuda.h"
 #include "core/dtype.h"
 #include "core/random.h"
 

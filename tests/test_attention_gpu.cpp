@@ -20,7 +20,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fp8.h"

@@ -21,6 +21,7 @@
 #include "apps/run_setup.h"
 #include "cli_testing.h"
 #include "temp_dir.h"
+#include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/safetensors.h"
@@ -308,4 +309,52 @@ TEST_CASE("convert exports a Hugging Face GPT-2 model in BF16", "[checkpoint]") 
   const auto original = read_as_float(master.tensor("h.1.attn.c_attn.weight"));
   for (size_t i = 0; i < original.size(); ++i) REQUIRE(exported[i] == round_to_bf16(original[i]));
   CHECK(run("convert --load " + (dir.file("nowhere")) + " --to " + (dir.file("x"))).exit_code == 2);
+}
+
+TEST_CASE("a version-1 checkpoint (amax history [states, history]) resumes exactly as its version-2 twin",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string args = kRun + "--fp8-hybrid --fp8-amax-history-len 16";
+  REQUIRE(run(args + " --exit-interval 4 --save " + dir.file("v2")).exit_code == 0);
+  // The same checkpoint as version 1 wrote it: the history transposed, state.json version 1,
+  // the file's size and CRC-32 recorded again.
+  fs::copy(dir.file("v2"), dir.file("v1"), fs::copy_options::recursive);
+  const fs::path v1 = fs::path(dir.file("v1")) / "iter_0000004";
+  const fs::path scaling_path = v1 / "fp8_scaling.safetensors";
+  {
+    const SafetensorsFile v2_scaling = SafetensorsFile::open((fs::path(dir.file("v2")) / "iter_0000004" /
+                                                              "fp8_scaling.safetensors").string());
+    const auto& history = v2_scaling.tensor("amax_history");
+    REQUIRE(history.shape.size() == 2);
+    const int64_t L = history.shape[0], S = history.shape[1];
+    CHECK(L == 16);
+    const std::vector<float> rows = read_as_float(history);  // [L, S]
+    std::vector<float> state_major(rows.size());
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t l = 0; l < L; ++l) state_major[s * L + l] = rows[l * S + s];
+    const std::vector<float> scale = read_as_float(v2_scaling.tensor("scale"));
+    const std::vector<float> scale_inv = read_as_float(v2_scaling.tensor("scale_inv"));
+    SafetensorsWriter writer;
+    writer.add_borrowed("amax_history", SafetensorsDtype::F32, {S, L}, state_major.data(), state_major.size() * 4);
+    writer.add_borrowed("scale", SafetensorsDtype::F32, {S}, scale.data(), scale.size() * 4);
+    writer.add_borrowed("scale_inv", SafetensorsDtype::F32, {S}, scale_inv.data(), scale_inv.size() * 4);
+    for (const auto& [key, value] : v2_scaling.metadata()) writer.set_metadata(key, value);
+    writer.write(scaling_path.string());
+  }
+  nlohmann::json state = nlohmann::json::parse(file_bytes((v1 / "state.json").string()));
+  state["version"] = 1;
+  state["files"]["fp8_scaling.safetensors"] = {{"bytes", fs::file_size(scaling_path)},
+                                               {"crc32", file_crc32_hex(scaling_path.string())}};
+  std::ofstream(v1 / "state.json") << state.dump(2) << "\n";
+
+  for (const char* version : {"v1", "v2"})
+    REQUIRE(run(args + " --load " + dir.file(version) + " --metrics-file " + dir.file(std::string(version) + ".jsonl"))
+                .exit_code == 0);
+  const auto from_v1 = read_metrics(dir.file("v1.jsonl")), from_v2 = read_metrics(dir.file("v2.jsonl"));
+  REQUIRE(from_v1.size() == 4);
+  REQUIRE(from_v2.size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    CHECK(from_v1[i]["loss"].get<double>() == from_v2[i]["loss"].get<double>());
+    CHECK(from_v1[i]["grad_norm"].get<double>() == from_v2[i]["grad_norm"].get<double>());
+  }
 }

@@ -14,7 +14,7 @@
 
 #include <catch2/catch_test_macros.hpp>
 
-#include "core/cast.h"
+#include "core/cast_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fp8.h"

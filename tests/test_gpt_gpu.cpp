@@ -12,7 +12,7 @@
 #include "cli_testing.h"
 #include "core/mock_data.h"
 #include "core/random.h"
-#include "core/current_scaling.h"
+#include "core/scaling_cuda.h"
 #include "core/scaling.h"
 #include "gpu_testing.h"
 

@@ -21,8 +21,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.h"
-#include "core/device_memory.h"
+#include "core/check_cuda.h"
+#include "core/device_memory_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/random.h"

@@ -15,7 +15,7 @@
 #include <catch2/catch_tostring.hpp>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 #include "parallel/communicator.h"
 

@@ -4,7 +4,7 @@
 
 #include <mpi.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 #include "core/device.h"
 
 namespace fp8lm::testing {

@@ -9,7 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.h"
+#include "core/check_cuda.h"
 
 namespace fp8lm::cuda {
 
