@@ -48,6 +48,7 @@ struct TrainingEngine::State {
   bool fp8 = false;
   std::unique_ptr<Allocation> m_codes, v_bits, m_scales, v_scales, m32, v32;
   std::unique_ptr<Allocation> scalars;  // one StepScalars
+  std::unique_ptr<Allocation> adamw_scratch;
   std::unique_ptr<HostReadback> control_readback;
   StepControl last_seen;
   int micro_batches = 0;
@@ -114,6 +115,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, std::unique_ptr<Ops> ops) 
     s.v32 = s.ops->allocate(n * sizeof(float));
   }
   s.scalars = s.ops->allocate(sizeof(StepScalars));
+  s.adamw_scratch = s.ops->allocate(adamw_scratch_floats(count) * sizeof(float));
   s.ops->set_step_control(s.control(), StepControl{});
   s.control_readback = s.ops->make_readback(sizeof(StepControl));
   s.control_readback->capture(s.control());
@@ -164,7 +166,9 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   update.state = s.optimizer_slabs();
   update.hyperparams = hyperparams;
   update.control = s.control();
-  ops.adamw_step(update);
+  update.scratch = static_cast<float*>(s.adamw_scratch->data());
+  ops.adamw_moment_amaxes(update);
+  ops.adamw_apply(update);
   // The FP8 scale update: THE place scales change (core/scaling.h). A skipped step
   // discards its amaxes instead; both decide on the device (control->skip).
   if (s.fp8) {

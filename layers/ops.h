@@ -137,7 +137,9 @@ struct ModelShape {
   int vocab_slice = 0;   // Vs
 };
 
-// One AdamW step over the tensors of `table` (optim/adamw.h), a no-op when control->skip.
+// One AdamW step over the tensors of `table` (optim/adamw.h), in two halves so that ranks
+// holding parts of a tensor agree on its moment scales in between; both are no-ops when
+// control->skip.
 struct AdamWCall {
   const TensorTable* table = nullptr;
   float* master = nullptr;        // FP32 master weights, updated
@@ -147,7 +149,12 @@ struct AdamWCall {
   AdamWStateSlabs state;
   AdamWHyperparams hyperparams;
   const StepControl* control = nullptr;
+  // [adamw_scratch_floats(tensors)] backend memory; between the halves its first 2*tensors
+  // floats are the moment amaxes (m then v) that the caller MAX-reduces across ranks.
+  float* scratch = nullptr;
 };
+
+inline size_t adamw_scratch_floats(size_t tensors) { return 4 * tensors + 2; }
 
 class Ops {
  public:
@@ -249,7 +256,11 @@ class Ops {
   virtual void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                              float loss_divisor, double max_grad_norm) = 0;
   virtual void set_step_control(StepControl* control, const StepControl& value) = 0;
-  virtual void adamw_step(const AdamWCall& call) = 0;
+  // fp8_fp16 state: pass 1, the updated moments' amaxes into call.scratch. fp32: nothing.
+  virtual void adamw_moment_amaxes(const AdamWCall& call) = 0;
+  // The update: new moment scales from the (agreed) amaxes, parameters, moments, and the
+  // working copy.
+  virtual void adamw_apply(const AdamWCall& call) = 0;
 };
 
 }  // namespace fp8lm

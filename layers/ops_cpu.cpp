@@ -266,11 +266,23 @@ class CpuOps final : public Ops {
     decide_step(*control, *sum_of_squares, *loss_sum, loss_divisor, max_grad_norm);
   }
   void set_step_control(StepControl* control, const StepControl& value) override { *control = value; }
-  void adamw_step(const AdamWCall& call) override {
+  void adamw_moment_amaxes(const AdamWCall& call) override {
+    if (call.control->skip || call.precision != OptimizerStatePrecision::fp8_fp16) return;
+    const size_t count = call.table->layout().tensors().size();
+    std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
+    cpu::adamw_moment_amaxes(call.table->layout(), call.grads, call.state, call.hyperparams, call.control->step_count,
+                             call.control->grad_scale, call.scratch);
+  }
+  void adamw_apply(const AdamWCall& call) override {
     if (call.control->skip) return;
-    cpu::adamw_step(call.table->layout(), call.precision, call.master, call.grads, call.state, call.hyperparams,
-                    call.control->step_count, call.control->grad_scale);
-    FP8LM_CHECK(call.working == nullptr || call.working == call.master, "the CPU's working copy is the master");
+    const TensorLayout& layout = call.table->layout();
+    cpu::adamw_apply(layout, call.precision, call.master, call.grads, call.state, call.hyperparams,
+                     call.control->step_count, call.control->grad_scale, call.scratch);
+    if (call.working == nullptr || call.working == call.master) return;
+    // A separate working copy (sharded state): this rank's values, as they will be gathered.
+    float* working = static_cast<float*>(call.working);
+    for (const TensorInfo& t : layout.tensors())
+      std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + t.offset);
   }
 
  private:

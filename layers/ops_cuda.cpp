@@ -105,18 +105,15 @@ class DeviceTable final : public TensorTable {
  public:
   explicit DeviceTable(const TensorLayout& layout) : layout_(layout), device_(layout) {
     norm_scratch_.allocate(std::max<size_t>(1, cuda::grad_norm_scratch_size(device_.table())));
-    adamw_scratch_.allocate(std::max<size_t>(1, cuda::adamw_fp8_fp16_scratch_size(device_.table())));
   }
   const TensorLayout& layout() const override { return layout_; }
   const cuda::DeviceTensorTable& table() const { return device_.table(); }
   double* norm_scratch() { return norm_scratch_.data(); }
-  float* adamw_scratch() { return adamw_scratch_.data(); }
 
  private:
   TensorLayout layout_;
   cuda::DeviceTensorLayout device_;
   cuda::DeviceBuffer<double> norm_scratch_;
-  cuda::DeviceBuffer<float> adamw_scratch_;
 };
 
 bf16* bf(const Tensor& t) { return static_cast<bf16*>(t.data); }
@@ -491,14 +488,21 @@ class CudaOps final : public Ops {
   void set_step_control(StepControl* control, const StepControl& value) override {
     cuda::set_step_control(control, value, stream_);
   }
-  void adamw_step(const AdamWCall& call) override {
-    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
+  void adamw_moment_amaxes(const AdamWCall& call) override {
+    if (call.precision != OptimizerStatePrecision::fp8_fp16) return;
+    const auto& device = static_cast<const DeviceTable&>(*call.table);
+    cuda::adamw_fp8_fp16_moment_amaxes(call.grads, call.state.m8, call.state.v16, call.state.m_scales,
+                                       call.state.v_scales, device.table(), call.hyperparams, call.control,
+                                       call.scratch, stream_);
+  }
+  void adamw_apply(const AdamWCall& call) override {
+    const auto& device = static_cast<const DeviceTable&>(*call.table);
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
-      cuda::adamw_step_fp8_fp16(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
-                                call.state.v_scales, device.table(), call.hyperparams, call.control,
-                                device.adamw_scratch(), stream_);
+      cuda::adamw_fp8_fp16_apply(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
+                                 call.state.v_scales, device.table(), call.hyperparams, call.control, call.scratch,
+                                 stream_);
     } else {
       cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, device.table(),
                             call.hyperparams, call.control, stream_);

@@ -1,6 +1,7 @@
 #include "optim/adamw.h"
 
 #include <cmath>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -64,28 +65,34 @@ void adamw_tensor_fp32(float* params, const float* grads, float* m, float* v, si
   }
 }
 
-void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits,
-                           size_t n, float& m_scale, float& v_scale, const AdamWStepScalars& s) {
+void adamw_moment_amax_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
+                                float m_scale, float v_scale, const AdamWStepScalars& s, float& amax_m, float& amax_v) {
   const int64_t count = static_cast<int64_t>(n);
   // The stored moments were quantized with these scales.
   const float old_m_scale_inv = 1.0f / m_scale;
   const float old_v_scale_inv = 1.0f / v_scale;
-
-  // Pass 1: the updated moments' amax. Nothing is written.
-  float amax_m = 0.0f, amax_v = 0.0f;
-#pragma omp parallel for schedule(static) reduction(max : amax_m, amax_v) if (n >= kParallelThreshold)
+  float tensor_m = 0.0f, tensor_v = 0.0f;
+#pragma omp parallel for schedule(static) reduction(max : tensor_m, tensor_v) if (n >= kParallelThreshold)
   for (int64_t i = 0; i < count; ++i) {
     float mi = dequantize_m(m_codes[i], old_m_scale_inv);
     float vi = dequantize_v(v_bits[i], old_v_scale_inv);
     adamw_moments(grads[i], mi, vi, s);
-    amax_m = running_max(amax_m, std::fabs(mi));
-    amax_v = running_max(amax_v, vi);  // v >= 0
+    tensor_m = running_max(tensor_m, std::fabs(mi));
+    tensor_v = running_max(tensor_v, vi);  // v >= 0
   }
+  amax_m = running_max(amax_m, tensor_m);
+  amax_v = running_max(amax_v, tensor_v);
+}
+
+void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits, size_t n,
+                          float& m_scale, float& v_scale, float amax_m, float amax_v, const AdamWStepScalars& s) {
+  const int64_t count = static_cast<int64_t>(n);
+  const float old_m_scale_inv = 1.0f / m_scale;
+  const float old_v_scale_inv = 1.0f / v_scale;
   const float new_m_scale = moment_scale(amax_m, kFirstMomentMax);
   const float new_v_scale = moment_scale(amax_v, kSecondMomentMax);
-
-  // Pass 2: the same moments again (bit-identical to pass 1: same inputs, same
-  // operations), the parameter update from their FP32 values, then re-quantization.
+  // The same moments as pass 1 (same inputs, same operations, so the same values), the
+  // parameter update from their FP32 values, then re-quantization.
 #pragma omp parallel for schedule(static) if (n >= kParallelThreshold)
   for (int64_t i = 0; i < count; ++i) {
     float mi = dequantize_m(m_codes[i], old_m_scale_inv);
@@ -99,10 +106,31 @@ void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, 
   v_scale = new_v_scale;
 }
 
-void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
-                const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale) {
+void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits,
+                           size_t n, float& m_scale, float& v_scale, const AdamWStepScalars& s) {
+  float amax_m = 0.0f, amax_v = 0.0f;
+  adamw_moment_amax_fp8_fp16(grads, m_codes, v_bits, n, m_scale, v_scale, s, amax_m, amax_v);
+  adamw_apply_fp8_fp16(params, grads, m_codes, v_bits, n, m_scale, v_scale, amax_m, amax_v, s);
+}
+
+void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes) {
   const auto& tensors = layout.tensors();
-  for (size_t k = 0; k < tensors.size(); ++k) {
+  const size_t count = tensors.size();
+  for (size_t k = 0; k < count; ++k) {
+    const TensorInfo& info = tensors[k];
+    const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
+    adamw_moment_amax_fp8_fp16(grads + info.offset, state.m8 + info.offset, state.v16 + info.offset, info.numel,
+                               state.m_scales[k], state.v_scales[k], s, amaxes[k], amaxes[count + k]);
+  }
+}
+
+void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
+                 const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
+                 const float* amaxes) {
+  const auto& tensors = layout.tensors();
+  const size_t count = tensors.size();
+  for (size_t k = 0; k < count; ++k) {
     const TensorInfo& info = tensors[k];
     const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
     float* p = params + info.offset;
@@ -110,10 +138,18 @@ void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, f
     if (precision == OptimizerStatePrecision::fp32) {
       adamw_tensor_fp32(p, g, state.m32 + info.offset, state.v32 + info.offset, info.numel, s);
     } else {
-      adamw_tensor_fp8_fp16(p, g, state.m8 + info.offset, state.v16 + info.offset, info.numel, state.m_scales[k],
-                            state.v_scales[k], s);
+      adamw_apply_fp8_fp16(p, g, state.m8 + info.offset, state.v16 + info.offset, info.numel, state.m_scales[k],
+                           state.v_scales[k], amaxes[k], amaxes[count + k], s);
     }
   }
+}
+
+void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
+                const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale) {
+  std::vector<float> amaxes(2 * layout.tensors().size(), 0.0f);
+  if (precision == OptimizerStatePrecision::fp8_fp16)
+    adamw_moment_amaxes(layout, grads, state, hp, t, grad_scale, amaxes.data());
+  adamw_apply(layout, precision, params, grads, state, hp, t, grad_scale, amaxes.data());
 }
 
 }  // namespace cpu

@@ -357,25 +357,35 @@ void check_hyperparams(const AdamWHyperparams& hp) {
 
 size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * static_cast<size_t>(table.count) + 2; }
 
-void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
-                         uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
-                         const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                         cudaStream_t stream) {
+void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                  const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
+                                  const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                                  cudaStream_t stream) {
   check_hyperparams(hp);
   if (table.count == 0) return;
-  FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
-              "adamw_step_fp8_fp16 needs every array");
-  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m_codes, 4) &&
-                      aligned(v_bits, 8);
-  uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
+  FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
+              "adamw_fp8_fp16_moment_amaxes needs every array");
+  const bool vec_ok = aligned(grads, 16) && aligned(m_codes, 4) && aligned(v_bits, 8);
   unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
-
   CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
   if (table.num_chunks > 0) {
     adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, m_codes, v_bits, m_scales, v_scales,
                                                                       table, hp, control, amax_bits, vec_ok);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+                          uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
+                          const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                          cudaStream_t stream) {
+  check_hyperparams(hp);
+  if (table.count == 0) return;
+  FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
+              "adamw_fp8_fp16_apply needs every array");
+  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m_codes, 4) &&
+                      aligned(v_bits, 8);
+  uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
   // Also for empty tensors: their scales become 1 (amax 0), as on the CPU.
   adamw_fp8_scales_kernel<<<1, kScaleThreads, 0, stream>>>(m_scales, v_scales, scratch, table.count, hp.beta1,
                                                            hp.beta2, control);
@@ -385,6 +395,15 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
                                                                       v_scales, table, hp, control, scratch, vec_ok);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+                         uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
+                         const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                         cudaStream_t stream) {
+  adamw_fp8_fp16_moment_amaxes(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, scratch, stream);
+  adamw_fp8_fp16_apply(master, params_bf16, grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, scratch,
+                       stream);
 }
 
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,

@@ -185,6 +185,12 @@ void adamw_tensor_fp32(float* params, const float* grads, float* m, float* v, si
 // stored moments, then overwritten with the scales of the re-quantized moments.
 void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits,
                            size_t n, float& m_scale, float& v_scale, const AdamWStepScalars& s);
+// Its two passes: the updated moments' amaxes (running maxima into amax_m, amax_v), then
+// the update with the new scales moment_scale(amax_m), moment_scale(amax_v).
+void adamw_moment_amax_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
+                                float m_scale, float v_scale, const AdamWStepScalars& s, float& amax_m, float& amax_v);
+void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits, size_t n,
+                          float& m_scale, float& v_scale, float amax_m, float amax_v, const AdamWStepScalars& s);
 
 }  // namespace cpu
 
@@ -204,6 +210,20 @@ namespace cpu {
 // One step (t already counted, 1-based) over every tensor of `layout`.
 void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                 const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale);
+
+// The same step in two halves, for state sharded across ranks (ZeRO-1), where a tensor's
+// FP8/FP16 moment scales must come from the amax over every rank's part of it:
+//   adamw_moment_amaxes: fp8_fp16 pass 1; amaxes [2, tensors] (m then v) += as running
+//                        maxima of this rank's updated moments (nothing else written);
+//   (the caller MAX-reduces amaxes across ranks)
+//   adamw_apply:         the new scales from amaxes, the parameter update and the
+//                        re-quantization (fp32 state: the whole update; amaxes unused).
+// With one rank, the two halves are adamw_step bit for bit.
+void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes);
+void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
+                 const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
+                 const float* amaxes);
 
 }  // namespace cpu
 

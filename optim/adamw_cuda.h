@@ -60,6 +60,19 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
                          uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                          const AdamWHyperparams& hp, const StepControl* control, float* scratch, cudaStream_t stream);
 
+// The same step in two halves, for state sharded across ranks (see cpu::adamw_moment_amaxes):
+// the first leaves the updated moments' amaxes in scratch[0, 2*count) (as non-negative
+// floats: m then v) for the caller to MAX-reduce across ranks in place; the second takes
+// the new scales from them and runs pass 2. Together they are adamw_step_fp8_fp16.
+void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                  const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
+                                  const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                                  cudaStream_t stream);
+void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+                          uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
+                          const AdamWHyperparams& hp, const StepControl* control, float* scratch,
+                          cudaStream_t stream);
+
 // One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,

@@ -142,9 +142,13 @@ class RecordingOps final : public Ops {
   void set_step_control(StepControl* control, const StepControl& value) override {
     inner_->set_step_control(control, value);
   }
-  void adamw_step(const AdamWCall& call) override {
-    record("adamw_step");
-    inner_->adamw_step(call);
+  void adamw_moment_amaxes(const AdamWCall& call) override {
+    record("adamw_moment_amaxes");
+    inner_->adamw_moment_amaxes(call);
+  }
+  void adamw_apply(const AdamWCall& call) override {
+    record("adamw_apply");
+    inner_->adamw_apply(call);
   }
 
  private:
