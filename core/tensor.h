@@ -52,21 +52,33 @@ struct Tensor {
   }
 };
 
+// How a tensor is split across the ranks of a tensor-parallel group (Megatron's layout):
+// replicated on every rank, split along its rows (dim 0) or columns (dim 1), or split
+// along its rows within each third (the packed q | k | v of c_attn: heads split).
+enum class TensorSplit : uint8_t { replicated, rows, columns, qkv_rows };
+
 struct TensorInfo {
   std::string name;            // Hugging Face GPT-2 name, e.g. "h.0.attn.c_attn.weight"
-  std::vector<int64_t> shape;  // row-major
+  std::vector<int64_t> shape;  // row-major; this rank's part under tensor parallelism
   size_t offset = 0;           // elements from the slab start
   size_t numel = 0;
   bool weight_decay = false;   // AdamW decays 2-D weights only (GPT-2 practice)
+  TensorSplit split = TensorSplit::replicated;
+  std::vector<int64_t> full_shape;  // the whole tensor's shape (= shape when replicated)
+  // Under sequence parallelism each tensor-parallel rank sees only its rows of the
+  // sequence, so this replicated tensor's gradient is partial on each rank (LayerNorm
+  // gains and biases, the position embedding) and is summed across the group.
+  bool partial_gradient_under_sp = false;
 };
 
 class TensorLayout {
  public:
   // Appends a tensor; its offset is aligned to `alignment` elements so that every
   // tensor starts on a 16-byte boundary in any dtype used for it.
-  const TensorInfo& add(std::string name, std::vector<int64_t> shape, bool weight_decay, size_t alignment = 16) {
+  TensorInfo& add(std::string name, std::vector<int64_t> shape, bool weight_decay, size_t alignment = 16) {
     TensorInfo info;
     info.name = std::move(name);
+    info.full_shape = shape;
     info.shape = std::move(shape);
     info.numel = 1;
     for (int64_t dim : info.shape) info.numel *= static_cast<size_t>(dim);
@@ -77,6 +89,8 @@ class TensorLayout {
     return tensors_.back();
   }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // Pads the slab so that the next tensor, and its end, start at a multiple of `multiple`.
+  void pad_to_multiple(size_t multiple) { total_ = (total_ + multiple - 1) / multiple * multiple; }
   size_t total_elements() const { return total_; }  // slab size, padding included
   size_t count_parameters() const {
     size_t n = 0;
@@ -87,6 +101,12 @@ class TensorLayout {
     for (const auto& t : tensors_)
       if (t.name == name) return &t;
     return nullptr;
+  }
+  // The position of `name` in tensors(), or -1.
+  int index_of(const std::string& name) const {
+    for (size_t i = 0; i < tensors_.size(); ++i)
+      if (tensors_[i].name == name) return static_cast<int>(i);
+    return -1;
   }
 
  private:

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
+#include "parallel/mappings.h"
 
 namespace fp8lm {
 
@@ -68,6 +69,95 @@ void init_gpt_parameters(float* params, const TensorLayout& layout, const GptCon
   }
 }
 
+TensorLayout make_gpt_shard_layout(const GptConfig& cfg, int tp, int dp, std::vector<ParameterBucket>* buckets) {
+  FP8LM_CHECK(tp >= 1 && dp >= 1, "parallel sizes tp=", tp, " dp=", dp);
+  const int64_t C = cfg.n_embd, F = cfg.n_inner, Vp = cfg.padded_vocab_size();
+  TensorLayout layout;
+  auto add = [&](const std::string& name, std::vector<int64_t> full_shape, TensorSplit split, bool decay,
+                 bool partial_under_sp = false) {
+    std::vector<int64_t> shape = full_shape;
+    if (split == TensorSplit::rows || split == TensorSplit::qkv_rows) shape[0] /= tp;
+    if (split == TensorSplit::columns) shape[1] /= tp;
+    TensorInfo& info = layout.add(name, shape, decay);
+    info.full_shape = std::move(full_shape);
+    info.split = split;
+    info.partial_gradient_under_sp = partial_under_sp;
+  };
+  std::vector<ParameterBucket> list;
+  auto bucket = [&](const std::string& name, bool linear_weights, int layer, auto&& add_tensors) {
+    layout.pad_to_multiple(kBucketAlignment);
+    ParameterBucket b;
+    b.name = name;
+    b.begin = layout.total_elements();
+    b.linear_weights = linear_weights;
+    b.layer = layer;
+    add_tensors();
+    layout.pad_to_multiple(kBucketAlignment * dp);
+    b.end = layout.total_elements();
+    list.push_back(b);
+  };
+  bucket("embedding", false, -1, [&] {
+    add("wte.weight", {Vp, C}, TensorSplit::rows, true);
+    add("wpe.weight", {cfg.n_positions, C}, TensorSplit::replicated, true, true);
+  });
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    bucket(h + "weights", true, l, [&] {
+      add(h + "attn.c_attn.weight", {3 * C, C}, TensorSplit::qkv_rows, true);
+      add(h + "attn.c_proj.weight", {C, C}, TensorSplit::columns, true);
+      add(h + "mlp.c_fc.weight", {F, C}, TensorSplit::rows, true);
+      add(h + "mlp.c_proj.weight", {C, F}, TensorSplit::columns, true);
+    });
+    // The LayerNorm parameters first and together: under sequence parallelism their
+    // partial gradients are summed across the group as one range.
+    bucket(h + "others", false, l, [&] {
+      add(h + "ln_1.weight", {C}, TensorSplit::replicated, false, true);
+      add(h + "ln_1.bias", {C}, TensorSplit::replicated, false, true);
+      add(h + "ln_2.weight", {C}, TensorSplit::replicated, false, true);
+      add(h + "ln_2.bias", {C}, TensorSplit::replicated, false, true);
+      add(h + "attn.c_attn.bias", {3 * C}, TensorSplit::qkv_rows, false);
+      add(h + "attn.c_proj.bias", {C}, TensorSplit::replicated, false);
+      add(h + "mlp.c_fc.bias", {F}, TensorSplit::rows, false);
+      add(h + "mlp.c_proj.bias", {C}, TensorSplit::replicated, false);
+    });
+  }
+  bucket("head", false, -1, [&] {
+    add("ln_f.weight", {C}, TensorSplit::replicated, false, true);
+    add("ln_f.bias", {C}, TensorSplit::replicated, false, true);
+  });
+  if (buckets) *buckets = std::move(list);
+  return layout;
+}
+
+namespace detail {
+
+size_t full_index_of_part_element(const TensorInfo& info, size_t i, int tp_rank, int tp_size) {
+  if (info.split == TensorSplit::replicated || tp_size == 1) return i;
+  // 1-D tensors are one row of columns: [1, n] for the column logic, [n, 1] for the row logic.
+  const bool matrix = info.full_shape.size() == 2;
+  const size_t part_cols = matrix ? size_t(info.shape[1]) : 1;
+  const size_t full_cols = matrix ? size_t(info.full_shape[1]) : 1;
+  const size_t row = i / part_cols, col = i % part_cols;
+  switch (info.split) {
+    case TensorSplit::rows: {
+      const size_t part_rows = size_t(info.shape[0]);
+      return (size_t(tp_rank) * part_rows + row) * full_cols + col;
+    }
+    case TensorSplit::columns:
+      return row * full_cols + size_t(tp_rank) * part_cols + col;
+    case TensorSplit::qkv_rows: {
+      // Rows are q | k | v, each [width]: this rank holds rows [rank*width/tp, +width/tp) of each.
+      const size_t width = size_t(info.full_shape[0]) / 3, part_width = width / size_t(tp_size);
+      const size_t third = row / part_width, within = row % part_width;
+      return (third * width + size_t(tp_rank) * part_width + within) * full_cols + col;
+    }
+    case TensorSplit::replicated: break;
+  }
+  return i;
+}
+
+}  // namespace detail
+
 DType forward_operand_dtype(GemmPrecision precision) {
   switch (precision) {
     case GemmPrecision::fp32: return DType::f32;
@@ -84,8 +174,8 @@ DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format) {
 // One Linear layer: its parameters, gradients, GEMM operands and FP8 scaling states.
 struct GptModel::LinearParams {
   std::string name;         // "h.3.mlp.c_fc", "lm_head"
-  Tensor master_weight;     // [N,K] f32: what FP8 and rounded weight operands are cast from
-  Tensor weight;            // [N,K] working copy
+  int tensor = -1;          // the weight's index in the layout
+  Tensor weight;            // [N,K] working copy (this rank's part)
   Tensor bias;              // [N] working copy; empty for the tied LM head
   Tensor weight_operand;    // [N,K] what the GEMMs read: a cast copy, or a view of `weight`
   Tensor grad_weight;       // [N,K] f32
@@ -94,7 +184,7 @@ struct GptModel::LinearParams {
   DType grad_dtype = DType::f32;   // the output-gradient operand
   int input_state = -1;            // FP8 scaling states (the weight's is weight_operand's)
   int grad_state = -1;
-  bool owns_operand = false;       // weight_operand is refreshed from master_weight
+  bool owns_operand = false;       // weight_operand is refreshed from `weight`
 };
 
 struct GptModel::LayerNormParams {
@@ -107,40 +197,47 @@ struct GptModel::BlockParams {
   LinearParams qkv, proj, fc, fc2;  // attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
 };
 
-// What one block's forward saves for its backward.
+// What one block's forward saves for its backward. N = the rows of the residual stream this
+// rank keeps (B*T, or B*T/tp under sequence parallelism); C' and F' this rank's attention
+// and MLP widths.
 struct GptModel::BlockActivations {
-  Tensor residual;       // [BT,C] the block's input: the residual stream after the fused add
-  Tensor ln1;            // [BT,C] c_attn's input operand
-  Tensor ln1_mean, ln1_rstd;
-  Tensor qkv;            // [BT,3C]
-  Tensor atty;           // [BT,C] attention output (heads concatenated)
-  Tensor atty_operand;   // [BT,C] c_proj's input operand (a view of atty when not cast)
-  Tensor lse;            // [B*NH,T]
-  Tensor residual_mid;   // [BT,C] residual + attention branch
+  Tensor residual;       // [N,C] the block's input: the residual stream after the fused add
+  Tensor ln1;            // [BT,C] c_attn's input operand (this rank's rows, then gathered)
+  Tensor ln1_mean, ln1_rstd;  // [N]
+  Tensor qkv;            // [BT,3C']
+  Tensor atty;           // [BT,C'] attention output (this rank's heads)
+  Tensor atty_operand;   // [BT,C'] c_proj's input operand (a view of atty when not cast)
+  Tensor lse;            // [B*NH',T]
+  Tensor residual_mid;   // [N,C] residual + attention branch
   Tensor ln2;            // [BT,C] c_fc's input operand
-  Tensor ln2_mean, ln2_rstd;
-  Tensor fc_pre;         // [BT,F] c_fc output + bias, GELU's input
-  Tensor gelu;           // [BT,F] mlp.c_proj's input operand
+  Tensor ln2_mean, ln2_rstd;  // [N]
+  Tensor fc_pre;         // [BT,F'] c_fc output + bias, GELU's input
+  Tensor gelu;           // [BT,F'] mlp.c_proj's input operand
 };
 
 // Buffers shared by every block, and the head's.
 struct GptModel::Scratch {
-  Tensor token_embeddings;   // [BT,C] f32: wte rows, before the position embedding
-  Tensor encoded;            // [BT,C] block 0's residual input
-  Tensor branch;             // [BT,C] a c_proj GEMM's output, waiting for the fused add
-  Tensor residual_final;     // [BT,C] ln_f's input
+  Tensor token_embeddings;   // [BT,C] f32: this vocabulary slice's wte rows, zeros for others
+  Tensor token_rows;         // [N,C] f32: summed across the tensor-parallel group
+  Tensor encoded;            // [N,C] block 0's residual input
+  Tensor branch;             // [BT,C] a c_proj GEMM's output, partial under tensor parallelism
+  Tensor branch_rows;        // [N,C] ... summed, waiting for the fused add
+  Tensor residual_final;     // [N,C] ln_f's input
   Tensor lnf;                // [BT,C] the LM head's input operand
-  Tensor lnf_mean, lnf_rstd;
+  Tensor lnf_mean, lnf_rstd; // [N]
   Tensor logits;             // [BT,Vs]; dlogits in place after the loss
   Tensor logits_grad;        // [BT,Vs] the LM head's gradient operand (a view of logits when not cast)
   Tensor losses;             // [BT]
   Tensor ce_partials;        // [BT,3]
-  Tensor dresidual;          // [BT,C] gradient of the residual stream
-  Tensor dln;                // [BT,C] gradient into a LayerNorm output
-  Tensor datty;              // [BT,C]
-  Tensor dqkv;               // [BT,3C]
-  Tensor dgelu;              // [BT,F] gradient of the GELU output
-  Tensor grad_operand;       // [BT,max(F,3C)] gradient operand storage (FP8 with transpose, or activation)
+  Tensor ce_all;             // [tp,BT,3] every rank's partials (ce_partials itself with one rank)
+  Tensor dresidual;          // [N,C] gradient of the residual stream
+  Tensor dresidual_full;     // [BT,C] ... of all rows (dresidual itself without sequence parallelism)
+  Tensor dln;                // [BT,C] gradient into a LayerNorm output, partial under tensor parallelism
+  Tensor dln_rows;           // [N,C] ... summed (dln itself without sequence parallelism)
+  Tensor datty;              // [BT,C']
+  Tensor dqkv;               // [BT,3C']
+  Tensor dgelu;              // [BT,F'] gradient of the GELU output
+  Tensor grad_operand;       // [BT,max(F',3C',C)] gradient operand storage (FP8 with transpose, or activation)
 };
 
 namespace {
@@ -174,61 +271,54 @@ class Carver {
   size_t offset_ = 0;
 };
 
-// A view of `count` elements at slab offset `offset`, [rows, cols].
-Tensor slab_view(void* slab, DType dtype, size_t element_bytes, size_t offset, int64_t rows, int64_t cols) {
+// A [rows, cols] view of the tensor at slab offset `info.offset`.
+Tensor slab_view(void* slab, DType dtype, size_t element_bytes, const TensorInfo& info) {
   Tensor t;
-  t.data = static_cast<char*>(slab) + offset * element_bytes;
+  t.data = static_cast<char*>(slab) + info.offset * element_bytes;
   t.dtype = dtype;
-  t.rows = rows;
-  t.cols = cols;
+  t.rows = info.shape.size() == 2 ? info.shape[0] : 1;
+  t.cols = info.shape.size() == 2 ? info.shape[1] : info.shape[0];
   return t;
 }
-
-std::string mib(size_t bytes) { return format_mib(bytes); }
 
 }  // namespace
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
-                   Ops& ops)
+                   Ops& ops, const ModelParallelism& parallelism)
     : config_(config),
       B_(micro_batch_size),
       T_(seq_length),
       precision_(precision),
       ops_(ops),
-      layout_(make_gpt_layout(config)),
+      tp_(parallelism.tensor_parallel),
       scaling_(precision.fp8),
       activation_dtype_(ops.activation_dtype()) {
   FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
+  if (tp_ == nullptr) {
+    single_rank_ = std::make_unique<TensorParallelMappings>(nullptr, false, ops);
+    tp_ = single_rank_.get();
+  }
+  layout_ = make_gpt_shard_layout(config, tp_->size(), parallelism.data_parallel_size, &buckets_);
   const size_t n = layout_.total_elements();
   const size_t act_bytes = ops.element_bytes(activation_dtype_);
-  master_ = ops.allocate(n * sizeof(float));
-  if (activation_dtype_ == DType::f32) {
-    working_ = master_->data();
-  } else {
-    working_copy_ = ops.allocate(n * act_bytes);
-    working_ = working_copy_->data();
-  }
+  working_ = ops.allocate(n * act_bytes);
   gradients_ = ops.allocate(n * sizeof(float));
 
-  auto param = [&](const std::string& name, void* slab, DType dtype, size_t element_bytes) {
+  auto find = [&](const std::string& name) -> const TensorInfo& {
     const TensorInfo* info = layout_.find(name);
     FP8LM_CHECK(info != nullptr, "no parameter ", name);
-    const int64_t rows = info->shape.size() == 2 ? info->shape[0] : 1;
-    const int64_t cols = info->shape.size() == 2 ? info->shape[1] : info->shape[0];
-    return slab_view(slab, dtype, element_bytes, info->offset, rows, cols);
+    return *info;
   };
-  auto working = [&](const std::string& name) { return param(name, working_, activation_dtype_, act_bytes); };
-  auto master = [&](const std::string& name) { return param(name, master_->data(), DType::f32, sizeof(float)); };
-  auto grad = [&](const std::string& name) { return param(name, gradients_->data(), DType::f32, sizeof(float)); };
+  auto working = [&](const std::string& name) { return slab_view(working_->data(), activation_dtype_, act_bytes, find(name)); };
+  auto grad = [&](const std::string& name) { return slab_view(gradients_->data(), DType::f32, sizeof(float), find(name)); };
 
-  // Linear layers: parameters and FP8 scaling states, registered in the order
-  // checkpoints name them (per layer: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head).
-  const bool fp8 = precision.gemm == GemmPrecision::fp8;
+  // Linear layers: parameters and FP8 scaling states, registered in the order checkpoints
+  // name them (per block: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head).
   auto make_linear = [&](const std::string& name, const std::string& weight_name, bool has_bias,
                          GemmPrecision gemm_precision) {
     LinearParams linear;
     linear.name = name;
-    linear.master_weight = master(weight_name);
+    linear.tensor = layout_.index_of(weight_name);
     linear.weight = working(weight_name);
     linear.grad_weight = grad(weight_name);
     if (has_bias) {
@@ -247,7 +337,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     linear.owns_operand = linear.weight_operand.dtype != activation_dtype_;
     return linear;
   };
-  (void)fp8;
   for (int l = 0; l < config.n_layer; ++l) {
     const std::string h = "h." + std::to_string(l) + ".";
     BlockParams block;
@@ -293,56 +382,70 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
 
 GptModel::~GptModel() = default;
 
+int GptModel::tensor_parallel_rank() const { return tp_->rank(); }
+int GptModel::tensor_parallel_size() const { return tp_->size(); }
+
 VocabSlice GptModel::vocab_slice() const {
-  return VocabSlice{0, config_.padded_vocab_size(), config_.vocab_size};
+  const int slice = config_.padded_vocab_size() / tp_->size();
+  return VocabSlice{tp_->rank() * slice, slice, config_.vocab_size};
 }
 
+Tensor GptModel::local_rows(const Tensor& full) const { return tp_->local_view(full); }
+
 void GptModel::plan_memory() {
-  const int64_t BT = int64_t(B_) * T_, C = config_.n_embd, F = config_.n_inner, NH = config_.n_head;
-  const int64_t Vs = vocab_slice().size, L = config_.n_layer;
+  const int tp = tp_->size();
+  const int64_t BT = int64_t(B_) * T_, C = config_.n_embd;
+  const int64_t F = config_.n_inner / tp, Cl = C / tp, NH = config_.n_head / tp;
+  const int64_t N = tp_->local_rows(BT), Vs = vocab_slice().size, L = config_.n_layer;
+  const bool sp = tp_->sequence_parallel();
   const DType act = activation_dtype_;
   auto carve = [&](void* base) {
     Carver c(ops_, base);
     Scratch s;
     s.token_embeddings = c.take(BT, C, DType::f32);
-    s.encoded = c.take(BT, C, act);
+    s.token_rows = sp ? c.take(N, C, DType::f32) : s.token_embeddings;
+    s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
     for (int64_t l = 0; l < L; ++l) {
       const BlockParams& w = blocks_[l];
       BlockActivations& a = saved_[l];
-      a.residual = l == 0 ? s.encoded : c.take(BT, C, act);
+      a.residual = l == 0 ? s.encoded : c.take(N, C, act);
       a.ln1 = c.take(BT, C, w.qkv.input_dtype, w.qkv.input_state);
-      a.ln1_mean = c.take(BT, 1, DType::f32);
-      a.ln1_rstd = c.take(BT, 1, DType::f32);
-      a.qkv = c.take(BT, 3 * C, act);
-      a.atty = c.take(BT, C, act);
-      a.atty_operand = w.proj.input_dtype == act ? a.atty : c.take(BT, C, w.proj.input_dtype, w.proj.input_state);
+      a.ln1_mean = c.take(N, 1, DType::f32);
+      a.ln1_rstd = c.take(N, 1, DType::f32);
+      a.qkv = c.take(BT, 3 * Cl, act);
+      a.atty = c.take(BT, Cl, act);
+      a.atty_operand = w.proj.input_dtype == act ? a.atty : c.take(BT, Cl, w.proj.input_dtype, w.proj.input_state);
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
-      a.residual_mid = c.take(BT, C, act);
+      a.residual_mid = c.take(N, C, act);
       a.ln2 = c.take(BT, C, w.fc.input_dtype, w.fc.input_state);
-      a.ln2_mean = c.take(BT, 1, DType::f32);
-      a.ln2_rstd = c.take(BT, 1, DType::f32);
+      a.ln2_mean = c.take(N, 1, DType::f32);
+      a.ln2_rstd = c.take(N, 1, DType::f32);
       a.fc_pre = c.take(BT, F, act);
       a.gelu = c.take(BT, F, w.fc2.input_dtype, w.fc2.input_state);
     }
     s.branch = c.take(BT, C, act);
-    s.residual_final = c.take(BT, C, act);
+    s.branch_rows = sp ? c.take(N, C, act) : s.branch;
+    s.residual_final = c.take(N, C, act);
     s.lnf = c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
-    s.lnf_mean = c.take(BT, 1, DType::f32);
-    s.lnf_rstd = c.take(BT, 1, DType::f32);
+    s.lnf_mean = c.take(N, 1, DType::f32);
+    s.lnf_rstd = c.take(N, 1, DType::f32);
     s.logits = c.take(BT, Vs, act);
     s.logits_grad = lm_head_->grad_dtype == act
                         ? s.logits
                         : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state, is_fp8(lm_head_->grad_dtype));
     s.losses = c.take(BT, 1, DType::f32);
     s.ce_partials = c.take(BT, 3, DType::f32);
-    s.dresidual = c.take(BT, C, act);
+    s.ce_all = tp > 1 ? c.take(tp * BT, 3, DType::f32) : s.ce_partials;
+    s.dresidual = c.take(N, C, act);
+    s.dresidual_full = sp ? c.take(BT, C, act) : s.dresidual;
     s.dln = c.take(BT, C, act);
-    s.datty = c.take(BT, C, act);
-    s.dqkv = c.take(BT, 3 * C, act);
+    s.dln_rows = sp ? c.take(N, C, act) : s.dln;
+    s.datty = c.take(BT, Cl, act);
+    s.dqkv = c.take(BT, 3 * Cl, act);
     s.dgelu = c.take(BT, F, act);
     const DType grad_dtype = blocks_.empty() ? act : blocks_[0].fc.grad_dtype;
-    s.grad_operand = c.take(BT, std::max(F, 3 * C), grad_dtype, -1, is_fp8(grad_dtype));
+    s.grad_operand = c.take(BT, std::max({F, 3 * Cl, C}), grad_dtype, -1, is_fp8(grad_dtype));
     scratch_ = std::make_unique<Scratch>(s);
     return c.size();
   };
@@ -353,7 +456,7 @@ void GptModel::plan_memory() {
   shape.B = B_;
   shape.T = T_;
   shape.C = int(C);
-  shape.local_width = int(C);
+  shape.local_width = int(Cl);
   shape.local_ffn = int(F);
   shape.local_heads = int(NH);
   shape.vocab_slice = int(Vs);
@@ -368,22 +471,24 @@ const Tensor& GptModel::previous_residual(int layer) const {
 
 void GptModel::forward(const TokenBatch& batch) {
   const Scratch& s = *scratch_;
-  const VocabSlice slice = vocab_slice();
-  ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, slice);
-  ops_.add_position_embedding(s.encoded, s.token_embeddings, wpe_, /*first_row=*/0, T_);
+  // The vocabulary-parallel embedding: this slice's rows, summed across the group.
+  ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
+  tp_->row_parallel_output(s.token_embeddings, s.token_rows);
+  ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_);
   for (int l = 0; l < config_.n_layer; ++l) block_forward(l);
   // ln_f adds the last block's MLP output into the residual stream first.
   const LinearParams& last_fc2 = blocks_.back().fc2;
-  ops_.layernorm_forward({.out = s.lnf,
+  ops_.layernorm_forward({.out = local_rows(s.lnf),
                           .mean = s.lnf_mean,
                           .rstd = s.lnf_rstd,
                           .residual_out = s.residual_final,
                           .residual_in = saved_.back().residual_mid,
-                          .branch = s.branch,
+                          .branch = s.branch_rows,
                           .branch_bias = last_fc2.bias,
                           .weight = ln_f_->weight,
                           .bias = ln_f_->bias,
                           .eps = config_.layer_norm_epsilon});
+  tp_->column_parallel_input(s.lnf);
   ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = s.lnf, .weight = lm_head_->weight_operand});
 }
 
@@ -392,45 +497,51 @@ void GptModel::block_forward(int l) {
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
   const float eps = config_.layer_norm_epsilon;
-  const AttentionShape heads{B_, T_, config_.n_head, config_.n_embd / config_.n_head};
+  const int tp = tp_->size();
+  const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
 
   // ln_1 adds the previous block's MLP output (and its bias) into the residual stream.
   const bool first = l == 0;
-  ops_.layernorm_forward({.out = a.ln1,
+  ops_.layernorm_forward({.out = local_rows(a.ln1),
                           .mean = a.ln1_mean,
                           .rstd = a.ln1_rstd,
                           .residual_out = a.residual,
                           .residual_in = previous_residual(l),
-                          .branch = first ? Tensor{} : s.branch,
+                          .branch = first ? Tensor{} : s.branch_rows,
                           .branch_bias = first ? Tensor{} : blocks_[l - 1].fc2.bias,
                           .weight = w.ln1.weight,
                           .bias = w.ln1.bias,
                           .eps = eps});
+  tp_->column_parallel_input(a.ln1);
   ops_.gemm({.pass = GemmPass::forward, .out = a.qkv, .input = a.ln1, .weight = w.qkv.weight_operand,
              .bias = w.qkv.bias});
   ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
   ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.atty_operand, .weight = w.proj.weight_operand});
-  ops_.layernorm_forward({.out = a.ln2,
+  tp_->row_parallel_output(s.branch, s.branch_rows);
+  ops_.layernorm_forward({.out = local_rows(a.ln2),
                           .mean = a.ln2_mean,
                           .rstd = a.ln2_rstd,
                           .residual_out = a.residual_mid,
                           .residual_in = a.residual,
-                          .branch = s.branch,
+                          .branch = s.branch_rows,
                           .branch_bias = w.proj.bias,
                           .weight = w.ln2.weight,
                           .bias = w.ln2.bias,
                           .eps = eps});
+  tp_->column_parallel_input(a.ln2);
   // c_fc's bias joins the GELU, which also casts the next GEMM's input.
   ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
   ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
   ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.gelu, .weight = w.fc2.weight_operand});
+  tp_->row_parallel_output(s.branch, s.branch_rows);
 }
 
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
   const Scratch& s = *scratch_;
   const VocabSlice slice = vocab_slice();
   ops_.cross_entropy_partials(s.ce_partials, s.logits, batch, slice);
-  ops_.cross_entropy_finish(s.logits, s.losses, s.ce_partials, /*ranks=*/1, batch, slice, dloss);
+  tp_->gather_loss_partials(s.ce_partials, s.ce_all);
+  ops_.cross_entropy_finish(s.logits, s.losses, s.ce_all, tp_->size(), batch, slice, dloss);
   ops_.accumulate_loss(loss_sum, s.losses);
 }
 
@@ -459,29 +570,33 @@ void GptModel::backward(const TokenBatch& batch) {
   ops_.quantize(s.logits_grad, s.logits, Tensor{});
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = head.weight_operand, .grad = s.logits_grad});
   ops_.gemm({.pass = GemmPass::wgrad, .out = head.grad_weight, .input = s.lnf, .grad = s.logits_grad});
+  tp_->column_parallel_input_backward(s.dln, s.dln_rows);
   ops_.zero(s.dresidual.data, size_t(s.dresidual.numel()) * ops_.element_bytes(s.dresidual.dtype));
   ops_.layernorm_backward({.dresidual = s.dresidual,
                            .dweight = ln_f_->grad_weight,
                            .dbias = ln_f_->grad_bias,
-                           .dout = s.dln,
+                           .dout = s.dln_rows,
                            .input = s.residual_final,
                            .weight = ln_f_->weight,
                            .mean = s.lnf_mean,
                            .rstd = s.lnf_rstd});
   for (int l = config_.n_layer - 1; l >= 0; --l) block_backward(l);
-  ops_.position_embedding_backward(grad_wpe_, s.dresidual, /*first_row=*/0, T_);
-  ops_.embedding_lookup_backward(head.grad_weight, s.dresidual, batch);
+  ops_.position_embedding_backward(grad_wpe_, s.dresidual, int(tp_->first_local_row(s.dln.rows)), T_);
+  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
+  ops_.embedding_lookup_backward(head.grad_weight, s.dresidual_full, batch);
 }
 
 void GptModel::block_backward(int l) {
   const BlockParams& w = blocks_[l];
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
-  const AttentionShape heads{B_, T_, config_.n_head, config_.n_embd / config_.n_head};
+  const int tp = tp_->size();
+  const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
 
-  // mlp.c_proj: the residual gradient is its output gradient (and its bias's).
-  const Tensor dy_fc2 = gradient_operand(s.dresidual, w.fc2);
-  ops_.quantize(dy_fc2, s.dresidual, w.fc2.grad_bias);
+  // mlp.c_proj: the residual gradient, of all rows, is its output gradient (and its bias's).
+  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
+  const Tensor dy_fc2 = gradient_operand(s.dresidual_full, w.fc2);
+  ops_.quantize(dy_fc2, s.dresidual_full, w.fc2.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dgelu, .weight = w.fc2.weight_operand, .grad = dy_fc2});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc2.grad_weight, .input = a.gelu, .grad = dy_fc2});
   // GELU backward writes c_fc's output-gradient operand and its bias gradient.
@@ -489,18 +604,20 @@ void GptModel::block_backward(int l) {
   ops_.gelu_backward(dy_fc, w.fc.grad_bias, s.dgelu, a.fc_pre);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc.grad_weight, .input = a.ln2, .grad = dy_fc});
+  tp_->column_parallel_input_backward(s.dln, s.dln_rows);
   ops_.layernorm_backward({.dresidual = s.dresidual,
                            .dweight = w.ln2.grad_weight,
                            .dbias = w.ln2.grad_bias,
-                           .dout = s.dln,
+                           .dout = s.dln_rows,
                            .input = a.residual_mid,
                            .weight = w.ln2.weight,
                            .mean = a.ln2_mean,
                            .rstd = a.ln2_rstd});
 
   // attn.c_proj, attention, c_attn.
-  const Tensor dy_proj = gradient_operand(s.dresidual, w.proj);
-  ops_.quantize(dy_proj, s.dresidual, w.proj.grad_bias);
+  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
+  const Tensor dy_proj = gradient_operand(s.dresidual_full, w.proj);
+  ops_.quantize(dy_proj, s.dresidual_full, w.proj.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.datty, .weight = w.proj.weight_operand, .grad = dy_proj});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.proj.grad_weight, .input = a.atty_operand, .grad = dy_proj});
   ops_.attention_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, heads);
@@ -508,10 +625,11 @@ void GptModel::block_backward(int l) {
   ops_.quantize(dy_qkv, s.dqkv, w.qkv.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.qkv.grad_weight, .input = a.ln1, .grad = dy_qkv});
+  tp_->column_parallel_input_backward(s.dln, s.dln_rows);
   ops_.layernorm_backward({.dresidual = s.dresidual,
                            .dweight = w.ln1.grad_weight,
                            .dbias = w.ln1.grad_bias,
-                           .dout = s.dln,
+                           .dout = s.dln_rows,
                            .input = a.residual,
                            .weight = w.ln1.weight,
                            .mean = a.ln1_mean,
@@ -538,25 +656,46 @@ void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
 void GptModel::refresh_weight_operands() {
   for (BlockParams& block : blocks_)
     for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-      if (linear->owns_operand) ops_.quantize(linear->weight_operand, linear->master_weight, Tensor{});
-  if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->master_weight, Tensor{});
+      if (linear->owns_operand) ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
+  if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{});
+}
+
+std::vector<WeightOperand> GptModel::fp8_weight_operands() const {
+  std::vector<WeightOperand> operands;
+  for (const BlockParams& block : blocks_)
+    for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
+      if (is_fp8(linear->weight_operand.dtype)) operands.push_back({linear->tensor, linear->weight_operand});
+  return operands;
+}
+
+std::vector<std::pair<size_t, size_t>> GptModel::partial_gradient_ranges() const {
+  std::vector<std::pair<size_t, size_t>> ranges;
+  if (!tp_->sequence_parallel()) return ranges;
+  for (const TensorInfo& t : layout_.tensors()) {
+    if (!t.partial_gradient_under_sp) continue;
+    // Neighbours (the LayerNorm parameters of a block) merge into one range, with the
+    // padding between them (zero gradients) inside.
+    if (!ranges.empty() && t.offset - ranges.back().second < 64) {
+      ranges.back().second = t.offset + t.numel;
+    } else {
+      ranges.push_back({t.offset, t.offset + t.numel});
+    }
+  }
+  return ranges;
 }
 
 size_t GptModel::allocated_bytes() const {
-  size_t total = master_->bytes() + gradients_->bytes() + activations_->bytes();
-  if (working_copy_) total += working_copy_->bytes();
+  size_t total = working_->bytes() + gradients_->bytes() + activations_->bytes();
   if (weight_operands_) total += weight_operands_->bytes();
   return total;
 }
 
 SettingsTable GptModel::memory_table() const {
-  SettingsTable rows = {{"parameters: FP32 master", mib(master_->bytes())}};
-  if (working_copy_)
-    rows.push_back({"parameters: " + std::string(to_string(activation_dtype_)) + " working copy",
-                    mib(working_copy_->bytes())});
-  if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", mib(weight_operands_->bytes())});
-  rows.push_back({"gradients: FP32", mib(gradients_->bytes())});
-  rows.push_back({"activations", mib(activations_->bytes())});
+  SettingsTable rows = {
+      {"parameters: " + std::string(to_string(activation_dtype_)) + " working copy", format_mib(working_->bytes())}};
+  if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", format_mib(weight_operands_->bytes())});
+  rows.push_back({"gradients: FP32", format_mib(gradients_->bytes())});
+  rows.push_back({"activations", format_mib(activations_->bytes())});
   rows.push_back({"FP8 scaling states", std::to_string(scaling_.size())});
   return rows;
 }

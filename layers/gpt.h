@@ -1,6 +1,7 @@
-// GPT-2, written once: the parameter layout (Hugging Face names) and the model's forward
-// and backward over the Ops interface (layers/ops.h), so the CPU reference and the GPU
-// run the same code.
+// GPT-2, written once: the parameter layouts (Hugging Face names) and the model's forward
+// and backward over the Ops interface (layers/ops.h), so the CPU reference and the GPU run
+// the same code, with tensor and sequence parallelism through the mappings of
+// parallel/mappings.h.
 //
 //   x = wte[tokens] + wpe[positions]                                        [B,T,C]
 //   per block:  x = x + attn.c_proj(attention(attn.c_attn(ln_1(x))))
@@ -8,9 +9,10 @@
 //   logits = ln_f(x) . wte^T  (LM head tied to the token embedding)        [B,T,Vp]
 //   loss = mean cross-entropy over the B*T targets
 //
-// Where the residual adds happen: the two c_proj GEMMs (the row-parallel ones under
-// tensor parallelism) write their output without bias; the LayerNorm that follows adds
-// the residual, that output and the bias in one pass (docs/MODEL.md says why).
+// Where the residual adds happen: the two c_proj GEMMs (row-parallel under tensor
+// parallelism) write their output without bias; after the output is summed across the
+// tensor-parallel ranks, the LayerNorm that follows adds the residual, that output and the
+// bias in one pass (docs/MODEL.md).
 #pragma once
 
 #include <cstdint>
@@ -27,8 +29,11 @@
 
 namespace fp8lm {
 
-// Every parameter tensor with its Hugging Face GPT-2 name, in one slab. Linear weights
-// are [out, in] (PyTorch layout; HF's Conv1D stores [in, out]).
+class TensorParallelMappings;
+
+// The canonical layout: every parameter tensor whole, with its Hugging Face GPT-2 name, in
+// Hugging Face's order. Checkpoints, Hugging Face import and export and the initialisation
+// speak it. Linear weights are [out, in] (PyTorch layout; HF's Conv1D stores [in, out]).
 //   wte.weight [Vp,C]  wpe.weight [maxT,C]
 //   h.{l}.ln_1.weight/bias [C]
 //   h.{l}.attn.c_attn.weight [3C,C]  .bias [3C]
@@ -42,9 +47,37 @@ TensorLayout make_gpt_layout(const GptConfig& config);
 // The four Linear layers of a block, in the order the forward runs them.
 inline constexpr const char* kBlockLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
 
+// Parameters whose gradients are complete at the same point of the backward and that travel
+// together between data-parallel ranks (Megatron's buckets): one bucket of Linear weights
+// and one of the other parameters per block, the head (ln_f) and the embedding.
+struct ParameterBucket {
+  std::string name;             // "h.3.weights", "h.3.others", "head", "embedding"
+  size_t begin = 0;             // slab elements [begin, end); begin a multiple of kBucketAlignment and
+  size_t end = 0;               // end - begin a multiple of data-parallel size * kBucketAlignment
+  bool linear_weights = false;  // FP8 GEMM operands: gathered as FP8 codes under --fp8-param-gather
+  int layer = -1;               // the block, -1 for the head and the embedding
+};
+inline constexpr size_t kBucketAlignment = 256;
+
+// The layout of one tensor-parallel rank's parameters in memory: each tensor this rank's
+// part (Megatron's split: c_attn and c_fc column-parallel, both c_proj row-parallel with
+// replicated biases, the embedding vocabulary-parallel, LayerNorm and wpe replicated), in
+// buckets laid out one after the other, each padded so that data_parallel_size ranks get
+// equal parts of it.
+TensorLayout make_gpt_shard_layout(const GptConfig& config, int tensor_parallel_size, int data_parallel_size,
+                                   std::vector<ParameterBucket>* buckets);
+
+// One tensor's values between the canonical layout and a tensor-parallel rank's part of it.
+//   full [info.full_shape] <-> part [info.shape]
+template <typename T>
+void copy_part_from_full(const TensorInfo& info, const T* full, T* part, int tp_rank, int tp_size);
+template <typename T>
+void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_rank, int tp_size);
+
 // GPT-2 initialisation: N(0, 0.02) for embeddings and weights, N(0, 0.02/sqrt(2L)) for
 // the residual projections (attn.c_proj, mlp.c_proj), LayerNorm weight 1, biases 0,
-// padded vocabulary rows 0. Deterministic in `seed` on every platform.
+// padded vocabulary rows 0. Deterministic in `seed` on every platform. Over the canonical
+// layout, so every parallel layout starts from the same weights.
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& config, uint64_t seed);
 
 // How the run's precision maps onto the model's GEMM operands.
@@ -63,27 +96,41 @@ struct GptPrecision {
 DType forward_operand_dtype(GemmPrecision precision);
 DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format);
 
+// Where this model instance sits in a parallel run.
+struct ModelParallelism {
+  const TensorParallelMappings* tensor_parallel = nullptr;  // nullptr: one rank
+  int data_parallel_size = 1;                               // pads the buckets
+};
+
+// A Linear weight's GEMM operand, for the engine's FP8 weight gather.
+struct WeightOperand {
+  int tensor = -1;  // index in layout()
+  Tensor operand;   // FP8 [N,K] with its transposed copy
+};
+
 class GptModel {
  public:
-  GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops);
+  GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
+           const ModelParallelism& parallelism = {});
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 
   const GptConfig& config() const { return config_; }
   const GptPrecision& precision() const { return precision_; }
+  // This rank's parameter layout (make_gpt_shard_layout) and its buckets.
   const TensorLayout& layout() const { return layout_; }
+  const std::vector<ParameterBucket>& buckets() const { return buckets_; }
   ScalingTable& scaling() { return scaling_; }
   int micro_batch_size() const { return B_; }
   int seq_length() const { return T_; }
+  int tensor_parallel_rank() const;
+  int tensor_parallel_size() const;
   VocabSlice vocab_slice() const;
 
-  // Slabs [layout().total_elements()]: the FP32 master weights (what the optimizer
-  // updates), the working copy in the activation dtype (what the forward reads; the
-  // master itself where the activation dtype is FP32) and the FP32 gradients.
-  float* master() { return static_cast<float*>(master_->data()); }
-  void* working() { return working_; }
-  bool working_is_master() const { return working_ == master_->data(); }
+  // Slabs [layout().total_elements()]: the working copy of the parameters in the activation
+  // dtype (what the forward reads; FP32 on the CPU, BF16 on the GPU) and the FP32 gradients.
+  void* working() { return working_->data(); }
   float* gradients() { return static_cast<float*>(gradients_->data()); }
 
   void zero_gradients();
@@ -93,9 +140,15 @@ class GptModel {
   // Forward and loss only; the token losses accumulate into loss_sum. Records no amax.
   void forward_eval(const TokenBatch& batch, const Tensor& loss_sum);
   // Casts every weight operand that is not a view of the working copy (FP8 weights and
-  // their transposes; BF16-rounded copies on the CPU) from the master weights, recording
-  // the FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
+  // their transposes; BF16-rounded copies on the CPU) from the working copy, recording the
+  // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
   void refresh_weight_operands();
+  // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
+  std::vector<WeightOperand> fp8_weight_operands() const;
+  // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients
+  // of replicated tensors (TensorInfo::partial_gradient_under_sp), to be summed across the
+  // tensor-parallel group once per step. Empty otherwise.
+  std::vector<std::pair<size_t, size_t>> partial_gradient_ranges() const;
 
   // Bytes per memory class, for the startup table and the benchmark.
   SettingsTable memory_table() const;
@@ -118,17 +171,20 @@ class GptModel {
   const Tensor& previous_residual(int layer) const;
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
+  Tensor local_rows(const Tensor& full) const;
 
   GptConfig config_;
   int B_, T_;
   GptPrecision precision_;
   Ops& ops_;
+  const TensorParallelMappings* tp_;
+  std::unique_ptr<TensorParallelMappings> single_rank_;  // when no mappings are given
+  std::vector<ParameterBucket> buckets_;
   TensorLayout layout_;
   ScalingTable scaling_;
   DType activation_dtype_;
 
-  std::unique_ptr<Allocation> master_, working_copy_, gradients_, weight_operands_, activations_;
-  void* working_ = nullptr;
+  std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
 
   std::vector<BlockParams> blocks_;
   std::unique_ptr<LinearParams> lm_head_;
@@ -139,5 +195,22 @@ class GptModel {
   struct Scratch;
   std::unique_ptr<Scratch> scratch_;
 };
+
+// ---- Implementation of the part copies ---------------------------------------------------
+
+namespace detail {
+// The canonical element index of element `i` of a tensor-parallel part.
+size_t full_index_of_part_element(const TensorInfo& info, size_t i, int tp_rank, int tp_size);
+}  // namespace detail
+
+template <typename T>
+void copy_part_from_full(const TensorInfo& info, const T* full, T* part, int tp_rank, int tp_size) {
+  for (size_t i = 0; i < info.numel; ++i) part[i] = full[detail::full_index_of_part_element(info, i, tp_rank, tp_size)];
+}
+
+template <typename T>
+void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_rank, int tp_size) {
+  for (size_t i = 0; i < info.numel; ++i) full[detail::full_index_of_part_element(info, i, tp_rank, tp_size)] = part[i];
+}
 
 }  // namespace fp8lm
