@@ -15,6 +15,7 @@
 #include "core/safetensors.h"
 #include "layers/gpt.h"
 #include "layers/gpt_hf.h"
+#include "parallel/communicator.h"
 
 namespace fp8lm {
 
@@ -88,6 +89,9 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"eval_iters", o.eval_iters},
           {"log_interval", o.log_interval},
           {"tensor_model_parallel_size", o.tensor_model_parallel_size},
+          {"sequence_parallel", o.sequence_parallel},
+          {"fp8_grad_comm", o.fp8_grad_comm},
+          {"fp8_param_gather", o.fp8_param_gather},
           {"device", std::string(to_string(o.device))}};
 }
 
@@ -332,28 +336,38 @@ std::optional<GptConfig> stored_model_config(const std::string& path, std::optio
 std::string save_checkpoint(const std::string& dir, const RunSetup& setup, TrainingEngine& engine,
                             const TrainingProgress& progress) {
   const fs::path root(dir);
+  const std::string name = iteration_dir_name(progress.iteration);
+  const fs::path final_dir = root / name;
+  // Every rank gathers the whole tensors (collective); the first rank writes them, and the
+  // others wait until the checkpoint is complete.
+  const TensorLayout& layout = engine.layout();
+  const std::vector<float> parameters = engine.parameters();
+  const OptimizerSnapshot optimizer = engine.optimizer_state();
+  std::optional<ScalingSnapshot> scaling;
+  if (setup.options.fp8_enabled()) scaling = engine.scaling_state();
+  Communicator& world = engine.host_groups().world();
+  if (world.rank() != 0) {
+    world.barrier();
+    return final_dir.string();
+  }
+
   std::error_code error;
   fs::create_directories(root, error);
   if (error) throw InputError("--save " + dir + ": cannot create the directory (" + error.message() + ")");
-  const std::string name = iteration_dir_name(progress.iteration);
-  const fs::path final_dir = root / name;
   const fs::path temporary = root / ("." + name + ".tmp-" + std::to_string(::getpid()));
   fs::remove_all(temporary);
   fs::create_directories(temporary);
 
-  const TensorLayout& layout = engine.layout();
-  write_model_file(temporary / kModelFile, layout, engine.parameters(), setup.model);
-  const OptimizerSnapshot optimizer = engine.optimizer_state();
+  write_model_file(temporary / kModelFile, layout, parameters, setup.model);
   {
     SafetensorsWriter writer;
     add_optimizer_tensors(writer, layout, optimizer);
     writer.write((temporary / kOptimizerFile).string());
   }
   std::vector<std::string> files = {kModelFile, kOptimizerFile};
-  if (setup.options.fp8_enabled()) {
-    const ScalingSnapshot scaling = engine.scaling_state();
+  if (scaling) {
     SafetensorsWriter writer;
-    add_scaling_tensors(writer, scaling);
+    add_scaling_tensors(writer, *scaling);
     writer.write((temporary / kScalingFile).string());
     files.push_back(kScalingFile);
   }
@@ -388,6 +402,7 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   }
   write_text_atomically(root / "latest", std::to_string(progress.iteration) + "\n");
   spdlog::info("saved checkpoint {} (iteration {})", final_dir.string(), progress.iteration);
+  world.barrier();
   return final_dir.string();
 }
 

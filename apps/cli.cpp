@@ -18,6 +18,10 @@ std::string_view to_string(DeviceKind device) {
   return "?";
 }
 
+std::string_view to_string(GradReduceAlgorithm algorithm) {
+  return algorithm == GradReduceAlgorithm::all_to_all ? "all-to-all" : "reduce-scatter";
+}
+
 namespace {
 
 template <typename Enum>
@@ -66,6 +70,15 @@ void validate_options(const TrainOptions& o) {
   require(o.tensor_model_parallel_size >= 1,
           "--tensor-model-parallel-size must be >= 1 (got " + num(o.tensor_model_parallel_size) + ")");
   require(o.num_threads >= 0, "--num-threads must be >= 0 (got " + num(o.num_threads) + ")");
+  require(!o.sequence_parallel || o.tensor_model_parallel_size > 1,
+          "--sequence-parallel needs --tensor-model-parallel-size above 1");
+  require(!(o.fp8_grad_comm && o.grad_reduce_in_bf16), "--fp8-grad-comm contradicts --grad-reduce-in-bf16");
+  require(!o.fp8_param_gather || o.fp8_enabled(), "--fp8-param-gather needs --fp8-format (FP8 Linear weights)");
+  require(!o.fp8_param_gather || o.fp8.recipe == ScalingRecipe::delayed,
+          "--fp8-param-gather needs --fp8-recipe delayed: the owning rank casts each weight with the scale every "
+          "rank agreed on the step before");
+  require(o.distributed_timeout_minutes > 0.0,
+          "--distributed-timeout-minutes must be > 0 (got " + num(o.distributed_timeout_minutes) + ")");
   require(o.fp8.amax_history_len >= 1,
           "--fp8-amax-history-len must be >= 1 (got " + num(o.fp8.amax_history_len) + ")");
   require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
@@ -200,7 +213,41 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
 
   // ---- Parallelism and device
   const char* system = "Parallelism and device";
-  app.add_option("--tensor-model-parallel-size", o.tensor_model_parallel_size, "Tensor-parallel group size")
+  app.add_option("--tensor-model-parallel-size", o.tensor_model_parallel_size,
+                 "Tensor-parallel group size (consecutive ranks); the data-parallel size is the rest of the world")
+      ->group(system);
+  app.add_flag("--sequence-parallel", o.sequence_parallel,
+               "Split LayerNorm, residual and dropout regions along the sequence across tensor-parallel ranks")
+      ->group(system);
+  bool distributed_optimizer = false, no_distributed_optimizer = false;
+  app.add_flag("--use-distributed-optimizer", distributed_optimizer,
+               "Shard FP32 master weights and optimizer state across data-parallel ranks (ZeRO-1; the default when "
+               "the data-parallel size is above 1)")
+      ->group(system);
+  app.add_flag("--no-use-distributed-optimizer", no_distributed_optimizer,
+               "Keep the whole optimizer state on every data-parallel rank (all-reduce the gradients)")
+      ->group(system);
+  app.add_flag("--grad-reduce-in-bf16", o.grad_reduce_in_bf16, "Reduce gradients across data-parallel ranks in BF16")
+      ->group(system);
+  app.add_flag("--fp8-grad-comm", o.fp8_grad_comm,
+               "Reduce gradients in FP8 with one agreed scale per tensor (FP8-LM's automatic scaling)")
+      ->group(system);
+  std::string fp8_grad_reduce = "all-to-all";
+  app.add_option("--fp8-grad-reduce", fp8_grad_reduce,
+                 "FP8 gradient reduction: all-to-all (exchange codes, sum in FP32) or reduce-scatter (NCCL's FP8 sums)")
+      ->check(CLI::IsMember({"all-to-all", "reduce-scatter"}))
+      ->group(system);
+  app.add_flag("--fp8-param-gather", o.fp8_param_gather,
+               "All-gather the Linear weights as FP8 codes cast by their owning rank, instead of BF16")
+      ->group(system);
+  app.add_flag("--overlap-grad-reduce", o.overlap_grad_reduce,
+               "Reduce each bucket's gradients while the backward pass continues")
+      ->group(system);
+  app.add_flag("--overlap-param-gather", o.overlap_param_gather,
+               "Gather each bucket's weights while the next forward pass runs")
+      ->group(system);
+  app.add_option("--distributed-timeout-minutes", o.distributed_timeout_minutes,
+                 "End the job when a rank makes no progress for this long")
       ->group(system);
   std::string device = "auto";
   app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
@@ -247,6 +294,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.lr_decay_style = lookup<LrDecayStyle>(
       {{"cosine", LrDecayStyle::cosine}, {"linear", LrDecayStyle::linear}, {"constant", LrDecayStyle::constant}},
       decay_style);
+  if (distributed_optimizer && no_distributed_optimizer)
+    bad_flag("--use-distributed-optimizer contradicts --no-use-distributed-optimizer");
+  if (distributed_optimizer) o.use_distributed_optimizer = true;
+  if (no_distributed_optimizer) o.use_distributed_optimizer = false;
+  o.fp8_grad_reduce = fp8_grad_reduce == "all-to-all" ? GradReduceAlgorithm::all_to_all : GradReduceAlgorithm::reduce_scatter;
   o.device = lookup<DeviceKind>(
       {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
   validate_options(o);

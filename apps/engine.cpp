@@ -1,15 +1,26 @@
 // The training step, written once. Only the device work differs between backends; the
-// order of that work, the clipping, the skip rule and the scale-update interval are here.
+// order of that work, the collectives, the clipping, the skip rule and the scale-update
+// interval are here.
+//
+// Data parallelism with the distributed optimizer (ZeRO-1, Megatron's layout): every
+// bucket of the parameter slab (layers/gpt.h) is cut into data-parallel-size equal parts;
+// this rank owns part dp_rank of every bucket. Its FP32 master weights, optimizer state and
+// reduced gradients cover those parts only, laid one after the other in the "shard". A
+// step reduce-scatters each bucket's gradients into the shard, updates it, and all-gathers
+// each bucket's weights back. Without the distributed optimizer the shard is the whole
+// slab and the gradients are all-reduced.
 #include "apps/engine.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "apps/run_setup.h"
+#include "core/check_cuda.h"
 #include "core/error.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "layers/ops_cuda.h"
+#include "parallel/mappings.h"
 
 namespace fp8lm {
 
@@ -31,29 +42,129 @@ struct StepScalars {
   StepControl control;
 };
 
+// This rank's share of the parameter slab (see the top of the file).
+struct ShardPlan {
+  struct Part {
+    size_t bucket_begin = 0;  // slab offset of the bucket
+    size_t part_begin = 0;    // slab offset of this rank's part
+    size_t size = 0;          // elements of one part
+    size_t shard_offset = 0;  // where the part sits in the shard buffers
+    bool linear_weights = false;
+  };
+  std::vector<Part> parts;  // one per bucket, in bucket order
+  size_t size = 0;          // shard elements
+  TensorLayout layout;      // every tensor of the slab: offset in the shard, numel of its piece here (0: none)
+  TensorLayout norm_layout; // the same, counting tensors replicated across tensor-parallel ranks on rank 0 only
+  std::vector<TensorLayout> part_layouts;  // per bucket: offsets relative to the part
+};
+
+ShardPlan plan_shard(const TensorLayout& slab, const std::vector<ParameterBucket>& buckets, int parts, int part,
+                     int tp_rank) {
+  ShardPlan plan;
+  for (const ParameterBucket& bucket : buckets) {
+    ShardPlan::Part p;
+    p.bucket_begin = bucket.begin;
+    p.size = (bucket.end - bucket.begin) / size_t(parts);
+    p.part_begin = bucket.begin + size_t(part) * p.size;
+    p.shard_offset = plan.size;
+    p.linear_weights = bucket.linear_weights;
+    plan.size += p.size;
+    plan.parts.push_back(p);
+  }
+  plan.part_layouts.resize(buckets.size());
+  for (const TensorInfo& t : slab.tensors()) {
+    TensorInfo piece = t, norm_piece = t, part_piece = t;
+    piece.numel = 0;
+    for (size_t b = 0; b < plan.parts.size(); ++b) {
+      const ShardPlan::Part& p = plan.parts[b];
+      const size_t begin = std::max(t.offset, p.part_begin), end = std::min(t.offset + t.numel, p.part_begin + p.size);
+      if (begin >= end) continue;
+      piece.offset = p.shard_offset + (begin - p.part_begin);
+      piece.numel = end - begin;
+      part_piece.offset = begin - p.part_begin;
+      part_piece.numel = end - begin;
+      for (size_t other = 0; other < plan.parts.size(); ++other) {
+        TensorInfo in_part = part_piece;
+        if (other != b) in_part.numel = 0;
+        if (other != b) in_part.offset = 0;
+        plan.part_layouts[other].add_at(in_part);
+      }
+      break;
+    }
+    if (piece.numel == 0) {
+      piece.offset = 0;
+      for (TensorLayout& part_layout : plan.part_layouts) {
+        TensorInfo empty = t;
+        empty.offset = 0;
+        empty.numel = 0;
+        part_layout.add_at(empty);
+      }
+    }
+    norm_piece.offset = piece.offset;
+    norm_piece.numel = t.split == TensorSplit::replicated && tp_rank != 0 ? 0 : piece.numel;
+    plan.layout.add_at(piece);
+    plan.norm_layout.add_at(norm_piece);
+  }
+  return plan;
+}
+
+CommDtype storage_dtype(const Ops& ops, DType dtype) {
+  switch (ops.element_bytes(dtype)) {
+    case 4: return CommDtype::f32;
+    case 2: return CommDtype::bf16;
+    default: return CommDtype::u8;
+  }
+}
+
 }  // namespace
 
-std::unique_ptr<Ops> make_ops(const RunSetup& setup) {
+std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
-  return make_cuda_ops();
+  return make_cuda_ops(device);
 }
 
 struct TrainingEngine::State {
+  ParallelLayout parallel;
   std::unique_ptr<Ops> ops;
+  cudaStream_t background_stream = nullptr;  // the overlapped data-parallel traffic (GPU)
+  std::unique_ptr<ProcessGroups> groups;       // over the backend's memory
+  std::unique_ptr<ProcessGroups> host;         // over host memory (MPI)
+  std::unique_ptr<TensorParallelMappings> tp;
   std::unique_ptr<GptModel> model;
-  std::unique_ptr<TensorTable> table;
+  TensorLayout canonical;
+  ShardPlan shard;
+  std::unique_ptr<TensorTable> full_table, shard_table, norm_table;
+  std::vector<std::unique_ptr<TensorTable>> part_tables;  // FP8 gradient communication
   OptimizerStatePrecision state_precision;
   Fp8RecipeConfig recipe;
   bool fp8 = false;
+  bool sharded = false;           // the distributed optimizer with more than one data-parallel rank
+  bool grad_reduce_in_bf16 = false, fp8_grad_comm = false, fp8_param_gather = false;
+  GradReduceAlgorithm fp8_grad_reduce = GradReduceAlgorithm::all_to_all;
+  Fp8Dtype grad_comm_dtype = Fp8Dtype::e5m2;
+
+  // The master weights, gradients and working-copy values this rank updates.
+  std::unique_ptr<Allocation> master_storage, grads_shard_storage, working_shard_storage;
+  float* master = nullptr;
+  float* grads_shard = nullptr;
+  void* working_shard = nullptr;  // nullptr: the master itself (FP32 activations, one part)
+
   std::unique_ptr<Allocation> m_codes, v_bits, m_scales, v_scales, m32, v32;
   std::unique_ptr<Allocation> scalars;  // one StepScalars
   std::unique_ptr<Allocation> adamw_scratch;
+  // Communication buffers.
+  std::unique_ptr<Allocation> bf16_full, bf16_shard;          // --grad-reduce-in-bf16
+  std::unique_ptr<Allocation> codes_full, codes_received;     // FP8 gradients; FP8 weights
+  std::unique_ptr<Allocation> codes_shard;                    // --fp8-param-gather
+  std::unique_ptr<Allocation> tensor_amax, tensor_scale, tensor_scale_inv;  // [tensors]
+  std::unique_ptr<Allocation> weight_state_of_tensor;        // [tensors] int: the FP8 weight's state, -1
   std::unique_ptr<HostReadback> control_readback;
   StepControl last_seen;
   int micro_batches = 0;
   float tokens_per_micro_batch = 1.0f;
 
+  size_t tensor_count() const { return model->layout().tensors().size(); }
   StepScalars* device_scalars() { return static_cast<StepScalars*>(scalars->data()); }
   StepControl* control() { return &device_scalars()->control; }
   Tensor scalar_tensor(float* p) {
@@ -76,8 +187,15 @@ struct TrainingEngine::State {
     return slabs;
   }
   size_t optimizer_bytes() const {
-    size_t bytes = 0;
+    size_t bytes = master_storage ? master_storage->bytes() : 0;
     for (const auto* a : {&m_codes, &v_bits, &m_scales, &v_scales, &m32, &v32})
+      if (*a) bytes += (*a)->bytes();
+    return bytes;
+  }
+  size_t communication_bytes() const {
+    size_t bytes = 0;
+    for (const auto* a : {&grads_shard_storage, &working_shard_storage, &bf16_full, &bf16_shard, &codes_full,
+                          &codes_received, &codes_shard})
       if (*a) bytes += (*a)->bytes();
     return bytes;
   }
@@ -86,52 +204,160 @@ struct TrainingEngine::State {
     ops->download(&control, this->control(), sizeof control);
     return control;
   }
+  DType activation_dtype() const { return ops->activation_dtype(); }
+  Communicator& world() { return groups->world(); }
+  Communicator& dp() { return groups->dp(); }
+
+  void reduce_gradients();
+  void reduce_scatter_gradients();
+  void gather_parameters();
+  // The canonical layout's values <-> this rank's shard, through host memory (checkpoints).
+  template <typename T>
+  std::vector<T> gather_canonical(const void* shard_values);
+  template <typename T>
+  std::vector<T> shard_from_canonical(const std::vector<T>& canonical);
+  template <typename T>
+  std::vector<T> slab_from_canonical(const std::vector<T>& canonical);
+  std::vector<float> canonical_tensor_scales(const float* memory_order);
+  std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
 
-TrainingEngine::TrainingEngine(const RunSetup& setup) : TrainingEngine(setup, make_ops(setup)) {}
+TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout)
+    : TrainingEngine(setup, layout, make_ops(setup, layout.local_rank)) {}
 
-TrainingEngine::TrainingEngine(const RunSetup& setup, std::unique_ptr<Ops> ops) : state_(std::make_unique<State>()) {
+TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops)
+    : state_(std::make_unique<State>()) {
   State& s = *state_;
+  const TrainOptions& o = setup.options;
+  s.parallel = layout;
   s.ops = std::move(ops);
-  s.model = std::make_unique<GptModel>(setup.model, setup.options.micro_batch_size, setup.seq_length,
-                                       precision_of(setup), *s.ops);
-  s.table = s.ops->make_table(s.model->layout());
-  s.state_precision = setup.options.optimizer_state;
-  s.recipe = setup.options.fp8;
-  s.fp8 = setup.options.fp8_enabled();
-
-  const size_t n = s.model->layout().total_elements();
-  const size_t count = s.model->layout().tensors().size();
-  if (s.state_precision == OptimizerStatePrecision::fp8_fp16) {
-    s.m_codes = s.ops->allocate(n * sizeof(uint8_t));
-    s.v_bits = s.ops->allocate(n * sizeof(uint16_t));
-    s.m_scales = s.ops->allocate(count * sizeof(float));
-    s.v_scales = s.ops->allocate(count * sizeof(float));
-    const std::vector<float> ones(count, 1.0f);  // fresh state: codes 0, scales 1
-    s.ops->upload(s.m_scales->data(), ones.data(), count * sizeof(float));
-    s.ops->upload(s.v_scales->data(), ones.data(), count * sizeof(float));
+  s.host = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
+  if (s.ops->stream_handle() != nullptr) {
+    // The tensor-parallel and data-parallel traffic of the step runs on the backend's own
+    // stream, in its order; the overlapped data-parallel traffic on a second one.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s.background_stream, cudaStreamNonBlocking));
+    const auto compute = static_cast<cudaStream_t>(s.ops->stream_handle());
+    s.groups = std::make_unique<ProcessGroups>(
+        ProcessGroups::create_gpu(layout, NcclStreams{compute, compute, compute, s.background_stream}));
   } else {
-    s.m32 = s.ops->allocate(n * sizeof(float));
-    s.v32 = s.ops->allocate(n * sizeof(float));
+    s.groups = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
   }
-  s.scalars = s.ops->allocate(sizeof(StepScalars));
-  s.adamw_scratch = s.ops->allocate(adamw_scratch_floats(count) * sizeof(float));
-  s.ops->set_step_control(s.control(), StepControl{});
-  s.control_readback = s.ops->make_readback(sizeof(StepControl));
-  s.control_readback->capture(s.control());
-  s.tokens_per_micro_batch = float(setup.options.micro_batch_size) * float(setup.seq_length);
+  Communicator* tp_group = layout.tp_size > 1 ? &s.groups->tp() : nullptr;
+  s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
+  s.ops->set_amax_group(tp_group);
+  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, precision_of(setup), *s.ops,
+                                       ModelParallelism{s.tp.get(), layout.dp_size});
+  s.canonical = make_gpt_layout(setup.model);
+  s.state_precision = o.optimizer_state;
+  s.recipe = o.fp8;
+  s.fp8 = o.fp8_enabled();
+  s.sharded = layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true);
+  s.grad_reduce_in_bf16 = o.grad_reduce_in_bf16;
+  s.fp8_grad_comm = o.fp8_grad_comm && layout.dp_size > 1;
+  s.fp8_grad_reduce = o.fp8_grad_reduce;
+  s.fp8_param_gather = o.fp8_param_gather;
+  s.grad_comm_dtype = gradient_dtype(o.fp8.format);
+  GptModel& model = *s.model;
+  Ops& device = *s.ops;
 
-  std::vector<float> params(n, 0.0f);
-  init_gpt_parameters(params.data(), s.model->layout(), setup.model, setup.options.seed);
+  // The shard and its buffers. With one part, they are the model's own slabs.
+  const int parts = s.sharded ? layout.dp_size : 1;
+  s.shard = plan_shard(model.layout(), model.buckets(), parts, s.sharded ? layout.dp_rank : 0, layout.tp_rank);
+  const size_t S = s.shard.size, total = model.layout().total_elements(), count = s.tensor_count();
+  const size_t act_bytes = device.element_bytes(s.activation_dtype());
+  if (!s.sharded && s.activation_dtype() == DType::f32) {
+    s.master = static_cast<float*>(model.working());  // the CPU's FP32 working copy is the master
+  } else {
+    s.master_storage = device.allocate(S * sizeof(float));
+    s.master = static_cast<float*>(s.master_storage->data());
+  }
+  if (s.sharded) {
+    s.grads_shard_storage = device.allocate(S * sizeof(float));
+    s.grads_shard = static_cast<float*>(s.grads_shard_storage->data());
+    s.working_shard_storage = device.allocate(S * act_bytes);
+    s.working_shard = s.working_shard_storage->data();
+  } else {
+    s.grads_shard = model.gradients();
+    s.working_shard = s.master == model.working() ? nullptr : model.working();
+  }
+  s.full_table = device.make_table(model.layout());
+  s.shard_table = device.make_table(s.shard.layout);
+  s.norm_table = device.make_table(s.shard.norm_layout);
+
+  if (s.state_precision == OptimizerStatePrecision::fp8_fp16) {
+    s.m_codes = device.allocate(S * sizeof(uint8_t));
+    s.v_bits = device.allocate(S * sizeof(uint16_t));
+    s.m_scales = device.allocate(count * sizeof(float));
+    s.v_scales = device.allocate(count * sizeof(float));
+    const std::vector<float> ones(count, 1.0f);  // fresh state: codes 0, scales 1
+    device.upload(s.m_scales->data(), ones.data(), count * sizeof(float));
+    device.upload(s.v_scales->data(), ones.data(), count * sizeof(float));
+  } else {
+    s.m32 = device.allocate(S * sizeof(float));
+    s.v32 = device.allocate(S * sizeof(float));
+  }
+  s.scalars = device.allocate(sizeof(StepScalars));
+  s.adamw_scratch = device.allocate(adamw_scratch_floats(count) * sizeof(float));
+
+  if (layout.dp_size > 1 && s.grad_reduce_in_bf16 && !s.fp8_grad_comm) {
+    s.bf16_full = device.allocate(total * sizeof(uint16_t));
+    s.bf16_shard = device.allocate(S * sizeof(uint16_t));
+  }
+  size_t largest_part = 0;
+  for (const ShardPlan::Part& p : s.shard.parts) largest_part = std::max(largest_part, p.size);
+  if (s.fp8_grad_comm) {
+    s.codes_full = device.allocate(total);
+    s.codes_received = device.allocate(size_t(layout.dp_size) * largest_part);
+    for (const TensorLayout& part_layout : s.shard.part_layouts) s.part_tables.push_back(device.make_table(part_layout));
+  }
+  if (s.fp8_grad_comm || s.fp8_param_gather) {
+    s.tensor_amax = device.allocate(count * sizeof(float));
+    s.tensor_scale = device.allocate(count * sizeof(float));
+    s.tensor_scale_inv = device.allocate(count * sizeof(float));
+  }
+  if (s.fp8_param_gather) {
+    if (!s.codes_full) s.codes_full = device.allocate(total);
+    s.codes_shard = device.allocate(S);
+    std::vector<int32_t> state_of(count, -1);
+    for (const WeightOperand& w : model.fp8_weight_operands()) state_of[w.tensor] = w.operand.scaling_state;
+    s.weight_state_of_tensor = device.allocate(count * sizeof(int32_t));
+    device.upload(s.weight_state_of_tensor->data(), state_of.data(), count * sizeof(int32_t));
+  }
+
+  device.set_step_control(s.control(), StepControl{});
+  s.control_readback = device.make_readback(sizeof(StepControl));
+  s.control_readback->capture(s.control());
+  // dloss of a micro-batch is 1 / (its tokens x micro-batches x data-parallel ranks): the
+  // loss divisor counts the same tokens.
+  s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
+
+  std::vector<float> params(s.canonical.total_elements(), 0.0f);
+  init_gpt_parameters(params.data(), s.canonical, setup.model, o.seed);
   set_parameters(params);
 }
 
 TrainingEngine::~TrainingEngine() {
-  if (state_ && state_->ops) state_->ops->synchronize();
+  if (!state_) return;
+  if (state_->ops) state_->ops->synchronize();
+  state_->groups.reset();
+  if (state_->background_stream) cudaStreamDestroy(state_->background_stream);
 }
 
-const TensorLayout& TrainingEngine::layout() const { return state_->model->layout(); }
+const TensorLayout& TrainingEngine::layout() const { return state_->canonical; }
 std::string_view TrainingEngine::backend() const { return state_->ops->name(); }
+const ParallelLayout& TrainingEngine::parallel_layout() const { return state_->parallel; }
+const ProcessGroups& TrainingEngine::host_groups() const { return *state_->host; }
+std::vector<ncclComm_t> TrainingEngine::nccl_comms() const { return state_->groups->nccl_comms(); }
+
+std::vector<std::pair<std::string, CommTraffic>> TrainingEngine::traffic() const {
+  const ProcessGroups& g = *state_->groups;
+  return {{"tp", g.tp().traffic()}, {"dp", g.dp().traffic()}, {"world", g.world().traffic()}};
+}
+
+void TrainingEngine::reset_traffic() {
+  const ProcessGroups& g = *state_->groups;
+  for (Communicator* c : {&g.tp(), &g.dp(), &g.world(), &g.dp_background()}) c->reset_traffic();
+}
 
 void TrainingEngine::begin_step() {
   State& s = *state_;
@@ -149,29 +375,137 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   ++s.micro_batches;
 }
 
+// Every rank's gradients summed into this rank's shard: the sequence-parallel partial
+// gradients across the tensor-parallel group, then the data-parallel reduction.
+void TrainingEngine::State::reduce_gradients() {
+  float* grads = model->gradients();
+  for (const auto& [begin, end] : model->partial_gradient_ranges()) tp->sum_partial_gradients(grads + begin, end - begin);
+  if (parallel.dp_size == 1) return;
+  if (sharded) return reduce_scatter_gradients();
+  // A replicated optimizer: every rank's whole slab summed (FP32).
+  dp().all_reduce(grads, grads, model->layout().total_elements(), CommDtype::f32, ReduceOp::sum);
+}
+
+void TrainingEngine::State::reduce_scatter_gradients() {
+  Ops& device = *ops;
+  float* grads = model->gradients();
+  const int ranks = parallel.dp_size;
+  if (fp8_grad_comm) {
+    // FP8-LM's automatic scaling: one scale per tensor, from the MAX of every rank's amax,
+    // with 1/ranks folded in so that the sum of all ranks' values stays in range.
+    float* amax = static_cast<float*>(tensor_amax->data());
+    float* scale = static_cast<float*>(tensor_scale->data());
+    float* scale_inv = static_cast<float*>(tensor_scale_inv->data());
+    const int count = int(tensor_count());
+    device.zero(amax, count * sizeof(float));
+    device.tensor_amaxes(amax, grads, *full_table);
+    dp().all_reduce(amax, amax, count, CommDtype::f32, ReduceOp::max);
+    device.scales_from_amaxes(scale, scale_inv, amax, count, fp8_max(grad_comm_dtype), float(ranks));
+    uint8_t* codes = static_cast<uint8_t*>(codes_full->data());
+    device.quantize_tensors(codes, grads, *full_table, scale, nullptr, nullptr, grad_comm_dtype);
+    uint8_t* received = static_cast<uint8_t*>(codes_received->data());
+    const CommDtype wire = grad_comm_dtype == Fp8Dtype::e4m3 ? CommDtype::e4m3 : CommDtype::e5m2;
+    for (size_t b = 0; b < shard.parts.size(); ++b) {
+      const ShardPlan::Part& p = shard.parts[b];
+      if (fp8_grad_reduce == GradReduceAlgorithm::all_to_all) {
+        dp().all_to_all(codes + p.bucket_begin, received, p.size, CommDtype::u8);
+        device.sum_fp8_chunks(grads_shard + p.shard_offset, received, ranks, p.size, *part_tables[b], scale_inv,
+                              grad_comm_dtype);
+      } else {
+        dp().reduce_scatter(codes + p.bucket_begin, received, p.size, wire, ReduceOp::sum);
+        device.sum_fp8_chunks(grads_shard + p.shard_offset, received, 1, p.size, *part_tables[b], scale_inv,
+                              grad_comm_dtype);
+      }
+    }
+    return;
+  }
+  for (const ShardPlan::Part& p : shard.parts) {
+    if (grad_reduce_in_bf16) {
+      uint16_t* full = static_cast<uint16_t*>(bf16_full->data()) + p.bucket_begin;
+      uint16_t* part = static_cast<uint16_t*>(bf16_shard->data()) + p.shard_offset;
+      device.to_bf16_bits(full, grads + p.bucket_begin, p.size * size_t(ranks));
+      dp().reduce_scatter(full, part, p.size, CommDtype::bf16, ReduceOp::sum);
+      device.from_bf16_bits(grads_shard + p.shard_offset, part, p.size);
+    } else {
+      dp().reduce_scatter(grads + p.bucket_begin, grads_shard + p.shard_offset, p.size, CommDtype::f32, ReduceOp::sum);
+    }
+  }
+}
+
+// Every rank's updated weights on every rank: the working copy's parts all-gathered (BF16
+// on the GPU), or, under --fp8-param-gather, the Linear weights as FP8 codes cast by their
+// owner with the scale every rank agreed on.
+void TrainingEngine::State::gather_parameters() {
+  Ops& device = *ops;
+  uint8_t* codes_here = nullptr;
+  if (fp8_param_gather) {
+    codes_here = static_cast<uint8_t*>(codes_shard->data());
+    device.quantize_tensors(codes_here, master, *shard_table, device.scales(),
+                            static_cast<const int*>(weight_state_of_tensor->data()), device.amax_history_row(),
+                            forward_dtype(recipe.format));
+  }
+  if (sharded) {
+    const CommDtype working_dtype = storage_dtype(device, activation_dtype());
+    const size_t act_bytes = device.element_bytes(activation_dtype());
+    char* working = static_cast<char*>(model->working());
+    const char* working_part = static_cast<const char*>(working_shard);
+    for (const ShardPlan::Part& p : shard.parts) {
+      if (fp8_param_gather && p.linear_weights) {
+        dp().all_gather(codes_here + p.shard_offset, static_cast<uint8_t*>(codes_full->data()) + p.bucket_begin, p.size,
+                        CommDtype::u8);
+      } else {
+        dp().all_gather(working_part + p.shard_offset * act_bytes, working + p.bucket_begin * act_bytes, p.size,
+                        working_dtype);
+      }
+    }
+  }
+  if (!fp8_param_gather) return;
+  // With one part, this rank's codes are every code (the shard is the slab).
+  const uint8_t* codes = sharded ? static_cast<const uint8_t*>(codes_full->data()) : codes_here;
+  for (const WeightOperand& w : model->fp8_weight_operands())
+    device.fp8_weight_from_codes(w.operand, codes + model->layout().tensors()[w.tensor].offset);
+}
+
 void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_grad, int64_t step) {
   State& s = *state_;
   Ops& ops = *s.ops;
   GptModel& model = *s.model;
   StepScalars* scalars = s.device_scalars();
-  ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.table);
+  s.reduce_gradients();
+
+  // The global norm over every rank's share (tensors replicated across tensor-parallel
+  // ranks counted once), and the step's loss over the data-parallel ranks: every rank
+  // takes the same decision.
+  ops.grad_sum_of_squares(&scalars->sum_of_squares, s.grads_shard, *s.norm_table);
+  if (s.world().size() > 1)
+    s.world().all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
+  if (s.dp().size() > 1) s.dp().all_reduce(&scalars->loss_sum, &scalars->loss_sum, 1, CommDtype::f32, ReduceOp::sum);
   ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum,
                     s.tokens_per_micro_batch * float(std::max(s.micro_batches, 1)), clip_grad);
+
   AdamWCall update;
-  update.table = s.table.get();
-  update.master = model.master();
-  update.working = model.working_is_master() ? nullptr : model.working();
-  update.grads = model.gradients();
+  update.table = s.shard_table.get();
+  update.master = s.master;
+  update.working = s.working_shard;
+  update.grads = s.grads_shard;
   update.precision = s.state_precision;
   update.state = s.optimizer_slabs();
   update.hyperparams = hyperparams;
   update.control = s.control();
   update.scratch = static_cast<float*>(s.adamw_scratch->data());
   ops.adamw_moment_amaxes(update);
+  // A tensor split across ranks gets one moment scale: the MAX of every part's amax.
+  if (s.world().size() > 1 && s.state_precision == OptimizerStatePrecision::fp8_fp16)
+    s.world().all_reduce(update.scratch, update.scratch, 2 * s.tensor_count(), CommDtype::f32, ReduceOp::max);
   ops.adamw_apply(update);
-  // The FP8 scale update: THE place scales change (core/scaling.h). A skipped step
-  // discards its amaxes instead; both decide on the device (control->skip).
+
+  // The FP8 scale update: THE place scales change (core/scaling.h). Every rank's amaxes of
+  // the step first become one row (the MAX), so every rank computes the same scales. A
+  // skipped step discards its amaxes instead; both decide on the device (control->skip).
   if (s.fp8) {
+    const int states = model.scaling().size();
+    if (s.world().size() > 1 && states > 0)
+      s.world().all_reduce(ops.amax_history_row(), ops.amax_history_row(), states, CommDtype::f32, ReduceOp::max);
     if (is_scale_update_step(s.recipe, step)) {
       ops.update_scales(s.control());
       model.scaling().mark_initialized();
@@ -179,7 +513,8 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       ops.discard_current_amaxes(s.control());
     }
   }
-  model.refresh_weight_operands();
+  s.gather_parameters();
+  model.refresh_weight_operands(/*fp8_linear_weights=*/!s.fp8_param_gather);
   s.control_readback->capture(s.control());
 }
 
@@ -209,37 +544,116 @@ double TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   model.forward_eval(batch, s.scalar_tensor(sum));
   float host_sum = 0.0f;
   s.ops->download(&host_sum, sum, sizeof(float));
-  return double(host_sum) / s.tokens_per_micro_batch;
+  // The mean over every data-parallel rank's batch.
+  double mean = double(host_sum) / s.tokens_per_micro_batch;
+  s.host->dp().all_reduce(&mean, &mean, 1, CommDtype::f64, ReduceOp::sum);
+  return mean;
+}
+
+// ---- Snapshots in the canonical layout --------------------------------------------------
+
+template <typename T>
+std::vector<T> TrainingEngine::State::gather_canonical(const void* shard_values) {
+  const TensorLayout& slab = model->layout();
+  std::vector<T> values(shard.size);
+  ops->download(values.data(), shard_values, values.size() * sizeof(T));
+  // This tensor-parallel rank's slab: every data-parallel rank's parts.
+  std::vector<T> own(slab.total_elements(), T{});
+  if (sharded) {
+    std::vector<T> all(values.size() * size_t(parallel.dp_size));
+    host->dp().all_gather(values.data(), all.data(), values.size() * sizeof(T), CommDtype::u8);
+    for (int r = 0; r < parallel.dp_size; ++r)
+      for (const ShardPlan::Part& p : shard.parts)
+        std::copy_n(all.begin() + size_t(r) * values.size() + p.shard_offset, p.size,
+                    own.begin() + p.bucket_begin + size_t(r) * p.size);
+  } else {
+    own = std::move(values);
+  }
+  // Every tensor-parallel rank's parts into whole tensors.
+  std::vector<T> slabs(own.size() * size_t(parallel.tp_size));
+  host->tp().all_gather(own.data(), slabs.data(), own.size() * sizeof(T), CommDtype::u8);
+  std::vector<T> canonical(this->canonical.total_elements(), T{});
+  for (const TensorInfo& t : slab.tensors()) {
+    const TensorInfo* whole = this->canonical.find(t.name);
+    for (int r = 0; r < parallel.tp_size; ++r)
+      copy_part_to_full(t, slabs.data() + size_t(r) * own.size() + t.offset, canonical.data() + whole->offset, r,
+                        parallel.tp_size);
+  }
+  return canonical;
+}
+
+template <typename T>
+std::vector<T> TrainingEngine::State::slab_from_canonical(const std::vector<T>& canonical_values) {
+  const TensorLayout& slab = model->layout();
+  FP8LM_CHECK(canonical_values.size() == canonical.total_elements(), "a snapshot of ", canonical_values.size(),
+              " values for a canonical slab of ", canonical.total_elements());
+  std::vector<T> own(slab.total_elements(), T{});
+  for (const TensorInfo& t : slab.tensors())
+    copy_part_from_full(t, canonical_values.data() + canonical.find(t.name)->offset, own.data() + t.offset,
+                        parallel.tp_rank, parallel.tp_size);
+  return own;
+}
+
+template <typename T>
+std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>& canonical_values) {
+  std::vector<T> own = slab_from_canonical(canonical_values);
+  if (!sharded) return own;
+  std::vector<T> part(shard.size, T{});
+  for (const ShardPlan::Part& p : shard.parts)
+    std::copy_n(own.begin() + p.part_begin, p.size, part.begin() + p.shard_offset);
+  return part;
+}
+
+// Per-tensor scales between the model's tensor order and the canonical one (every rank of
+// a tensor holds the same scale: the step agrees on it).
+std::vector<float> TrainingEngine::State::canonical_tensor_scales(const float* memory_order) {
+  std::vector<float> local(tensor_count());
+  ops->download(local.data(), memory_order, local.size() * sizeof(float));
+  std::vector<float> result(canonical.tensors().size(), 1.0f);
+  const auto& tensors = model->layout().tensors();
+  for (size_t k = 0; k < tensors.size(); ++k) result[canonical.index_of(tensors[k].name)] = local[k];
+  return result;
+}
+
+std::vector<float> TrainingEngine::State::memory_tensor_scales(const std::vector<float>& canonical_order) {
+  std::vector<float> result(tensor_count(), 1.0f);
+  const auto& tensors = model->layout().tensors();
+  for (size_t k = 0; k < tensors.size(); ++k) result[k] = canonical_order.at(canonical.index_of(tensors[k].name));
+  return result;
 }
 
 std::vector<float> TrainingEngine::parameters() {
   State& s = *state_;
-  std::vector<float> values(layout().total_elements());
-  s.ops->download(values.data(), s.model->master(), values.size() * sizeof(float));
-  return values;
+  s.ops->synchronize();
+  return s.gather_canonical<float>(s.master);
 }
 
 std::vector<float> TrainingEngine::gradients() {
   State& s = *state_;
-  std::vector<float> values(layout().total_elements());
-  s.ops->download(values.data(), s.model->gradients(), values.size() * sizeof(float));
-  return values;
+  s.ops->synchronize();
+  std::vector<float> own(s.model->layout().total_elements());
+  s.ops->download(own.data(), s.model->gradients(), own.size() * sizeof(float));
+  std::vector<float> canonical(s.canonical.total_elements(), 0.0f);
+  for (const TensorInfo& t : s.model->layout().tensors())
+    copy_part_to_full(t, own.data() + t.offset, canonical.data() + s.canonical.find(t.name)->offset,
+                      s.parallel.tp_rank, s.parallel.tp_size);
+  return canonical;
 }
 
 void TrainingEngine::set_parameters(const std::vector<float>& values) {
   State& s = *state_;
   GptModel& model = *s.model;
-  FP8LM_CHECK(values.size() == layout().total_elements(), "set_parameters: ", values.size(), " values for a slab of ",
-              layout().total_elements());
   s.ops->synchronize();
-  s.ops->upload(model.master(), values.data(), values.size() * sizeof(float));
-  if (!model.working_is_master()) {
-    Tensor working;
-    working.data = model.working();
-    working.dtype = s.ops->activation_dtype();
-    working.rows = 1;
-    working.cols = int64_t(values.size());
-    s.ops->upload_values(working, values.data());
+  const std::vector<float> own = s.slab_from_canonical(values);
+  Tensor working;
+  working.data = model.working();
+  working.dtype = s.activation_dtype();
+  working.rows = 1;
+  working.cols = int64_t(own.size());
+  s.ops->upload_values(working, own.data());
+  if (s.master != model.working()) {
+    const std::vector<float> master = s.shard_from_canonical(values);
+    s.ops->upload(s.master, master.data(), master.size() * sizeof(float));
   }
   model.refresh_weight_operands();
   s.ops->synchronize();
@@ -250,17 +664,15 @@ OptimizerSnapshot TrainingEngine::optimizer_state() {
   s.ops->synchronize();
   OptimizerSnapshot snapshot;
   snapshot.precision = s.state_precision;
-  auto read = [&](auto& vector, const std::unique_ptr<Allocation>& allocation) {
-    if (!allocation) return;
-    vector.resize(allocation->bytes() / sizeof(vector[0]));
-    s.ops->download(vector.data(), allocation->data(), allocation->bytes());
-  };
-  read(snapshot.m8, s.m_codes);
-  read(snapshot.v16, s.v_bits);
-  read(snapshot.m_scales, s.m_scales);
-  read(snapshot.v_scales, s.v_scales);
-  read(snapshot.m32, s.m32);
-  read(snapshot.v32, s.v32);
+  if (s.state_precision == OptimizerStatePrecision::fp8_fp16) {
+    snapshot.m8 = s.gather_canonical<uint8_t>(s.m_codes->data());
+    snapshot.v16 = s.gather_canonical<uint16_t>(s.v_bits->data());
+    snapshot.m_scales = s.canonical_tensor_scales(static_cast<const float*>(s.m_scales->data()));
+    snapshot.v_scales = s.canonical_tensor_scales(static_cast<const float*>(s.v_scales->data()));
+  } else {
+    snapshot.m32 = s.gather_canonical<float>(s.m32->data());
+    snapshot.v32 = s.gather_canonical<float>(s.v32->data());
+  }
   snapshot.step_count = s.read_control().step_count;
   return snapshot;
 }
@@ -269,18 +681,21 @@ void TrainingEngine::set_optimizer_state(const OptimizerSnapshot& snapshot) {
   State& s = *state_;
   FP8LM_CHECK(snapshot.precision == s.state_precision);
   s.ops->synchronize();
-  auto write = [&](const auto& vector, const std::unique_ptr<Allocation>& allocation) {
-    const size_t bytes = vector.size() * sizeof(vector[0]);
-    FP8LM_CHECK(bytes == (allocation ? allocation->bytes() : 0), "optimizer state size ", bytes, " bytes, expected ",
-                allocation ? allocation->bytes() : 0);
-    if (bytes) s.ops->upload(allocation->data(), vector.data(), bytes);
+  auto put = [&](const auto& canonical_values, const std::unique_ptr<Allocation>& allocation) {
+    const auto values = s.shard_from_canonical(canonical_values);
+    s.ops->upload(allocation->data(), values.data(), values.size() * sizeof(values[0]));
   };
-  write(snapshot.m8, s.m_codes);
-  write(snapshot.v16, s.v_bits);
-  write(snapshot.m_scales, s.m_scales);
-  write(snapshot.v_scales, s.v_scales);
-  write(snapshot.m32, s.m32);
-  write(snapshot.v32, s.v32);
+  if (s.state_precision == OptimizerStatePrecision::fp8_fp16) {
+    put(snapshot.m8, s.m_codes);
+    put(snapshot.v16, s.v_bits);
+    const std::vector<float> m_scales = s.memory_tensor_scales(snapshot.m_scales);
+    const std::vector<float> v_scales = s.memory_tensor_scales(snapshot.v_scales);
+    s.ops->upload(s.m_scales->data(), m_scales.data(), m_scales.size() * sizeof(float));
+    s.ops->upload(s.v_scales->data(), v_scales.data(), v_scales.size() * sizeof(float));
+  } else {
+    put(snapshot.m32, s.m32);
+    put(snapshot.v32, s.v32);
+  }
   StepControl control = s.read_control();
   control.step_count = snapshot.step_count;
   s.ops->set_step_control(s.control(), control);
@@ -289,9 +704,14 @@ void TrainingEngine::set_optimizer_state(const OptimizerSnapshot& snapshot) {
 
 ScalingSnapshot TrainingEngine::scaling_state() {
   State& s = *state_;
+  ScalingTable& table = s.model->scaling();
+  // The amaxes recorded since the last update (the weights') are this rank's parts: the
+  // row every rank would agree on at the next step is what is saved.
+  if (s.world().size() > 1 && table.size() > 0)
+    s.world().all_reduce(s.ops->amax_history_row(), s.ops->amax_history_row(), table.size(), CommDtype::f32,
+                         ReduceOp::max);
   s.ops->synchronize();
   s.ops->download_scaling();
-  ScalingTable& table = s.model->scaling();
   ScalingSnapshot snapshot;
   for (int i = 0; i < table.size(); ++i) {
     snapshot.names.push_back(table.name(i));
@@ -336,7 +756,8 @@ void TrainingEngine::set_total_skips(int64_t total) {
 BenchmarkMemory TrainingEngine::benchmark_memory() const {
   const State& s = *state_;
   BenchmarkMemory memory;
-  memory.allocated_bytes = s.model->allocated_bytes() + s.optimizer_bytes() + s.ops->workspace_bytes();
+  memory.allocated_bytes =
+      s.model->allocated_bytes() + s.optimizer_bytes() + s.communication_bytes() + s.ops->workspace_bytes();
   memory.device_used_bytes = s.ops->device_memory_in_use();
   return memory;
 }
@@ -344,16 +765,22 @@ BenchmarkMemory TrainingEngine::benchmark_memory() const {
 SettingsTable TrainingEngine::describe() const {
   const State& s = *state_;
   SettingsTable rows = s.model->memory_table();
-  rows.push_back({"optimizer state (" + std::string(to_string(s.state_precision)) + ")", format_mib(s.optimizer_bytes())});
+  rows.push_back({"optimizer: FP32 master + state (" + std::string(to_string(s.state_precision)) + ")" +
+                      (s.sharded ? ", this rank's 1/" + std::to_string(s.parallel.dp_size) : ""),
+                  format_mib(s.optimizer_bytes())});
   rows.push_back({"optimizer state bytes / parameter",
                   s.state_precision == OptimizerStatePrecision::fp8_fp16 ? "3 (E4M3 m + FP16 v) + 4 FP32 master"
                                                                          : "8 (FP32 m + v) + 4 FP32 master"});
+  if (s.communication_bytes()) rows.push_back({"communication buffers", format_mib(s.communication_bytes())});
   rows.push_back({"backend workspaces", format_mib(s.ops->workspace_bytes())});
-  rows.push_back({"estimated peak memory",
-                  format_mib(s.model->allocated_bytes() + s.optimizer_bytes() + s.ops->workspace_bytes())});
+  rows.push_back({"estimated peak memory (this rank)",
+                  format_mib(s.model->allocated_bytes() + s.optimizer_bytes() + s.communication_bytes() +
+                             s.ops->workspace_bytes())});
   return rows;
 }
 
-std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup) { return std::make_unique<TrainingEngine>(setup); }
+std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout) {
+  return std::make_unique<TrainingEngine>(setup, layout);
+}
 
 }  // namespace fp8lm

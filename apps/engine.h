@@ -1,9 +1,14 @@
 // The training engine: the model, its gradients, the optimizer and the FP8 scaling state,
-// over one backend (layers/ops.h). The training loop (apps/trainer.cpp) drives it.
+// over one backend (layers/ops.h) and, in a parallel run, over the process groups of
+// parallel/. The training loop (apps/trainer.cpp) drives it; every rank makes the same calls.
 //
 // A step must not synchronise with the host (on the GPU), so everything that reads
 // results back (step_metrics, evaluate) is a separate call the loop makes only at log
 // and eval intervals.
+//
+// Snapshots (parameters, optimizer state) are in the canonical layout (layout(): every
+// tensor whole, Hugging Face names and order) on every rank, whatever the parallel layout:
+// the engine gathers them from the ranks' parts and takes its part of what it is given.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +21,7 @@
 #include "core/tensor.h"
 #include "layers/ops.h"
 #include "optim/adamw.h"
+#include "parallel/process_groups.h"
 
 namespace fp8lm {
 
@@ -30,11 +36,11 @@ struct BenchmarkMemory {
 struct OptimizerSnapshot {
   OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
   int64_t step_count = 0;             // AdamW's t: applied steps
-  std::vector<uint8_t> m8;            // fp8_fp16: E4M3 codes of m * m_scale   [slab]
-  std::vector<uint16_t> v16;          // fp8_fp16: FP16 bits of v * v_scale    [slab]
-  std::vector<float> m_scales;        // fp8_fp16: [tensors]
-  std::vector<float> v_scales;        // fp8_fp16: [tensors]
-  std::vector<float> m32, v32;        // fp32 state [slab]
+  std::vector<uint8_t> m8;            // fp8_fp16: E4M3 codes of m * m_scale   [canonical slab]
+  std::vector<uint16_t> v16;          // fp8_fp16: FP16 bits of v * v_scale    [canonical slab]
+  std::vector<float> m_scales;        // fp8_fp16: [canonical tensors]
+  std::vector<float> v_scales;        // fp8_fp16: [canonical tensors]
+  std::vector<float> m32, v32;        // fp32 state [canonical slab]
 };
 
 // Every FP8 scaling state (amax history and scales), on the host (checkpoints).
@@ -59,15 +65,26 @@ struct StepMetrics {
 // device-resident step control.
 class TrainingEngine {
  public:
-  explicit TrainingEngine(const RunSetup& setup);
+  // `layout`: this rank's place in the run (a single process by default). Every rank of a
+  // parallel run constructs its engine together (the process groups are made here).
+  explicit TrainingEngine(const RunSetup& setup, const ParallelLayout& layout = {});
   // Over a given backend (tests wrap one to record the op sequence).
-  TrainingEngine(const RunSetup& setup, std::unique_ptr<Ops> ops);
+  TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops);
   ~TrainingEngine();
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;
 
+  // The canonical layout of every snapshot (make_gpt_layout).
   const TensorLayout& layout() const;
   std::string_view backend() const;
+  const ParallelLayout& parallel_layout() const;
+  // The host (MPI) groups: checkpoint gathers, metrics, the stop decision.
+  const ProcessGroups& host_groups() const;
+  // Bytes each rank sent per communicator since the last reset (benchmarks, the volume model).
+  std::vector<std::pair<std::string, CommTraffic>> traffic() const;
+  void reset_traffic();
+  // The device communicators a Watchdog should watch (empty on the CPU and for one rank).
+  std::vector<ncclComm_t> nccl_comms() const;
 
   // Starts an optimizer step: clears gradients and the loss accumulator.
   void begin_step();
@@ -95,7 +112,8 @@ class TrainingEngine {
   // (checkpoints, tests, initialisation from another model).
   std::vector<float> parameters();
   void set_parameters(const std::vector<float>& values);
-  // The FP32 gradients of the last step, [layout().total_elements()] (tests).
+  // The FP32 gradients of the last micro-batches before any reduction, this rank's part,
+  // in the canonical layout (tests; with one rank: the step's gradients).
   std::vector<float> gradients();
 
   // Checkpoint state. Setting it replaces the engine's state wholesale; the caller has
@@ -118,8 +136,8 @@ class TrainingEngine {
 
 // The backend a run set-up asks for (setup.use_cuda), with its model shape checked
 // against the backend's limits first: InputError before anything is allocated.
-std::unique_ptr<Ops> make_ops(const RunSetup& setup);
+std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device = 0);
 
-std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup);
+std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout = {});
 
 }  // namespace fp8lm

@@ -16,6 +16,12 @@ namespace fp8lm {
 
 enum class DeviceKind : uint8_t { auto_select, cuda, cpu };
 
+// How FP8 gradients are summed across data-parallel ranks: exchanged as codes and summed in
+// FP32 on the receiving rank (deterministic, one rounding), or by NCCL's FP8 reduce-scatter
+// (each partial sum rounded back to FP8).
+enum class GradReduceAlgorithm : uint8_t { all_to_all, reduce_scatter };
+std::string_view to_string(GradReduceAlgorithm algorithm);
+
 std::string_view to_string(DeviceKind device);
 
 struct ModelOverrides {  // Megatron's model-shape flags; each overrides --config
@@ -81,6 +87,17 @@ struct TrainOptions {
 
   // Parallelism and device
   int tensor_model_parallel_size = 1;  // --tensor-model-parallel-size
+  bool sequence_parallel = false;      // --sequence-parallel
+  // --use-distributed-optimizer / --no-use-distributed-optimizer: ZeRO-1 (sharded master
+  // weights and optimizer state); unset = on when the data-parallel size is above 1.
+  std::optional<bool> use_distributed_optimizer;
+  bool grad_reduce_in_bf16 = false;    // --grad-reduce-in-bf16: gradients travel in BF16 (else FP32)
+  bool fp8_grad_comm = false;          // --fp8-grad-comm: gradients travel in FP8, one agreed scale per tensor
+  GradReduceAlgorithm fp8_grad_reduce = GradReduceAlgorithm::all_to_all;  // --fp8-grad-reduce
+  bool fp8_param_gather = false;       // --fp8-param-gather: weights gathered as FP8 codes
+  bool overlap_grad_reduce = false;    // --overlap-grad-reduce
+  bool overlap_param_gather = false;   // --overlap-param-gather
+  double distributed_timeout_minutes = 10.0;  // --distributed-timeout-minutes
   DeviceKind device = DeviceKind::auto_select;  // --device
   int num_threads = 0;                 // --num-threads (CPU); 0 = OpenMP's default
 

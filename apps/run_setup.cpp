@@ -59,13 +59,25 @@ GptConfig model_config_from(const TrainOptions& o) {
 
 }  // namespace
 
-RunSetup resolve_run_setup(const TrainOptions& options, int data_parallel_size, int data_parallel_rank) {
+RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel) {
   validate_options(options);
   RunSetup setup;
   setup.options = options;
   setup.model = model_config_from(options);
+  setup.parallel = parallel;
+  const int tp = options.tensor_model_parallel_size;
+  FP8LM_INPUT_CHECK(tp == parallel.tp_size, "--tensor-model-parallel-size ", tp, " needs ", tp,
+                    " processes or a multiple of it (launch with mpirun -np N); this run has ", parallel.world_size);
+  const int data_parallel_size = parallel.dp_size;
   setup.data_parallel_size = data_parallel_size;
-  setup.data_parallel_rank = data_parallel_rank;
+  setup.data_parallel_rank = parallel.dp_rank;
+  const GptConfig& m = setup.model;
+  FP8LM_INPUT_CHECK(m.n_head % tp == 0, "--tensor-model-parallel-size ", tp, " does not divide the ", m.n_head,
+                    " attention heads");
+  FP8LM_INPUT_CHECK(m.n_inner % tp == 0, "--tensor-model-parallel-size ", tp, " does not divide the MLP width ",
+                    m.n_inner);
+  FP8LM_INPUT_CHECK(m.padded_vocab_size() % (8 * tp) == 0, "--tensor-model-parallel-size ", tp,
+                    " does not divide the padded vocabulary ", m.padded_vocab_size(), " into slices of a multiple of 8");
 
   setup.seq_length = options.seq_length > 0 ? options.seq_length : setup.model.n_positions;
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
@@ -77,9 +89,8 @@ RunSetup resolve_run_setup(const TrainOptions& options, int data_parallel_size, 
                     ") must be a multiple of --micro-batch-size x data-parallel size (", per_step, ")");
   setup.grad_accum_steps = setup.global_batch_size / per_step;
 
-  FP8LM_INPUT_CHECK(options.tensor_model_parallel_size == 1 || options.tensor_model_parallel_size <= data_parallel_size,
-                    "--tensor-model-parallel-size ", options.tensor_model_parallel_size,
-                    " needs at least that many processes (launch with mpirun -np N)");
+  FP8LM_INPUT_CHECK(!options.sequence_parallel || setup.seq_length % tp == 0, "--sequence-parallel needs --seq-length (",
+                    setup.seq_length, ") divisible by --tensor-model-parallel-size (", tp, ")");
 
   const CudaAvailability& cuda = cuda_availability();
   switch (options.device) {
@@ -161,8 +172,22 @@ SettingsTable settings_table(const RunSetup& s) {
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},
-      {"tensor-model-parallel-size", str(o.tensor_model_parallel_size)},
+      {"world size", str(s.parallel.world_size)},
+      {"tensor-model-parallel-size", str(o.tensor_model_parallel_size) + (o.sequence_parallel ? " (sequence-parallel)" : "")},
       {"data-parallel size", str(s.data_parallel_size)},
+      {"this rank: world / tp / dp", str(s.parallel.world_rank) + " / " + str(s.parallel.tp_rank) + " / " +
+                                         str(s.parallel.dp_rank)},
+      {"this rank's GPU", s.use_cuda ? "cuda:" + str(s.parallel.local_rank) + " (local rank " + str(s.parallel.local_rank) +
+                                           " of " + str(s.parallel.local_size) + ")"
+                                     : "(cpu)"},
+      {"distributed optimizer (ZeRO-1)",
+       s.data_parallel_size > 1 && o.use_distributed_optimizer.value_or(true) ? "on" : "off"},
+      {"gradient communication", o.fp8_grad_comm ? "fp8 (" + std::string(to_string(o.fp8_grad_reduce)) + ")"
+                                 : o.grad_reduce_in_bf16 ? "bf16" : "fp32"},
+      {"parameter gather", o.fp8_param_gather ? "fp8 Linear weights + bf16" : "working-copy dtype"},
+      {"overlap grad reduce / param gather", std::string(o.overlap_grad_reduce ? "on" : "off") + " / " +
+                                                 (o.overlap_param_gather ? "on" : "off")},
+      {"distributed-timeout-minutes", format_double(o.distributed_timeout_minutes)},
       {"log-level", o.log_level},
       {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps)" : "off"},
   };

@@ -6,6 +6,7 @@
 #include "apps/options.h"
 #include "core/gpt_config.h"
 #include "core/logging.h"
+#include "parallel/process_groups.h"
 
 namespace fp8lm {
 
@@ -13,6 +14,7 @@ struct RunSetup {
   TrainOptions options;
   GptConfig model;
   int seq_length = 0;
+  ParallelLayout parallel;  // this rank's place in the run
   int data_parallel_size = 1;
   int data_parallel_rank = 0;
   int grad_accum_steps = 1;
@@ -21,8 +23,9 @@ struct RunSetup {
   std::string device_description;
 };
 
-// Throws InputError naming the flag or file at the first problem.
-RunSetup resolve_run_setup(const TrainOptions& options, int data_parallel_size = 1, int data_parallel_rank = 0);
+// Throws InputError naming the flag or file at the first problem: every check that needs the
+// model config and the parallel layout (sizes that must divide each other) is here.
+RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel = {});
 
 // Every setting, one row each, for the startup table.
 SettingsTable settings_table(const RunSetup& setup);

@@ -19,6 +19,7 @@
 #include "core/mock_data.h"
 #include "core/token_data.h"
 #include "optim/lr_schedule.h"
+#include "parallel/watchdog.h"
 
 namespace fp8lm {
 
@@ -67,8 +68,9 @@ AdamWHyperparams hyperparams_at(const TrainOptions& o, double lr) {
 
 class MetricsFile {
  public:
-  explicit MetricsFile(const std::string& path) {
-    if (path.empty()) return;
+  // Only the first rank of a parallel run writes it (every rank has the same numbers).
+  MetricsFile(const std::string& path, bool writer) {
+    if (path.empty() || !writer) return;
     file_.open(path, std::ios::app);
     FP8LM_INPUT_CHECK(file_.good(), "--metrics-file ", path, ": cannot open for appending");
   }
@@ -124,7 +126,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
 
 }  // namespace
 
-TrainingSummary run_training(const RunSetup& setup) {
+TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   const TrainOptions& o = setup.options;
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
@@ -133,8 +135,13 @@ TrainingSummary run_training(const RunSetup& setup) {
   if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
     spdlog::info("no --valid-data-path: evaluation is off");
 
-  std::unique_ptr<TrainingEngine> engine = make_engine(setup);
-  log_settings_table("memory and optimizer state", engine->describe());
+  std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
+  if (watchdog)
+    for (ncclComm_t comm : engine->nccl_comms()) watchdog->watch(comm);
+  const bool first_rank = setup.parallel.world_rank == 0;
+  Communicator& world = engine->host_groups().world();
+  log_settings_table("memory and optimizer state (rank " + std::to_string(setup.parallel.world_rank) + ")",
+                     engine->describe());
 
   TrainingSummary summary;
   int64_t start_step = 0;
@@ -165,7 +172,7 @@ TrainingSummary run_training(const RunSetup& setup) {
   schedule.style = o.lr_decay_style;
   validate_lr_schedule(schedule);
 
-  MetricsFile metrics_file(o.metrics_file);
+  MetricsFile metrics_file(o.metrics_file, first_rank);
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
   const float dloss = 1.0f / (float(B) * T * setup.grad_accum_steps);
@@ -177,6 +184,7 @@ TrainingSummary run_training(const RunSetup& setup) {
     for (int64_t i = 0; i < o.eval_iters; ++i) {
       data.valid->next_batch(inputs.data(), targets.data());
       sum += engine->evaluate(inputs.data(), targets.data());
+      if (watchdog) watchdog->heartbeat();
     }
     const double val_loss = sum / double(o.eval_iters);
     spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
@@ -204,6 +212,7 @@ TrainingSummary run_training(const RunSetup& setup) {
       benchmark_step_ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - step_start).count());
     }
     ++interval_steps;
+    if (watchdog) watchdog->heartbeat();
     const int64_t iteration = step + 1;  // Megatron counts finished iterations from 1
 
     const TrainingEngine::SkipStatus skips = engine->skip_status();
@@ -241,11 +250,17 @@ TrainingSummary run_training(const RunSetup& setup) {
       summary.last_val_loss = evaluate(iteration);
     summary.steps = iteration;
 
-    const int signal_number = pending_stop_signal();
+    // Every rank stops at the same iteration: a signal seen by any rank stops all of them.
+    float stop = float(pending_stop_signal());
+    if (world.size() > 1) world.all_reduce(&stop, &stop, 1, CommDtype::f32, ReduceOp::max);
+    const int signal_number = int(stop);
     const bool periodic = o.save_interval > 0 && iteration % o.save_interval == 0;
     const bool exit_now = o.exit_interval > 0 && iteration % o.exit_interval == 0;
-    if (!o.save_dir.empty() && (periodic || exit_now || signal_number != 0 || iteration == o.train_iters))
+    if (!o.save_dir.empty() && (periodic || exit_now || signal_number != 0 || iteration == o.train_iters)) {
+      std::optional<Watchdog::Pause> quiet;  // rank 0 writes; the others wait for it
+      if (watchdog) quiet.emplace(*watchdog);
       summary.last_checkpoint = save_checkpoint(o.save_dir, setup, *engine, progress_now(iteration));
+    }
     if (exit_now && signal_number == 0 && iteration < o.train_iters) {
       spdlog::info("--exit-interval {}: stopping after iteration {}", o.exit_interval, iteration);
       return summary;

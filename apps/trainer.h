@@ -17,6 +17,11 @@ struct TrainingSummary {
   std::string last_checkpoint;  // directory of the last checkpoint written
 };
 
-TrainingSummary run_training(const RunSetup& setup);
+class Watchdog;
+
+// Every rank of a parallel run calls it together; rank 0 logs progress, writes the metrics
+// file and the checkpoints. `watchdog` (optional) hears a heartbeat after every step and
+// watches the engine's NCCL communicators.
+TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog = nullptr);
 
 }  // namespace fp8lm

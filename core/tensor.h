@@ -5,6 +5,7 @@
 // slab share offsets and the optimizer can run one pass over everything.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -89,6 +90,12 @@ class TensorLayout {
     return tensors_.back();
   }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // Appends a tensor at a given offset (a view into another layout's slab: a shard of it).
+  TensorInfo& add_at(TensorInfo info) {
+    total_ = std::max(total_, info.offset + info.numel);
+    tensors_.push_back(std::move(info));
+    return tensors_.back();
+  }
   // Pads the slab so that the next tensor, and its end, start at a multiple of `multiple`.
   void pad_to_multiple(size_t multiple) { total_ = (total_ + multiple - 1) / multiple * multiple; }
   size_t total_elements() const { return total_; }  // slab size, padding included

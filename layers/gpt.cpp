@@ -653,10 +653,11 @@ void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
   ops_.set_amax_recording(true);
 }
 
-void GptModel::refresh_weight_operands() {
+void GptModel::refresh_weight_operands(bool fp8_linear_weights) {
   for (BlockParams& block : blocks_)
     for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-      if (linear->owns_operand) ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
+      if (linear->owns_operand && (fp8_linear_weights || !is_fp8(linear->weight_operand.dtype)))
+        ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
   if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{});
 }
 

@@ -142,7 +142,8 @@ class GptModel {
   // Casts every weight operand that is not a view of the working copy (FP8 weights and
   // their transposes; BF16-rounded copies on the CPU) from the working copy, recording the
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
-  void refresh_weight_operands();
+  // Without the FP8 Linear weights when they arrive as FP8 codes (--fp8-param-gather).
+  void refresh_weight_operands(bool fp8_linear_weights = true);
   // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
   std::vector<WeightOperand> fp8_weight_operands() const;
   // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients

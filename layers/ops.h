@@ -31,6 +31,8 @@
 
 namespace fp8lm {
 
+class Communicator;
+
 // Backend memory, zero-filled at allocation, freed with the object.
 class Allocation {
  public:
@@ -194,6 +196,34 @@ class Ops {
   // only the discard of this step's amaxes.
   virtual void update_scales(const StepControl* control) = 0;
   virtual void discard_current_amaxes(const StepControl* control) = 0;
+
+  // ---- Parallel runs --------------------------------------------------------------
+  // The backend's stream (a cudaStream_t on the GPU, nullptr on the CPU): the device
+  // communicators are created on it, so collectives run in the ops' order.
+  virtual void* stream_handle() = 0;
+  // Current scaling of a tensor shared by several ranks must use one amax: each such
+  // quantization MAX-reduces its amax over `group` before computing the scale
+  // (Transformer Engine's amax reduction group). nullptr: no reduction.
+  virtual void set_amax_group(Communicator* group) = 0;
+  // This step's row of the amax history [states] and the scales [states], in backend
+  // memory: the step MAX-reduces the row across ranks before the scale update, and the
+  // FP8 weight gather casts with the scales.
+  virtual float* amax_history_row() = 0;
+  virtual const float* scales() = 0;
+
+  // ---- Slabs of the parameter layout (optim/slab_ops.h) ----------------------------
+  virtual void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) = 0;
+  virtual void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
+                                  float headroom) = 0;
+  virtual void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
+                                const int* scale_index, float* recorded_amax, Fp8Dtype dtype) = 0;
+  virtual void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
+                              const TensorTable& table, const float* scale_inv, Fp8Dtype dtype) = 0;
+  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements.
+  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n) = 0;
+  virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n) = 0;
+  // An FP8 weight operand [N,K] (and its transposed copy) from gathered FP8 codes [N,K].
+  virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;
 
   // ---- Tokens ---------------------------------------------------------------------
   virtual TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,

@@ -15,6 +15,8 @@
 #include "layers/gelu.h"
 #include "layers/layernorm.h"
 #include "optim/grad_clip.h"
+#include "optim/slab_ops.h"
+#include "parallel/communicator.h"
 
 namespace fp8lm {
 namespace {
@@ -108,6 +110,36 @@ class CpuOps final : public Ops {
   }
   void discard_current_amaxes(const StepControl* control) override {
     if (control->skip) scaling_->discard_current_amaxes();
+  }
+
+  // ---- Parallel runs
+  void* stream_handle() override { return nullptr; }
+  void set_amax_group(Communicator* group) override { amax_group_ = group; }
+  float* amax_history_row() override { return scaling_->history().data(); }
+  const float* scales() override { return scaling_->scales().data(); }
+
+  // ---- Slabs
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
+    cpu::tensor_amaxes(amaxes, values, table.layout());
+  }
+  void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
+                          float headroom) override {
+    cpu::scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom);
+  }
+  void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
+    cpu::quantize_tensors(codes, values, table.layout(), scales, scale_index, recorded_amax, dtype);
+  }
+  void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
+                      const float* scale_inv, Fp8Dtype dtype) override {
+    cpu::sum_fp8_chunks(out, chunks, ranks, chunk_stride, table.layout(), scale_inv, dtype);
+  }
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override { cpu::convert_f32_to_bf16(out, in, n); }
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override { cpu::convert_bf16_to_f32(out, in, n); }
+  void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
+    cpu::decode_fp8(f32(operand), codes, size_t(operand.numel()), fp8_dtype_of(operand.dtype));
+    if (operand.transposed)
+      cpu::transpose(static_cast<float*>(operand.transposed), f32(operand), int(operand.rows), int(operand.cols));
   }
 
   // ---- Tokens
@@ -302,7 +334,10 @@ class CpuOps final : public Ops {
       case DType::e4m3:
       case DType::e5m2: {
         FP8LM_CHECK(out.scaling_state >= 0, "an FP8 tensor without a scaling state");
-        const float tensor_amax = cpu::amax(values, n);
+        float tensor_amax = cpu::amax(values, n);
+        // A tensor shared by several ranks takes one scale: the amax of all their parts.
+        if (amax_group_ && scaling_->needs_tensor_amax(out.scaling_state))
+          amax_group_->all_reduce(&tensor_amax, &tensor_amax, 1, CommDtype::f32, ReduceOp::max);
         const float scale = scaling_->scale_for(out.scaling_state, tensor_amax);
         cpu::quantize_fp8(destination, values, n, scale, fp8_dtype_of(out.dtype));
         if (record) scaling_->record_amax(out.scaling_state, tensor_amax);
@@ -331,6 +366,7 @@ class CpuOps final : public Ops {
   }
 
   ScalingTable* scaling_ = nullptr;
+  Communicator* amax_group_ = nullptr;
   bool recording_ = true;
   std::vector<int32_t> inputs_, targets_;
   VocabSlice batch_slice_;

@@ -23,6 +23,8 @@
 #include "layers/layernorm.h"
 #include "optim/adamw_cuda.h"
 #include "optim/grad_clip_cuda.h"
+#include "optim/slab_ops.h"
+#include "parallel/communicator.h"
 
 namespace fp8lm {
 
@@ -257,6 +259,40 @@ class CudaOps final : public Ops {
   void discard_current_amaxes(const StepControl* control) override {
     cuda::discard_current_amaxes(history_.data(), table_->size(), table_->config().amax_history_len, stream_,
                                  &control->skip);
+  }
+
+  // ---- Parallel runs
+  void* stream_handle() override { return stream_; }
+  void set_amax_group(Communicator* group) override { amax_group_ = group; }
+  float* amax_history_row() override { return history_.data(); }
+  const float* scales() override { return scale_.data(); }
+
+  // ---- Slabs
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
+    cuda::tensor_amaxes(amaxes, values, device_table(table), stream_);
+  }
+  void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
+                          float headroom) override {
+    cuda::scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom, stream_);
+  }
+  void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
+    cuda::quantize_tensors(codes, values, device_table(table), scales, scale_index, recorded_amax, dtype, stream_);
+  }
+  void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
+                      const float* scale_inv, Fp8Dtype dtype) override {
+    cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_);
+  }
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override {
+    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, stream_);
+  }
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
+    cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_);
+  }
+  void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
+    if (operand.data != codes) copy(operand.data, codes, size_t(operand.numel()));
+    if (operand.transposed)
+      cuda::transpose_fp8(static_cast<uint8_t*>(operand.transposed), u8(operand), rows(operand), cols(operand), stream_);
   }
 
   // ---- Tokens
@@ -512,6 +548,10 @@ class CudaOps final : public Ops {
  private:
   static constexpr int kStagingSlots = 4;
 
+  static const cuda::DeviceTensorTable& device_table(const TensorTable& table) {
+    return static_cast<const DeviceTable&>(table).table();
+  }
+
   // Where a producer records its output's amax: the state's slot in this step's row of
   // the history, or a sink while evaluating.
   float* amax_slot(int state) { return recording_ ? history_.data() + state : amax_sink_.data(); }
@@ -565,6 +605,8 @@ class CudaOps final : public Ops {
     } else {
       cuda::amax_of(tensor_amax_.data(), static_cast<const bf16*>(in), n, stream_);
     }
+    // A tensor shared by several ranks takes one scale: the amax of all their parts.
+    if (amax_group_) amax_group_->all_reduce(tensor_amax_.data(), tensor_amax_.data(), 1, CommDtype::f32, ReduceOp::max);
     cuda::current_scale_and_record(scale_.data() + s, scale_inv_.data() + s,
                                    recording_ ? history_.data() + s : nullptr, tensor_amax_.data(), fp8_max(dtype),
                                    table_->config().margin, stream_);
@@ -577,6 +619,7 @@ class CudaOps final : public Ops {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::GemmEngine> gemm_ = std::make_unique<cuda::GemmEngine>();
   ScalingTable* table_ = nullptr;
+  Communicator* amax_group_ = nullptr;
   bool recording_ = true;
   cuda::DeviceBuffer<float> history_, scale_, scale_inv_, format_max_;
   cuda::DeviceBuffer<float> amax_sink_;    // [1] where evaluation passes send amaxes
@@ -596,6 +639,9 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-std::unique_ptr<Ops> make_cuda_ops() { return std::make_unique<CudaOps>(); }
+std::unique_ptr<Ops> make_cuda_ops(int device) {
+  CUDA_CHECK(cudaSetDevice(device));
+  return std::make_unique<CudaOps>();
+}
 
 }  // namespace fp8lm

@@ -12,7 +12,8 @@
 
 namespace fp8lm {
 
-std::unique_ptr<Ops> make_cuda_ops();
+// On CUDA device `device` (this rank's local rank in a parallel run).
+std::unique_ptr<Ops> make_cuda_ops(int device = 0);
 
 // Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
 // LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).

@@ -39,6 +39,41 @@ class RecordingOps final : public Ops {
   size_t workspace_bytes() const override { return inner_->workspace_bytes(); }
   size_t device_memory_in_use() const override { return inner_->device_memory_in_use(); }
 
+  void* stream_handle() override { return inner_->stream_handle(); }
+  void set_amax_group(Communicator* group) override { inner_->set_amax_group(group); }
+  float* amax_history_row() override { return inner_->amax_history_row(); }
+  const float* scales() override { return inner_->scales(); }
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
+    record("tensor_amaxes");
+    inner_->tensor_amaxes(amaxes, values, table);
+  }
+  void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
+                          float headroom) override {
+    record("scales_from_amaxes");
+    inner_->scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom);
+  }
+  void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
+    record("quantize_tensors");
+    inner_->quantize_tensors(codes, values, table, scales, scale_index, recorded_amax, dtype);
+  }
+  void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
+                      const float* scale_inv, Fp8Dtype dtype) override {
+    record("sum_fp8_chunks");
+    inner_->sum_fp8_chunks(out, chunks, ranks, chunk_stride, table, scale_inv, dtype);
+  }
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override {
+    record("to_bf16_bits");
+    inner_->to_bf16_bits(out, in, n);
+  }
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
+    record("from_bf16_bits");
+    inner_->from_bf16_bits(out, in, n);
+  }
+  void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
+    record("fp8_weight_from_codes");
+    inner_->fp8_weight_from_codes(operand, codes);
+  }
   void attach_scaling(ScalingTable& table) override { inner_->attach_scaling(table); }
   void download_scaling() override { inner_->download_scaling(); }
   void upload_scaling() override { inner_->upload_scaling(); }

@@ -104,9 +104,7 @@ TEST_CASE("the model calls the ops in the order it states, for every precision",
     precision.gemm = c.precision;
     const int B = 2, T = 8;
     GptModel model(two_layers(), B, T, precision, *ops);
-    std::vector<float> params(model.layout().total_elements());
-    init_gpt_parameters(params.data(), model.layout(), model.config(), 1);
-    std::copy(params.begin(), params.end(), model.master());
+    init_gpt_parameters(static_cast<float*>(model.working()), model.layout(), model.config(), 1);
     model.refresh_weight_operands();
     float loss_sum = 0.0f;
     Tensor loss;
@@ -136,7 +134,7 @@ TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts,
                                 "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--fp8-interval", "2"})
           .options);
   std::vector<std::string> log;
-  TrainingEngine engine(setup, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
   const auto x = tokens(32, 3), y = tokens(32, 4);
   AdamWHyperparams hp;
   hp.lr = 1e-3f;

@@ -58,7 +58,8 @@ struct CpuModel {
   float loss_sum = 0.0f;
   CpuModel(const GptConfig& config, int B, int T, const GptPrecision& precision = GptPrecision{})
       : model(config, B, T, precision, *ops) {}
-  std::span<float> parameters() { return {model.master(), model.layout().total_elements()}; }
+  // The working copy is the FP32 master on the CPU.
+  std::span<float> parameters() { return {static_cast<float*>(model.working()), model.layout().total_elements()}; }
   std::span<float> gradients() { return {model.gradients(), model.layout().total_elements()}; }
   Tensor loss_tensor() {
     Tensor t;
