@@ -1,0 +1,165 @@
+// fp8lm under mpirun on the CPU backend (MPI over host memory): every parallel layout trains
+// the tiny model to the one-process run's losses, checkpoints move between layouts, and bad
+// parallel input fails before any work. CI runs 2 and 4 ranks oversubscribed on 2 cores, one
+// OpenMP thread per rank.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
+
+#include "cli_testing.h"
+#include "temp_dir.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+// The tiny model, 12 steps, 4 sequences of 32 tokens per step, one per micro-batch: every
+// layout sees the same micro-batches and differs only in how work and sums are split.
+std::string base_args(const std::string& extra = "") {
+  return "--config " + testing::source_path("configs/tiny.json") +
+         " --mock-data --device cpu --seq-length 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 12"
+         " --lr 3e-3 --lr-warmup-iters 2 --log-interval 1 --eval-interval 0 --eval-iters 0 --log-level warn " +
+         extra;
+}
+
+testing::CommandResult run_ranks(int ranks, const std::string& arguments) {
+  static int counter = 0;
+  const std::filesystem::path log = std::filesystem::temp_directory_path() /
+                                    ("fp8lm_mpi_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log");
+  const std::string command = std::string(FP8LM_MPIEXEC) + " -np " + std::to_string(ranks) +
+                              " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1 -x OMP_WAIT_POLICY=PASSIVE " +
+                              FP8LM_BINARY + " " + arguments + " > " + log.string() + " 2>&1";
+  const int status = std::system(command.c_str());
+  testing::CommandResult result;
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream file(log);
+  std::stringstream text;
+  text << file.rdbuf();
+  result.output = text.str();
+  std::filesystem::remove(log);
+  return result;
+}
+
+std::vector<double> losses(const std::string& metrics_file) {
+  std::vector<double> values;
+  std::ifstream file(metrics_file);
+  std::string line;
+  while (std::getline(file, line)) {
+    const auto json = nlohmann::json::parse(line);
+    if (json.contains("loss")) values.push_back(json["loss"].get<double>());
+  }
+  return values;
+}
+
+double largest_relative_gap(const std::vector<double>& a, const std::vector<double>& b) {
+  double gap = 0.0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) gap = std::max(gap, std::fabs(a[i] - b[i]) / std::fabs(b[i]));
+  return gap;
+}
+
+}  // namespace
+
+TEST_CASE("every parallel layout matches the one-process run's losses within 2e-3", "[parallel][cpu]") {
+  const testing::TempDir dir;
+  for (const char* precision : {"--fp8-hybrid", "--bf16"}) {
+    const std::string single = dir.file(std::string("single") + precision + ".jsonl");
+    REQUIRE(testing::run_fp8lm(base_args(precision) + " --metrics-file " + single).exit_code == 0);
+    const std::vector<double> reference = losses(single);
+    REQUIRE(reference.size() == 12);
+    struct Layout {
+      int ranks;
+      const char* flags;
+    };
+    std::vector<Layout> layouts = {{2, "--tensor-model-parallel-size 2"},
+                                   {2, ""},  // DP=2, the distributed optimizer
+                                   {4, "--tensor-model-parallel-size 2"},
+                                   {2, "--tensor-model-parallel-size 2 --sequence-parallel"},
+                                   {2, "--grad-reduce-in-bf16"},
+                                   {2, "--no-use-distributed-optimizer"}};
+    if (std::string(precision) == "--fp8-hybrid") {
+      layouts.push_back({2, "--fp8-grad-comm"});
+      layouts.push_back({2, "--fp8-grad-comm --fp8-grad-reduce reduce-scatter"});
+      layouts.push_back({2, "--fp8-param-gather"});
+      layouts.push_back({4, "--tensor-model-parallel-size 2 --sequence-parallel --fp8-grad-comm --fp8-param-gather"});
+    }
+    for (const Layout& layout : layouts) {
+      const std::string metrics = dir.file("run" + std::to_string(&layout - layouts.data()) + precision + ".jsonl");
+      const auto run = run_ranks(layout.ranks, base_args(std::string(precision) + " " + layout.flags) +
+                                                   " --metrics-file " + metrics);
+      INFO(precision << ", " << layout.ranks << " ranks " << layout.flags << "\n" << run.output);
+      REQUIRE(run.exit_code == 0);
+      const std::vector<double> parallel = losses(metrics);
+      REQUIRE(parallel.size() == 12);
+      // The same initial weights and batch: only the order of the partial sums differs.
+      CHECK(std::fabs(parallel[0] - reference[0]) < 1e-5 * reference[0]);
+      CHECK(largest_relative_gap(parallel, reference) < 2e-3);
+    }
+  }
+}
+
+TEST_CASE("a checkpoint saved at TP=2 x DP=2 resumes at TP=1, TP=4 and exactly at TP=2 x DP=2",
+          "[parallel][cpu][checkpoint]") {
+  const testing::TempDir dir;
+  const std::string args = base_args("--fp8-hybrid --num-attention-heads 4");
+  REQUIRE(run_ranks(4, args + " --tensor-model-parallel-size 2 --metrics-file " + dir.file("straight.jsonl")).exit_code ==
+          0);
+  const auto save = run_ranks(4, args + " --tensor-model-parallel-size 2 --exit-interval 6 --save " + dir.file("ck"));
+  INFO(save.output);
+  REQUIRE(save.exit_code == 0);
+  const std::vector<double> straight = losses(dir.file("straight.jsonl"));
+  REQUIRE(straight.size() == 12);
+  const std::vector<double> continued(straight.begin() + 6, straight.end());
+
+  // The same layout: bit-exact.
+  REQUIRE(run_ranks(4, args + " --tensor-model-parallel-size 2 --load " + dir.file("ck") + " --metrics-file " +
+                           dir.file("same.jsonl"))
+              .exit_code == 0);
+  CHECK(losses(dir.file("same.jsonl")) == continued);
+  // Other layouts: the same curve, within the equivalence bound.
+  const auto one = testing::run_fp8lm(args + " --load " + dir.file("ck") + " --metrics-file " + dir.file("one.jsonl"));
+  INFO(one.output);
+  REQUIRE(one.exit_code == 0);
+  const auto four = run_ranks(4, args + " --tensor-model-parallel-size 4 --load " + dir.file("ck") + " --metrics-file " +
+                                     dir.file("four.jsonl"));
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  for (const char* file : {"one.jsonl", "four.jsonl"}) {
+    const std::vector<double> resumed = losses(dir.file(file));
+    INFO(file);
+    REQUIRE(resumed.size() == 6);
+    CHECK(largest_relative_gap(resumed, continued) < 2e-3);
+  }
+}
+
+TEST_CASE("bad parallel input fails before any work, naming the flag", "[parallel][cpu][cli]") {
+  struct Case {
+    int ranks;
+    std::string flags, expected;
+  };
+  const std::vector<Case> cases = {
+      {2, "--tensor-model-parallel-size 2 --num-attention-heads 3 --hidden-size 48",
+       "--tensor-model-parallel-size 2 does not divide the 3 attention heads"},
+      {3, "--tensor-model-parallel-size 3 --hidden-size 96 --num-attention-heads 3 --ffn-hidden-size 320",
+       "does not divide the MLP width 320"},
+      {4, "--tensor-model-parallel-size 3", "--tensor-model-parallel-size 3"},
+      {2, "--tensor-model-parallel-size 2 --sequence-parallel --seq-length 33", "--sequence-parallel needs --seq-length"},
+      {1, "--sequence-parallel", "--sequence-parallel needs --tensor-model-parallel-size above 1"},
+      {1, "--tensor-model-parallel-size 2", "--tensor-model-parallel-size 2 does not divide the world size 1"},
+      {2, "--fp8-param-gather", "--fp8-param-gather needs --fp8-format"},
+      {2, "--fp8-hybrid --fp8-recipe tensorwise --fp8-param-gather", "--fp8-param-gather needs --fp8-recipe delayed"},
+  };
+  for (const Case& c : cases) {
+    const auto run = c.ranks == 1 ? testing::run_fp8lm(base_args(c.flags)) : run_ranks(c.ranks, base_args(c.flags));
+    INFO(c.ranks << " ranks: " << c.flags << "\n" << run.output);
+    CHECK(run.exit_code == 2);
+    CHECK_THAT(run.output, ContainsSubstring(c.expected));
+    CHECK_THAT(run.output, !ContainsSubstring("iter "));  // no step ran
+  }
+}
