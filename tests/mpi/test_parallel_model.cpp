@@ -1,0 +1,169 @@
+// The one model and the one step across ranks (TP=2 at 2 ranks, TP=2 x DP=2 at 4): every rank
+// holds the same FP8 scaling state, the same weights and the same metrics after every step;
+// and a recording Ops with a recording Communicator pins where each collective of a
+// tensor-parallel block sits between the ops.
+//
+// "mpi:" cases run the CPU backend over MPI; "nccl:" cases the CUDA backend over NCCL, and skip
+// on every rank alike without a GPU per rank.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+#include <mpi.h>
+
+#include "apps/cli.h"
+#include "apps/engine.h"
+#include "apps/run_setup.h"
+#include "core/device.h"
+#include "core/random.h"
+#include "layers/gpt.h"
+#include "layers/ops_cpu.h"
+#include "parallel/mappings.h"
+#include "parallel/process_groups.h"
+#include "parallel/recording_communicator.h"
+#include "tests/recording_ops.h"
+
+using namespace fp8lm;
+
+namespace {
+
+int world_size() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+RunSetup tiny_setup(const ParallelLayout& layout, const std::string& device, std::vector<std::string> extra) {
+  std::vector<std::string> args = {"--config", std::string(FP8LM_SOURCE_DIR) + "/configs/tiny.json", "--mock-data",
+                                   "--device", device, "--seq-length", "32", "--micro-batch-size", "2",
+                                   "--tensor-model-parallel-size", std::to_string(layout.tp_size), "--lr", "3e-3"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return resolve_run_setup(parse_train_command_line(args).options, layout);
+}
+
+std::vector<int32_t> tokens(size_t n, uint64_t seed) {
+  Random random(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(random.next_u64() % 256);
+  return t;
+}
+
+// True when `values` are the same, bit for bit, on every rank of `comm`.
+bool same_on_every_rank(const std::vector<float>& values, MPI_Comm comm) {
+  int size = 1;
+  MPI_Comm_size(comm, &size);
+  std::vector<float> all(values.size() * size_t(size));
+  MPI_Allgather(values.data(), int(values.size() * sizeof(float)), MPI_BYTE, all.data(),
+                int(values.size() * sizeof(float)), MPI_BYTE, comm);
+  for (int r = 1; r < size; ++r)
+    if (!std::equal(values.begin(), values.end(), all.begin() + size_t(r) * values.size(),
+                    [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }))
+      return false;
+  return true;
+}
+
+void check_ranks_agree(const std::string& device, const std::vector<std::string>& flags) {
+  const ParallelLayout layout = detect_parallel_layout(2);
+  const RunSetup setup = tiny_setup(layout, device, flags);
+  TrainingEngine engine(setup, layout);
+  AdamWHyperparams hp;
+  hp.lr = 3e-3f;
+  const int tokens_per_micro_batch = 2 * 32;
+  for (int step = 0; step < 4; ++step) {
+    engine.begin_step();
+    // Each data-parallel rank reads its own batch; tensor-parallel ranks read the same one.
+    const auto x = tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank);
+    const auto y = tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank + 50);
+    engine.forward_backward(x.data(), y.data(), 1.0f / float(tokens_per_micro_batch * layout.dp_size));
+    engine.end_step(hp, 1.0, step);
+    const StepMetrics m = engine.step_metrics();
+    INFO("step " << step << " loss " << m.loss);
+    CHECK(same_on_every_rank({float(m.loss), float(m.grad_norm), float(m.skipped)}, MPI_COMM_WORLD));
+  }
+  const ScalingSnapshot scaling = engine.scaling_state();
+  REQUIRE(!scaling.names.empty());
+  CHECK(same_on_every_rank(scaling.scale, MPI_COMM_WORLD));
+  CHECK(same_on_every_rank(scaling.scale_inv, MPI_COMM_WORLD));
+  CHECK(same_on_every_rank(scaling.history, MPI_COMM_WORLD));
+  CHECK(same_on_every_rank(engine.parameters(), MPI_COMM_WORLD));
+}
+
+}  // namespace
+
+TEST_CASE("mpi: FP8 scales, weights and metrics agree on every rank (delayed scaling)", "[mpi][parallel]") {
+  check_ranks_agree("cpu", {"--fp8-hybrid"});
+  check_ranks_agree("cpu", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+}
+
+TEST_CASE("nccl: FP8 scales, weights and metrics agree on every rank (delayed scaling)", "[nccl][parallel]") {
+  int gpus = cuda_availability().device_count, fewest = gpus;
+  MPI_Allreduce(&gpus, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (fewest < world_size()) SKIP("needs a GPU per rank");
+  check_ranks_agree("cuda", {"--fp8-hybrid"});
+  check_ranks_agree("cuda", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+}
+
+TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model states them", "[mpi][parallel]") {
+  const ParallelLayout layout = detect_parallel_layout(2);
+  ProcessGroups groups = ProcessGroups::create_host(layout);
+  const GptConfig config = tiny_setup(layout, "cpu", {}).model;  // C = 64, 2 heads, F = 256, V = 256
+  const int B = 2, T = 32, BT = B * T, C = config.n_embd;
+  for (const bool sequence_parallel : {false, true}) {
+    INFO("sequence parallel: " << sequence_parallel);
+    std::vector<std::string> log;
+    RecordingCommunicator recorded_tp(groups.tp(), log);
+    auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+    TensorParallelMappings tp(&recorded_tp, sequence_parallel, *ops);
+    GptPrecision precision;
+    precision.gemm = GemmPrecision::fp8;
+    GptModel model(config, B, T, precision, *ops, ModelParallelism{&tp, layout.dp_size});
+    init_gpt_parameters(static_cast<float*>(model.working()), model.layout(), config, 3);
+    model.refresh_weight_operands();
+    float loss_sum = 0.0f;
+    Tensor loss;
+    loss.data = &loss_sum;
+    loss.rows = loss.cols = 1;
+    const auto x = tokens(BT, 1), y = tokens(BT, 2);
+    const TokenBatch batch = ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice());
+    log.clear();
+    model.forward_backward(batch, 1.0f / BT, loss);
+
+    // Block 1's forward, as layers/gpt.cpp states it, with its collectives (the CPU stores
+    // every dtype as FP32, so activations travel as f32 here and as bf16 on the GPU).
+    const std::string rows = std::to_string(BT * C / (sequence_parallel ? 2 : 1));
+    const std::string enter = sequence_parallel ? "tp.all_gather f32 x" + rows : "";  // ln output, all rows
+    const std::string leave = sequence_parallel ? "tp.reduce_scatter f32 x" + rows + " sum"
+                                                : "tp.all_reduce f32 x" + std::to_string(BT * C) + " sum";
+    std::vector<std::string> block = {"residual_layernorm -> e4m3"};
+    if (!enter.empty()) block.push_back(enter);
+    for (const char* line : {"gemm forward e4m3xe4m3 +bias", "attention -> e4m3", "gemm forward e4m3xe4m3"})
+      block.push_back(line);
+    block.push_back(leave);  // the row-parallel c_proj's partial output, summed before the add
+    block.push_back("residual_layernorm -> e4m3");
+    if (!enter.empty()) block.push_back(enter);
+    for (const char* line : {"gemm forward e4m3xe4m3", "bias_gelu -> e4m3", "gemm forward e4m3xe4m3"})
+      block.push_back(line);
+    block.push_back(leave);
+    const auto start = std::find(log.begin(), log.end(), "attention -> e4m3");  // block 0's attention
+    REQUIRE(start != log.end());
+    const auto block1 = std::search(start + 1, log.end(), block.begin(), block.end());
+    CHECK(block1 != log.end());
+    // The vocabulary-parallel embedding sums its rows like a row-parallel output, and the
+    // loss gathers every rank's statistics once.
+    CHECK(log[0] == "embedding_lookup");
+    CHECK(log[1] == (sequence_parallel ? "tp.reduce_scatter f32 x" + rows + " sum"
+                                       : "tp.all_reduce f32 x" + std::to_string(BT * C) + " sum"));
+    CHECK(std::count(log.begin(), log.end(), "tp.all_gather f32 x" + std::to_string(BT * 3)) == 1);
+    // The backward mirrors the forward: each column-parallel input's gradient is summed
+    // (all-reduce, or reduce-scatter under sequence parallelism), each row-parallel output's
+    // gradient gathered under sequence parallelism.
+    const std::string grad_sum = sequence_parallel ? "tp.reduce_scatter f32 x" + rows + " sum"
+                                                   : "tp.all_reduce f32 x" + std::to_string(BT * C) + " sum";
+    const auto backward = std::find(log.begin(), log.end(), "cross_entropy_finish");
+    const long sums = std::count(backward, log.end(), grad_sum);
+    CHECK(sums == 2 * config.n_layer + 1);  // c_attn and c_fc of every block, and the LM head
+    if (sequence_parallel)
+      CHECK(std::count(backward, log.end(), "tp.all_gather f32 x" + rows) == 2 * config.n_layer + 1);
+  }
+}
