@@ -87,38 +87,64 @@ class MetricsFile {
 // The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
 // 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
 // memory, as a table and one JSON line.
-void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector<double> step_ms, double loss) {
+void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector<double> step_ms, double loss,
+                      int64_t steps_run) {
   const TrainOptions& o = setup.options;
+  // Every step sends the same bytes: the counters over the run, per step, for this rank.
+  nlohmann::json bytes_per_step = nlohmann::json::object();
+  for (const auto& [group, traffic] : engine.traffic())
+    bytes_per_step[group] = double(traffic.total_bytes_sent()) / double(std::max<int64_t>(steps_run, 1));
+  // The step's slowest rank sets the pace: every rank's median, the largest.
+  double local_median = 0.0;
   step_ms.erase(step_ms.begin(), step_ms.begin() + std::min<size_t>(o.benchmark_warmup, step_ms.size()));
   std::sort(step_ms.begin(), step_ms.end());
-  const double median_ms = step_ms[step_ms.size() / 2];
+  local_median = step_ms[step_ms.size() / 2];
+  double median_ms = local_median;
+  Communicator& world = engine.host_groups().world();
+  world.all_reduce(&median_ms, &median_ms, 1, CommDtype::f64, ReduceOp::max);
+  double peak = double(engine.benchmark_memory().allocated_bytes), device_used = double(engine.benchmark_memory().device_used_bytes);
+  world.all_reduce(&peak, &peak, 1, CommDtype::f64, ReduceOp::max);
+  world.all_reduce(&device_used, &device_used, 1, CommDtype::f64, ReduceOp::max);
+  if (world.rank() != 0) return;
   const GptConfig& m = setup.model;
+  const int gpus = setup.parallel.world_size;
   const double tokens = double(setup.global_batch_size) * setup.seq_length;
   const double flops_per_token = 6.0 * double(m.num_parameters()) + 12.0 * m.n_layer * setup.seq_length * m.n_embd;
   const double tokens_per_s = tokens / (median_ms * 1e-3);
   const double mfu = flops_per_token * tokens_per_s / 989e12;
-  const BenchmarkMemory memory = engine.benchmark_memory();
   const std::string mode = o.fp8_enabled() ? "fp8-" + std::string(to_string(o.fp8.format)) : std::string(to_string(o.precision));
   log_settings_table("benchmark", {{"mode", mode},
                                    {"model", m.name},
                                    {"micro-batch x seq-length", std::to_string(o.micro_batch_size) + " x " + std::to_string(setup.seq_length)},
                                    {"timed steps (median)", std::to_string(step_ms.size())},
                                    {"median step", std::to_string(median_ms) + " ms"},
-                                   {"tokens/s", std::to_string(tokens_per_s)},
-                                   {"MFU (of 989 TFLOP/s BF16)", std::to_string(mfu)},
-                                   {"peak memory (fp8lm slabs)", std::to_string(memory.allocated_bytes / 1073741824.0) + " GiB"},
-                                   {"device memory in use", std::to_string(memory.device_used_bytes / 1073741824.0) + " GiB"}});
+                                   {"ranks (tp x dp)", std::to_string(setup.parallel.tp_size) + " x " + std::to_string(setup.parallel.dp_size)},
+                                   {"tokens/s (all ranks)", std::to_string(tokens_per_s)},
+                                   {"tokens/s per GPU", std::to_string(tokens_per_s / gpus)},
+                                   {"MFU per GPU (of 989 TFLOP/s BF16)", std::to_string(mfu / gpus)},
+                                   {"peak memory per rank (fp8lm slabs)", std::to_string(peak / 1073741824.0) + " GiB"},
+                                   {"device memory in use (largest rank)", std::to_string(device_used / 1073741824.0) + " GiB"},
+                                   {"bytes sent per step (rank 0)", bytes_per_step.dump()}});
   const nlohmann::json line = {{"peer", "fp8lm-" + mode},
                                {"model", m.name},
                                {"params", m.num_parameters()},
                                {"B", o.micro_batch_size},
                                {"T", setup.seq_length},
+                               {"tp", setup.parallel.tp_size},
+                               {"dp", setup.parallel.dp_size},
+                               {"flags", o.fp8_grad_comm ? "fp8-grad-comm" : o.grad_reduce_in_bf16 ? "bf16-grads" : "fp32-grads"},
+                               {"fp8_param_gather", o.fp8_param_gather},
+                               {"sequence_parallel", o.sequence_parallel},
+                               {"distributed_optimizer", setup.parallel.dp_size > 1 && o.use_distributed_optimizer.value_or(true)},
+                               {"overlap", o.overlap_grad_reduce || o.overlap_param_gather},
                                {"step_ms", median_ms},
                                {"tok_s", tokens_per_s},
+                               {"tok_s_per_gpu", tokens_per_s / gpus},
                                {"tflops", flops_per_token * tokens_per_s / 1e12},
-                               {"mfu_bf16", mfu},
-                               {"peak_gib", memory.allocated_bytes / 1073741824.0},
-                               {"device_used_gib", memory.device_used_bytes / 1073741824.0},
+                               {"mfu_bf16", mfu / gpus},
+                               {"peak_gib", peak / 1073741824.0},
+                               {"device_used_gib", device_used / 1073741824.0},
+                               {"bytes_per_step", bytes_per_step},
                                {"loss", loss}};
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
@@ -279,7 +305,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
     summary.last_val_loss = evaluate(o.train_iters);
   summary.skipped_steps = engine->skip_status().total;
-  if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss);
+  if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss, summary.steps - start_step);
   return summary;
 }
 
