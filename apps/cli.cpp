@@ -73,6 +73,8 @@ void validate_options(const TrainOptions& o) {
   require(!o.sequence_parallel || o.tensor_model_parallel_size > 1,
           "--sequence-parallel needs --tensor-model-parallel-size above 1");
   require(!(o.fp8_grad_comm && o.grad_reduce_in_bf16), "--fp8-grad-comm contradicts --grad-reduce-in-bf16");
+  require(!(o.fp8_grad_comm && o.use_distributed_optimizer == std::optional<bool>(false)),
+          "--fp8-grad-comm needs the distributed optimizer (it reduce-scatters FP8 codes into each rank's shard)");
   require(!o.fp8_param_gather || o.fp8_enabled(), "--fp8-param-gather needs --fp8-format (FP8 Linear weights)");
   require(!o.fp8_param_gather || o.fp8.recipe == ScalingRecipe::delayed,
           "--fp8-param-gather needs --fp8-recipe delayed: the owning rank casts each weight with the scale every "

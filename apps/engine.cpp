@@ -127,7 +127,6 @@ std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
 struct TrainingEngine::State {
   ParallelLayout parallel;
   std::unique_ptr<Ops> ops;
-  cudaStream_t background_stream = nullptr;  // the overlapped data-parallel traffic (GPU)
   std::unique_ptr<ProcessGroups> groups;       // over the backend's memory
   std::unique_ptr<ProcessGroups> host;         // over host memory (MPI)
   std::unique_ptr<TensorParallelMappings> tp;
@@ -143,6 +142,18 @@ struct TrainingEngine::State {
   bool grad_reduce_in_bf16 = false, fp8_grad_comm = false, fp8_param_gather = false;
   GradReduceAlgorithm fp8_grad_reduce = GradReduceAlgorithm::all_to_all;
   Fp8Dtype grad_comm_dtype = Fp8Dtype::e5m2;
+  // Overlap: each bucket's reduction starts on the side lane once the last micro-batch's
+  // backward has its gradients; each bucket's gather runs on the side lane after the update
+  // and the next forward waits for it layer by layer (and casts that layer's FP8 weights).
+  bool overlap_grad_reduce = false, overlap_param_gather = false;
+  int grad_accum_steps = 1;
+  bool last_micro_batch = true;
+  std::vector<std::vector<size_t>> buckets_of_layer;  // [layer + 1]: -1 the embedding .. n_layer the head
+  std::vector<bool> bucket_reduced;                   // this step
+  bool side_lane_busy = false;                        // reductions were queued on the side lane
+  std::vector<bool> refresh_pending;                  // [layer + 1]: gathered weights not cast yet
+  std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
+  std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
   // The master weights, gradients and working-copy values this rank updates.
   std::unique_ptr<Allocation> master_storage, grads_shard_storage, working_shard_storage;
@@ -208,9 +219,12 @@ struct TrainingEngine::State {
   Communicator& world() { return groups->world(); }
   Communicator& dp() { return groups->dp(); }
 
+  const std::vector<size_t>& buckets_of(int layer) const { return buckets_of_layer[size_t(layer + 1)]; }
+  void reduce_bucket(size_t bucket, bool overlapped);
   void reduce_gradients();
-  void reduce_scatter_gradients();
-  void gather_parameters();
+  void reduce_fp8_gradients();
+  void publish_parameters();
+  void cast_weights_of(int layer);
   // The canonical layout's values <-> this rank's shard, through host memory (checkpoints).
   template <typename T>
   std::vector<T> gather_canonical(const void* shard_values);
@@ -234,11 +248,10 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.host = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
   if (s.ops->stream_handle() != nullptr) {
     // The tensor-parallel and data-parallel traffic of the step runs on the backend's own
-    // stream, in its order; the overlapped data-parallel traffic on a second one.
-    CUDA_CHECK(cudaStreamCreateWithFlags(&s.background_stream, cudaStreamNonBlocking));
+    // stream, in its order; the overlapped data-parallel traffic on its side lane.
     const auto compute = static_cast<cudaStream_t>(s.ops->stream_handle());
-    s.groups = std::make_unique<ProcessGroups>(
-        ProcessGroups::create_gpu(layout, NcclStreams{compute, compute, compute, s.background_stream}));
+    const auto side = static_cast<cudaStream_t>(s.ops->side_stream_handle());
+    s.groups = std::make_unique<ProcessGroups>(ProcessGroups::create_gpu(layout, NcclStreams{compute, compute, compute, side}));
   } else {
     s.groups = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
   }
@@ -257,8 +270,26 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.fp8_grad_reduce = o.fp8_grad_reduce;
   s.fp8_param_gather = o.fp8_param_gather;
   s.grad_comm_dtype = gradient_dtype(o.fp8.format);
+  s.overlap_grad_reduce = o.overlap_grad_reduce && layout.dp_size > 1 && !s.fp8_grad_comm;
+  s.overlap_param_gather = o.overlap_param_gather && s.sharded;
+  s.grad_accum_steps = setup.grad_accum_steps;
   GptModel& model = *s.model;
   Ops& device = *s.ops;
+  s.buckets_of_layer.assign(size_t(setup.model.n_layer) + 2, {});
+  for (size_t b = 0; b < model.buckets().size(); ++b) s.buckets_of_layer[size_t(model.buckets()[b].layer + 1)].push_back(b);
+  s.bucket_reduced.assign(model.buckets().size(), false);
+  s.refresh_pending.assign(s.buckets_of_layer.size(), false);
+  s.main_mark = device.make_event();
+  s.side_mark = device.make_event();
+  for (size_t b = 0; b < model.buckets().size(); ++b) s.gathered.push_back(device.make_event());
+  model.set_layer_hooks(LayerHooks{
+      .before_forward = [&s](int layer) { s.cast_weights_of(layer); },
+      .after_backward =
+          [&s](int layer) {
+            if (!s.overlap_grad_reduce || !s.last_micro_batch) return;
+            for (size_t b : s.buckets_of(layer)) s.reduce_bucket(b, /*overlapped=*/true);
+          },
+  });
 
   // The shard and its buffers. With one part, they are the model's own slabs.
   const int parts = s.sharded ? layout.dp_size : 1;
@@ -301,7 +332,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
 
   if (layout.dp_size > 1 && s.grad_reduce_in_bf16 && !s.fp8_grad_comm) {
     s.bf16_full = device.allocate(total * sizeof(uint16_t));
-    s.bf16_shard = device.allocate(S * sizeof(uint16_t));
+    if (s.sharded) s.bf16_shard = device.allocate(S * sizeof(uint16_t));
   }
   size_t largest_part = 0;
   for (const ShardPlan::Part& p : s.shard.parts) largest_part = std::max(largest_part, p.size);
@@ -340,7 +371,6 @@ TrainingEngine::~TrainingEngine() {
   if (!state_) return;
   if (state_->ops) state_->ops->synchronize();
   state_->groups.reset();
-  if (state_->background_stream) cudaStreamDestroy(state_->background_stream);
 }
 
 const TensorLayout& TrainingEngine::layout() const { return state_->canonical; }
@@ -371,99 +401,146 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   GptModel& model = *s.model;
   const TokenBatch batch =
       s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
+  s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
   model.forward_backward(batch, dloss, s.scalar_tensor(&s.device_scalars()->loss_sum));
   ++s.micro_batches;
 }
 
-// Every rank's gradients summed into this rank's shard: the sequence-parallel partial
-// gradients across the tensor-parallel group, then the data-parallel reduction.
-void TrainingEngine::State::reduce_gradients() {
+// Bucket b's gradients complete across ranks: the sequence-parallel partial sums, then
+// the data-parallel reduction (on the side lane when overlapped with the backward). FP8
+// gradients travel for the whole slab at the end of the step (reduce_fp8_gradients).
+void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
+  const ParameterBucket& bucket = model->buckets()[b];
   float* grads = model->gradients();
-  for (const auto& [begin, end] : model->partial_gradient_ranges()) tp->sum_partial_gradients(grads + begin, end - begin);
-  if (parallel.dp_size == 1) return;
-  if (sharded) return reduce_scatter_gradients();
-  // A replicated optimizer: every rank's whole slab summed (FP32).
-  dp().all_reduce(grads, grads, model->layout().total_elements(), CommDtype::f32, ReduceOp::sum);
+  for (const auto& [begin, end] : model->partial_gradient_ranges())
+    if (begin >= bucket.begin && end <= bucket.end) tp->sum_partial_gradients(grads + begin, end - begin);
+  bucket_reduced[b] = true;
+  if (parallel.dp_size == 1 || fp8_grad_comm) return;
+  const size_t length = bucket.end - bucket.begin;
+  uint16_t* bf16 = grad_reduce_in_bf16 ? static_cast<uint16_t*>(bf16_full->data()) + bucket.begin : nullptr;
+  if (bf16) ops->to_bf16_bits(bf16, grads + bucket.begin, length);
+  Communicator& comm = overlapped ? groups->dp_background() : dp();
+  if (overlapped) {
+    ops->record(*main_mark, Ops::Lane::main);
+    ops->wait(*main_mark, Ops::Lane::side);
+    side_lane_busy = true;
+  }
+  if (!sharded) {  // a replicated optimizer: every rank's whole bucket summed
+    if (bf16) return comm.all_reduce(bf16, bf16, length, CommDtype::bf16, ReduceOp::sum);
+    return comm.all_reduce(grads + bucket.begin, grads + bucket.begin, length, CommDtype::f32, ReduceOp::sum);
+  }
+  const ShardPlan::Part& p = shard.parts[b];
+  if (bf16) {
+    comm.reduce_scatter(bf16, static_cast<uint16_t*>(bf16_shard->data()) + p.shard_offset, p.size, CommDtype::bf16,
+                        ReduceOp::sum);
+  } else {
+    comm.reduce_scatter(grads + bucket.begin, grads_shard + p.shard_offset, p.size, CommDtype::f32, ReduceOp::sum);
+  }
 }
 
-void TrainingEngine::State::reduce_scatter_gradients() {
+void TrainingEngine::State::reduce_gradients() {
+  for (size_t b = 0; b < bucket_reduced.size(); ++b)
+    if (!bucket_reduced[b]) reduce_bucket(b, /*overlapped=*/false);
+  std::fill(bucket_reduced.begin(), bucket_reduced.end(), false);
+  if (side_lane_busy) {
+    ops->record(*side_mark, Ops::Lane::side);
+    ops->wait(*side_mark, Ops::Lane::main);
+    side_lane_busy = false;
+  }
+  if (parallel.dp_size == 1) return;
+  if (fp8_grad_comm) return reduce_fp8_gradients();
+  if (!grad_reduce_in_bf16) return;
+  if (sharded) {
+    ops->from_bf16_bits(grads_shard, static_cast<const uint16_t*>(bf16_shard->data()), shard.size);
+  } else {
+    ops->from_bf16_bits(model->gradients(), static_cast<const uint16_t*>(bf16_full->data()),
+                        model->layout().total_elements());
+  }
+}
+
+void TrainingEngine::State::reduce_fp8_gradients() {
   Ops& device = *ops;
   float* grads = model->gradients();
   const int ranks = parallel.dp_size;
-  if (fp8_grad_comm) {
-    // FP8-LM's automatic scaling: one scale per tensor, from the MAX of every rank's amax,
-    // with 1/ranks folded in so that the sum of all ranks' values stays in range.
-    float* amax = static_cast<float*>(tensor_amax->data());
-    float* scale = static_cast<float*>(tensor_scale->data());
-    float* scale_inv = static_cast<float*>(tensor_scale_inv->data());
-    const int count = int(tensor_count());
-    device.zero(amax, count * sizeof(float));
-    device.tensor_amaxes(amax, grads, *full_table);
-    dp().all_reduce(amax, amax, count, CommDtype::f32, ReduceOp::max);
-    device.scales_from_amaxes(scale, scale_inv, amax, count, fp8_max(grad_comm_dtype), float(ranks));
-    uint8_t* codes = static_cast<uint8_t*>(codes_full->data());
-    device.quantize_tensors(codes, grads, *full_table, scale, nullptr, nullptr, grad_comm_dtype);
-    uint8_t* received = static_cast<uint8_t*>(codes_received->data());
-    const CommDtype wire = grad_comm_dtype == Fp8Dtype::e4m3 ? CommDtype::e4m3 : CommDtype::e5m2;
-    for (size_t b = 0; b < shard.parts.size(); ++b) {
-      const ShardPlan::Part& p = shard.parts[b];
-      if (fp8_grad_reduce == GradReduceAlgorithm::all_to_all) {
-        dp().all_to_all(codes + p.bucket_begin, received, p.size, CommDtype::u8);
-        device.sum_fp8_chunks(grads_shard + p.shard_offset, received, ranks, p.size, *part_tables[b], scale_inv,
-                              grad_comm_dtype);
-      } else {
-        dp().reduce_scatter(codes + p.bucket_begin, received, p.size, wire, ReduceOp::sum);
-        device.sum_fp8_chunks(grads_shard + p.shard_offset, received, 1, p.size, *part_tables[b], scale_inv,
-                              grad_comm_dtype);
-      }
-    }
-    return;
-  }
-  for (const ShardPlan::Part& p : shard.parts) {
-    if (grad_reduce_in_bf16) {
-      uint16_t* full = static_cast<uint16_t*>(bf16_full->data()) + p.bucket_begin;
-      uint16_t* part = static_cast<uint16_t*>(bf16_shard->data()) + p.shard_offset;
-      device.to_bf16_bits(full, grads + p.bucket_begin, p.size * size_t(ranks));
-      dp().reduce_scatter(full, part, p.size, CommDtype::bf16, ReduceOp::sum);
-      device.from_bf16_bits(grads_shard + p.shard_offset, part, p.size);
+  // FP8-LM's automatic scaling: one scale per tensor, from the MAX of every rank's amax,
+  // with 1/ranks folded in so that the sum of all ranks' values stays in range.
+  float* amax = static_cast<float*>(tensor_amax->data());
+  float* scale = static_cast<float*>(tensor_scale->data());
+  float* scale_inv = static_cast<float*>(tensor_scale_inv->data());
+  const int count = int(tensor_count());
+  device.zero(amax, count * sizeof(float));
+  device.tensor_amaxes(amax, grads, *full_table);
+  dp().all_reduce(amax, amax, count, CommDtype::f32, ReduceOp::max);
+  device.scales_from_amaxes(scale, scale_inv, amax, count, fp8_max(grad_comm_dtype), float(ranks));
+  uint8_t* codes = static_cast<uint8_t*>(codes_full->data());
+  device.quantize_tensors(codes, grads, *full_table, scale, nullptr, nullptr, grad_comm_dtype);
+  uint8_t* received = static_cast<uint8_t*>(codes_received->data());
+  const CommDtype wire = grad_comm_dtype == Fp8Dtype::e4m3 ? CommDtype::e4m3 : CommDtype::e5m2;
+  for (size_t b = 0; b < shard.parts.size(); ++b) {
+    const ShardPlan::Part& p = shard.parts[b];
+    if (fp8_grad_reduce == GradReduceAlgorithm::all_to_all) {
+      dp().all_to_all(codes + p.bucket_begin, received, p.size, CommDtype::u8);
+      device.sum_fp8_chunks(grads_shard + p.shard_offset, received, ranks, p.size, *part_tables[b], scale_inv,
+                            grad_comm_dtype);
     } else {
-      dp().reduce_scatter(grads + p.bucket_begin, grads_shard + p.shard_offset, p.size, CommDtype::f32, ReduceOp::sum);
+      dp().reduce_scatter(codes + p.bucket_begin, received, p.size, wire, ReduceOp::sum);
+      device.sum_fp8_chunks(grads_shard + p.shard_offset, received, 1, p.size, *part_tables[b], scale_inv,
+                            grad_comm_dtype);
     }
   }
 }
 
 // Every rank's updated weights on every rank: the working copy's parts all-gathered (BF16
 // on the GPU), or, under --fp8-param-gather, the Linear weights as FP8 codes cast by their
-// owner with the scale every rank agreed on.
-void TrainingEngine::State::gather_parameters() {
+// owner with the scale every rank agreed on. Then the weight operands are cast, now or,
+// with an overlapped gather, layer by layer as the next forward reaches them.
+void TrainingEngine::State::publish_parameters() {
   Ops& device = *ops;
-  uint8_t* codes_here = nullptr;
   if (fp8_param_gather) {
-    codes_here = static_cast<uint8_t*>(codes_shard->data());
-    device.quantize_tensors(codes_here, master, *shard_table, device.scales(),
+    device.quantize_tensors(static_cast<uint8_t*>(codes_shard->data()), master, *shard_table, device.scales(),
                             static_cast<const int*>(weight_state_of_tensor->data()), device.amax_history_row(),
                             forward_dtype(recipe.format));
   }
   if (sharded) {
+    Communicator& comm = overlap_param_gather ? groups->dp_background() : dp();
+    if (overlap_param_gather) {
+      ops->record(*main_mark, Ops::Lane::main);
+      ops->wait(*main_mark, Ops::Lane::side);
+    }
     const CommDtype working_dtype = storage_dtype(device, activation_dtype());
     const size_t act_bytes = device.element_bytes(activation_dtype());
     char* working = static_cast<char*>(model->working());
     const char* working_part = static_cast<const char*>(working_shard);
-    for (const ShardPlan::Part& p : shard.parts) {
+    const uint8_t* codes_part = fp8_param_gather ? static_cast<const uint8_t*>(codes_shard->data()) : nullptr;
+    for (size_t b = 0; b < shard.parts.size(); ++b) {
+      const ShardPlan::Part& p = shard.parts[b];
       if (fp8_param_gather && p.linear_weights) {
-        dp().all_gather(codes_here + p.shard_offset, static_cast<uint8_t*>(codes_full->data()) + p.bucket_begin, p.size,
+        comm.all_gather(codes_part + p.shard_offset, static_cast<uint8_t*>(codes_full->data()) + p.bucket_begin, p.size,
                         CommDtype::u8);
       } else {
-        dp().all_gather(working_part + p.shard_offset * act_bytes, working + p.bucket_begin * act_bytes, p.size,
+        comm.all_gather(working_part + p.shard_offset * act_bytes, working + p.bucket_begin * act_bytes, p.size,
                         working_dtype);
       }
+      if (overlap_param_gather) ops->record(*gathered[b], Ops::Lane::side);
     }
   }
+  std::fill(refresh_pending.begin(), refresh_pending.end(), true);
+  if (!overlap_param_gather)
+    for (int layer = -1; layer <= model->config().n_layer; ++layer) cast_weights_of(layer);
+}
+
+// The layer's gathered weights in use: wait for their buckets, cast the weight operands.
+void TrainingEngine::State::cast_weights_of(int layer) {
+  if (!refresh_pending[size_t(layer + 1)]) return;
+  refresh_pending[size_t(layer + 1)] = false;
+  if (overlap_param_gather)
+    for (size_t b : buckets_of(layer)) ops->wait(*gathered[b], Ops::Lane::main);
+  model->refresh_weight_operands(layer, /*fp8_linear_weights=*/!fp8_param_gather);
   if (!fp8_param_gather) return;
-  // With one part, this rank's codes are every code (the shard is the slab).
-  const uint8_t* codes = sharded ? static_cast<const uint8_t*>(codes_full->data()) : codes_here;
+  // With one part this rank's codes are every code (the shard is the slab).
+  const uint8_t* codes = static_cast<const uint8_t*>(sharded ? codes_full->data() : codes_shard->data());
   for (const WeightOperand& w : model->fp8_weight_operands())
-    device.fp8_weight_from_codes(w.operand, codes + model->layout().tensors()[w.tensor].offset);
+    if (w.layer == layer) ops->fp8_weight_from_codes(w.operand, codes + model->layout().tensors()[w.tensor].offset);
 }
 
 void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_grad, int64_t step) {
@@ -513,8 +590,7 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       ops.discard_current_amaxes(s.control());
     }
   }
-  s.gather_parameters();
-  model.refresh_weight_operands(/*fp8_linear_weights=*/!s.fp8_param_gather);
+  s.publish_parameters();
   s.control_readback->capture(s.control());
 }
 
@@ -655,7 +731,9 @@ void TrainingEngine::set_parameters(const std::vector<float>& values) {
     const std::vector<float> master = s.shard_from_canonical(values);
     s.ops->upload(s.master, master.data(), master.size() * sizeof(float));
   }
+  // Every rank holds the whole weights here: every operand is cast from them now.
   model.refresh_weight_operands();
+  std::fill(s.refresh_pending.begin(), s.refresh_pending.end(), false);
   s.ops->synchronize();
 }
 

@@ -162,8 +162,18 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
     spdlog::info("no --valid-data-path: evaluation is off");
 
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
+  // The watchdog polls the engine's NCCL communicators while they live (and stops before
+  // the engine destroys them: this guard goes first).
+  struct Watched {
+    Watchdog* watchdog;
+    std::vector<ncclComm_t> comms;
+    ~Watched() {
+      if (watchdog)
+        for (ncclComm_t comm : comms) watchdog->unwatch(comm);
+    }
+  } watched{watchdog, engine->nccl_comms()};
   if (watchdog)
-    for (ncclComm_t comm : engine->nccl_comms()) watchdog->watch(comm);
+    for (ncclComm_t comm : watched.comms) watchdog->watch(comm);
   const bool first_rank = setup.parallel.world_rank == 0;
   Communicator& world = engine->host_groups().world();
   log_settings_table("memory and optimizer state (rank " + std::to_string(setup.parallel.world_rank) + ")",

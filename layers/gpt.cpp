@@ -121,7 +121,7 @@ TensorLayout make_gpt_shard_layout(const GptConfig& cfg, int tp, int dp, std::ve
       add(h + "mlp.c_proj.bias", {C}, TensorSplit::replicated, false);
     });
   }
-  bucket("head", false, -1, [&] {
+  bucket("head", false, cfg.n_layer, [&] {
     add("ln_f.weight", {C}, TensorSplit::replicated, false, true);
     add("ln_f.bias", {C}, TensorSplit::replicated, false, true);
   });
@@ -471,11 +471,16 @@ const Tensor& GptModel::previous_residual(int layer) const {
 
 void GptModel::forward(const TokenBatch& batch) {
   const Scratch& s = *scratch_;
+  before_forward(-1);
   // The vocabulary-parallel embedding: this slice's rows, summed across the group.
   ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
   tp_->row_parallel_output(s.token_embeddings, s.token_rows);
   ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_);
-  for (int l = 0; l < config_.n_layer; ++l) block_forward(l);
+  for (int l = 0; l < config_.n_layer; ++l) {
+    before_forward(l);
+    block_forward(l);
+  }
+  before_forward(config_.n_layer);
   // ln_f adds the last block's MLP output into the residual stream first.
   const LinearParams& last_fc2 = blocks_.back().fc2;
   ops_.layernorm_forward({.out = local_rows(s.lnf),
@@ -580,10 +585,15 @@ void GptModel::backward(const TokenBatch& batch) {
                            .weight = ln_f_->weight,
                            .mean = s.lnf_mean,
                            .rstd = s.lnf_rstd});
-  for (int l = config_.n_layer - 1; l >= 0; --l) block_backward(l);
+  after_backward(config_.n_layer);
+  for (int l = config_.n_layer - 1; l >= 0; --l) {
+    block_backward(l);
+    after_backward(l);
+  }
   ops_.position_embedding_backward(grad_wpe_, s.dresidual, int(tp_->first_local_row(s.dln.rows)), T_);
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
   ops_.embedding_lookup_backward(head.grad_weight, s.dresidual_full, batch);
+  after_backward(-1);
 }
 
 void GptModel::block_backward(int l) {
@@ -654,18 +664,28 @@ void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
 }
 
 void GptModel::refresh_weight_operands(bool fp8_linear_weights) {
-  for (BlockParams& block : blocks_)
-    for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-      if (linear->owns_operand && (fp8_linear_weights || !is_fp8(linear->weight_operand.dtype)))
-        ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
-  if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{});
+  for (int layer = -1; layer < config_.n_layer; ++layer) refresh_weight_operands(layer, fp8_linear_weights);
+}
+
+void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
+  if (layer < 0) {
+    if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{});
+    return;
+  }
+  if (layer >= config_.n_layer) return;
+  BlockParams& block = blocks_[layer];
+  for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
+    if (linear->owns_operand && (fp8_linear_weights || !is_fp8(linear->weight_operand.dtype)))
+      ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
 }
 
 std::vector<WeightOperand> GptModel::fp8_weight_operands() const {
   std::vector<WeightOperand> operands;
-  for (const BlockParams& block : blocks_)
+  for (int l = 0; l < config_.n_layer; ++l) {
+    const BlockParams& block = blocks_[l];
     for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-      if (is_fp8(linear->weight_operand.dtype)) operands.push_back({linear->tensor, linear->weight_operand});
+      if (is_fp8(linear->weight_operand.dtype)) operands.push_back({linear->tensor, l, linear->weight_operand});
+  }
   return operands;
 }
 

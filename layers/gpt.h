@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -105,7 +106,16 @@ struct ModelParallelism {
 // A Linear weight's GEMM operand, for the engine's FP8 weight gather.
 struct WeightOperand {
   int tensor = -1;  // index in layout()
+  int layer = -1;   // its block
   Tensor operand;   // FP8 [N,K] with its transposed copy
+};
+
+// Where the step can act between the layers (overlapped data-parallel communication).
+// Layers are numbered as buckets are: -1 the embedding (and the tied LM head's weight),
+// 0..n_layer-1 the blocks, n_layer the head (ln_f).
+struct LayerHooks {
+  std::function<void(int layer)> before_forward;  // before the forward reads the layer's parameters
+  std::function<void(int layer)> after_backward;  // once the backward has the layer's gradients
 };
 
 class GptModel {
@@ -144,6 +154,9 @@ class GptModel {
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
   // Without the FP8 Linear weights when they arrive as FP8 codes (--fp8-param-gather).
   void refresh_weight_operands(bool fp8_linear_weights = true);
+  // The same for one layer (-1: the LM head's operand of the tied embedding).
+  void refresh_weight_operands(int layer, bool fp8_linear_weights);
+  void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
   // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
   std::vector<WeightOperand> fp8_weight_operands() const;
   // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients
@@ -193,6 +206,13 @@ class GptModel {
   Tensor wpe_, grad_wpe_;
 
   std::vector<BlockActivations> saved_;
+  LayerHooks hooks_;
+  void before_forward(int layer) const {
+    if (hooks_.before_forward) hooks_.before_forward(layer);
+  }
+  void after_backward(int layer) const {
+    if (hooks_.after_backward) hooks_.after_backward(layer);
+  }
   struct Scratch;
   std::unique_ptr<Scratch> scratch_;
 };

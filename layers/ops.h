@@ -177,7 +177,7 @@ class Ops {
   virtual void download(void* host, const void* source, size_t bytes) = 0;     // waits for the stream
   // FP32 host values into a tensor of any dtype (rounded to it) and back.
   virtual void upload_values(const Tensor& destination, const float* host) = 0;
-  virtual void synchronize() = 0;
+  virtual void synchronize() = 0;  // waits for both lanes
   // Sizes the backend's own workspaces (transposes, reductions, cuBLASLt) for the model.
   virtual void plan_workspace(const ModelShape& shape) = 0;
   virtual size_t workspace_bytes() const = 0;
@@ -210,6 +210,20 @@ class Ops {
   // FP8 weight gather casts with the scales.
   virtual float* amax_history_row() = 0;
   virtual const float* scales() = 0;
+
+  // ---- A second lane for overlapped communication ----------------------------------
+  // The main lane runs the ops; the side lane's stream carries the data-parallel traffic
+  // that overlaps them (the CPU runs both in program order: every call below is a no-op).
+  enum class Lane : uint8_t { main, side };
+  class LaneEvent {
+   public:
+    virtual ~LaneEvent() = default;
+  };
+  virtual void* side_stream_handle() = 0;  // a cudaStream_t on the GPU, nullptr on the CPU
+  virtual std::unique_ptr<LaneEvent> make_event() = 0;
+  // Marks everything queued on `lane` so far; what `lane` runs next waits for a mark.
+  virtual void record(LaneEvent& event, Lane lane) = 0;
+  virtual void wait(LaneEvent& event, Lane lane) = 0;
 
   // ---- Slabs of the parameter layout (optim/slab_ops.h) ----------------------------
   virtual void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) = 0;

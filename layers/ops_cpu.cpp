@@ -118,6 +118,12 @@ class CpuOps final : public Ops {
   float* amax_history_row() override { return scaling_->history().data(); }
   const float* scales() override { return scaling_->scales().data(); }
 
+  // ---- Lanes: one, in program order.
+  void* side_stream_handle() override { return nullptr; }
+  std::unique_ptr<LaneEvent> make_event() override { return std::make_unique<LaneEvent>(); }
+  void record(LaneEvent&, Lane) override {}
+  void wait(LaneEvent&, Lane) override {}
+
   // ---- Slabs
   void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
     cpu::tensor_amaxes(amaxes, values, table.layout());

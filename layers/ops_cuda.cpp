@@ -139,6 +139,7 @@ class CudaOps final : public Ops {
  public:
   CudaOps() {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     amax_sink_.allocate(1);
     tensor_amax_.allocate(1);
     for (cudaEvent_t& event : staging_done_) CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
@@ -148,7 +149,9 @@ class CudaOps final : public Ops {
     for (cudaEvent_t event : staging_done_)
       if (event) cudaEventDestroy(event);
     if (staging_host_) cudaFreeHost(staging_host_);
+    cudaStreamSynchronize(side_stream_);
     gemm_.reset();
+    cudaStreamDestroy(side_stream_);
     cudaStreamDestroy(stream_);
   }
 
@@ -190,7 +193,10 @@ class CudaOps final : public Ops {
     for (size_t i = 0; i < n; ++i) bits[i] = bf16_from_float(host[i]);
     upload(destination.data, bits.data(), n * sizeof(uint16_t));
   }
-  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override {
+    CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
   void plan_workspace(const ModelShape& shape) override {
     const int BT = shape.B * shape.T;
@@ -266,6 +272,22 @@ class CudaOps final : public Ops {
   void set_amax_group(Communicator* group) override { amax_group_ = group; }
   float* amax_history_row() override { return history_.data(); }
   const float* scales() override { return scale_.data(); }
+
+  // ---- Lanes
+  class CudaLaneEvent final : public LaneEvent {
+   public:
+    CudaLaneEvent() { CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+    ~CudaLaneEvent() override { cudaEventDestroy(event); }
+    cudaEvent_t event = nullptr;
+  };
+  void* side_stream_handle() override { return side_stream_; }
+  std::unique_ptr<LaneEvent> make_event() override { return std::make_unique<CudaLaneEvent>(); }
+  void record(LaneEvent& event, Lane lane) override {
+    CUDA_CHECK(cudaEventRecord(static_cast<CudaLaneEvent&>(event).event, lane == Lane::main ? stream_ : side_stream_));
+  }
+  void wait(LaneEvent& event, Lane lane) override {
+    CUDA_CHECK(cudaStreamWaitEvent(lane == Lane::main ? stream_ : side_stream_, static_cast<CudaLaneEvent&>(event).event, 0));
+  }
 
   // ---- Slabs
   void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
@@ -617,6 +639,7 @@ class CudaOps final : public Ops {
   }
 
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
   std::unique_ptr<cuda::GemmEngine> gemm_ = std::make_unique<cuda::GemmEngine>();
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;

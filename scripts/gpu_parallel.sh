@@ -63,7 +63,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     while read -r flags; do
       i=$((i + 1))
       timeout 120 "${mpi[@]}" -np 2 build-gpu/fp8lm $tiny $precision $flags --metrics-file "$logs/eq-$p-$i.jsonl" \
-        > "$logs/eq-$p-$i.log" 2>&1 || { status=1; tail -3 "$logs/eq-$p-$i.log"; }
+        < /dev/null > "$logs/eq-$p-$i.log" 2>&1 || { status=1; tail -3 "$logs/eq-$p-$i.log"; }
       echo "$p-$i: $flags" >> "$logs/eq-layouts.txt"
     done <<'LAYOUTS'
 --tensor-model-parallel-size 2
@@ -73,6 +73,9 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
 --fp8-grad-comm
 --fp8-grad-comm --fp8-grad-reduce reduce-scatter
 --fp8-param-gather
+--grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather
+--fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
+--tensor-model-parallel-size 2 --sequence-parallel --fp8-grad-comm
 LAYOUTS
     compare "$logs/eq-$p-single.jsonl" "$logs"/eq-$p-[0-9]*.jsonl | tee -a "$logs/equivalence.txt"
   done

@@ -40,6 +40,10 @@ class RecordingOps final : public Ops {
   size_t device_memory_in_use() const override { return inner_->device_memory_in_use(); }
 
   void* stream_handle() override { return inner_->stream_handle(); }
+  void* side_stream_handle() override { return inner_->side_stream_handle(); }
+  std::unique_ptr<LaneEvent> make_event() override { return inner_->make_event(); }
+  void record(LaneEvent& event, Lane lane) override { inner_->record(event, lane); }
+  void wait(LaneEvent& event, Lane lane) override { inner_->wait(event, lane); }
   void set_amax_group(Communicator* group) override { inner_->set_amax_group(group); }
   float* amax_history_row() override { return inner_->amax_history_row(); }
   const float* scales() override { return inner_->scales(); }

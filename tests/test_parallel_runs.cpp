@@ -82,11 +82,16 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
                                    {4, "--tensor-model-parallel-size 2"},
                                    {2, "--tensor-model-parallel-size 2 --sequence-parallel"},
                                    {2, "--grad-reduce-in-bf16"},
-                                   {2, "--no-use-distributed-optimizer"}};
+                                   {2, "--no-use-distributed-optimizer"},
+                                   {2, "--grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather"},
+                                   {2, "--no-use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce"},
+                                   {4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce "
+                                       "--overlap-param-gather"}};
     if (std::string(precision) == "--fp8-hybrid") {
       layouts.push_back({2, "--fp8-grad-comm"});
       layouts.push_back({2, "--fp8-grad-comm --fp8-grad-reduce reduce-scatter"});
       layouts.push_back({2, "--fp8-param-gather"});
+      layouts.push_back({2, "--fp8-param-gather --overlap-param-gather --overlap-grad-reduce"});
       layouts.push_back({4, "--tensor-model-parallel-size 2 --sequence-parallel --fp8-grad-comm --fp8-param-gather"});
     }
     for (const Layout& layout : layouts) {
