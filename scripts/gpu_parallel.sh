@@ -105,9 +105,7 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
   bench 1
   bench 2 --grad-reduce-in-bf16
   bench 2 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather
-  bench 2 --fp8-grad-comm --overlap-grad-reduce --overlap-param-gather
   bench 2 --fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
-  bench 2 --fp8-grad-comm --fp8-param-gather
   bench 2 --grad-reduce-in-bf16 --no-use-distributed-optimizer
   bench 2 --tensor-model-parallel-size 2
   bench 2 --tensor-model-parallel-size 2 --sequence-parallel
