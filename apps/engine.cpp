@@ -381,7 +381,10 @@ std::vector<ncclComm_t> TrainingEngine::nccl_comms() const { return state_->grou
 
 std::vector<std::pair<std::string, CommTraffic>> TrainingEngine::traffic() const {
   const ProcessGroups& g = *state_->groups;
-  return {{"tp", g.tp().traffic()}, {"dp", g.dp().traffic()}, {"world", g.world().traffic()}};
+  return {{"tp", g.tp().traffic()},
+          {"dp", g.dp().traffic()},
+          {"dp_overlapped", g.dp_background().traffic()},
+          {"world", g.world().traffic()}};
 }
 
 void TrainingEngine::reset_traffic() {

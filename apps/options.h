@@ -106,6 +106,10 @@ struct TrainOptions {
   int benchmark_warmup = 5;            // --benchmark-warmup: steps left out of the timing
 
   bool fp8_enabled() const { return precision == GemmPrecision::fp8; }
+  // "fp8-hybrid", "fp8-e4m3", "bf16" or "fp32": how logs, benchmarks and checkpoints name the run.
+  std::string precision_name() const {
+    return fp8_enabled() ? "fp8-" + std::string(to_string(fp8.format)) : std::string(to_string(precision));
+  }
 };
 
 }  // namespace fp8lm

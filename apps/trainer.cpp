@@ -112,7 +112,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
   const double flops_per_token = 6.0 * double(m.num_parameters()) + 12.0 * m.n_layer * setup.seq_length * m.n_embd;
   const double tokens_per_s = tokens / (median_ms * 1e-3);
   const double mfu = flops_per_token * tokens_per_s / 989e12;
-  const std::string mode = o.fp8_enabled() ? "fp8-" + std::string(to_string(o.fp8.format)) : std::string(to_string(o.precision));
+  const std::string mode = o.precision_name();
   log_settings_table("benchmark", {{"mode", mode},
                                    {"model", m.name},
                                    {"micro-batch x seq-length", std::to_string(o.micro_batch_size) + " x " + std::to_string(setup.seq_length)},

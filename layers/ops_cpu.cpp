@@ -312,6 +312,7 @@ class CpuOps final : public Ops {
                              call.control->grad_scale, call.scratch);
   }
   void adamw_apply(const AdamWCall& call) override {
+    check_adamw_hyperparams(call.hyperparams);
     if (call.control->skip) return;
     const TensorLayout& layout = call.table->layout();
     cpu::adamw_apply(layout, call.precision, call.master, call.grads, call.state, call.hyperparams,

@@ -12,6 +12,13 @@ std::string_view to_string(OptimizerStatePrecision precision) {
   return precision == OptimizerStatePrecision::fp32 ? "fp32" : "fp8-fp16";
 }
 
+void check_adamw_hyperparams(const AdamWHyperparams& hp) {
+  FP8LM_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "beta1=", hp.beta1);
+  FP8LM_CHECK(hp.beta2 >= 0.0f && hp.beta2 < 1.0f, "beta2=", hp.beta2);
+  FP8LM_CHECK(hp.eps >= 0.0f && hp.lr >= 0.0f && hp.weight_decay >= 0.0f, "eps=", hp.eps, " lr=", hp.lr,
+              " weight_decay=", hp.weight_decay);
+}
+
 AdamWStepScalars adamw_step_scalars(const AdamWHyperparams& hp, int64_t t, float grad_scale,
                                     bool decay) {
   FP8LM_CHECK(t >= 1, "t=", t);
@@ -170,10 +177,7 @@ AdamW::AdamW(const TensorLayout& layout, OptimizerStatePrecision precision)
 
 void AdamW::step(float* params, const float* grads, const AdamWHyperparams& hp, float grad_scale) {
   FP8LM_CHECK(params != nullptr && grads != nullptr);
-  FP8LM_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "beta1=", hp.beta1);
-  FP8LM_CHECK(hp.beta2 >= 0.0f && hp.beta2 < 1.0f, "beta2=", hp.beta2);
-  FP8LM_CHECK(hp.eps >= 0.0f && hp.lr >= 0.0f && hp.weight_decay >= 0.0f, "eps=", hp.eps,
-              " lr=", hp.lr, " weight_decay=", hp.weight_decay);
+  check_adamw_hyperparams(hp);
   FP8LM_CHECK(grad_scale > 0.0f && std::isfinite(grad_scale), "grad_scale=", grad_scale);
 
   ++step_count_;

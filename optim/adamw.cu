@@ -345,13 +345,6 @@ __global__ void bias_corrections_kernel(float* out, const long long* steps, int 
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// The checks of AdamW::step() on the host values.
-void check_hyperparams(const AdamWHyperparams& hp) {
-  FP8LM_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "beta1=", hp.beta1);
-  FP8LM_CHECK(hp.beta2 >= 0.0f && hp.beta2 < 1.0f, "beta2=", hp.beta2);
-  FP8LM_CHECK(hp.eps >= 0.0f && hp.lr >= 0.0f && hp.weight_decay >= 0.0f, "eps=", hp.eps, " lr=", hp.lr,
-              " weight_decay=", hp.weight_decay);
-}
 
 }  // namespace
 
@@ -361,7 +354,7 @@ void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, co
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream) {
-  check_hyperparams(hp);
+  check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_moment_amaxes needs every array");
@@ -379,7 +372,7 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                           cudaStream_t stream) {
-  check_hyperparams(hp);
+  check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_apply needs every array");
@@ -409,7 +402,7 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
                      cudaStream_t stream) {
-  check_hyperparams(hp);
+  check_adamw_hyperparams(hp);
   if (table.num_chunks == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m && v && control, "adamw_step_fp32 needs every array");
   const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m, 16) &&

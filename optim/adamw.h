@@ -127,6 +127,10 @@ FP8LM_HOST_DEVICE inline AdamWStepScalars adamw_scalars(const AdamWHyperparams& 
   return s;
 }
 
+// The hyperparameters' ranges (the CLI validated the user's values; this guards the code
+// paths that build them): RuntimeError otherwise. Both the CPU step and the kernels call it.
+void check_adamw_hyperparams(const AdamWHyperparams& hp);
+
 // Step t (1-based) of the hyperparameters, for a tensor that is (or is not) decayed.
 AdamWStepScalars adamw_step_scalars(const AdamWHyperparams& hp, int64_t t, float grad_scale,
                                     bool decay);

@@ -5,6 +5,8 @@
 #   scripts/gpu_parallel.sh bench      build, then the 2-GPU table at gpt2-1558m and the
 #                                      PyTorch peer under torchrun (needs .carry/torch_gpt_bench.py)
 #   scripts/gpu_parallel.sh all        both
+#   scripts/gpu_parallel.sh final      build, the single-GPU and NCCL tests, the FP8 layouts against
+#                                      one GPU, and the tensor-parallel and traffic rows at gpt2-774m
 # Logs go to build-gpu/logs, and as one logs.tgz to $OUT when set.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,7 +46,7 @@ for path in sys.argv[2:]:
 PY
 }
 
-if [ "$mode" = tests ] || [ "$mode" = all ]; then
+if [ "$mode" = tests ] || [ "$mode" = all ] || [ "$mode" = final ]; then
   step "single-GPU tests"
   CUDA_VISIBLE_DEVICES=0 timeout 420 build-gpu/tests/fp8lm_tests "[gpu]~[.bench]" > "$logs/gpu_tests.log" 2>&1 || status=1
   grep -E "FAILED|test cases|assertions" "$logs/gpu_tests.log" | tail -12
@@ -56,7 +58,9 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
   step "every layout against one GPU: tiny model, 12 steps, over NCCL"
   tiny="--config configs/tiny.json --mock-data --device cuda --seq-length 64 --micro-batch-size 1 --global-batch-size 4
         --train-iters 12 --lr 3e-3 --lr-warmup-iters 2 --log-interval 1 --eval-interval 0 --eval-iters 0 --log-level warn"
-  for precision in --fp8-hybrid --bf16; do
+  precisions="--fp8-hybrid --bf16"
+  [ "$mode" = final ] && precisions=--fp8-hybrid
+  for precision in $precisions; do
     p=${precision#--}
     build-gpu/fp8lm $tiny $precision --metrics-file "$logs/eq-$p-single.jsonl" > "$logs/eq-$p-single.log" 2>&1 || status=1
     i=0
@@ -81,13 +85,29 @@ LAYOUTS
   done
   cat "$logs/eq-layouts.txt"
 
-  step "the socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): TP=2 and DP=2"
-  for flags in "--tensor-model-parallel-size 2 --sequence-parallel" "--fp8-grad-comm"; do
+  [ "$mode" = final ] || step "the socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): TP=2 and DP=2"
+  [ "$mode" = final ] || for flags in "--tensor-model-parallel-size 2 --sequence-parallel" "--fp8-grad-comm"; do
     tag=socket-$(echo "$flags" | tr -dc 'a-z0-9' | head -c 20)
     timeout 180 "${mpi[@]}" -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 -x NCCL_DEBUG=INFO -np 2 build-gpu/fp8lm $tiny \
       --fp8-hybrid $flags --metrics-file "$logs/$tag.jsonl" > "$logs/$tag.log" 2>&1 || status=1
     grep -m1 -oE "NET/Socket|via NET/[A-Za-z]+" "$logs/$tag.log" || echo "(transport line not found)"
     compare "$logs/eq-fp8-hybrid-single.jsonl" "$logs/$tag.jsonl"
+  done
+fi
+
+if [ "$mode" = final ]; then
+  step "gpt2-774m, micro-batch 8, T=1024: TP=1 and 2; the bytes of each data-parallel traffic mode"
+  rm -f "$logs/bench-774m.jsonl"
+  for args in "1" "2 --tensor-model-parallel-size 2" "2 --tensor-model-parallel-size 2 --sequence-parallel" \
+              "2 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather" \
+              "2 --fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather"; do
+    set -- $args
+    ranks=$1; shift
+    run=(build-gpu/fp8lm --config configs/gpt2-774m.json --mock-data --benchmark --micro-batch-size 8 --seq-length 1024
+         --train-iters 14 --benchmark-warmup 5 --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn
+         --fp8-hybrid "$@")
+    if [ "$ranks" = 1 ]; then timeout 150 "${run[@]}"; else timeout 150 "${mpi[@]}" -np "$ranks" "${run[@]}" < /dev/null; fi \
+      2>> "$logs/bench.err" | grep '^{' | tee -a "$logs/bench-774m.jsonl" || status=1
   done
 fi
 
