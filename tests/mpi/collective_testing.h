@@ -35,7 +35,10 @@ class TestBuffer {
   TestBuffer(const BufferSpace& space, size_t bytes) : space_(space), bytes_(bytes) {
     if (space_.on_device) {
       CUDA_CHECK(cudaMalloc(&device_, bytes_ == 0 ? 1 : bytes_));
+      // cudaMemset runs on the legacy default stream, which does not order itself with the
+      // communicator's non-blocking stream: wait, or the poison may land after the result.
       CUDA_CHECK(cudaMemset(device_, kPoison, bytes_));
+      CUDA_CHECK(cudaDeviceSynchronize());
     } else {
       host_.assign(bytes_, kPoison);
     }
