@@ -17,11 +17,12 @@ struct CommandResult {
   std::string output;  // stdout and stderr together
 };
 
-inline CommandResult run_fp8lm(const std::string& arguments) {
+// Runs `command` through the shell, stdout and stderr captured together.
+inline CommandResult run_command(const std::string& command_line) {
   static int counter = 0;
   const std::filesystem::path log =
       std::filesystem::temp_directory_path() / ("fp8lm_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log");
-  const std::string command = std::string(FP8LM_BINARY) + " " + arguments + " > " + log.string() + " 2>&1";
+  const std::string command = command_line + " > " + log.string() + " 2>&1";
   const int status = std::system(command.c_str());
   CommandResult result;
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -32,6 +33,8 @@ inline CommandResult run_fp8lm(const std::string& arguments) {
   std::filesystem::remove(log);
   return result;
 }
+
+inline CommandResult run_fp8lm(const std::string& arguments) { return run_command(std::string(FP8LM_BINARY) + " " + arguments); }
 
 inline std::string source_path(const std::string& relative) { return std::string(FP8LM_SOURCE_DIR) + "/" + relative; }
 

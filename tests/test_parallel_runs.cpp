@@ -30,21 +30,9 @@ std::string base_args(const std::string& extra = "") {
 }
 
 testing::CommandResult run_ranks(int ranks, const std::string& arguments) {
-  static int counter = 0;
-  const std::filesystem::path log = std::filesystem::temp_directory_path() /
-                                    ("fp8lm_mpi_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log");
-  const std::string command = std::string(FP8LM_MPIEXEC) + " -np " + std::to_string(ranks) +
+  return testing::run_command(std::string(FP8LM_MPIEXEC) + " -np " + std::to_string(ranks) +
                               " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1 -x OMP_WAIT_POLICY=PASSIVE " +
-                              FP8LM_BINARY + " " + arguments + " > " + log.string() + " 2>&1";
-  const int status = std::system(command.c_str());
-  testing::CommandResult result;
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream file(log);
-  std::stringstream text;
-  text << file.rdbuf();
-  result.output = text.str();
-  std::filesystem::remove(log);
-  return result;
+                              FP8LM_BINARY + " " + arguments);
 }
 
 std::vector<double> losses(const std::string& metrics_file) {
