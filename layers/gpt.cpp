@@ -575,16 +575,8 @@ void GptModel::backward(const TokenBatch& batch) {
   ops_.quantize(s.logits_grad, s.logits, Tensor{});
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = head.weight_operand, .grad = s.logits_grad});
   ops_.gemm({.pass = GemmPass::wgrad, .out = head.grad_weight, .input = s.lnf, .grad = s.logits_grad});
-  tp_->column_parallel_input_backward(s.dln, s.dln_rows);
   ops_.zero(s.dresidual.data, size_t(s.dresidual.numel()) * ops_.element_bytes(s.dresidual.dtype));
-  ops_.layernorm_backward({.dresidual = s.dresidual,
-                           .dweight = ln_f_->grad_weight,
-                           .dbias = ln_f_->grad_bias,
-                           .dout = s.dln_rows,
-                           .input = s.residual_final,
-                           .weight = ln_f_->weight,
-                           .mean = s.lnf_mean,
-                           .rstd = s.lnf_rstd});
+  layernorm_backward(*ln_f_, s.residual_final, s.lnf_mean, s.lnf_rstd);
   after_backward(config_.n_layer);
   for (int l = config_.n_layer - 1; l >= 0; --l) {
     block_backward(l);
@@ -603,47 +595,50 @@ void GptModel::block_backward(int l) {
   const int tp = tp_->size();
   const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
 
-  // mlp.c_proj: the residual gradient, of all rows, is its output gradient (and its bias's).
-  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
-  const Tensor dy_fc2 = gradient_operand(s.dresidual_full, w.fc2);
-  ops_.quantize(dy_fc2, s.dresidual_full, w.fc2.grad_bias);
-  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dgelu, .weight = w.fc2.weight_operand, .grad = dy_fc2});
-  ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc2.grad_weight, .input = a.gelu, .grad = dy_fc2});
+  // mlp.c_proj, GELU, mlp.c_fc, ln_2.
+  row_parallel_backward(w.fc2, s.dgelu, a.gelu);
   // GELU backward writes c_fc's output-gradient operand and its bias gradient.
   const Tensor dy_fc = gradient_operand_buffer(s.dgelu.rows, s.dgelu.cols, w.fc);
   ops_.gelu_backward(dy_fc, w.fc.grad_bias, s.dgelu, a.fc_pre);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc.grad_weight, .input = a.ln2, .grad = dy_fc});
-  tp_->column_parallel_input_backward(s.dln, s.dln_rows);
-  ops_.layernorm_backward({.dresidual = s.dresidual,
-                           .dweight = w.ln2.grad_weight,
-                           .dbias = w.ln2.grad_bias,
-                           .dout = s.dln_rows,
-                           .input = a.residual_mid,
-                           .weight = w.ln2.weight,
-                           .mean = a.ln2_mean,
-                           .rstd = a.ln2_rstd});
+  layernorm_backward(w.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd);
 
-  // attn.c_proj, attention, c_attn.
-  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
-  const Tensor dy_proj = gradient_operand(s.dresidual_full, w.proj);
-  ops_.quantize(dy_proj, s.dresidual_full, w.proj.grad_bias);
-  ops_.gemm({.pass = GemmPass::dgrad, .out = s.datty, .weight = w.proj.weight_operand, .grad = dy_proj});
-  ops_.gemm({.pass = GemmPass::wgrad, .out = w.proj.grad_weight, .input = a.atty_operand, .grad = dy_proj});
+  // attn.c_proj, attention, c_attn, ln_1.
+  row_parallel_backward(w.proj, s.datty, a.atty_operand);
   ops_.attention_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, heads);
   const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
   ops_.quantize(dy_qkv, s.dqkv, w.qkv.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
   ops_.gemm({.pass = GemmPass::wgrad, .out = w.qkv.grad_weight, .input = a.ln1, .grad = dy_qkv});
+  layernorm_backward(w.ln1, a.residual, a.ln1_mean, a.ln1_rstd);
+}
+
+// A row-parallel linear (c_proj) whose output was added to the residual stream: the residual
+// gradient, of all rows, is its output gradient (and its bias's).
+void GptModel::row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input) {
+  const Scratch& s = *scratch_;
+  tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
+  const Tensor dy = gradient_operand(s.dresidual_full, linear);
+  ops_.quantize(dy, s.dresidual_full, linear.grad_bias);
+  ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = linear.weight_operand, .grad = dy});
+  ops_.gemm({.pass = GemmPass::wgrad, .out = linear.grad_weight, .input = input, .grad = dy});
+}
+
+// A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed
+// over the tensor-parallel group, and its input gradient adds into the residual gradient.
+void GptModel::layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean,
+                                  const Tensor& rstd) {
+  const Scratch& s = *scratch_;
   tp_->column_parallel_input_backward(s.dln, s.dln_rows);
   ops_.layernorm_backward({.dresidual = s.dresidual,
-                           .dweight = w.ln1.grad_weight,
-                           .dbias = w.ln1.grad_bias,
+                           .dweight = ln.grad_weight,
+                           .dbias = ln.grad_bias,
                            .dout = s.dln_rows,
-                           .input = a.residual,
-                           .weight = w.ln1.weight,
-                           .mean = a.ln1_mean,
-                           .rstd = a.ln1_rstd});
+                           .input = input,
+                           .weight = ln.weight,
+                           .mean = mean,
+                           .rstd = rstd});
 }
 
 // ---- Steps ----------------------------------------------------------------------------

@@ -183,6 +183,8 @@ class GptModel {
   // The residual-stream input of block `layer`'s ln_1: the embeddings for block 0, else
   // the previous block's residual after attention (its MLP output is the branch).
   const Tensor& previous_residual(int layer) const;
+  void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
+  void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
   Tensor local_rows(const Tensor& full) const;

@@ -2,18 +2,22 @@
 // and the relative error ||out - ref|| / ||ref|| that every kernel test bounds.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include <catch2/catch_message.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <cuda_bf16.h>
 
+#include "core/check_cuda.h"
 #include "core/device.h"
 #include "core/device_memory_cuda.h"
 #include "core/dtype.h"
+#include "core/fp8.h"
 #include "core/random.h"
 
 // GPU tests call this first; on a machine without a usable GPU the test is reported
@@ -77,6 +81,61 @@ cuda::DeviceBuffer<T> device_copy(const std::vector<T>& host) {
   cuda::DeviceBuffer<T> buffer(host.size());
   buffer.upload(host);
   return buffer;
+}
+
+inline void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+// An output buffer filled with kPoisonByte, so an element the kernel never writes fails.
+template <typename T>
+cuda::DeviceBuffer<T> poisoned(size_t n) {
+  cuda::DeviceBuffer<T> buffer(n);
+  buffer.fill_bytes(kPoisonByte);
+  return buffer;
+}
+
+inline cuda::DeviceBuffer<float> device_scalar(float value) { return device_copy(std::vector<float>{value}); }
+
+template <typename T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+inline float max_abs(const std::vector<float>& values) {
+  float m = 0.0f;
+  for (float v : values) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+inline std::vector<uint8_t> encode_all(const std::vector<float>& values, float scale, Fp8Dtype dtype) {
+  std::vector<uint8_t> codes(values.size());
+  for (size_t i = 0; i < values.size(); i++) codes[i] = fp8_encode(values[i] * scale, dtype);
+  return codes;
+}
+
+// FP8 codes in value order: -127..127 (both zeros are 0), so adjacent values differ by 1.
+inline int code_ordinal(uint8_t code) {
+  return (code & 0x80) ? -static_cast<int>(code & 0x7f) : static_cast<int>(code & 0x7f);
+}
+
+// A GPU kernel's FP8 codes against the CPU's: a code may differ only where the two FP32 values
+// lie on either side of a BF16 rounding boundary (summation order, FMA, tanhf), which is rare,
+// so fewer than kCodeMismatchFraction of them differ and each by one FP8 step (never NaN).
+inline constexpr double kCodeMismatchFraction = 1e-3;
+
+inline void check_codes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected, Fp8Dtype dtype,
+                        const std::string& what) {
+  REQUIRE(got.size() == expected.size());
+  size_t mismatches = 0, far = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    if (got[i] == expected[i]) continue;
+    mismatches++;
+    const bool nan = std::isnan(fp8_decode(got[i], dtype)) || std::isnan(fp8_decode(expected[i], dtype));
+    if (nan || std::abs(code_ordinal(got[i]) - code_ordinal(expected[i])) > 1) far++;
+  }
+  INFO(what << " (" << to_string(dtype) << "): " << mismatches << " of " << got.size()
+            << " FP8 codes differ, " << far << " by more than one step or NaN");
+  CHECK(far == 0);
+  CHECK(static_cast<double>(mismatches) < kCodeMismatchFraction * static_cast<double>(got.size()));
 }
 
 }  // namespace fp8lm::testing

@@ -57,41 +57,12 @@ using cuda::DeviceBuffer;
 constexpr double kBf16Tol = 1e-2;
 constexpr double kGradTol = 1e-3;
 constexpr double kStatTol = 1e-5;
-constexpr double kCodeMismatchFraction = 1e-3;
 constexpr double kAmaxTol = 1e-2;
 constexpr uint32_t kNanAmaxBits = 0x7fc00000u;
 
 const cudaStream_t kStream = nullptr;  // the legacy stream: ordered with the buffers' memsets and copies
 
-void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
-
-template <typename T>
-DeviceBuffer<T> poisoned(size_t n) {
-  DeviceBuffer<T> buffer(n);
-  buffer.fill_bytes(kPoisonByte);
-  return buffer;
-}
-
-DeviceBuffer<float> device_scalar(float value) { return device_copy(std::vector<float>{value}); }
-
 float download_scalar(const DeviceBuffer<float>& buffer) { return buffer.download().at(0); }
-
-template <typename T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-float max_abs(const std::vector<float>& values) {
-  float m = 0.0f;
-  for (float v : values) m = std::max(m, std::fabs(v));
-  return m;
-}
-
-std::vector<uint8_t> encode_all(const std::vector<float>& values, float scale, Fp8Dtype dtype) {
-  std::vector<uint8_t> codes(values.size());
-  for (size_t i = 0; i < values.size(); i++) codes[i] = fp8_encode(values[i] * scale, dtype);
-  return codes;
-}
 
 // [rows, cols] -> [cols, rows]
 template <typename T>
@@ -107,25 +78,6 @@ std::vector<float> difference(const std::vector<float>& a, const std::vector<flo
   std::vector<float> d(a.size());
   for (size_t i = 0; i < a.size(); i++) d[i] = a[i] - b[i];
   return d;
-}
-
-// FP8 codes in value order: -127..127 (both zeros are 0), so adjacent values differ by 1.
-int code_ordinal(uint8_t code) { return (code & 0x80) ? -static_cast<int>(code & 0x7f) : static_cast<int>(code & 0x7f); }
-
-void check_codes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& expected, Fp8Dtype dtype,
-                 const std::string& what) {
-  REQUIRE(got.size() == expected.size());
-  size_t mismatches = 0, far = 0;
-  for (size_t i = 0; i < got.size(); i++) {
-    if (got[i] == expected[i]) continue;
-    mismatches++;
-    const bool nan = std::isnan(fp8_decode(got[i], dtype)) || std::isnan(fp8_decode(expected[i], dtype));
-    if (nan || std::abs(code_ordinal(got[i]) - code_ordinal(expected[i])) > 1) far++;
-  }
-  INFO(what << " (" << to_string(dtype) << "): " << mismatches << " of " << got.size()
-            << " FP8 codes differ, " << far << " by more than one step or NaN");
-  CHECK(far == 0);
-  CHECK(static_cast<double>(mismatches) < kCodeMismatchFraction * static_cast<double>(got.size()));
 }
 
 void check_amax(float got, float expected) {

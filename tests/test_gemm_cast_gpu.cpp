@@ -31,13 +31,12 @@ using fp8lm::cuda::GemmDesc;
 using fp8lm::cuda::GemmEngine;
 using fp8lm::cuda::GemmType;
 using fp8lm::testing::device_copy;
+using fp8lm::testing::device_sync;
 using fp8lm::testing::kPoisonByte;
 using fp8lm::testing::random_floats;
 using fp8lm::testing::relative_error;
 
 namespace {
-
-void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
 
 // ---- host encodings of GEMM matrices ------------------------------------------------------
 

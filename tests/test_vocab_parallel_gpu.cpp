@@ -42,20 +42,6 @@ constexpr double kStatTol = 1e-5;
 
 const cudaStream_t kStream = nullptr;  // the legacy stream: ordered with the buffers' memsets and copies
 
-void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
-
-template <typename T>
-DeviceBuffer<T> poisoned(size_t n) {
-  DeviceBuffer<T> buffer(n);
-  buffer.fill_bytes(kPoisonByte);
-  return buffer;
-}
-
-template <typename T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
 struct Inputs {
   int N, V, Vp;
   std::vector<float> logits;  // [N,Vp], BF16-rounded; padded columns hold large values
