@@ -1,10 +1,20 @@
 #include "apps/checkpointing.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -27,6 +37,11 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kScalingFile = "fp8_scaling.safetensors";
 constexpr const char* kStateFile = "state.json";
+constexpr const char* kStateChecksumFile = "state.json.crc32";
+constexpr const char* kLatestFile = "latest";
+constexpr const char* kLockFile = ".fp8lm.lock";
+// Manifests and checksum records are small; anything larger is not one.
+constexpr uintmax_t kMaxSmallFileBytes = 64u << 20;
 // Version 2 stores the amax history [history, states] (Transformer Engine's layout);
 // version 1 stored it [states, history] and is converted when loaded.
 constexpr int kFormatVersion = 2;
@@ -38,18 +53,57 @@ std::string iteration_dir_name(int64_t iteration) {
   return name;
 }
 
-// Writes `text` to `path` through a temporary file and a rename: never half-written.
-void write_text_atomically(const fs::path& path, const std::string& text) {
-  const fs::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out.good()) throw RuntimeError(temporary.string() + ": write failed", "check free disk space");
+[[noreturn]] void throw_io_error(const std::string& path, const std::string& step, int error_number) {
+  throw RuntimeError(path + ": " + step + " failed (" + std::strerror(error_number) + ")",
+                     "check free disk space, quotas and permissions");
+}
+
+// Makes the directory's entries (creations, renames) durable. Some file systems refuse
+// fsync on a directory (EINVAL); they offer nothing stronger, so that is not an error.
+void fsync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw_io_error(dir.string(), "opening the directory for fsync", errno);
+  if (::fsync(fd) != 0 && errno != EINVAL) {
+    const int error_number = errno;
+    ::close(fd);
+    throw_io_error(dir.string(), "fsync of the directory", error_number);
   }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  if (error) throw RuntimeError(path.string() + ": rename failed: " + error.message());
+  ::close(fd);
+}
+
+void rename_durably(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw_io_error(to.string(), "renaming " + from.string() + " to it", errno);
+  fsync_directory(to.parent_path());
+}
+
+// Test hooks for the save's crash tests, from FP8LM_TEST_SAVE (comma-separated):
+// "kill-at=<point>" SIGKILLs this process at that named point of the save, and
+// "no-exchange" takes the two-rename path of file systems without RENAME_EXCHANGE.
+struct SaveTestHooks {
+  std::string kill_at;
+  bool no_exchange = false;
+};
+
+SaveTestHooks save_test_hooks() {
+  SaveTestHooks hooks;
+  const char* value = std::getenv("FP8LM_TEST_SAVE");
+  std::stringstream list(value ? value : "");
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    if (item == "no-exchange") hooks.no_exchange = true;
+    if (item.rfind("kill-at=", 0) == 0) hooks.kill_at = item.substr(8);
+  }
+  return hooks;
+}
+
+void crash_point(const SaveTestHooks& hooks, const char* point) {
+  if (hooks.kill_at == point) ::raise(SIGKILL);
+}
+
+std::string state_checksum_record(const std::string& state_text) {
+  return "crc32 " + crc32_hex(crc32(state_text.data(), state_text.size())) + " bytes " +
+         std::to_string(state_text.size()) + "\n";
 }
 
 nlohmann::json options_json(const TrainOptions& o) {
@@ -267,32 +321,311 @@ fs::path hf_model_file(const std::string& path) {
 
 bool is_fp8lm_checkpoint(const fs::path& dir) { return fs::is_regular_file(dir / kStateFile); }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream file(path);
-  FP8LM_INPUT_CHECK(file.good(), path.string(), ": cannot open");
-  try {
-    return nlohmann::json::parse(file);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path.string() + ": not valid JSON (" + e.what() + ")");
+// A small file's bytes; InputError naming it when it is not a readable regular file.
+std::string read_small_file(const fs::path& path) {
+  std::error_code error;
+  const fs::file_status status = fs::status(path, error);
+  FP8LM_INPUT_CHECK(!error && fs::exists(status), path.string(), ": missing");
+  FP8LM_INPUT_CHECK(fs::is_regular_file(status), path.string(), ": not a regular file");
+  const uintmax_t bytes = fs::file_size(path, error);
+  FP8LM_INPUT_CHECK(!error && bytes <= kMaxSmallFileBytes, path.string(), ": ",
+                    error ? "cannot read its size" : "too large for a checkpoint manifest");
+  std::ifstream file(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  FP8LM_INPUT_CHECK(!file.bad(), path.string(), ": read failed");
+  return text;
+}
+
+// Checks state.json's bytes against the sidecar record. A checkpoint from before the sidecar
+// existed has none: it loads, with a warning, since refusing every old checkpoint would be
+// worse than the risk; a record that is present and disagrees is always refused.
+void verify_state_checksum(const fs::path& dir, const std::string& state_text) {
+  const fs::path state_path = dir / kStateFile;
+  const fs::path record_path = dir / kStateChecksumFile;
+  std::error_code error;
+  if (!fs::exists(fs::symlink_status(record_path, error))) {
+    spdlog::warn("{}: no {} (a checkpoint written before fp8lm recorded it): the manifest's integrity cannot be "
+                 "checked; the next save of this run records it",
+                 state_path.string(), kStateChecksumFile);
+    return;
+  }
+  const std::string record = read_small_file(record_path);
+  char hex[9] = {};
+  unsigned long long bytes = 0;
+  char trailing = 0;
+  const bool parsed = std::sscanf(record.c_str(), "crc32 %8[0-9a-f] bytes %llu%c", hex, &bytes, &trailing) >= 2 &&
+                      std::strlen(hex) == 8 && (trailing == 0 || trailing == '\n') &&
+                      record == "crc32 " + std::string(hex) + " bytes " + std::to_string(bytes) + "\n";
+  FP8LM_INPUT_CHECK(parsed, record_path.string(),
+                    ": not a checksum record (expected \"crc32 <8 hex digits> bytes <size>\")");
+  if (state_text.size() != bytes || crc32_hex(crc32(state_text.data(), state_text.size())) != hex) {
+    throw InputError(state_path.string() + ": checksum mismatch with " + kStateChecksumFile +
+                         " (the manifest is corrupt or was edited; its progress fields cannot be trusted)",
+                     "restore this checkpoint from a copy, or resume from another iteration with --ckpt-step");
   }
 }
 
-// Verifies each file's size and CRC-32 against state.json before anything is read.
-void verify_files(const fs::path& dir, const nlohmann::json& state) {
-  FP8LM_INPUT_CHECK(state.contains("files") && state["files"].is_object(), (dir / kStateFile).string(),
-                    ": no file checksums recorded");
-  for (const auto& [name, record] : state["files"].items()) {
-    const fs::path file = dir / name;
-    FP8LM_INPUT_CHECK(fs::is_regular_file(file), file.string(), ": missing from the checkpoint");
-    const uint64_t bytes = record.at("bytes").get<uint64_t>();
-    FP8LM_INPUT_CHECK(fs::file_size(file) == bytes, file.string(), ": size ", fs::file_size(file),
-                      " bytes, the checkpoint recorded ", bytes, " (truncated or replaced)");
-    FP8LM_INPUT_CHECK(file_crc32_hex(file.string()) == record.at("crc32").get<std::string>(), file.string(),
-                      ": checksum mismatch (the file is corrupt)");
+const nlohmann::json& manifest_field(const nlohmann::json& state, const std::string& state_path,
+                                     const std::string& pointer) {
+  const nlohmann::json::json_pointer key(pointer);
+  FP8LM_INPUT_CHECK(state.contains(key), state_path, ": missing key \"", pointer.substr(1), "\"");
+  return state.at(key);
+}
+
+uint64_t manifest_count(const nlohmann::json& state, const std::string& state_path, const std::string& pointer) {
+  const nlohmann::json& value = manifest_field(state, state_path, pointer);
+  FP8LM_INPUT_CHECK(value.is_number_unsigned(), state_path, ": key \"", pointer.substr(1),
+                    "\" must be a non-negative integer, not ", value.dump());
+  return value.get<uint64_t>();
+}
+
+std::string manifest_string(const nlohmann::json& state, const std::string& state_path, const std::string& pointer) {
+  const nlohmann::json& value = manifest_field(state, state_path, pointer);
+  FP8LM_INPUT_CHECK(value.is_string(), state_path, ": key \"", pointer.substr(1), "\" must be a string, not ",
+                    value.dump());
+  return value.get<std::string>();
+}
+
+// A recorded file's size and CRC-32, before anything is read from it.
+void verify_data_file(const fs::path& dir, const std::string& name, const nlohmann::json& state,
+                      const std::string& state_path) {
+  const fs::path file = dir / name;
+  FP8LM_INPUT_CHECK(fs::is_regular_file(file), file.string(), ": missing from the checkpoint");
+  const uint64_t bytes = manifest_count(state, state_path, "/files/" + name + "/bytes");
+  const std::string crc = manifest_string(state, state_path, "/files/" + name + "/crc32");
+  FP8LM_INPUT_CHECK(fs::file_size(file) == bytes, file.string(), ": size ", fs::file_size(file),
+                    " bytes, the checkpoint recorded ", bytes, " (truncated or replaced)");
+  FP8LM_INPUT_CHECK(file_crc32_hex(file.string()) == crc, file.string(), ": checksum mismatch (the file is corrupt)");
+}
+
+CheckpointManifest read_manifest(const fs::path& dir, bool verify_data) {
+  const fs::path state_file = dir / kStateFile;
+  const std::string state_path = state_file.string();
+  const std::string text = read_small_file(state_file);
+  verify_state_checksum(dir, text);
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(state_path + ": not valid JSON (" + e.what() + ")");
   }
+  FP8LM_INPUT_CHECK(state.is_object(), state_path, ": not a JSON object");
+  FP8LM_INPUT_CHECK(state.value("format", nlohmann::json()) == "fp8lm-checkpoint", state_path,
+                    ": not an fp8lm checkpoint (key \"format\" is not \"fp8lm-checkpoint\")");
+  CheckpointManifest manifest;
+  manifest.dir = dir.string();
+  const uint64_t version = manifest_count(state, state_path, "/version");
+  FP8LM_INPUT_CHECK(version >= kOldestReadableVersion && version <= kFormatVersion, state_path,
+                    ": unsupported checkpoint version ", version, " (this fp8lm reads versions ", kOldestReadableVersion,
+                    " to ", kFormatVersion, ")");
+  manifest.version = static_cast<int>(version);
+  const uint64_t iteration = manifest_count(state, state_path, "/iteration");
+  const uint64_t skipped = state.contains("skipped_steps") ? manifest_count(state, state_path, "/skipped_steps") : 0;
+  FP8LM_INPUT_CHECK(iteration <= uint64_t{INT64_MAX} && skipped <= uint64_t{INT64_MAX}, state_path,
+                    ": iteration or skipped_steps out of range");
+  manifest.progress.iteration = static_cast<int64_t>(iteration);
+  manifest.progress.skipped_steps = static_cast<int64_t>(skipped);
+  manifest.progress.consumed_samples = manifest_count(state, state_path, "/consumed_samples");
+  manifest.progress.data.epoch = manifest_count(state, state_path, "/data_position/epoch");
+  manifest.progress.data.next_sample = manifest_count(state, state_path, "/data_position/next_sample");
+  if (state.contains(nlohmann::json::json_pointer("/rng/seed"))) {
+    manifest.seed = manifest_count(state, state_path, "/rng/seed");
+  } else if (state.contains(nlohmann::json::json_pointer("/args/seed"))) {
+    manifest.seed = manifest_count(state, state_path, "/args/seed");
+  }
+  manifest.config = parse_gpt_config(manifest_field(state, state_path, "/config"), state_path);
+  manifest.config.name = state.contains("config_name") ? manifest_string(state, state_path, "/config_name")
+                                                       : std::string("checkpoint");
+  manifest.precision = state.contains("precision") ? manifest_string(state, state_path, "/precision") : "?";
+
+  const nlohmann::json& files = manifest_field(state, state_path, "/files");
+  FP8LM_INPUT_CHECK(files.is_object(), state_path, ": key \"files\" must be an object of file records");
+  for (const auto& [name, record] : files.items()) {
+    // Only the names a save writes: a manifest never sends the reader outside its directory.
+    FP8LM_INPUT_CHECK(name == kModelFile || name == kOptimizerFile || name == kScalingFile, state_path,
+                      ": key \"files\" records an unknown file \"", name, "\"");
+    FP8LM_INPUT_CHECK(record.is_object(), state_path, ": key \"files/", name, "\" must be an object");
+    if (verify_data) verify_data_file(dir, name, state, state_path);
+    manifest.files.push_back(name);
+  }
+  for (const char* required : {kModelFile, kOptimizerFile}) {
+    FP8LM_INPUT_CHECK(files.contains(required), state_path, ": key \"files\" does not record ", required,
+                      " (not a complete checkpoint)");
+  }
+  return manifest;
+}
+
+bool records(const CheckpointManifest& manifest, const std::string& file) {
+  return std::find(manifest.files.begin(), manifest.files.end(), file) != manifest.files.end();
+}
+
+// `dir` is what `path` resolved to; it must be a complete checkpoint.
+CheckpointManifest read_resolved_checkpoint(const fs::path& dir, const std::string& path, bool verify_data) {
+  if (!is_fp8lm_checkpoint(dir)) {
+    // An iteration directory (named by `latest` or --ckpt-step), or a directory with weights:
+    // a checkpoint that lost its manifest, or a Hugging Face model.
+    if (fs::is_directory(dir) && (fs::exists(dir / kModelFile) || dir != fs::path(path)))
+      throw InputError(dir.string() + ": not a complete fp8lm checkpoint (" + kStateFile +
+                           ", its progress and checksums, is missing)",
+                       "--init-from " + dir.string() + " starts a fresh run from its weights alone");
+    throw InputError(path + ": not an fp8lm checkpoint (no `latest`, no " + kStateFile + ")",
+                     "--load takes a --save directory or one of its iter_N directories; --init-from takes a Hugging "
+                     "Face model");
+  }
+  return read_manifest(dir, verify_data);
+}
+
+// ".iter_0000100.tmp-<pid>" (staging) or ".iter_0000100.old-<pid>" (aside): hidden, and
+// tagged with the saving process so a leftover is recognisable.
+std::string leftover_name(const std::string& name, const char* kind) {
+  return detail::concat(".", name, kind, ::getpid());
+}
+
+// The copy of iter_N that a save moved aside before moving the new one in (file systems
+// without RENAME_EXCHANGE), if a kill between the two renames left it there.
+std::optional<fs::path> aside_copy(const fs::path& root, const std::string& name) {
+  const std::string prefix = "." + name + ".old-";
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, error)) {
+    const bool aside = entry.path().filename().string().rfind(prefix, 0) == 0;
+    if (aside && is_fp8lm_checkpoint(entry.path())) return entry.path();
+  }
+  return std::nullopt;
+}
+
+// Puts the complete directory `staged` at `final_dir` so that `final_dir` is, at every
+// instant, the old complete checkpoint or the new one: `latest` may name it already (a
+// resumed run re-saving an iteration).
+void publish_directory(const fs::path& staged, const fs::path& final_dir, const SaveTestHooks& hooks) {
+  const fs::path root = final_dir.parent_path();
+  if (!fs::exists(final_dir)) {
+    rename_durably(staged, final_dir);
+    return;
+  }
+  if (!hooks.no_exchange) {
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      fsync_directory(root);
+      crash_point(hooks, "after-exchange");
+      std::error_code ignored;  // a leftover is removed by the next save
+      fs::remove_all(staged, ignored);  // the old checkpoint, now under the staging name
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)
+      throw_io_error(final_dir.string(), "exchanging it with " + staged.string(), errno);
+  }
+  // No atomic exchange here (NFS, for one): the old copy moves aside under a name that
+  // resolve_checkpoint_dir falls back to while final_dir is missing.
+  const fs::path aside = root / leftover_name(final_dir.filename().string(), ".old-");
+  rename_durably(final_dir, aside);
+  crash_point(hooks, "between-renames");
+  rename_durably(staged, final_dir);
+  std::error_code ignored;  // a leftover is removed by the next save
+  fs::remove_all(aside, ignored);
+}
+
+// What killed saves leave: staging directories and aside copies. Called once `latest`
+// names the new checkpoint, so none of them is needed any more; the save lock keeps other
+// runs' saves out of this directory.
+void remove_stale_save_directories(const fs::path& root) {
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, error)) {
+    const std::string name = entry.path().filename().string();
+    const bool leftover = name.find(".tmp-") != std::string::npos || name.find(".old-") != std::string::npos;
+    if (name.rfind(".iter_", 0) != 0 || !leftover) continue;
+    std::error_code remove_error;
+    fs::remove_all(entry.path(), remove_error);
+    if (remove_error)
+      spdlog::warn("{}: cannot remove this leftover of an interrupted save ({})", entry.path().string(),
+                   remove_error.message());
+    else
+      spdlog::info("removed {}, left by an interrupted save", entry.path().string());
+  }
+}
+
+// An iteration directory (state.json), or a --save root: `latest` beside iter_* directories.
+bool is_checkpoint_directory(const fs::path& dir) {
+  std::error_code error;
+  if (fs::is_regular_file(dir / kStateFile, error)) return true;
+  if (!fs::is_regular_file(dir / kLatestFile, error)) return false;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    if (entry.path().filename().string().rfind("iter_", 0) == 0 && entry.is_directory(error)) return true;
+  }
+  return false;
+}
+
+std::string read_lock_holder(int fd) {
+  char buffer[256] = {};
+  const ssize_t got = ::pread(fd, buffer, sizeof buffer - 1, 0);
+  std::string holder = got > 0 ? std::string(buffer, static_cast<size_t>(got)) : std::string();
+  while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+  return holder.empty() ? "a process that has not yet written its pid and host" : holder;
 }
 
 }  // namespace
+
+void write_file_durably(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".tmp";
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw_io_error(temporary, "creating", errno);
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error_number = errno;
+      ::close(fd);
+      ::unlink(temporary.c_str());
+      throw_io_error(temporary, "writing", error_number);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int error_number = errno;
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    throw_io_error(temporary, "fsync", error_number);
+  }
+  if (::close(fd) != 0) {
+    const int error_number = errno;
+    ::unlink(temporary.c_str());
+    throw_io_error(temporary, "closing", error_number);
+  }
+  const fs::path target(path);
+  rename_durably(temporary, target.has_parent_path() ? target : fs::path(".") / target);
+}
+
+SaveDirectoryLock::SaveDirectoryLock(const std::string& dir) {
+  std::error_code error;
+  fs::create_directories(dir, error);
+  FP8LM_INPUT_CHECK(!error, "--save ", dir, ": cannot create the directory (", error.message(), ")");
+  const std::string path = (fs::path(dir) / kLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  FP8LM_INPUT_CHECK(fd_ >= 0, "--save ", dir, ": cannot create the lock file ", path, " (", std::strerror(errno), ")");
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error_number = errno;
+    if (error_number == EWOULDBLOCK) {
+      const std::string holder = read_lock_holder(fd_);
+      ::close(fd_);
+      fd_ = -1;
+      throw InputError("--save " + dir + ": another fp8lm run is saving into this directory (" + holder + ", lock " +
+                           path + ")",
+                       "wait for it to end, or give this run another --save directory");
+    }
+    // A file system without locks (some NFS setups): say so rather than pretend.
+    spdlog::warn("--save {}: cannot lock {} ({}); make sure no other run saves into this directory", dir, path,
+                 std::strerror(error_number));
+    return;
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "unknown");
+  const std::string holder = "pid " + std::to_string(::getpid()) + " on host " + host + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, holder.data(), holder.size(), 0) != ssize_t(holder.size()))
+    spdlog::warn("{}: cannot record this run's pid and host in the lock file ({})", path, std::strerror(errno));
+}
+
+SaveDirectoryLock::~SaveDirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
 
 std::string resolve_checkpoint_dir(const std::string& path, std::optional<int64_t> step) {
   const fs::path root(path);
@@ -302,29 +635,74 @@ std::string resolve_checkpoint_dir(const std::string& path, std::optional<int64_
     FP8LM_INPUT_CHECK(fs::is_directory(dir), dir.string(), ": no checkpoint for --ckpt-step ", *step);
     return dir.string();
   }
-  const fs::path latest = root / "latest";
-  if (fs::is_regular_file(latest)) {
-    std::ifstream file(latest);
-    long long iteration = -1;
-    file >> iteration;
-    FP8LM_INPUT_CHECK(iteration >= 0, latest.string(), ": does not hold an iteration number");
-    const fs::path dir = root / iteration_dir_name(iteration);
-    FP8LM_INPUT_CHECK(fs::is_directory(dir), latest.string(), " names iteration ", iteration, " but ", dir.string(),
-                      " does not exist");
-    return dir.string();
+  const fs::path latest = root / kLatestFile;
+  if (!fs::exists(latest)) return root.string();  // a checkpoint directory itself, or a Hugging Face model
+  std::string text = read_small_file(latest);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  const bool digits = !text.empty() && text.size() <= 18 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  FP8LM_INPUT_CHECK(digits, latest.string(), ": does not hold an iteration number");
+  const int64_t iteration = std::stoll(text);
+  const std::string name = iteration_dir_name(iteration);
+  const fs::path dir = root / name;
+  if (fs::is_directory(dir)) return dir.string();
+  if (const std::optional<fs::path> aside = aside_copy(root, name)) {
+    spdlog::warn("{} names iteration {}, but {} is missing: a save was killed between its two renames; using the "
+                 "previous copy {}",
+                 latest.string(), iteration, dir.string(), aside->string());
+    return aside->string();
   }
-  return root.string();  // a checkpoint directory itself, or a Hugging Face model
+  throw InputError(detail::concat(latest.string(), " names iteration ", iteration, " but ", dir.string(),
+                                  " does not exist"),
+                   "--ckpt-step N resumes from another iteration");
+}
+
+CheckpointManifest read_checkpoint(const std::string& path, std::optional<int64_t> step, bool verify_data) {
+  return read_resolved_checkpoint(resolve_checkpoint_dir(path, step), path, verify_data);
+}
+
+void check_export_directory(const std::string& to, const std::string& load, const CheckpointManifest& checkpoint) {
+  const fs::path target = fs::weakly_canonical(to);
+  const fs::path load_root = fs::weakly_canonical(load);
+  const fs::path checkpoint_dir = fs::weakly_canonical(checkpoint.dir);
+  const std::string hint = "give --to a directory outside every checkpoint directory";
+  for (fs::path p = target;; p = p.parent_path()) {
+    if (p == load_root || p == checkpoint_dir || is_checkpoint_directory(p)) {
+      throw InputError("--to " + to + ": " + (p == target ? "is" : "lies inside") + " the checkpoint directory " +
+                           p.string() + "; convert never writes into a checkpoint",
+                       hint);
+    }
+    if (p == p.parent_path()) break;
+  }
+  std::vector<fs::path> inputs = {fs::path(checkpoint.dir) / kStateFile};
+  for (const std::string& file : checkpoint.files) inputs.push_back(fs::path(checkpoint.dir) / file);
+  for (const char* output : {kModelFile, "config.json"}) {
+    const fs::path written = target / output;
+    std::error_code error;
+    for (const fs::path& input : inputs) {
+      if (fs::exists(written) && fs::equivalent(written, input, error))
+        throw InputError("--to " + to + ": " + written.string() + " is the checkpoint's own " + input.string() +
+                             " (a link); convert never writes over its inputs",
+                         hint);
+    }
+  }
+}
+
+
+void adopt_resume_checkpoint(TrainOptions& options) {
+  if (options.load_dir.empty()) return;
+  const CheckpointManifest manifest = read_checkpoint(options.load_dir, options.ckpt_step, /*verify_data=*/false);
+  if (manifest.seed && *manifest.seed != options.seed) {
+    spdlog::warn("--seed {} differs from the seed {} of the checkpoint {}; resuming with {} so the data order "
+                 "continues where it stopped",
+                 options.seed, *manifest.seed, manifest.dir, *manifest.seed);
+    options.seed = *manifest.seed;
+  }
 }
 
 std::optional<GptConfig> stored_model_config(const std::string& path, std::optional<int64_t> step) {
   const fs::path dir = resolve_checkpoint_dir(path, step);
-  if (is_fp8lm_checkpoint(dir)) {
-    const nlohmann::json state = read_json(dir / kStateFile);
-    FP8LM_INPUT_CHECK(state.contains("config"), (dir / kStateFile).string(), ": no model config");
-    GptConfig config = parse_gpt_config(state["config"], (dir / kStateFile).string());
-    config.name = state.value("config_name", std::string("checkpoint"));
-    return config;
-  }
+  if (is_fp8lm_checkpoint(dir)) return read_manifest(dir, /*verify_data=*/false).config;
   const fs::path hf_dir = fs::is_regular_file(dir) ? dir.parent_path() : dir;
   if (fs::is_regular_file(hf_dir / "config.json")) {
     GptConfig config = load_gpt_config((hf_dir / "config.json").string());
@@ -350,74 +728,83 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
     world.barrier();
     return final_dir.string();
   }
+  const SaveTestHooks hooks = save_test_hooks();
 
   std::error_code error;
   fs::create_directories(root, error);
   if (error) throw InputError("--save " + dir + ": cannot create the directory (" + error.message() + ")");
-  const fs::path temporary = root / ("." + name + ".tmp-" + std::to_string(::getpid()));
+  const fs::path temporary = root / leftover_name(name, ".tmp-");
   fs::remove_all(temporary);
   fs::create_directories(temporary);
 
-  write_model_file(temporary / kModelFile, layout, parameters, setup.model);
-  {
-    SafetensorsWriter writer;
-    add_optimizer_tensors(writer, layout, optimizer);
-    writer.write((temporary / kOptimizerFile).string());
-  }
-  std::vector<std::string> files = {kModelFile, kOptimizerFile};
-  if (scaling) {
-    SafetensorsWriter writer;
-    add_scaling_tensors(writer, *scaling);
-    writer.write((temporary / kScalingFile).string());
-    files.push_back(kScalingFile);
-  }
+  // A failed save (a full disk, say) removes its staging directory: the space goes back,
+  // and what `latest` names was never touched.
+  try {
+    write_model_file(temporary / kModelFile, layout, parameters, setup.model);
+    {
+      SafetensorsWriter writer;
+      add_optimizer_tensors(writer, layout, optimizer);
+      writer.write((temporary / kOptimizerFile).string());
+    }
+    std::vector<std::string> files = {kModelFile, kOptimizerFile};
+    if (scaling) {
+      SafetensorsWriter writer;
+      add_scaling_tensors(writer, *scaling);
+      writer.write((temporary / kScalingFile).string());
+      files.push_back(kScalingFile);
+    }
+    crash_point(hooks, "files-written");
 
-  nlohmann::json state = {{"format", "fp8lm-checkpoint"},
-                          {"version", kFormatVersion},
-                          {"iteration", progress.iteration},
-                          {"consumed_samples", progress.consumed_samples},
-                          {"data_position", {{"epoch", progress.data.epoch}, {"next_sample", progress.data.next_sample}}},
-                          {"skipped_steps", progress.skipped_steps},
-                          // fp8lm draws random numbers only at initialisation and for the data order,
-                          // which the seed and the data position reproduce exactly.
-                          {"rng", {{"seed", setup.options.seed}, {"data_position_is_the_state", true}}},
-                          {"precision", std::string(to_string(setup.options.precision))},
-                          {"config", to_hf_json(setup.model)},
-                          {"config_name", setup.model.name},
-                          {"args", options_json(setup.options)}};
-  for (const std::string& file : files) {
-    const fs::path path = temporary / file;
-    state["files"][file] = {{"bytes", fs::file_size(path)}, {"crc32", file_crc32_hex(path.string())}};
+    nlohmann::json state = {{"format", "fp8lm-checkpoint"},
+                            {"version", kFormatVersion},
+                            {"iteration", progress.iteration},
+                            {"consumed_samples", progress.consumed_samples},
+                            {"data_position",
+                             {{"epoch", progress.data.epoch}, {"next_sample", progress.data.next_sample}}},
+                            {"skipped_steps", progress.skipped_steps},
+                            // fp8lm draws random numbers only at initialisation and for the data order,
+                            // which the seed and the data position reproduce exactly.
+                            {"rng", {{"seed", setup.options.seed}, {"data_position_is_the_state", true}}},
+                            {"precision", std::string(to_string(setup.options.precision))},
+                            {"config", to_hf_json(setup.model)},
+                            {"config_name", setup.model.name},
+                            {"args", options_json(setup.options)}};
+    for (const std::string& file : files) {
+      const fs::path path = temporary / file;
+      state["files"][file] = {{"bytes", fs::file_size(path)}, {"crc32", file_crc32_hex(path.string())}};
+    }
+    const std::string state_text = state.dump(2) + "\n";
+    write_file_durably((temporary / kStateFile).string(), state_text);
+    write_file_durably((temporary / kStateChecksumFile).string(), state_checksum_record(state_text));
+    fsync_directory(temporary);
+    crash_point(hooks, "staged");
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(temporary, ignored);
+    throw;
   }
-  write_text_atomically(temporary / kStateFile, state.dump(2) + "\n");
 
   // Publish: the complete directory takes the final name, then `latest` moves.
-  if (fs::exists(final_dir)) {
-    const fs::path old = root / ("." + name + ".old-" + std::to_string(::getpid()));
-    fs::rename(final_dir, old);
-    fs::rename(temporary, final_dir);
-    fs::remove_all(old);
-  } else {
-    fs::rename(temporary, final_dir);
-  }
-  write_text_atomically(root / "latest", std::to_string(progress.iteration) + "\n");
+  publish_directory(temporary, final_dir, hooks);
+  crash_point(hooks, "published");
+  write_file_durably((root / kLatestFile).string(), std::to_string(progress.iteration) + "\n");
+  remove_stale_save_directories(root);
   spdlog::info("saved checkpoint {} (iteration {})", final_dir.string(), progress.iteration);
   world.barrier();
   return final_dir.string();
 }
 
 LoadedState load_into_engine(const std::string& path, std::optional<int64_t> step, const RunSetup& setup,
-                             TrainingEngine& engine) {
-  const fs::path dir = resolve_checkpoint_dir(path, step);
+                             TrainingEngine& engine, CheckpointUse use) {
   const TensorLayout& layout = engine.layout();
   LoadedState loaded;
-  loaded.path = dir.string();
   std::vector<float> params(layout.total_elements(), 0.0f);
 
-  if (!is_fp8lm_checkpoint(dir)) {
+  const fs::path resolved = resolve_checkpoint_dir(path, step);
+  if (use == CheckpointUse::weights_only && !is_fp8lm_checkpoint(resolved)) {
     // A Hugging Face GPT-2 model: weights only; optimizer and FP8 scaling start fresh
     // (the first FP8 step takes its scales from the tensors themselves).
-    const fs::path file = hf_model_file(dir.string());
+    const fs::path file = hf_model_file(resolved.string());
     FP8LM_INPUT_CHECK(fs::is_regular_file(file), path,
                       ": neither an fp8lm checkpoint (state.json) nor a Hugging Face model (model.safetensors)");
     const SafetensorsFile model = SafetensorsFile::open(file.string());
@@ -429,15 +816,11 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
     return loaded;
   }
 
-  const nlohmann::json state = read_json(dir / kStateFile);
+  const CheckpointManifest manifest = read_resolved_checkpoint(resolved, path, /*verify_data=*/true);
+  const fs::path dir(manifest.dir);
   const std::string state_path = (dir / kStateFile).string();
-  FP8LM_INPUT_CHECK(state.value("format", "") == "fp8lm-checkpoint", state_path, ": not an fp8lm checkpoint");
-  const int version = state.value("version", 0);
-  FP8LM_INPUT_CHECK(version >= kOldestReadableVersion && version <= kFormatVersion, state_path,
-                    ": unsupported checkpoint version ", version, " (this fp8lm reads versions ", kOldestReadableVersion,
-                    " to ", kFormatVersion, ")");
-  verify_files(dir, state);
-  const GptConfig stored = parse_gpt_config(state.at("config"), state_path);
+  loaded.path = manifest.dir;
+  const GptConfig& stored = manifest.config;
   FP8LM_INPUT_CHECK(stored.n_layer == setup.model.n_layer && stored.n_embd == setup.model.n_embd &&
                         stored.n_head == setup.model.n_head && stored.n_inner == setup.model.n_inner &&
                         stored.vocab_size == setup.model.vocab_size && stored.n_positions == setup.model.n_positions,
@@ -446,13 +829,19 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   // Read and check everything before the engine changes.
   const SafetensorsFile model = SafetensorsFile::open((dir / kModelFile).string());
   load_hf_parameters(model, layout, setup.model, params.data());
+  if (use == CheckpointUse::weights_only) {
+    engine.set_parameters(params);
+    spdlog::info("initialised from the weights of checkpoint {}; optimizer, FP8 scaling and progress start fresh",
+                 manifest.dir);
+    return loaded;
+  }
   const SafetensorsFile optimizer_file = SafetensorsFile::open((dir / kOptimizerFile).string());
   const OptimizerSnapshot optimizer = read_optimizer_state(optimizer_file, layout, setup.options.optimizer_state);
   std::optional<ScalingSnapshot> scaling;
   if (setup.options.fp8_enabled()) {
-    if (fs::is_regular_file(dir / kScalingFile)) {
+    if (records(manifest, kScalingFile)) {
       const SafetensorsFile scaling_file = SafetensorsFile::open((dir / kScalingFile).string());
-      scaling = read_scaling_state(scaling_file, engine.scaling_state(), version);
+      scaling = read_scaling_state(scaling_file, engine.scaling_state(), manifest.version);
     } else {
       spdlog::info("{}: no FP8 scaling state (a BF16 run); FP8 starts with empty amax histories", dir.string());
     }
@@ -462,14 +851,10 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   engine.set_optimizer_state(optimizer);
   if (scaling) engine.set_scaling_state(*scaling);
   loaded.resumed = true;
-  loaded.progress.iteration = state.at("iteration").get<int64_t>();
-  loaded.progress.consumed_samples = state.at("consumed_samples").get<uint64_t>();
-  loaded.progress.data.epoch = state.at("data_position").at("epoch").get<uint64_t>();
-  loaded.progress.data.next_sample = state.at("data_position").at("next_sample").get<uint64_t>();
-  loaded.progress.skipped_steps = state.value("skipped_steps", int64_t{0});
+  loaded.progress = manifest.progress;
   engine.set_total_skips(loaded.progress.skipped_steps);
   spdlog::info("resumed from {} at iteration {} ({} precision checkpoint)", dir.string(), loaded.progress.iteration,
-               state.value("precision", std::string("?")));
+               manifest.precision);
   return loaded;
 }
 

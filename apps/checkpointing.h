@@ -5,18 +5,27 @@
 //   optimizer.safetensors    AdamW state in its stored precision: E4M3 m and FP16 v with
 //                            per-tensor scales (or FP32 m and v), plus the step count
 //   fp8_scaling.safetensors  every FP8 operand's amax history, scale and scale_inv (FP8 runs)
-//   state.json               iteration, consumed samples, data position, skip count, the
-//                            seed, the model config, every argument, and the CRC-32 and
-//                            size of each file above
-// It is written as DIR/.iter_0000100.tmp and renamed when complete; only then is
-// DIR/latest (Megatron's text file holding the iteration) replaced, by rename too.
-// Loading checks every file's size and checksum and every tensor's shape before it
-// changes anything, and errors name the file.
+//   state.json               the manifest: iteration, consumed samples, data position, skip
+//                            count, the seed, the model config, every argument, and the
+//                            CRC-32 and size of each file above
+//   state.json.crc32         the manifest's own CRC-32 and size ("crc32 <hex> bytes <n>")
+// The rule is that at every instant DIR/latest (Megatron's text file holding the
+// iteration) names a complete checkpoint: a save writes and fsyncs every file into
+// DIR/.iter_0000100.tmp-<pid>, fsyncs that directory, moves it into place (an atomic
+// exchange when iter_0000100 already exists, so a re-save never leaves a moment without
+// it), fsyncs DIR, and only then replaces `latest` the same way (write, fsync, rename,
+// fsync DIR). docs/RELIABILITY.md lists the guarantees and the tests that check them.
+//
+// Loading checks state.json against its checksum, then every file's size and CRC-32,
+// before it changes anything, and errors name the file. A checkpoint without
+// state.json.crc32 (written before it existed) loads with a warning; one whose checksum is
+// wrong is refused.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "apps/engine.h"
 #include "apps/run_setup.h"
@@ -31,9 +40,53 @@ struct TrainingProgress {
   int64_t skipped_steps = 0;      // non-finite steps so far
 };
 
-// Writes DIR/iter_<iteration> atomically and points DIR/latest at it. Returns its path.
+// Writes DIR/iter_<iteration> atomically and durably, points DIR/latest at it, and removes
+// what killed saves left behind (DIR/.iter_*.tmp-* and .old-*). Returns its path.
 std::string save_checkpoint(const std::string& dir, const RunSetup& setup, TrainingEngine& engine,
                             const TrainingProgress& progress);
+
+// An exclusive lock on a --save directory for this object's lifetime: an flock on
+// DIR/.fp8lm.lock, which the kernel releases however the process ends, so a killed run
+// leaves no stale lock. Two runs saving into one directory would interleave their
+// checkpoints; the second one is refused at start-up instead.
+class SaveDirectoryLock {
+ public:
+  // Creates DIR if needed and locks it. InputError naming DIR and the holder's pid and host
+  // when another process holds the lock.
+  explicit SaveDirectoryLock(const std::string& dir);
+  ~SaveDirectoryLock();
+  SaveDirectoryLock(const SaveDirectoryLock&) = delete;
+  SaveDirectoryLock& operator=(const SaveDirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// What a complete checkpoint's state.json says, read and checked.
+struct CheckpointManifest {
+  std::string dir;                  // the iteration directory
+  int version = 0;
+  TrainingProgress progress;
+  std::optional<uint64_t> seed;     // the run's --seed (absent in hand-made manifests)
+  GptConfig config;
+  std::string precision;            // the saving run's, for messages
+  std::vector<std::string> files;   // the data files it records (model and optimizer at least)
+};
+
+// The complete fp8lm checkpoint that `path` and `step` designate (see
+// resolve_checkpoint_dir): state.json checked against state.json.crc32, every field it needs
+// present and well-typed, and with verify_data every recorded file's size and CRC-32
+// checked. This is the one load-and-verify path of `train --load`, `--init-from` of a
+// checkpoint and `convert`. InputError naming the file otherwise; a directory that is not a
+// complete checkpoint (no state.json) is refused, with a hint at --init-from.
+CheckpointManifest read_checkpoint(const std::string& path, std::optional<int64_t> step, bool verify_data);
+
+// `fp8lm convert` writes model.safetensors and config.json into `to`. Into a checkpoint that
+// would replace the checkpoint's own model.safetensors, so `to` may be neither a checkpoint
+// directory (a --save directory holding `latest` beside iter_* directories, or an iteration
+// directory holding state.json) nor inside one, nor a directory whose outputs are, through a
+// link, the files of `checkpoint` (read from `load`). InputError naming --to otherwise.
+void check_export_directory(const std::string& to, const std::string& load, const CheckpointManifest& checkpoint);
 
 // What --load / --init-from found.
 struct LoadedState {
@@ -42,20 +95,40 @@ struct LoadedState {
   TrainingProgress progress;
 };
 
-// Loads `path` into the engine: an fp8lm checkpoint directory (DIR with `latest`, or
-// DIR/iter_N itself, or --ckpt-step N), or a Hugging Face GPT-2 model (a
-// model.safetensors file or a directory holding one) whose weights start a fresh run.
-// Precision may differ from the saving run's: optimizer state is converted, FP8
+// How a run uses the checkpoint it loads.
+enum class CheckpointUse {
+  resume,        // --load: a complete fp8lm checkpoint, nothing less; everything is restored
+  weights_only,  // --init-from: a Hugging Face model or an fp8lm checkpoint; weights only
+};
+
+// Loads `path` into the engine. resume: an fp8lm checkpoint directory (DIR with `latest`,
+// or DIR/iter_N itself, or --ckpt-step N), with its optimizer and FP8 scaling state and
+// progress. weights_only: the weights of such a checkpoint, or of a Hugging Face GPT-2 model
+// (a model.safetensors file or a directory holding one); optimizer and FP8 scaling start
+// fresh. Precision may differ from the saving run's: optimizer state is converted, FP8
 // scaling state is kept only when the run is FP8 with the same operands and history
 // length, and otherwise starts empty (the first step then uses current scaling).
 LoadedState load_into_engine(const std::string& path, std::optional<int64_t> step, const RunSetup& setup,
-                             TrainingEngine& engine);
+                             TrainingEngine& engine, CheckpointUse use);
+
+// For --load, at start-up: refuses a --load that is not a complete checkpoint (state.json
+// and its checksum; the data files are verified when they are read), and makes the
+// checkpoint's seed the run's, with a warning naming both values when --seed differs: the
+// data order continues where it stopped only with the seed that began it.
+void adopt_resume_checkpoint(TrainOptions& options);
 
 // The model config stored with a checkpoint or Hugging Face directory (state.json's
 // config, or config.json), for runs that give --load without --config.
 std::optional<GptConfig> stored_model_config(const std::string& path, std::optional<int64_t> step);
 
-// The checkpoint directory `path` and `step` designate (resolving DIR/latest).
+// The checkpoint directory `path` and `step` designate: DIR/iter_<step>, the directory
+// DIR/latest names, or `path` itself. When `latest` names a directory that is missing
+// because a save on a file system without atomic exchange was killed between its two
+// renames, the previous copy (DIR/.iter_N.old-<pid>) is used, with a warning.
 std::string resolve_checkpoint_dir(const std::string& path, std::optional<int64_t> step);
+
+// Writes `text` to `path` durably: a temporary file, fsync, rename, fsync of the directory.
+// `path` is the old file or the complete new one at every instant. RuntimeError naming it.
+void write_file_durably(const std::string& path, const std::string& text);
 
 }  // namespace fp8lm

@@ -44,14 +44,15 @@ int run_convert_command(const std::vector<std::string>& args) {
   }
   init_logging(log_level);
 
-  const std::string dir = resolve_checkpoint_dir(load, step);
-  const std::optional<GptConfig> stored = stored_model_config(load, step);
-  FP8LM_INPUT_CHECK(stored.has_value(), dir, ": no model config (state.json or config.json) to export with");
-  const GptConfig& config = *stored;
+  // The same load-and-verify path as `train --load`: the manifest's checksum, then every
+  // file's size and CRC-32, before anything is exported.
+  const CheckpointManifest checkpoint = read_checkpoint(load, step, /*verify_data=*/true);
+  check_export_directory(to, load, checkpoint);
+  const std::string& dir = checkpoint.dir;
+  const GptConfig& config = checkpoint.config;
   const TensorLayout layout = make_gpt_layout(config);
   std::vector<float> params(layout.total_elements(), 0.0f);
-  const fs::path model_path = fs::is_regular_file(dir) ? fs::path(dir) : fs::path(dir) / "model.safetensors";
-  const SafetensorsFile model = SafetensorsFile::open(model_path.string());
+  const SafetensorsFile model = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
   load_hf_parameters(model, layout, config, params.data());
 
   // transformers' GPT2LMHeadModel names: "transformer." + GPT2Model names; lm_head is
@@ -80,8 +81,7 @@ int run_convert_command(const std::vector<std::string>& args) {
   writer.write((fs::path(to) / "model.safetensors").string());
   nlohmann::json hf_config = to_hf_json(config);
   hf_config["torch_dtype"] = dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32";
-  const fs::path config_path = fs::path(to) / "config.json";
-  std::ofstream(config_path) << hf_config.dump(2) << "\n";
+  write_file_durably((fs::path(to) / "config.json").string(), hf_config.dump(2) + "\n");
   spdlog::info("exported {} ({} tensors, {}) to {}", dir, tensors.size(), dtype, to);
   return kExitOk;
 }

@@ -63,6 +63,7 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   validate_options(options);
   RunSetup setup;
   setup.options = options;
+  adopt_resume_checkpoint(setup.options);  // --load must be a complete checkpoint; its seed wins
   setup.model = model_config_from(options);
   setup.parallel = parallel;
   const int tp = options.tensor_model_parallel_size;

@@ -183,8 +183,9 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   int64_t start_step = 0;
   const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
   if (!checkpoint.empty()) {
-    const LoadedState loaded = load_into_engine(checkpoint, o.ckpt_step, setup, *engine);
-    if (loaded.resumed && !o.load_dir.empty()) {  // --init-from takes weights only
+    const LoadedState loaded = load_into_engine(checkpoint, o.ckpt_step, setup, *engine,
+                                                o.load_dir.empty() ? CheckpointUse::weights_only : CheckpointUse::resume);
+    if (loaded.resumed) {
       start_step = loaded.progress.iteration;
       data.train->set_position(loaded.progress.data);
       summary.skipped_steps = loaded.progress.skipped_steps;

@@ -90,6 +90,10 @@ std::string file_crc32_hex(const std::string& path) {
     crc = crc32(buffer.data(), static_cast<size_t>(got), crc);
   }
   ::close(fd);
+  return crc32_hex(crc);
+}
+
+std::string crc32_hex(uint32_t crc) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex(8, '0');
   for (int i = 0; i < 8; ++i) hex[i] = kHex[(crc >> (28 - 4 * i)) & 0xFu];

@@ -18,4 +18,7 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t seed = 0);
 // InputError naming the file when it cannot be opened or read.
 std::string file_crc32_hex(const std::string& path);
 
+// A CRC-32 as 8 lowercase hex digits, as file_crc32_hex writes it.
+std::string crc32_hex(uint32_t crc);
+
 }  // namespace fp8lm

@@ -384,21 +384,41 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     }
   }
 
+  // The reference library (safetensors, Rust) requires the opening brace as the header's
+  // first byte; trailing spaces are the writers' padding.
+  if (bytes[8] != '{') {
+    throw InputError(detail::concat(path, ": header does not begin with '{' (whitespace or other bytes before the JSON "
+                                    "object; the safetensors format does not allow them)"));
+  }
+
   // File order; zero-byte tensors may share an offset, the name breaks the tie.
   std::sort(parsed.begin(), parsed.end(), [](const ParsedTensor& a, const ParsedTensor& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
-  // Overlap: sorted by begin, a non-empty range overlaps an earlier one iff it begins before
-  // the furthest end seen so far. Zero-byte ranges hold no bytes and overlap nothing.
-  const ParsedTensor* furthest = nullptr;
+  // As the reference library: the tensors tile the data buffer exactly, from byte 0 to the
+  // end of the file, without gaps or overlaps. This is what pins the data buffer to 8 + N:
+  // a header size field off by a few bytes (absorbed by the JSON's trailing padding) would
+  // otherwise shift every tensor's bytes while each entry on its own still looks valid.
+  uint64_t covered = 0;  // data bytes [0, covered) belong to the tensors checked so far
+  const ParsedTensor* previous = nullptr;
   for (const ParsedTensor& tensor : parsed) {
-    if (tensor.begin == tensor.end) continue;
-    if (furthest && tensor.begin < furthest->end) {
-      throw InputError(detail::concat(path, ": tensors ", quote_name(furthest->name), " and ", quote_name(tensor.name),
-                                      " overlap (data bytes [", furthest->begin, ", ", furthest->end, ") and [",
+    if (tensor.begin < covered) {
+      throw InputError(detail::concat(path, ": tensors ", quote_name(previous->name), " and ", quote_name(tensor.name),
+                                      " overlap (data bytes [", previous->begin, ", ", previous->end, ") and [",
                                       tensor.begin, ", ", tensor.end, "))"));
     }
-    if (!furthest || tensor.end > furthest->end) furthest = &tensor;
+    if (tensor.begin > covered) {
+      throw InputError(detail::concat(path, ": data bytes [", covered, ", ", tensor.begin, ") before tensor ",
+                                      quote_name(tensor.name),
+                                      " belong to no tensor (the format packs tensors back to back from byte 0)"));
+    }
+    covered = tensor.end;
+    previous = &tensor;
+  }
+  if (covered != data_bytes) {
+    throw InputError(detail::concat(path, ": the tensors cover ", covered, " bytes but the data buffer after the ",
+                                    header_bytes, "-byte header holds ", data_bytes,
+                                    " (the header size field is wrong, or bytes were appended to the file)"));
   }
 
   file.tensors_.reserve(parsed.size());

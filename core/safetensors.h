@@ -10,17 +10,20 @@
 //
 // Reader: SafetensorsFile::open maps the file read-only and validates the whole header
 // before it returns, so every view it hands out lies inside the file. Any problem with the
-// file throws InputError("<path>: <problem>") in one line. Accepted beyond the strictest
-// reading of the format (harmless, and written by some tools): gaps between tensors and
-// bytes after the last tensor, unknown extra fields in a tensor entry, and leading/trailing
-// JSON whitespace in the header. Rejected: a file under 8 bytes; a header size over 100 MB
-// or past the end of the file; a header that is not UTF-8, contains a NUL byte, is not JSON,
-// nests over 64 levels, repeats a key at any level, or is not an object; a tensor entry that
-// is not an object, lacks or mistypes "dtype" / "shape" / "data_offsets", names an unknown
-// dtype, has a negative, non-integer or overflowing shape, offsets that are not two
-// non-negative integers with begin <= end, a byte span != numel * dtype size, or a span past
-// the data buffer; two tensors whose (non-empty) byte ranges overlap; "__metadata__" that is
-// not an object of strings.
+// file throws InputError("<path>: <problem>") in one line. The rules are the reference
+// library's (safetensors, Rust): the header begins with '{' (trailing padding spaces are
+// allowed); the data buffer begins exactly at 8 + N; sorted by offset, the tensors tile it
+// exactly, contiguous from byte 0 without gaps or overlaps, and the last one ends at the end
+// of the file; each tensor's byte span equals dtype size x shape product, computed with
+// overflow checks. (That tiling rule is what catches a header size field that is off by a
+// few bytes: the JSON's padding would otherwise absorb it and shift every tensor.) Accepted
+// beyond the strictest reading: unknown extra fields in a tensor entry. Also rejected: a file
+// under 8 bytes; a header size over 100 MB or past the end of the file; a header that is not
+// UTF-8, contains a NUL byte, is not JSON, nests over 64 levels, repeats a key at any level,
+// or is not an object; a tensor entry that is not an object, lacks or mistypes "dtype" /
+// "shape" / "data_offsets", names an unknown dtype, has a negative, non-integer or
+// overflowing shape, or offsets that are not two non-negative integers with begin <= end;
+// "__metadata__" that is not an object of strings.
 // The mapping is only as stable as the file: truncating the file on disk while it is
 // mapped makes later reads fault (SIGBUS), as with any mmap.
 //

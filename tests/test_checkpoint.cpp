@@ -1,7 +1,10 @@
 // Checkpoints end to end on the CPU: bit-exact resume, the files and `latest`, loud
 // failures on damaged checkpoints, Hugging Face import and export, precision switches
-// and SIGTERM.
+// and SIGTERM; and the guarantees of docs/RELIABILITY.md ("[reliability]"): kills at each
+// point of a save, manifest checksums, incomplete checkpoints, the save lock, convert's
+// output rules, a full disk and a resume with another seed.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -9,6 +12,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include <catch2/catch_test_macros.hpp>
@@ -22,6 +27,7 @@
 #include "cli_testing.h"
 #include "temp_dir.h"
 #include "core/checksum.h"
+#include "core/error.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/safetensors.h"
@@ -203,7 +209,7 @@ TEST_CASE("a Hugging Face GPT-2 safetensors file imports: Conv1D, prefix, BF16, 
       parse_train_command_line({"--init-from", dir.file("hf"), "--mock-data", "--device", "cpu", "--fp8-hybrid"}).options);
   CHECK(setup.model.n_embd == 64);  // from the directory's config.json
   auto engine = make_engine(setup);
-  const LoadedState loaded = load_into_engine(dir.file("hf"), std::nullopt, setup, *engine);
+  const LoadedState loaded = load_into_engine(dir.file("hf"), std::nullopt, setup, *engine, CheckpointUse::weights_only);
   CHECK_FALSE(loaded.resumed);
   const std::vector<float> params = engine->parameters();
   for (const TensorInfo& t : layout.tensors()) {
@@ -346,10 +352,14 @@ TEST_CASE("a version-1 checkpoint (amax history [states, history]) resumes exact
   state["files"]["fp8_scaling.safetensors"] = {{"bytes", fs::file_size(scaling_path)},
                                                {"crc32", file_crc32_hex(scaling_path.string())}};
   std::ofstream(v1 / "state.json") << state.dump(2) << "\n";
+  fs::remove(v1 / "state.json.crc32");  // version 1 had no manifest checksum: loads, with a warning
 
-  for (const char* version : {"v1", "v2"})
-    REQUIRE(run(args + " --load " + dir.file(version) + " --metrics-file " + dir.file(std::string(version) + ".jsonl"))
-                .exit_code == 0);
+  for (const char* version : {"v1", "v2"}) {
+    const auto resumed =
+        run(args + " --load " + dir.file(version) + " --metrics-file " + dir.file(std::string(version) + ".jsonl"));
+    REQUIRE(resumed.exit_code == 0);
+    CHECK((resumed.output.find("no state.json.crc32") != std::string::npos) == (std::string(version) == "v1"));
+  }
   const auto from_v1 = read_metrics(dir.file("v1.jsonl")), from_v2 = read_metrics(dir.file("v2.jsonl"));
   REQUIRE(from_v1.size() == 4);
   REQUIRE(from_v2.size() == 4);
@@ -357,4 +367,329 @@ TEST_CASE("a version-1 checkpoint (amax history [states, history]) resumes exact
     CHECK(from_v1[i]["loss"].get<double>() == from_v2[i]["loss"].get<double>());
     CHECK(from_v1[i]["grad_norm"].get<double>() == from_v2[i]["grad_norm"].get<double>());
   }
+}
+
+// ---- Reliability: what a damaged, partial or contested checkpoint gets (docs/RELIABILITY.md)
+//
+// Checkpoints are made in-process (an untrained tiny model saves in milliseconds) and the
+// binary runs only where its exit code and message are the point; kills happen in a forked
+// child, so each costs a save, not a start-up.
+
+namespace {
+
+std::vector<std::string> split_words(const std::string& text) {
+  std::vector<std::string> words;
+  std::istringstream in(text);
+  for (std::string word; in >> word;) words.push_back(word);
+  return words;
+}
+
+// kRun's model, data and batch flags (BF16), plus `extra`.
+RunSetup tiny_setup(const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> args = split_words(kRun + "--bf16");
+  args.insert(args.end(), extra.begin(), extra.end());
+  return resolve_run_setup(parse_train_command_line(args).options);
+}
+
+std::string save_tiny(const std::string& dir, const RunSetup& setup, TrainingEngine& engine, int64_t iteration,
+                      uint64_t consumed_samples = 0) {
+  TrainingProgress progress;
+  progress.iteration = iteration;
+  progress.consumed_samples = consumed_samples;
+  return save_checkpoint(dir, setup, engine, progress);
+}
+
+// Flips one bit of a file in place (no truncation: ext4 would flush a rewritten file).
+void flip_bit(const fs::path& path, size_t byte, int bit) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(file.good());
+  file.seekg(static_cast<std::streamoff>(byte));
+  const int value = file.get();
+  REQUIRE(value != EOF);
+  file.seekp(static_cast<std::streamoff>(byte));
+  file.put(static_cast<char>(value ^ (1 << bit)));
+  REQUIRE(file.good());
+}
+
+std::string load_error(const std::string& path, bool verify_data = true) {
+  try {
+    read_checkpoint(path, std::nullopt, verify_data);
+  } catch (const InputError& e) {
+    return e.full_message();
+  }
+  return "(no error)";
+}
+
+std::vector<std::string> leftovers(const std::string& root) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(root))
+    if (entry.path().filename().string().rfind(".iter_", 0) == 0) names.push_back(entry.path().filename().string());
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("--load refuses a directory that is not a complete checkpoint; --init-from takes weights alone",
+          "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup();
+  auto engine = make_engine(setup);
+  const fs::path iteration = save_tiny(dir.file("ck"), setup, *engine, 4);
+
+  // A whole checkpoint, loaded for its weights only: no optimizer state, no progress.
+  auto fresh = make_engine(setup);
+  const LoadedState weights = load_into_engine(dir.file("ck"), std::nullopt, setup, *fresh, CheckpointUse::weights_only);
+  CHECK_FALSE(weights.resumed);
+  CHECK(fresh->optimizer_state().step_count == 0);
+
+  fs::remove(iteration / "state.json");
+  const auto refused = run(kRun + "--bf16 --train-iters 6 --save " + dir.file("ck") + " --load " + dir.file("ck"));
+  CHECK(refused.exit_code == 2);
+  CHECK_THAT(refused.output, ContainsSubstring("iter_0000004: not a complete fp8lm checkpoint (state.json"));
+  CHECK_THAT(refused.output, ContainsSubstring("HINT: --init-from"));
+  CHECK_FALSE(fs::exists(fs::path(dir.file("ck")) / "iter_0000006"));
+  // The iteration directory itself, or a directory with nothing of a checkpoint, the same.
+  for (const std::string& load : {iteration.string(), dir.file("empty")}) {
+    INFO("--load " << load);
+    fs::create_directories(dir.file("empty"));
+    TrainOptions options = setup.options;
+    options.load_dir = load;
+    try {
+      adopt_resume_checkpoint(options);
+      FAIL("accepted");
+    } catch (const InputError& e) {
+      CHECK_THAT(e.full_message(), ContainsSubstring(load + ": not "));
+    }
+  }
+  // The same weights as a fresh run's starting point are --init-from's job.
+  const LoadedState initialised =
+      load_into_engine(iteration.string(), std::nullopt, setup, *fresh, CheckpointUse::weights_only);
+  CHECK_FALSE(initialised.resumed);
+  CHECK(initialised.path == (iteration / "model.safetensors").string());
+}
+
+TEST_CASE("every bit flip in state.json is refused, naming the file; an old checkpoint without a checksum loads",
+          "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup();
+  auto engine = make_engine(setup);
+  save_tiny(dir.file("ck"), setup, *engine, 4, 16);
+  const fs::path state = fs::path(dir.file("ck")) / "iter_0000004" / "state.json";
+  const std::string original = file_bytes(state.string());
+  CHECK(file_bytes(state.string() + ".crc32") ==
+        "crc32 " + crc32_hex(crc32(original.data(), original.size())) + " bytes " + std::to_string(original.size()) +
+            "\n");
+
+  // One flip per byte, the bit rotating: in the progress fields, the config, the file records.
+  for (size_t byte = 0; byte < original.size(); ++byte) {
+    flip_bit(state, byte, static_cast<int>(byte % 8));
+    INFO("byte " << byte);
+    REQUIRE_THAT(load_error(dir.file("ck"), false), ContainsSubstring(state.string() + ": checksum mismatch"));
+    flip_bit(state, byte, static_cast<int>(byte % 8));
+  }
+  // The sweep's case, end to end: "iteration": 4 -> 6 resumes nowhere.
+  const size_t at = original.find("\"iteration\": 4");
+  REQUIRE(at != std::string::npos);
+  flip_bit(state, at + 13, 1);  // '4' -> '6'
+  const auto flipped = run(kRun + "--bf16 --train-iters 8 --load " + dir.file("ck"));
+  CHECK(flipped.exit_code == 2);
+  CHECK_THAT(flipped.output, ContainsSubstring("state.json: checksum mismatch with state.json.crc32"));
+  flip_bit(state, at + 13, 1);
+
+  // A damaged record is refused too; a missing one (checkpoints from before it) loads, with
+  // a warning (checked end to end by the version-1 test).
+  std::ofstream(state.string() + ".crc32") << "crc32 zz\n";
+  CHECK_THAT(load_error(dir.file("ck")), ContainsSubstring("state.json.crc32: not a checksum record"));
+  fs::remove(state.string() + ".crc32");
+  CHECK(load_error(dir.file("ck")) == "(no error)");
+  CHECK(read_checkpoint(dir.file("ck"), std::nullopt, true).progress.consumed_samples == 16);
+  // Without the checksum, a malformed field still names the file and the key.
+  std::string edited = original;
+  edited.replace(at, 14, "\"iteration\": \"4\"");
+  std::ofstream(state, std::ios::binary | std::ios::trunc) << edited;
+  CHECK_THAT(load_error(dir.file("ck")),
+             ContainsSubstring(state.string() + ": key \"iteration\" must be a non-negative integer, not \"4\""));
+}
+
+TEST_CASE("convert verifies the checkpoint as train --load does, and never writes into it", "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup();
+  auto engine = make_engine(setup);
+  const fs::path iteration = save_tiny(dir.file("ck"), setup, *engine, 4);
+  const std::string model_before = file_bytes((iteration / "model.safetensors").string());
+
+  // The sweep's case, end to end.
+  const auto into = run("convert --load " + dir.file("ck") + " --to " + iteration.string());
+  CHECK(into.exit_code == 2);
+  CHECK_THAT(into.output, ContainsSubstring("--to " + iteration.string() + ": is the checkpoint directory"));
+  // Inside it, the save directory itself, through a symbolic link, or over an input through a
+  // hard link.
+  fs::create_directories(dir.file("linked"));
+  fs::create_hard_link(iteration / "model.safetensors", dir.file("linked/model.safetensors"));
+  fs::create_directory_symlink(iteration, dir.file("alias"));
+  const CheckpointManifest checkpoint = read_checkpoint(dir.file("ck"), std::nullopt, true);
+  for (const std::string& to : {(iteration / "sub").string(), dir.file("ck"), dir.file("ck/hf"), dir.file("alias"),
+                                dir.file("linked")}) {
+    INFO("--to " << to);
+    try {
+      check_export_directory(to, dir.file("ck"), checkpoint);
+      FAIL("accepted");
+    } catch (const InputError& e) {
+      CHECK_THAT(e.full_message(), ContainsSubstring("--to " + to + ": ") && ContainsSubstring("convert never writes"));
+    }
+  }
+  CHECK_NOTHROW(check_export_directory(dir.file("out"), dir.file("ck"), checkpoint));
+  CHECK(file_bytes((iteration / "model.safetensors").string()) == model_before);
+  CHECK(load_error(dir.file("ck")) == "(no error)");
+
+  // A corrupt file anywhere in the checkpoint is refused before anything is written: the
+  // verification train --load does (read_checkpoint), shown end to end for one file.
+  for (const char* file : {"model.safetensors", "optimizer.safetensors", "state.json"}) {
+    INFO(file);
+    flip_bit(iteration / file, 100, 3);
+    CHECK_THAT(load_error(dir.file("ck")), ContainsSubstring(std::string(file) + ": checksum mismatch"));
+    if (std::string(file) == "optimizer.safetensors") {
+      const auto corrupt = run("convert --load " + dir.file("ck") + " --to " + dir.file("out"));
+      CHECK(corrupt.exit_code == 2);
+      CHECK_THAT(corrupt.output, ContainsSubstring("optimizer.safetensors: checksum mismatch"));
+      CHECK_FALSE(fs::exists(dir.file("out")));
+    }
+    flip_bit(iteration / file, 100, 3);
+  }
+  REQUIRE(run("convert --load " + dir.file("ck") + " --to " + dir.file("out")).exit_code == 0);
+  CHECK(fs::is_regular_file(dir.file("out/config.json")));
+}
+
+namespace {
+
+// Saves `iteration` in a forked child that FP8LM_TEST_SAVE kills at a named point; the
+// child's end as a signal number (SIGKILL when the hook fired), or -1.
+int save_killed_at(const std::string& hooks, const std::string& ck, const RunSetup& setup, TrainingEngine& engine,
+                   int64_t iteration, uint64_t consumed_samples) {
+  std::fflush(nullptr);
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(60);  // a hung child ends by SIGALRM, which fails the test
+    setenv("FP8LM_TEST_SAVE", hooks.c_str(), 1);
+    try {
+      save_tiny(ck, setup, engine, iteration, consumed_samples);
+    } catch (...) {
+    }
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  return WIFSIGNALED(status) ? WTERMSIG(status) : -1;
+}
+
+}  // namespace
+
+TEST_CASE("a save killed at any point leaves latest naming a complete checkpoint; the next save clears leftovers",
+          "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup();
+  auto engine = make_engine(setup);
+  save_tiny(dir.file("base"), setup, *engine, 1, 4);
+  save_tiny(dir.file("base"), setup, *engine, 2, 8);  // latest: 2
+  struct Kill {
+    const char* hooks;
+    uint64_t consumed_then;  // whose iter_0000002 `latest` leads to after the kill: old 8, new 99
+    size_t leftovers;
+  };
+  // A resumed run re-saves iteration 2, which `latest` already names, and dies.
+  const std::map<std::string, Kill> kills = {
+      {"files-written", {"kill-at=files-written", 8, 1}},
+      {"staged", {"kill-at=staged", 8, 1}},
+      {"after-exchange", {"kill-at=after-exchange", 99, 1}},
+      {"between-renames", {"no-exchange,kill-at=between-renames", 8, 2}},
+      {"published", {"kill-at=published", 99, 0}},
+  };
+  for (const auto& [point, kill] : kills) {
+    INFO(kill.hooks);
+    const std::string ck = dir.file("ck-" + point);
+    fs::copy(dir.file("base"), ck, fs::copy_options::recursive);
+    CHECK(save_killed_at(kill.hooks, ck, setup, *engine, 2, 99) == SIGKILL);
+    CHECK(file_bytes(ck + "/latest") == "2\n");
+    CHECK(load_error(ck) == "(no error)");  // state.json, its checksum and every file's CRC-32
+    CHECK(read_checkpoint(ck, std::nullopt, true).progress.consumed_samples == kill.consumed_then);
+    CHECK(leftovers(ck).size() == kill.leftovers);
+  }
+  // Without the kill, the two-rename path publishes the new copy and leaves nothing behind.
+  const std::string fallback = dir.file("ck-published");
+  CHECK(save_killed_at("no-exchange", fallback, setup, *engine, 2, 77) == -1);
+  CHECK(read_checkpoint(fallback, std::nullopt, true).progress.consumed_samples == 77);
+  CHECK(leftovers(fallback).empty());
+
+  // The kill between the renames left iter_0000002 missing; its previous copy stands in, and
+  // the next save clears both leftovers.
+  const std::string between = dir.file("ck-between-renames");
+  CHECK_FALSE(fs::exists(between + "/iter_0000002"));
+  const auto resumed = run(kRun + "--bf16 --train-iters 3 --log-level warn --load " + between + " --save " + between);
+  CHECK(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("was killed between its two renames; using the previous copy"));
+  CHECK(leftovers(between).empty());
+  CHECK(file_bytes(between + "/latest") == "3\n");
+  const std::string staged = dir.file("ck-files-written");
+  save_tiny(staged, setup, *engine, 3);
+  CHECK(leftovers(staged).empty());
+}
+
+TEST_CASE("a second run saving into a locked directory fails at once, naming the holder", "[checkpoint][reliability]") {
+  TempDir dir;
+  {
+    const SaveDirectoryLock lock(dir.file("ck"));
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    const auto second = run(kRun + "--bf16 --save " + dir.file("ck"));
+    CHECK(second.exit_code == 2);
+    CHECK_THAT(second.output, ContainsSubstring("--save " + dir.file("ck") + ": another fp8lm run is saving into this "
+                                                "directory (pid " + std::to_string(getpid()) + " on host " + host));
+    CHECK_FALSE(fs::exists(dir.file("ck/latest")));
+    CHECK_THROWS_AS(SaveDirectoryLock(dir.file("ck")), InputError);
+  }
+  const SaveDirectoryLock again(dir.file("ck"));  // released with its holder
+}
+
+TEST_CASE("resuming with another --seed keeps the checkpoint's seed, with a warning naming both",
+          "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup({"--seed", "5"});
+  auto engine = make_engine(setup);
+  save_tiny(dir.file("ck"), setup, *engine, 2);
+  CHECK(tiny_setup({"--seed", "9", "--load", dir.file("ck")}).options.seed == 5);
+  CHECK(tiny_setup({"--seed", "9", "--init-from", dir.file("ck")}).options.seed == 9);  // a fresh run's own
+  const auto resumed = run(kRun + "--bf16 --train-iters 3 --seed 9 --load " + dir.file("ck") + " --save " + dir.file("ck"));
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("--seed 9 differs from the seed 5 of the checkpoint"));
+  CHECK(read_checkpoint(dir.file("ck"), std::nullopt, false).seed == 5u);  // iteration 3's
+  CHECK(read_checkpoint(dir.file("ck"), std::nullopt, false).progress.iteration == 3);
+}
+
+TEST_CASE("a save that runs out of space fails naming the file; latest and its checkpoint stay intact",
+          "[checkpoint][reliability]") {
+  TempDir dir;
+  const RunSetup setup = tiny_setup();
+  auto engine = make_engine(setup);
+  save_tiny(dir.file("ck"), setup, *engine, 1);
+  // A file-size limit stands in for a full disk: writes past it fail (EFBIG, with SIGXFSZ
+  // ignored) the way they fail with ENOSPC.
+  struct rlimit saved {};
+  REQUIRE(getrlimit(RLIMIT_FSIZE, &saved) == 0);
+  struct rlimit small = saved;
+  small.rlim_cur = 64 * 1024;
+  void (*previous)(int) = signal(SIGXFSZ, SIG_IGN);
+  REQUIRE(setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::string message;
+  try {
+    save_tiny(dir.file("ck"), setup, *engine, 2);
+  } catch (const RuntimeError& e) {
+    message = e.full_message();
+  }
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, previous);
+  CHECK_THAT(message, ContainsSubstring("model.safetensors") && ContainsSubstring("File too large"));
+  CHECK(file_bytes(dir.file("ck/latest")) == "1\n");
+  CHECK(leftovers(dir.file("ck")).empty());  // the staging directory is gone again
+  CHECK_FALSE(fs::exists(dir.file("ck/iter_0000002")));
+  CHECK(load_error(dir.file("ck")) == "(no error)");
 }
