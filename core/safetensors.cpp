@@ -563,6 +563,8 @@ void SafetensorsWriter::set_metadata(std::string key, std::string value) {
 
 namespace {
 
+constexpr const char* kWriteHint = "check free disk space, quotas and permissions";
+
 // Writes everything or throws RuntimeError; retries short writes and EINTR.
 void write_all(int fd, const uint8_t* data, size_t bytes, const std::string& path, const std::string& tmp) {
   while (bytes > 0) {
@@ -570,7 +572,8 @@ void write_all(int fd, const uint8_t* data, size_t bytes, const std::string& pat
     if (written < 0) {
       if (errno == EINTR) continue;
       throw RuntimeError(detail::concat(path, ": cannot write safetensors file: write to ", tmp, " failed (",
-                                        std::strerror(errno), ")"));
+                                        std::strerror(errno), ")"),
+                         kWriteHint);
     }
     data += written;
     bytes -= static_cast<size_t>(written);
@@ -605,7 +608,8 @@ void SafetensorsWriter::write(const std::string& path) const {
   const std::string tmp = path + ".tmp";
   auto fail = [&](const char* step) {
     throw RuntimeError(detail::concat(path, ": cannot write safetensors file: ", step, " ", tmp, " failed (",
-                                      std::strerror(errno), ")"));
+                                      std::strerror(errno), ")"),
+                       kWriteHint);
   };
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("creating");
@@ -629,7 +633,8 @@ void SafetensorsWriter::write(const std::string& path) const {
     const int rename_errno = errno;
     ::unlink(tmp.c_str());
     throw RuntimeError(detail::concat(path, ": cannot write safetensors file: renaming ", tmp, " failed (",
-                                      std::strerror(rename_errno), ")"));
+                                      std::strerror(rename_errno), ")"),
+                       kWriteHint);
   }
   // Make the rename itself durable. Best effort: some file systems refuse fsync on directories.
   const size_t slash = path.find_last_of('/');

@@ -429,7 +429,7 @@ std::vector<std::string> leftovers(const std::string& root) {
 
 }  // namespace
 
-TEST_CASE("--load refuses a directory that is not a complete checkpoint; --init-from takes weights alone",
+TEST_CASE("a --load of a directory that is not a complete checkpoint is refused; --init-from takes weights alone",
           "[checkpoint][reliability]") {
   TempDir dir;
   const RunSetup setup = tiny_setup();
@@ -687,7 +687,8 @@ TEST_CASE("a save that runs out of space fails naming the file; latest and its c
   }
   setrlimit(RLIMIT_FSIZE, &saved);
   signal(SIGXFSZ, previous);
-  CHECK_THAT(message, ContainsSubstring("model.safetensors") && ContainsSubstring("File too large"));
+  CHECK_THAT(message, ContainsSubstring("model.safetensors") && ContainsSubstring("File too large") &&
+                          ContainsSubstring("HINT: check free disk space"));
   CHECK(file_bytes(dir.file("ck/latest")) == "1\n");
   CHECK(leftovers(dir.file("ck")).empty());  // the staging directory is gone again
   CHECK_FALSE(fs::exists(dir.file("ck/iter_0000002")));
