@@ -13,8 +13,10 @@
 // iteration) names a complete checkpoint: a save writes and fsyncs every file into
 // DIR/.iter_0000100.tmp-<pid>, fsyncs that directory, moves it into place (an atomic
 // exchange when iter_0000100 already exists, so a re-save never leaves a moment without
-// it), fsyncs DIR, and only then replaces `latest` the same way (write, fsync, rename,
-// fsync DIR). docs/RELIABILITY.md lists the guarantees and the tests that check them.
+// it; where the file system has no RENAME_EXCHANGE the old copy moves aside first, and
+// loading falls back to it), fsyncs DIR, and only then replaces `latest` the same way
+// (write, fsync, rename, fsync DIR). A run holds an flock on DIR/.fp8lm.lock while it may
+// save. docs/RELIABILITY.md lists the guarantees and the tests that check them.
 //
 // Loading checks state.json against its checksum, then every file's size and CRC-32,
 // before it changes anything, and errors name the file. A checkpoint without
