@@ -180,9 +180,13 @@ class GptModel {
   void backward(const TokenBatch& batch);
   void block_forward(int layer);
   void block_backward(int layer);
-  // The residual-stream input of block `layer`'s ln_1: the embeddings for block 0, else
-  // the previous block's residual after attention (its MLP output is the branch).
-  const Tensor& previous_residual(int layer) const;
+  // The residual stream after a row-parallel Linear, as the next LayerNorm takes it: the
+  // stream itself, or the stream before the add with the reduced branch and its bias.
+  struct ResidualAdd {
+    Tensor residual_in, residual_out, branch, branch_bias;
+  };
+  ResidualAdd row_parallel_forward(const LinearParams& linear, const Tensor& input, const Tensor& residual_in,
+                                   const Tensor& residual_out);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
@@ -208,6 +212,8 @@ class GptModel {
   Tensor wpe_, grad_wpe_;
 
   std::vector<BlockActivations> saved_;
+  // The last block_forward's MLP output, which the next ln_1 (or ln_f) adds if pending.
+  ResidualAdd block_output_;
   LayerHooks hooks_;
   void before_forward(int layer) const {
     if (hooks_.before_forward) hooks_.before_forward(layer);

@@ -106,7 +106,7 @@ struct LayerNormBackward {
 };
 
 // The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
-//   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N])        (=)
+//   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N]) (+ residual [M,N])  (=)
 //   dgrad    out [M,K]  = grad [M,N] . weight [N,K]                         (=)
 //   wgrad    out [N,K] += grad [M,N]^T . input [M,K]                         (FP32)
 // FP8 operands are multiplied by their scale_inv; an FP8 weight carries its transposed
@@ -120,6 +120,9 @@ struct GemmCall {
   Tensor weight;  // forward, dgrad
   Tensor grad;    // dgrad, wgrad
   Tensor bias;    // forward only, optional
+  // Forward only, optional: [M,N] of out's dtype, added in the epilogue before the one
+  // rounding to out's dtype. Must not alias out.
+  Tensor residual;
 };
 
 // Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.

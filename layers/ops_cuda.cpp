@@ -423,6 +423,12 @@ class CudaOps final : public Ops {
           args.bias = call.bias.data;
           desc.bias_type = gemm_type_of(call.bias.dtype);
         }
+        if (call.residual) {
+          FP8LM_CHECK(call.residual.dtype == call.out.dtype && call.residual.data != call.out.data,
+                      "forward GEMM residual: the output's dtype, not aliasing it");
+          args.C = call.residual.data;
+          args.beta = 1.0f;
+        }
         break;
       case GemmPass::dgrad:  // D [M,K] = grad [M,N] . (weight^T [K,N])^T
         desc.M = rows(call.grad);

@@ -130,6 +130,7 @@ class RecordingOps final : public Ops {
     if (call.pass == GemmPass::dgrad) line += " " + dtype(call.grad) + "x" + dtype(call.weight);
     if (call.pass == GemmPass::wgrad) line += " " + dtype(call.grad) + "x" + dtype(call.input);
     if (call.bias) line += " +bias";
+    if (call.residual) line += " +residual";
     record(line);
     inner_->gemm(call);
   }
