@@ -682,9 +682,15 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
   }
   if (layer >= config_.n_layer) return;
   BlockParams& block = blocks_[layer];
-  for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-    if (linear->owns_operand && (fp8_linear_weights || !is_fp8(linear->weight_operand.dtype)))
-      ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
+  for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2}) {
+    if (!linear->owns_operand || (!fp8_linear_weights && is_fp8(linear->weight_operand.dtype))) continue;
+    Tensor source = linear->weight;
+    if (fp8_cast_source_ && is_fp8(linear->weight_operand.dtype)) {
+      source.data = const_cast<float*>(fp8_cast_source_) + layout_.tensors()[size_t(linear->tensor)].offset;
+      source.dtype = DType::f32;
+    }
+    ops_.quantize(linear->weight_operand, source, Tensor{});
+  }
 }
 
 std::vector<WeightOperand> GptModel::fp8_weight_operands() const {

@@ -157,6 +157,10 @@ class GptModel {
   // The same for one layer (-1: the LM head's operand of the tied embedding).
   void refresh_weight_operands(int layer, bool fp8_linear_weights);
   void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
+  // The FP8 Linear weights are cast from this FP32 copy of the whole parameter slab (the
+  // master weights, laid out as layout()) instead of the working copy: one rounding
+  // instead of two. nullptr: the working copy (the master is sharded across ranks).
+  void set_fp8_cast_source(const float* full_master) { fp8_cast_source_ = full_master; }
   // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
   std::vector<WeightOperand> fp8_weight_operands() const;
   // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients
@@ -212,6 +216,7 @@ class GptModel {
   Tensor wpe_, grad_wpe_;
 
   std::vector<BlockActivations> saved_;
+  const float* fp8_cast_source_ = nullptr;
   // The last block_forward's MLP output, which the next ln_1 (or ln_f) adds if pending.
   ResidualAdd block_output_;
   LayerHooks hooks_;

@@ -236,8 +236,9 @@ class Ops {
                                 const int* scale_index, float* recorded_amax, Fp8Dtype dtype) = 0;
   virtual void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
                               const TensorTable& table, const float* scale_inv, Fp8Dtype dtype) = 0;
-  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements.
-  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n) = 0;
+  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements. The
+  // overlapped reduction casts on the side lane, off the backward's critical path.
+  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane = Lane::main) = 0;
   virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n) = 0;
   // An FP8 weight operand [N,K] (and its transposed copy) from gathered FP8 codes [N,K].
   virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;

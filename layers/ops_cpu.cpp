@@ -140,7 +140,7 @@ class CpuOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype) override {
     cpu::sum_fp8_chunks(out, chunks, ranks, chunk_stride, table.layout(), scale_inv, dtype);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override { cpu::convert_f32_to_bf16(out, in, n); }
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane) override { cpu::convert_f32_to_bf16(out, in, n); }
   void from_bf16_bits(float* out, const uint16_t* in, size_t n) override { cpu::convert_bf16_to_f32(out, in, n); }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     cpu::decode_fp8(f32(operand), codes, size_t(operand.numel()), fp8_dtype_of(operand.dtype));

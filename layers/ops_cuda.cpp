@@ -305,8 +305,8 @@ class CudaOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype) override {
     cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override {
-    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, stream_);
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
+    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, lane == Lane::side ? side_stream_ : stream_);
   }
   void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
     cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_);
