@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -472,6 +473,29 @@ TEST_CASE("input files must be regular files: FIFOs, devices and directories are
   const std::string text_file = dir.file("config.json");
   write_bytes(text_file, "{\"n_layer\": 2}", 14);
   REQUIRE(read_input_file(text_file) == "{\"n_layer\": 2}");
+}
+
+TEST_CASE("many shards raise the soft open-file limit: each keeps its descriptor", "[data]") {
+  TempDir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 64; ++i) {
+    paths.push_back(dir.file("shard_" + std::to_string(100 + i) + ".bin"));
+    write_llmc_shard(paths.back(), counting_tokens(17, size_t(i) * 100));
+  }
+  rlimit original{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &original) == 0);
+  if (original.rlim_max != RLIM_INFINITY && original.rlim_max < 400) SKIP("hard open-file limit below 400");
+  rlimit low = original;
+  low.rlim_cur = 200;  // below 64 shards + the loader's headroom of 256
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  {
+    DataLoader loader(paths, small_options(1, 8, 7, /*shuffle=*/false));
+    rlimit raised{};
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &raised) == 0);
+    CHECK(raised.rlim_cur >= 64 + 256);
+    CHECK(next(loader).inputs.front() == 0);
+  }
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &original) == 0);
 }
 
 TEST_CASE("mock tokens are deterministic, within the vocabulary and learnable", "[data]") {
