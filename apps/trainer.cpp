@@ -104,6 +104,7 @@ class MetricsFile {
     while (done < text.size()) {
       const ssize_t wrote = ::write(fd_, text.data() + done, text.size() - done);
       if (wrote < 0 && errno == EINTR) continue;
+      if (wrote == 0) errno = EIO;  // no progress and no reason given
       if (wrote <= 0) fail("write failed");
       done += size_t(wrote);
     }

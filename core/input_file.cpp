@@ -82,8 +82,13 @@ void InputFile::advise_random() const {
   if (fd_ >= 0) ::posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
 }
 
-std::string read_input_file(const std::string& path) {
+std::string read_input_file(const std::string& path, uint64_t max_bytes) {
   const InputFile file = InputFile::open(path);
+  if (file.size() > max_bytes) {
+    throw InputError(detail::concat(path, ": ", file.size(), " bytes, more than the ", max_bytes,
+                                    " bytes a config or manifest may have"),
+                     "is it the right file?");
+  }
   std::string text;
   char buffer[1 << 16];
   for (uint64_t offset = 0;;) {
@@ -93,6 +98,9 @@ std::string read_input_file(const std::string& path) {
       throw InputError(detail::concat(path, ": read failed (", std::strerror(errno), ")"));
     }
     if (got == 0) break;
+    if (text.size() + static_cast<size_t>(got) > max_bytes) {  // it grew since it was opened
+      throw InputError(detail::concat(path, ": more than the ", max_bytes, " bytes a config or manifest may have"));
+    }
     text.append(buffer, static_cast<size_t>(got));
     offset += static_cast<uint64_t>(got);
   }

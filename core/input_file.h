@@ -55,8 +55,10 @@ class InputFile {
   uint64_t size_ = 0;
 };
 
-// The whole content of a regular file (a config, a manifest), refused as InputFile::open
-// refuses.
-std::string read_input_file(const std::string& path);
+// The whole content of a small regular file (a config, a manifest), refused as InputFile::open
+// refuses. A file above `max_bytes` is an InputError too: a shard passed as --config by
+// mistake must not be read into memory whole before the parser rejects its first byte.
+inline constexpr uint64_t kMaxTextInputBytes = uint64_t{64} << 20;
+std::string read_input_file(const std::string& path, uint64_t max_bytes = kMaxTextInputBytes);
 
 }  // namespace fp8lm

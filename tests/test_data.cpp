@@ -473,6 +473,9 @@ TEST_CASE("input files must be regular files: FIFOs, devices and directories are
   const std::string text_file = dir.file("config.json");
   write_bytes(text_file, "{\"n_layer\": 2}", 14);
   REQUIRE(read_input_file(text_file) == "{\"n_layer\": 2}");
+  // A big file (a shard passed as --config) is refused before it is read whole.
+  REQUIRE_THAT(input_error_message([&] { read_input_file(text_file, 10); }),
+               ContainsSubstring(text_file) && ContainsSubstring("14 bytes, more than the 10 bytes"));
 }
 
 TEST_CASE("many shards raise the soft open-file limit: each keeps its descriptor", "[data]") {
