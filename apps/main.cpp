@@ -7,9 +7,11 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/signals.h"
 #include "core/error.h"
 
 int main(int argc, char** argv) {
+  fp8lm::install_signal_handlers();  // first: a SIGTERM during start-up gets a message too
   std::vector<std::string> args(argv + 1, argv + argc);
   std::string command = "train";
   if (!args.empty() && !args.front().empty() && args.front()[0] != '-') {
