@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -293,20 +294,26 @@ class InputReader {
   uint64_t file_bytes_read_ = 0;  // of the open file
 };
 
-// A progress bar on stderr when it is a terminal: bytes, MB/s and the time left.
+// Progress on stderr: bytes, MB/s and the time left. A bar redrawn in place on a terminal;
+// otherwise (a log file) a line every 30 s.
 class ProgressBar {
  public:
-  explicit ProgressBar(uint64_t total_bytes) : total_(total_bytes), enabled_(::isatty(STDERR_FILENO) == 1) {}
+  explicit ProgressBar(uint64_t total_bytes) : total_(total_bytes), terminal_(::isatty(STDERR_FILENO) == 1) {}
   void update(uint64_t done, bool final = false) {
-    if (!enabled_) return;
     const double elapsed = seconds_since(start_);
-    if (!final && elapsed - last_draw_ < 0.2) return;
+    if (!final && elapsed - last_draw_ < (terminal_ ? 0.2 : 30.0)) return;
+    if (!terminal_ && final) return;  // the summary line follows
     last_draw_ = elapsed;
     const double fraction = total_ == 0 ? 1.0 : std::min(1.0, static_cast<double>(done) / static_cast<double>(total_));
     const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
     const double left = rate > 0 ? static_cast<double>(total_ - std::min(done, total_)) / rate : 0.0;
+    if (!terminal_) {
+      spdlog::info("tokenize: {:.1f}/{:.1f} MB ({:.1f}%), {:.1f} MB/s, ETA {}:{:02d}", done / 1e6, total_ / 1e6,
+                   100 * fraction, rate / 1e6, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
+      return;
+    }
     constexpr int kWidth = 30;
-    const int filled = static_cast<int>(fraction * kWidth);
+    const int filled = final ? kWidth : static_cast<int>(fraction * kWidth);
     std::fprintf(stderr, "\rtokenize [%s%s] %5.1f%% %.1f/%.1f MB %6.1f MB/s ETA %d:%02d ",
                  std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(), 100 * fraction, done / 1e6,
                  total_ / 1e6, rate / 1e6, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
@@ -318,9 +325,9 @@ class ProgressBar {
   using Clock = std::chrono::steady_clock;
   static double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
   uint64_t total_;
-  bool enabled_;
+  bool terminal_;
   Clock::time_point start_ = Clock::now();
-  double last_draw_ = -1;
+  double last_draw_ = 0;
 };
 
 void append_ids(const std::vector<int32_t>& ids, std::vector<uint16_t>& out) {
@@ -479,6 +486,8 @@ int run_tokenize_command(const std::vector<std::string>& args) {
       }
       progress.update(reader.bytes_read());
     }
+    FP8LM_INPUT_CHECK(reader.split().documents() > 0, "--input ", o.input, ": no documents in ", files.size(),
+                      " file(s) (JSON inputs hold no records)");
     train.finish();
     val.finish();
     progress.update(total_bytes, true);

@@ -46,7 +46,7 @@ size_t gpt2_split_point(std::string_view text, size_t limit, size_t lowest = 1);
 // starts over when it holds max_entries pieces.
 class BpeCache {
  public:
-  explicit BpeCache(size_t max_entries = size_t{1} << 17);
+  explicit BpeCache(size_t max_entries = size_t{1} << 16);
 
   // The ids of `piece` when cached: a pointer to them and their count, else {nullptr, 0}.
   std::pair<const int32_t*, size_t> find(std::string_view piece, uint64_t hash) const;
