@@ -29,10 +29,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -122,7 +122,7 @@ struct Piece {
 struct Unit {
   std::vector<Piece> pieces;
   std::vector<uint16_t> train, val;
-  std::optional<InputError> error;
+  std::exception_ptr error;  // what encoding it threw, rethrown in input order
 };
 
 class ValidationSplit {
@@ -475,12 +475,12 @@ int run_tokenize_command(const std::vector<std::string>& args) {
       for (size_t u = 0; u < units.size(); ++u) {
         try {
           encode_unit(tokenizer, o.json_key, units[u], caches[omp_get_thread_num()]);
-        } catch (const InputError& e) {
-          units[u].error = e;
+        } catch (...) {  // an exception must not leave an OpenMP region
+          units[u].error = std::current_exception();
         }
       }
       for (Unit& unit : units) {
-        if (unit.error) throw *unit.error;  // the first error in input order
+        if (unit.error) std::rethrow_exception(unit.error);  // the first error in input order
         train.append(unit.train.data(), unit.train.size());
         val.append(unit.val.data(), unit.val.size());
       }
