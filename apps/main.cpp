@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   try {
     if (command == "train") return fp8lm::run_train_command(args);
     if (command == "convert") return fp8lm::run_convert_command(args);
-    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert");
+    if (command == "tokenize") return fp8lm::run_tokenize_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert, tokenize");
   } catch (const fp8lm::InputError& e) {
     std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
     return fp8lm::kExitInputError;
