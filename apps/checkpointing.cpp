@@ -22,6 +22,7 @@
 #include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/input_file.h"
 #include "core/safetensors.h"
 #include "layers/gpt.h"
 #include "layers/gpt_hf.h"
@@ -41,7 +42,7 @@ constexpr const char* kStateChecksumFile = "state.json.crc32";
 constexpr const char* kLatestFile = "latest";
 constexpr const char* kLockFile = ".fp8lm.lock";
 // Manifests and checksum records are small; anything larger is not one.
-constexpr uintmax_t kMaxSmallFileBytes = 64u << 20;
+constexpr uint64_t kMaxSmallFileBytes = uint64_t{64} << 20;
 // Version 2 stores the amax history [history, states] (Transformer Engine's layout);
 // version 1 stored it [states, history] and is converted when loaded.
 constexpr int kFormatVersion = 2;
@@ -321,20 +322,9 @@ fs::path hf_model_file(const std::string& path) {
 
 bool is_fp8lm_checkpoint(const fs::path& dir) { return fs::is_regular_file(dir / kStateFile); }
 
-// A small file's bytes; InputError naming it when it is not a readable regular file.
-std::string read_small_file(const fs::path& path) {
-  std::error_code error;
-  const fs::file_status status = fs::status(path, error);
-  FP8LM_INPUT_CHECK(!error && fs::exists(status), path.string(), ": missing");
-  FP8LM_INPUT_CHECK(fs::is_regular_file(status), path.string(), ": not a regular file");
-  const uintmax_t bytes = fs::file_size(path, error);
-  FP8LM_INPUT_CHECK(!error && bytes <= kMaxSmallFileBytes, path.string(), ": ",
-                    error ? "cannot read its size" : "too large for a checkpoint manifest");
-  std::ifstream file(path, std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  FP8LM_INPUT_CHECK(!file.bad(), path.string(), ": read failed");
-  return text;
-}
+// A small file's bytes (a manifest, a checksum record, `latest`): the one rule for input
+// files, so a FIFO or a device is refused, not waited on.
+std::string read_small_file(const fs::path& path) { return read_input_file(path.string(), kMaxSmallFileBytes); }
 
 // Checks state.json's bytes against the sidecar record. A checkpoint from before the sidecar
 // existed has none: it loads, with a warning, since refusing every old checkpoint would be

@@ -182,10 +182,16 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
 
   // ---- Data
   const char* data = "Data";
-  app.add_option("--train-data-path", o.train_data_path, "Token shards: llm.c .bin or raw uint16; globs allowed")
+  app.add_option("--train-data-path", o.train_data_path, "Token shards (see --data-format); globs allowed")
       ->group(data);
   app.add_option("--valid-data-path", o.valid_data_path, "Validation token shards")->group(data);
   app.add_flag("--mock-data", o.mock_data, "Synthetic learnable token stream instead of files")->group(data);
+  std::string data_format = "llmc";
+  app.add_option("--data-format", data_format,
+                 "Shard format: llmc (llm.c .bin: header with magic 20240520, then uint16 tokens) or raw-uint16 "
+                 "(nanoGPT: uint16 tokens only)")
+      ->check(CLI::IsMember({"llmc", "raw-uint16"}))
+      ->group(data);
 
   // ---- Checkpoints
   const char* checkpoints = "Checkpoints";
@@ -301,6 +307,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   if (distributed_optimizer) o.use_distributed_optimizer = true;
   if (no_distributed_optimizer) o.use_distributed_optimizer = false;
   o.fp8_grad_reduce = fp8_grad_reduce == "all-to-all" ? GradReduceAlgorithm::all_to_all : GradReduceAlgorithm::reduce_scatter;
+  o.data_format = data_format == "raw-uint16" ? TokenFileFormat::raw_uint16 : TokenFileFormat::llmc;
   o.device = lookup<DeviceKind>(
       {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
   validate_options(o);

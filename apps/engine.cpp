@@ -310,6 +310,9 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   } else {
     s.grads_shard = model.gradients();
     s.working_shard = s.master == model.working() ? nullptr : model.working();
+    // One part: the master is the whole slab, in the model's layout.
+    FP8LM_CHECK(S == total, "an unsharded optimizer holds the whole parameter slab");
+    if (s.master != model.working()) model.set_fp8_cast_source(s.master);
   }
   s.full_table = device.make_table(model.layout());
   s.shard_table = device.make_table(s.shard.layout);
@@ -420,14 +423,14 @@ void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
   bucket_reduced[b] = true;
   if (parallel.dp_size == 1 || fp8_grad_comm) return;
   const size_t length = bucket.end - bucket.begin;
-  uint16_t* bf16 = grad_reduce_in_bf16 ? static_cast<uint16_t*>(bf16_full->data()) + bucket.begin : nullptr;
-  if (bf16) ops->to_bf16_bits(bf16, grads + bucket.begin, length);
   Communicator& comm = overlapped ? groups->dp_background() : dp();
   if (overlapped) {
     ops->record(*main_mark, Ops::Lane::main);
     ops->wait(*main_mark, Ops::Lane::side);
     side_lane_busy = true;
   }
+  uint16_t* bf16 = grad_reduce_in_bf16 ? static_cast<uint16_t*>(bf16_full->data()) + bucket.begin : nullptr;
+  if (bf16) ops->to_bf16_bits(bf16, grads + bucket.begin, length, overlapped ? Ops::Lane::side : Ops::Lane::main);
   if (!sharded) {  // a replicated optimizer: every rank's whole bucket summed
     if (bf16) return comm.all_reduce(bf16, bf16, length, CommDtype::bf16, ReduceOp::sum);
     return comm.all_reduce(grads + bucket.begin, grads + bucket.begin, length, CommDtype::f32, ReduceOp::sum);

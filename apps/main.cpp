@@ -7,9 +7,11 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/signals.h"
 #include "core/error.h"
 
 int main(int argc, char** argv) {
+  fp8lm::install_signal_handlers();  // first: a SIGTERM during start-up gets a message too
   std::vector<std::string> args(argv + 1, argv + argc);
   std::string command = "train";
   if (!args.empty() && !args.front().empty() && args.front()[0] != '-') {
@@ -19,7 +21,8 @@ int main(int argc, char** argv) {
   try {
     if (command == "train") return fp8lm::run_train_command(args);
     if (command == "convert") return fp8lm::run_convert_command(args);
-    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert");
+    if (command == "tokenize") return fp8lm::run_tokenize_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert, tokenize");
   } catch (const fp8lm::InputError& e) {
     std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
     return fp8lm::kExitInputError;

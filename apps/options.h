@@ -9,6 +9,7 @@
 
 #include "core/gemm.h"
 #include "core/scaling.h"
+#include "core/token_data.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 
@@ -69,6 +70,7 @@ struct TrainOptions {
   std::string train_data_path;       // --train-data-path (file or glob of shards)
   std::string valid_data_path;       // --valid-data-path
   bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
+  TokenFileFormat data_format = TokenFileFormat::llmc;  // --data-format: llmc or raw-uint16
 
   // Checkpoints
   std::string save_dir;              // --save

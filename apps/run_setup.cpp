@@ -165,6 +165,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"seed", str(o.seed)},
       {"train-data-path", o.mock_data ? "(mock data)" : or_none(o.train_data_path)},
       {"valid-data-path", o.mock_data && o.valid_data_path.empty() ? "(mock data)" : or_none(o.valid_data_path)},
+      {"data-format", std::string(to_string(o.data_format))},
       {"save", or_none(o.save_dir)},
       {"save-interval", str(o.save_interval)},
       {"load", or_none(o.load_dir) + (o.ckpt_step ? " (ckpt-step " + str(*o.ckpt_step) + ")" : "")},

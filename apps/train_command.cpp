@@ -1,11 +1,9 @@
 #include <cstdio>
 #include <memory>
-#include <optional>
 
 #include <mpi.h>
 #include <spdlog/spdlog.h>
 
-#include "apps/checkpointing.h"
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "apps/run_setup.h"
@@ -26,9 +24,6 @@ int train(const ParsedCommandLine& parsed, MpiSession& mpi) {
   const ParallelLayout layout = detect_parallel_layout(o.tensor_model_parallel_size);
   init_logging(o.log_level, layout.world_rank);
   RunSetup setup = resolve_run_setup(o, layout);
-  // Rank 0 writes the checkpoints, so rank 0 holds the --save directory's lock for the run.
-  std::optional<SaveDirectoryLock> save_lock;
-  if (!o.save_dir.empty() && layout.world_rank == 0) save_lock.emplace(o.save_dir);
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
   log_settings_table("fp8lm train settings", settings_table(setup));
   // A rank that dies or hangs ends the job within the timeout instead of leaving the others

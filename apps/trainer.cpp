@@ -4,10 +4,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cmath>
-#include <fstream>
+#include <cstring>
+#include <filesystem>
 #include <optional>
+#include <utility>
 
+#include <fcntl.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -39,6 +43,7 @@ DataLoaders open_data(const RunSetup& setup) {
   loader_options.seed = o.seed;
   loader_options.data_parallel_rank = setup.data_parallel_rank;
   loader_options.data_parallel_size = setup.data_parallel_size;
+  loader_options.format = o.data_format;
 
   DataLoaders loaders;
   if (o.mock_data) {
@@ -66,23 +71,103 @@ AdamWHyperparams hyperparams_at(const TrainOptions& o, double lr) {
   return hp;
 }
 
+// The JSONL metrics file. Each line is one write(2) on an O_APPEND descriptor, so no stdio
+// buffer is lost when the process dies and every failure is seen where it happens: a metrics
+// write that fails (a full disk, /dev/full, `ulimit -f`) ends the run with an error naming the
+// file, instead of every metric vanishing behind an exit 0.
 class MetricsFile {
  public:
-  // Only the first rank of a parallel run writes it (every rank has the same numbers).
-  MetricsFile(const std::string& path, bool writer) {
+  // Only the first rank of a parallel run writes it (every rank has the same numbers). Opened
+  // at start-up, so an unusable path fails before any work.
+  MetricsFile(const std::string& path, bool writer) : path_(path) {
     if (path.empty() || !writer) return;
-    file_.open(path, std::ios::app);
-    FP8LM_INPUT_CHECK(file_.good(), "--metrics-file ", path, ": cannot open for appending");
+    // O_NONBLOCK for the open only: a FIFO without a reader fails (ENXIO) instead of hanging.
+    fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0644);
+    if (fd_ < 0) {
+      throw InputError(detail::concat("--metrics-file ", path, ": cannot open for appending (", std::strerror(errno),
+                                      ")"),
+                       "pass a file in a writable directory");
+    }
+    const int flags = ::fcntl(fd_, F_GETFL);
+    if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
   }
+  MetricsFile(const MetricsFile&) = delete;
+  MetricsFile& operator=(const MetricsFile&) = delete;
+  ~MetricsFile() {
+    if (fd_ >= 0) ::close(fd_);  // an error path is already being reported
+  }
+
   void write(const nlohmann::json& line) {
-    if (!file_.is_open()) return;
-    file_ << line.dump() << '\n';
-    file_.flush();  // a crashed run keeps every line it logged
+    if (fd_ < 0) return;
+    const std::string text = line.dump() + '\n';
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t wrote = ::write(fd_, text.data() + done, text.size() - done);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote == 0) errno = EIO;  // no progress and no reason given
+      if (wrote <= 0) fail("write failed");
+      done += size_t(wrote);
+    }
+  }
+  // Closes the file, checked: some filesystems (NFS) report a failed write only here.
+  void close() {
+    if (fd_ < 0) return;
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) fail("close failed");
   }
 
  private:
-  std::ofstream file_;
+  [[noreturn]] void fail(const char* what) {
+    const int error = errno;
+    throw RuntimeError(detail::concat("--metrics-file ", path_, ": ", what, " (", std::strerror(error), ")"),
+                       "free space on its filesystem, or pass another --metrics-file");
+  }
+
+  std::string path_;
+  int fd_ = -1;
 };
+
+// --save must name a directory fp8lm can create files in, or a path where one can be made.
+// Checked at start-up, so a typo, a regular file or a read-only mount fails now rather than
+// at the first save, possibly hours in. A probe file proves it: permission bits alone do not
+// tell (root, read-only mounts, ACLs).
+void check_save_directory_writable(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string flag = "--save " + dir;
+  std::error_code error;
+  const fs::file_status status = fs::status(dir, error);
+  fs::path existing = dir;
+  if (fs::exists(status)) {
+    if (!fs::is_directory(status)) {
+      throw InputError(flag + ": exists and is not a directory", "--save names the checkpoint directory");
+    }
+  } else {
+    // The directory will be created at the first save: its nearest existing ancestor must be
+    // a directory that accepts new entries.
+    existing = fs::path(dir).lexically_normal();
+    while (!fs::exists(existing, error)) {
+      const fs::path parent = existing.parent_path();
+      if (parent.empty()) {  // a relative path: the working directory
+        existing = ".";
+        break;
+      }
+      if (parent == existing) break;  // the root
+      existing = parent;
+    }
+    if (!fs::is_directory(existing, error)) {
+      throw InputError(flag + ": cannot be created, " + existing.string() + " is not a directory");
+    }
+  }
+  std::string probe = (existing / ".fp8lm-write-test-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) {
+    throw InputError(detail::concat(flag, ": cannot create files in ", existing.string(), " (", std::strerror(errno),
+                                    ")"),
+                     "pass a writable checkpoint directory");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
 
 // The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
 // 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
@@ -154,6 +239,15 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
 
 TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   const TrainOptions& o = setup.options;
+  // The outputs first: an unusable --save or --metrics-file fails before any work. The first
+  // rank writes both.
+  const bool first_rank = setup.parallel.world_rank == 0;
+  if (first_rank && !o.save_dir.empty()) check_save_directory_writable(o.save_dir);
+  // The first rank writes the checkpoints, so it holds the --save directory's lock for the
+  // run: a second run saving there fails now, naming this one.
+  std::optional<SaveDirectoryLock> save_lock;
+  if (first_rank && !o.save_dir.empty()) save_lock.emplace(o.save_dir);
+  MetricsFile metrics_file(o.metrics_file, first_rank);
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
   spdlog::info("train data: {} shard(s), {} tokens, {} samples per epoch", data.train->num_shards(),
@@ -174,7 +268,6 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   } watched{watchdog, engine->nccl_comms()};
   if (watchdog)
     for (ncclComm_t comm : watched.comms) watchdog->watch(comm);
-  const bool first_rank = setup.parallel.world_rank == 0;
   Communicator& world = engine->host_groups().world();
   log_settings_table("memory and optimizer state (rank " + std::to_string(setup.parallel.world_rank) + ")",
                      engine->describe());
@@ -199,7 +292,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
     progress.skipped_steps = engine->skip_status().total;
     return progress;
   };
-  install_stop_signal_handlers();
+  defer_stop_signals_to_training_loop();  // from here a stop signal saves a checkpoint
 
   LrSchedule schedule;
   schedule.max_lr = o.lr;
@@ -209,7 +302,6 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   schedule.style = o.lr_decay_style;
   validate_lr_schedule(schedule);
 
-  MetricsFile metrics_file(o.metrics_file, first_rank);
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
   const float dloss = 1.0f / (float(B) * T * setup.grad_accum_steps);
@@ -300,6 +392,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
     }
     if (exit_now && signal_number == 0 && iteration < o.train_iters) {
       spdlog::info("--exit-interval {}: stopping after iteration {}", o.exit_interval, iteration);
+      metrics_file.close();
       return summary;
     }
     if (signal_number != 0) {
@@ -309,6 +402,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
                                std::to_string(iteration) + "; nothing saved",
                            "pass --save DIR so a preempted run keeps its progress");
       spdlog::warn("signal {}: stopped after iteration {}, checkpoint saved", signal_number, iteration);
+      metrics_file.close();
       return summary;
     }
   }
@@ -317,6 +411,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
     summary.last_val_loss = evaluate(o.train_iters);
   summary.skipped_steps = engine->skip_status().total;
   if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss, summary.steps - start_step);
+  metrics_file.close();
   return summary;
 }
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace fp8lm {
 
@@ -69,13 +70,8 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t seed) {
 }
 
 std::string file_crc32_hex(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw InputError(detail::concat(path, ": cannot open for checksum (", std::strerror(errno), ")"));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0 || S_ISDIR(info.st_mode)) {
-    ::close(fd);
-    throw InputError(detail::concat(path, ": cannot checksum (not a regular file)"));
-  }
+  const InputFile file = InputFile::open(path);  // refuses FIFOs, devices and directories
+  const int fd = file.fd();
   std::vector<uint8_t> buffer(size_t{1} << 20);
   uint32_t crc = 0;
   for (;;) {
@@ -83,13 +79,11 @@ std::string file_crc32_hex(const std::string& path) {
     if (got < 0) {
       if (errno == EINTR) continue;
       const int read_errno = errno;
-      ::close(fd);
       throw InputError(detail::concat(path, ": read failed while checksumming (", std::strerror(read_errno), ")"));
     }
     if (got == 0) break;
     crc = crc32(buffer.data(), static_cast<size_t>(got), crc);
   }
-  ::close(fd);
   return crc32_hex(crc);
 }
 

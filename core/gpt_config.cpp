@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace fp8lm {
 
@@ -89,11 +90,10 @@ GptConfig parse_gpt_config(const nlohmann::json& json, const std::string& source
 }
 
 GptConfig load_gpt_config(const std::string& path) {
-  std::ifstream file(path);
-  FP8LM_INPUT_CHECK(file.good(), path, ": cannot open GPT config file");
+  const std::string text = read_input_file(path);  // a regular file: a FIFO or directory is refused here
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(file);
+    json = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(path + ": not valid JSON (" + e.what() + ")");
   }

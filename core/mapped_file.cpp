@@ -1,36 +1,23 @@
 #include "core/mapped_file.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace fp8lm {
 
 MappedFile MappedFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw InputError(detail::concat(path, ": cannot open (", std::strerror(errno), ")"));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-    ::close(fd);
-    throw InputError(detail::concat(path, ": not a regular file"));
-  }
+  const InputFile input = InputFile::open(path);  // refuses FIFOs, devices and directories
   MappedFile file;
-  file.bytes_ = static_cast<size_t>(info.st_size);
-  if (file.bytes_ == 0) {
-    ::close(fd);
-    return file;
-  }
-  void* mapping = ::mmap(nullptr, file.bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);  // the mapping keeps the file readable
-  if (mapping == MAP_FAILED) throw RuntimeError(detail::concat(path, ": mmap failed (", std::strerror(map_errno), ")"));
-  file.mapping_ = mapping;
+  file.bytes_ = static_cast<size_t>(input.size());
+  if (file.bytes_ == 0) return file;
+  void* mapping = ::mmap(nullptr, file.bytes_, PROT_READ, MAP_PRIVATE, input.fd(), 0);
+  if (mapping == MAP_FAILED) throw RuntimeError(detail::concat(path, ": mmap failed (", std::strerror(errno), ")"));
+  file.mapping_ = mapping;  // the mapping keeps the file readable after `input` closes it
   return file;
 }
 

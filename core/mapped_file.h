@@ -1,5 +1,7 @@
-// A read-only memory map of a whole file, unmapped when the owner goes away. The data
-// readers (token shards, safetensors) validate what they map before they use it.
+// A read-only memory map of a whole file, unmapped when the owner goes away. The safetensors
+// reader validates what it maps before it uses it. A mapped file that another process
+// truncates raises SIGBUS on the next access to a page past the new end, so readers that
+// hold a file for a whole run (token shards) read through InputFile's pread instead.
 #pragma once
 
 #include <cstddef>
@@ -12,7 +14,7 @@ namespace fp8lm {
 class MappedFile {
  public:
   // Maps `path`. InputError naming it when it cannot be opened or is not a regular
-  // file; an empty file gives an empty mapping (data() null, size() 0).
+  // file (InputFile::open's rule); an empty file gives an empty mapping (data() null, size() 0).
   static MappedFile open(const std::string& path);
 
   MappedFile() = default;

@@ -1,12 +1,7 @@
 #include "core/token_data.h"
 
-#include "core/mapped_file.h"
-
-#include <fcntl.h>
 #include <glob.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <bit>
@@ -19,7 +14,7 @@
 
 namespace fp8lm {
 
-// The shard formats are little-endian and are read in place from the memory map.
+// The shard formats are little-endian and are read into uint16 buffers as they are.
 static_assert(std::endian::native == std::endian::little, "token shards are read as little-endian");
 
 namespace {
@@ -57,11 +52,10 @@ std::vector<std::string> glob_files(const std::string& pattern) {
   return files;
 }
 
-// Throws if any token is >= vocab_size, naming the first one. Scanned in blocks: the max over a
-// block vectorises and the scan is then bound by memory bandwidth; only a block that holds a
-// bad token is searched again for its position.
-void check_token_range(const uint16_t* tokens /*[count]*/, size_t count, int vocab_size,
-                       const std::string& name) {
+// The first token >= vocab_size in tokens[0, count), or count. Scanned in blocks: the max over
+// a block vectorises, so the scan is bound by memory bandwidth; only a block that holds a bad
+// token is searched again for its position.
+size_t find_token_out_of_range(const uint16_t* tokens /*[count]*/, size_t count, int vocab_size) {
   constexpr size_t kBlock = size_t{1} << 16;
   for (size_t begin = 0; begin < count; begin += kBlock) {
     const size_t end = std::min(count, begin + kBlock);
@@ -69,13 +63,28 @@ void check_token_range(const uint16_t* tokens /*[count]*/, size_t count, int voc
     for (size_t i = begin; i < end; ++i) block_max = std::max(block_max, tokens[i]);
     if (block_max < vocab_size) continue;
     for (size_t i = begin; i < end; ++i) {
-      if (tokens[i] >= vocab_size) {
-        throw InputError(detail::concat(name, ": token ", tokens[i], " at index ", i,
-                                        " is >= vocab_size ", vocab_size),
-                         "the shard was tokenized for a larger vocabulary than the model's");
-      }
+      if (tokens[i] >= vocab_size) return i;
     }
   }
+  return count;
+}
+
+// `index`: the token's index in its shard; `first_token_byte`: where the shard's tokens begin
+// in its file (for the byte offset a hex dump would show), or -1 for tokens held in memory.
+std::string token_out_of_range_message(const std::string& name, uint16_t token, uint64_t index, int vocab_size,
+                                       int64_t first_token_byte) {
+  std::string where;
+  if (first_token_byte >= 0) where = detail::concat(" (byte offset ", uint64_t(first_token_byte) + 2 * index, ")");
+  return detail::concat(name, ": token ", token, " at index ", index, " is >= vocab_size ", vocab_size, where);
+}
+
+// Throws an InputError naming the first token >= vocab_size.
+void check_token_range(const uint16_t* tokens /*[count]*/, size_t count, int vocab_size, const std::string& name,
+                       uint64_t first_index = 0, int64_t first_token_byte = -1) {
+  const size_t bad = find_token_out_of_range(tokens, count, vocab_size);
+  if (bad == count) return;
+  throw InputError(token_out_of_range_message(name, tokens[bad], first_index + bad, vocab_size, first_token_byte),
+                   "the shard was tokenized for a larger vocabulary than the model's");
 }
 
 void check_token_count(size_t num_tokens, size_t min_tokens, const std::string& name) {
@@ -86,42 +95,97 @@ void check_token_count(size_t num_tokens, size_t min_tokens, const std::string& 
   }
 }
 
-// The shard's token array inside a mapped file: after the llm.c header, or the whole raw file.
-// Validates the header and size; sets `num_tokens`.
-const uint16_t* locate_tokens(const unsigned char* bytes, size_t file_bytes, const std::string& name,
-                              size_t* num_tokens) {
-  int32_t first_int = 0;
-  if (file_bytes >= sizeof(int32_t)) std::memcpy(&first_int, bytes, sizeof(first_int));
+std::string format_hint(TokenFileFormat format) {
+  return format == TokenFileFormat::llmc
+             ? "llm.c shards start with magic 20240520; for nanoGPT-style raw uint16 token files pass "
+               "--data-format raw-uint16"
+             : "raw uint16 token files hold tokens only; for llm.c shards (magic 20240520) drop --data-format "
+               "raw-uint16";
+}
 
-  if (first_int != kLlmcShardMagic) {  // nanoGPT raw uint16 tokens
+// Where the shard's tokens begin in its file and how many there are, from the file's size and
+// (llm.c) header, which are validated against `format`.
+struct TokenExtent {
+  uint64_t first_byte = 0;
+  size_t count = 0;
+};
+
+TokenExtent locate_tokens(const InputFile& file, TokenFileFormat format) {
+  const std::string& name = file.path();
+  const uint64_t file_bytes = file.size();
+  int32_t header[3] = {0, 0, 0};
+  file.read_exact_at(0, header, std::min<uint64_t>(file_bytes, sizeof(header)));
+  const bool has_magic = file_bytes >= sizeof(int32_t) && header[0] == kLlmcShardMagic;
+
+  if (format == TokenFileFormat::raw_uint16) {
+    if (has_magic) {
+      throw InputError(detail::concat(name, ": starts with the llm.c shard magic ", kLlmcShardMagic,
+                                      ", but --data-format raw-uint16 would read its header as tokens"),
+                       format_hint(format));
+    }
     if (file_bytes % 2 != 0) {
       throw InputError(detail::concat(name, ": odd size (", file_bytes,
                                       " bytes) for a raw uint16 token file, which must have an even size"),
-                       "raw shards are uint16 tokens with no header; llm.c shards start with magic 20240520");
+                       format_hint(format));
     }
-    *num_tokens = file_bytes / 2;
-    return reinterpret_cast<const uint16_t*>(bytes);
+    return {0, size_t(file_bytes / 2)};
   }
 
+  if (!has_magic) {
+    if (file_bytes < sizeof(int32_t)) {
+      throw InputError(detail::concat(name, ": not an llm.c token shard (", file_bytes,
+                                      " bytes, too short for the header's magic)"),
+                       format_hint(format));
+    }
+    throw InputError(detail::concat(name, ": not an llm.c token shard (wrong magic ", header[0], ", expected ",
+                                    kLlmcShardMagic, ")"),
+                     format_hint(format));
+  }
   if (file_bytes < kLlmcHeaderBytes) {
     throw InputError(detail::concat(name, ": truncated llm.c header (the file is ", file_bytes,
                                     " bytes, the header alone is ", kLlmcHeaderBytes, ")"));
   }
-  int32_t header[3];
-  std::memcpy(header, bytes, sizeof(header));
   if (header[1] != kLlmcShardVersion) {
     throw InputError(detail::concat(name, ": unsupported version ", header[1], " of the llm.c shard format"),
                      "only version 1 (uint16 tokens) is supported");
   }
-  const size_t payload_bytes = file_bytes - kLlmcHeaderBytes;
+  const uint64_t payload_bytes = file_bytes - kLlmcHeaderBytes;
   const int64_t header_tokens = header[2];
   if (payload_bytes % 2 != 0 || header_tokens < 0 || static_cast<uint64_t>(header_tokens) != payload_bytes / 2) {
     throw InputError(detail::concat(name, ": header says ", header_tokens, " tokens but the file holds ",
                                     payload_bytes / 2, payload_bytes % 2 != 0 ? " and a stray byte" : ""),
                      "the file is truncated or was not fully written");
   }
-  *num_tokens = payload_bytes / 2;
-  return reinterpret_cast<const uint16_t*>(bytes + kLlmcHeaderBytes);
+  return {kLlmcHeaderBytes, size_t(payload_bytes / 2)};
+}
+
+// Every token of a file shard < vocab_size, read in large sequential chunks.
+void check_file_token_range(const InputFile& file, const TokenExtent& extent, int vocab_size) {
+  constexpr size_t kChunkTokens = size_t{1} << 19;  // 1 MiB
+  std::vector<uint16_t> chunk(std::min(kChunkTokens, extent.count));
+  for (size_t first = 0; first < extent.count; first += chunk.size()) {
+    const size_t count = std::min(chunk.size(), extent.count - first);
+    file.read_exact_at(extent.first_byte + 2 * uint64_t(first), chunk.data(), 2 * count);
+    check_token_range(chunk.data(), count, vocab_size, file.path(), first, int64_t(extent.first_byte));
+  }
+}
+
+// Every shard keeps its descriptor open for the run. Raises the soft limit on open files to fit
+// `shards` more (with room for the rest of the process: MPI, NCCL, checkpoints, logs), up to
+// the hard limit; beyond it, an InputError.
+void reserve_open_files(size_t shards) {
+  constexpr uint64_t kHeadroom = 256;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const uint64_t needed = uint64_t(shards) + kHeadroom;
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return;
+  if (limit.rlim_max != RLIM_INFINITY && limit.rlim_max < needed) {
+    throw InputError(detail::concat("data path: ", shards, " shard files need about ", needed,
+                                    " open files, above this process's limit of ", uint64_t(limit.rlim_max)),
+                     "raise the limit (ulimit -n), or use fewer, larger shards");
+  }
+  limit.rlim_cur = needed;
+  ::setrlimit(RLIMIT_NOFILE, &limit);
 }
 
 // Seeds the shuffle of one epoch: SplitMix64's finaliser over (seed, epoch), so neighbouring
@@ -157,16 +221,24 @@ std::vector<std::string> expand_shard_paths(const std::string& path_spec) {
 // ---------------------------------------------------------------------------------------------
 // TokenShard
 
-TokenShard TokenShard::open_file(const std::string& path, int vocab_size, size_t min_tokens) {
+std::string_view to_string(TokenFileFormat format) {
+  return format == TokenFileFormat::llmc ? "llmc" : "raw-uint16";
+}
+
+TokenShard TokenShard::open_file(const std::string& path, TokenFileFormat format, int vocab_size,
+                                 size_t min_tokens) {
   TokenShard shard;
   shard.name_ = path;
-  shard.file_ = MappedFile::open(path);
+  shard.vocab_size_ = vocab_size;
+  shard.file_ = InputFile::open(path);
   if (shard.file_.size() == 0) throw InputError(detail::concat(path, ": empty file (no tokens)"));
-  shard.tokens_ = locate_tokens(shard.file_.data(), shard.file_.size(), path, &shard.num_tokens_);
-  check_token_count(shard.num_tokens_, min_tokens, path);
+  const TokenExtent extent = locate_tokens(shard.file_, format);
+  check_token_count(extent.count, min_tokens, path);
   shard.file_.advise_sequential();  // a hint for the one full scan
-  check_token_range(shard.tokens_, shard.num_tokens_, vocab_size, path);
+  check_file_token_range(shard.file_, extent, vocab_size);
   shard.file_.advise_random();  // training reads windows in shuffled order
+  shard.first_token_byte_ = extent.first_byte;
+  shard.num_tokens_ = extent.count;
   return shard;
 }
 
@@ -176,26 +248,30 @@ TokenShard TokenShard::from_tokens(std::vector<uint16_t> tokens, std::string nam
   check_token_range(tokens.data(), tokens.size(), vocab_size, name);
   TokenShard shard;
   shard.name_ = std::move(name);
+  shard.vocab_size_ = vocab_size;
   shard.owned_tokens_ = std::move(tokens);
-  shard.tokens_ = shard.owned_tokens_.data();
   shard.num_tokens_ = shard.owned_tokens_.size();
   return shard;
 }
 
-TokenShard::TokenShard(TokenShard&& other) noexcept { *this = std::move(other); }
-
-TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
-  if (this == &other) return *this;
-  name_ = std::move(other.name_);
-  // A moved vector keeps its buffer, so tokens_ stays valid for in-memory shards.
-  owned_tokens_ = std::move(other.owned_tokens_);
-  file_ = std::move(other.file_);
-  tokens_ = std::exchange(other.tokens_, nullptr);
-  num_tokens_ = std::exchange(other.num_tokens_, 0);
-  return *this;
+void TokenShard::read(uint64_t first, size_t count, uint16_t* out /*[count]*/) const {
+  FP8LM_CHECK(first <= num_tokens_ && count <= num_tokens_ - first, name_, ": tokens [", first, ", ", first + count,
+              ") of ", num_tokens_);
+  if (!file_.is_open()) {
+    std::copy_n(owned_tokens_.data() + first, count, out);
+    return;
+  }
+  file_.read_exact_at(first_token_byte_ + 2 * first, out, 2 * count);
+  // The file was validated when it was opened; one rewritten since must not reach the
+  // embedding with an out-of-range index.
+  const size_t bad = find_token_out_of_range(out, count, vocab_size_);
+  if (bad != count) {
+    throw RuntimeError(
+        token_out_of_range_message(name_, out[bad], first + bad, vocab_size_, int64_t(first_token_byte_)) +
+            "; the file changed after it was validated",
+        "do not modify or replace input files while a run reads them");
+  }
 }
-
-TokenShard::~TokenShard() = default;
 
 // ---------------------------------------------------------------------------------------------
 // DataLoader
@@ -204,9 +280,10 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_paths, const DataLo
     : options_(options) {
   FP8LM_CHECK(options.seq_len > 0, "seq_len ", options.seq_len);
   if (shard_paths.empty()) throw InputError("data path: no shard files given");
+  reserve_open_files(shard_paths.size());
   shards_.reserve(shard_paths.size());
   for (const auto& path : shard_paths) {
-    shards_.push_back(TokenShard::open_file(path, options.vocab_size, size_t(options.seq_len) + 1));
+    shards_.push_back(TokenShard::open_file(path, options.format, options.vocab_size, size_t(options.seq_len) + 1));
   }
   init();
 }
@@ -230,6 +307,7 @@ void DataLoader::init() {
   FP8LM_CHECK(o.data_parallel_size > 0 && o.data_parallel_rank >= 0 && o.data_parallel_rank < o.data_parallel_size,
               "data-parallel rank ", o.data_parallel_rank, " of ", o.data_parallel_size);
 
+  window_.resize(size_t(o.seq_len) + 1);
   sample_offsets_.assign(1, 0);
   for (const auto& shard : shards_) {
     sample_offsets_.push_back(sample_offsets_.back() + (shard.size() - 1) / size_t(o.seq_len));
@@ -287,15 +365,15 @@ uint64_t DataLoader::sample_at(uint64_t index_in_epoch) const {
   return options_.shuffle ? order_[index_in_epoch] : index_in_epoch;
 }
 
-void DataLoader::copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/) const {
+void DataLoader::copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/) {
   // The shard whose sample range holds `sample`: the last offset <= sample.
   const auto after = std::upper_bound(sample_offsets_.begin(), sample_offsets_.end(), sample);
   const size_t shard_index = size_t(after - sample_offsets_.begin()) - 1;
   const uint64_t T = uint64_t(options_.seq_len);
-  const uint16_t* window = shards_[shard_index].tokens() + (sample - sample_offsets_[shard_index]) * T;  // [T+1]
+  shards_[shard_index].read((sample - sample_offsets_[shard_index]) * T, window_.size(), window_.data());
   for (uint64_t t = 0; t < T; ++t) {
-    inputs[t] = window[t];
-    targets[t] = window[t + 1];
+    inputs[t] = window_[t];
+    targets[t] = window_[t + 1];
   }
 }
 

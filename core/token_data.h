@@ -1,12 +1,17 @@
 // Training data: token shards on disk and the loader that cuts them into micro-batches.
 //
-// Shard formats (both little-endian uint16 tokens):
-//   llm.c    - a header of 256 int32: [0] = 20240520 (magic), [1] = 1 (version),
-//              [2] = number of tokens; then the tokens.
-//   raw      - nanoGPT's format: the tokens and nothing else. A file is raw when its first
-//              int32 is not the llm.c magic.
-// Every shard is memory-mapped read-only and validated when it is opened (header, size, every
-// token < vocab_size), so a bad file fails before training starts, with an InputError naming it.
+// Shard formats (both little-endian uint16 tokens), chosen by --data-format, never guessed:
+//   llmc       - the default. A header of 256 int32: [0] = 20240520 (magic), [1] = 1 (version),
+//                [2] = number of tokens; then the tokens. A file whose magic, version or token
+//                count is wrong is an error naming it.
+//   raw-uint16 - nanoGPT's format: the tokens and nothing else. A file that starts with the
+//                llm.c magic is refused under this format (its header would be read as tokens),
+//                so a raw file whose first two tokens are 54472, 308 cannot be read.
+// Every shard is validated when it is opened (header, size, every token < vocab_size), so a
+// bad file fails before training starts, with an InputError naming it. Shards are read with
+// pread, not a memory map: a file truncated while the run reads it then ends the run with an
+// error naming it (a map would raise SIGBUS), and every window read is range-checked again, so
+// a file rewritten after validation cannot feed an out-of-range token to the embedding.
 //
 // Samples: a window of T+1 consecutive tokens inside one shard (inputs = the first T, targets =
 // the last T). Windows start at multiples of T, so no target is seen twice per epoch; a shard of
@@ -22,9 +27,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
-#include "core/mapped_file.h"
+#include "core/input_file.h"
 
 namespace fp8lm {
 
@@ -32,41 +38,47 @@ inline constexpr int32_t kLlmcShardMagic = 20240520;
 inline constexpr int32_t kLlmcShardVersion = 1;
 inline constexpr int kLlmcHeaderInts = 256;  // the header is 1024 bytes
 
+enum class TokenFileFormat : uint8_t { llmc, raw_uint16 };
+std::string_view to_string(TokenFileFormat format);  // "llmc", "raw-uint16": --data-format's values
+
 // Expands a data path flag into shard files: a comma-separated list of files and/or glob(3)
 // patterns. The result is sorted, so the data order does not depend on how the list was
 // written. A pattern that matches nothing is an InputError naming it.
 std::vector<std::string> expand_shard_paths(const std::string& path_spec);
 
-// One shard's tokens: a read-only memory map of a validated file (unmapped on destruction),
-// or an owned, validated vector. Move-only, because the map belongs to exactly one owner.
+// One shard's tokens: an open, validated file, or an owned, validated vector. Move-only.
 class TokenShard {
  public:
-  // Maps and validates a shard file; every problem is an InputError naming the file.
-  // min_tokens: the fewest tokens the caller can use (one sample, seq_len + 1).
-  static TokenShard open_file(const std::string& path, int vocab_size, size_t min_tokens);
+  // Opens and validates a shard file in `format`; every problem is an InputError naming the
+  // file. min_tokens: the fewest tokens the caller can use (one sample, seq_len + 1).
+  static TokenShard open_file(const std::string& path, TokenFileFormat format, int vocab_size,
+                              size_t min_tokens);
   // Validates tokens held in memory (mock data, tests); `name` stands for the file in errors.
   static TokenShard from_tokens(std::vector<uint16_t> tokens, std::string name, int vocab_size,
                                 size_t min_tokens);
 
-  TokenShard(TokenShard&& other) noexcept;
-  TokenShard& operator=(TokenShard&& other) noexcept;
+  TokenShard(TokenShard&&) noexcept = default;
+  TokenShard& operator=(TokenShard&&) noexcept = default;
   TokenShard(const TokenShard&) = delete;
   TokenShard& operator=(const TokenShard&) = delete;
-  ~TokenShard();
 
-  const uint16_t* tokens() const { return tokens_; }  // [size()]
+  // Copies tokens [first, first + count) into `out`. A file shard that was truncated, or
+  // whose tokens left the vocabulary, since it was validated is a RuntimeError naming it.
+  void read(uint64_t first, size_t count, uint16_t* out /*[count]*/) const;
+
   size_t size() const { return num_tokens_; }
   const std::string& name() const { return name_; }
-  bool is_memory_mapped() const { return file_.is_mapped(); }
+  bool is_file() const { return file_.is_open(); }
 
  private:
   TokenShard() = default;
 
   std::string name_;
   std::vector<uint16_t> owned_tokens_;  // in-memory shards only
-  MappedFile file_;                     // file shards only: the whole file
-  const uint16_t* tokens_ = nullptr;    // into owned_tokens_ or past the mapping's header
+  InputFile file_;                      // file shards only
+  uint64_t first_token_byte_ = 0;       // past the llm.c header, or 0 for raw files
   size_t num_tokens_ = 0;
+  int vocab_size_ = 0;
 };
 
 // Where the next global micro-batch step begins: the epoch and the index into that epoch's
@@ -85,11 +97,13 @@ struct DataLoaderOptions {
   int data_parallel_rank = 0;
   int data_parallel_size = 1;
   bool shuffle = true;        // false: samples in shard order (validation, debugging)
+  TokenFileFormat format = TokenFileFormat::llmc;  // of shard files (--data-format)
 };
 
 class DataLoader {
  public:
-  // Opens and validates shard files (already expanded; see expand_shard_paths).
+  // Opens and validates shard files (already expanded; see expand_shard_paths). Each shard
+  // keeps a descriptor open for the run; the soft open-file limit is raised to fit them.
   DataLoader(const std::vector<std::string>& shard_paths, const DataLoaderOptions& options);
   // Reads token streams held in memory; each vector is one shard.
   DataLoader(std::vector<std::vector<uint16_t>> shard_tokens, const DataLoaderOptions& options);
@@ -125,7 +139,7 @@ class DataLoader {
   uint64_t samples_per_step() const;
   void prepare_order(uint64_t epoch);  // the permutation for `epoch`, when shuffling
   uint64_t sample_at(uint64_t index_in_epoch) const;
-  void copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/) const;
+  void copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/);
 
   DataLoaderOptions options_;
   std::vector<TokenShard> shards_;
@@ -133,6 +147,7 @@ class DataLoader {
   DataPosition position_;
   std::vector<uint64_t> order_;           // the shuffled epoch's sample order (empty: in order)
   uint64_t order_epoch_ = UINT64_MAX;     // which epoch order_ holds
+  std::vector<uint16_t> window_;          // [T+1]: one sample's tokens, read from its shard
 };
 
 // An unbiased integer in [0, bound) from a 64-bit engine whose every output is a uniform

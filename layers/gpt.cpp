@@ -465,8 +465,22 @@ void GptModel::plan_memory() {
 
 // ---- Forward --------------------------------------------------------------------------
 
-const Tensor& GptModel::previous_residual(int layer) const {
-  return layer == 0 ? scratch_->encoded : saved_[layer - 1].residual_mid;
+// A row-parallel Linear (c_proj) whose output joins the residual stream:
+//   residual_out = residual_in + input . W^T + bias.
+// On one tensor-parallel rank the GEMM's epilogue adds the residual and the bias before
+// its one rounding. Under tensor parallelism each rank holds a partial product, so the
+// products are reduced first and the next LayerNorm adds them, with the bias, once.
+GptModel::ResidualAdd GptModel::row_parallel_forward(const LinearParams& linear, const Tensor& input,
+                                                     const Tensor& residual_in, const Tensor& residual_out) {
+  const Scratch& s = *scratch_;
+  if (tp_->size() == 1) {
+    ops_.gemm({.pass = GemmPass::forward, .out = residual_out, .input = input, .weight = linear.weight_operand,
+               .bias = linear.bias, .residual = residual_in});
+    return {.residual_in = residual_out};
+  }
+  ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = input, .weight = linear.weight_operand});
+  tp_->row_parallel_output(s.branch, s.branch_rows);
+  return {.residual_in = residual_in, .residual_out = residual_out, .branch = s.branch_rows, .branch_bias = linear.bias};
 }
 
 void GptModel::forward(const TokenBatch& batch) {
@@ -481,15 +495,14 @@ void GptModel::forward(const TokenBatch& batch) {
     block_forward(l);
   }
   before_forward(config_.n_layer);
-  // ln_f adds the last block's MLP output into the residual stream first.
-  const LinearParams& last_fc2 = blocks_.back().fc2;
+  // ln_f adds the last block's MLP output into the residual stream first (when its GEMM did not).
   ops_.layernorm_forward({.out = local_rows(s.lnf),
                           .mean = s.lnf_mean,
                           .rstd = s.lnf_rstd,
-                          .residual_out = s.residual_final,
-                          .residual_in = saved_.back().residual_mid,
-                          .branch = s.branch_rows,
-                          .branch_bias = last_fc2.bias,
+                          .residual_out = block_output_.residual_out,
+                          .residual_in = block_output_.residual_in,
+                          .branch = block_output_.branch,
+                          .branch_bias = block_output_.branch_bias,
                           .weight = ln_f_->weight,
                           .bias = ln_f_->bias,
                           .eps = config_.layer_norm_epsilon});
@@ -505,15 +518,16 @@ void GptModel::block_forward(int l) {
   const int tp = tp_->size();
   const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
 
-  // ln_1 adds the previous block's MLP output (and its bias) into the residual stream.
-  const bool first = l == 0;
+  // ln_1 adds the previous block's MLP output (and its bias) into the residual stream,
+  // when its GEMM did not.
+  const ResidualAdd input = l == 0 ? ResidualAdd{.residual_in = s.encoded} : block_output_;
   ops_.layernorm_forward({.out = local_rows(a.ln1),
                           .mean = a.ln1_mean,
                           .rstd = a.ln1_rstd,
-                          .residual_out = a.residual,
-                          .residual_in = previous_residual(l),
-                          .branch = first ? Tensor{} : s.branch_rows,
-                          .branch_bias = first ? Tensor{} : blocks_[l - 1].fc2.bias,
+                          .residual_out = input.residual_out,
+                          .residual_in = input.residual_in,
+                          .branch = input.branch,
+                          .branch_bias = input.branch_bias,
                           .weight = w.ln1.weight,
                           .bias = w.ln1.bias,
                           .eps = eps});
@@ -521,15 +535,14 @@ void GptModel::block_forward(int l) {
   ops_.gemm({.pass = GemmPass::forward, .out = a.qkv, .input = a.ln1, .weight = w.qkv.weight_operand,
              .bias = w.qkv.bias});
   ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
-  ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.atty_operand, .weight = w.proj.weight_operand});
-  tp_->row_parallel_output(s.branch, s.branch_rows);
+  const ResidualAdd attention_output = row_parallel_forward(w.proj, a.atty_operand, a.residual, a.residual_mid);
   ops_.layernorm_forward({.out = local_rows(a.ln2),
                           .mean = a.ln2_mean,
                           .rstd = a.ln2_rstd,
-                          .residual_out = a.residual_mid,
-                          .residual_in = a.residual,
-                          .branch = s.branch_rows,
-                          .branch_bias = w.proj.bias,
+                          .residual_out = attention_output.residual_out,
+                          .residual_in = attention_output.residual_in,
+                          .branch = attention_output.branch,
+                          .branch_bias = attention_output.branch_bias,
                           .weight = w.ln2.weight,
                           .bias = w.ln2.bias,
                           .eps = eps});
@@ -537,8 +550,8 @@ void GptModel::block_forward(int l) {
   // c_fc's bias joins the GELU, which also casts the next GEMM's input.
   ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
   ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
-  ops_.gemm({.pass = GemmPass::forward, .out = s.branch, .input = a.gelu, .weight = w.fc2.weight_operand});
-  tp_->row_parallel_output(s.branch, s.branch_rows);
+  const bool last = l + 1 == config_.n_layer;
+  block_output_ = row_parallel_forward(w.fc2, a.gelu, a.residual_mid, last ? s.residual_final : saved_[l + 1].residual);
 }
 
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
@@ -669,9 +682,15 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
   }
   if (layer >= config_.n_layer) return;
   BlockParams& block = blocks_[layer];
-  for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
-    if (linear->owns_operand && (fp8_linear_weights || !is_fp8(linear->weight_operand.dtype)))
-      ops_.quantize(linear->weight_operand, linear->weight, Tensor{});
+  for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2}) {
+    if (!linear->owns_operand || (!fp8_linear_weights && is_fp8(linear->weight_operand.dtype))) continue;
+    Tensor source = linear->weight;
+    if (fp8_cast_source_ && is_fp8(linear->weight_operand.dtype)) {
+      source.data = const_cast<float*>(fp8_cast_source_) + layout_.tensors()[size_t(linear->tensor)].offset;
+      source.dtype = DType::f32;
+    }
+    ops_.quantize(linear->weight_operand, source, Tensor{});
+  }
 }
 
 std::vector<WeightOperand> GptModel::fp8_weight_operands() const {

@@ -157,6 +157,10 @@ class GptModel {
   // The same for one layer (-1: the LM head's operand of the tied embedding).
   void refresh_weight_operands(int layer, bool fp8_linear_weights);
   void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
+  // The FP8 Linear weights are cast from this FP32 copy of the whole parameter slab (the
+  // master weights, laid out as layout()) instead of the working copy: one rounding
+  // instead of two. nullptr: the working copy (the master is sharded across ranks).
+  void set_fp8_cast_source(const float* full_master) { fp8_cast_source_ = full_master; }
   // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
   std::vector<WeightOperand> fp8_weight_operands() const;
   // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients
@@ -180,9 +184,13 @@ class GptModel {
   void backward(const TokenBatch& batch);
   void block_forward(int layer);
   void block_backward(int layer);
-  // The residual-stream input of block `layer`'s ln_1: the embeddings for block 0, else
-  // the previous block's residual after attention (its MLP output is the branch).
-  const Tensor& previous_residual(int layer) const;
+  // The residual stream after a row-parallel Linear, as the next LayerNorm takes it: the
+  // stream itself, or the stream before the add with the reduced branch and its bias.
+  struct ResidualAdd {
+    Tensor residual_in, residual_out, branch, branch_bias;
+  };
+  ResidualAdd row_parallel_forward(const LinearParams& linear, const Tensor& input, const Tensor& residual_in,
+                                   const Tensor& residual_out);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
@@ -208,6 +216,9 @@ class GptModel {
   Tensor wpe_, grad_wpe_;
 
   std::vector<BlockActivations> saved_;
+  const float* fp8_cast_source_ = nullptr;
+  // The last block_forward's MLP output, which the next ln_1 (or ln_f) adds if pending.
+  ResidualAdd block_output_;
   LayerHooks hooks_;
   void before_forward(int layer) const {
     if (hooks_.before_forward) hooks_.before_forward(layer);

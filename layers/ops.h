@@ -106,7 +106,7 @@ struct LayerNormBackward {
 };
 
 // The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
-//   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N])        (=)
+//   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N]) (+ residual [M,N])  (=)
 //   dgrad    out [M,K]  = grad [M,N] . weight [N,K]                         (=)
 //   wgrad    out [N,K] += grad [M,N]^T . input [M,K]                         (FP32)
 // FP8 operands are multiplied by their scale_inv; an FP8 weight carries its transposed
@@ -120,6 +120,9 @@ struct GemmCall {
   Tensor weight;  // forward, dgrad
   Tensor grad;    // dgrad, wgrad
   Tensor bias;    // forward only, optional
+  // Forward only, optional: [M,N] of out's dtype, added in the epilogue before the one
+  // rounding to out's dtype. Must not alias out.
+  Tensor residual;
 };
 
 // Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.
@@ -233,8 +236,9 @@ class Ops {
                                 const int* scale_index, float* recorded_amax, Fp8Dtype dtype) = 0;
   virtual void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
                               const TensorTable& table, const float* scale_inv, Fp8Dtype dtype) = 0;
-  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements.
-  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n) = 0;
+  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements. The
+  // overlapped reduction casts on the side lane, off the backward's critical path.
+  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane = Lane::main) = 0;
   virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n) = 0;
   // An FP8 weight operand [N,K] (and its transposed copy) from gathered FP8 codes [N,K].
   virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;

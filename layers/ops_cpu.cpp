@@ -140,7 +140,7 @@ class CpuOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype) override {
     cpu::sum_fp8_chunks(out, chunks, ranks, chunk_stride, table.layout(), scale_inv, dtype);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override { cpu::convert_f32_to_bf16(out, in, n); }
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane) override { cpu::convert_f32_to_bf16(out, in, n); }
   void from_bf16_bits(float* out, const uint16_t* in, size_t n) override { cpu::convert_bf16_to_f32(out, in, n); }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     cpu::decode_fp8(f32(operand), codes, size_t(operand.numel()), fp8_dtype_of(operand.dtype));
@@ -205,18 +205,26 @@ class CpuOps final : public Ops {
   void gemm(const GemmCall& call) override {
     switch (call.pass) {
       case GemmPass::forward: {
-        // out [M,N] = input [M,K] . weight [N,K]^T (+ bias, added to the FP32 result as the
-        // GPU's epilogue does)
+        // out [M,N] = input [M,K] . weight [N,K]^T (+ bias) (+ residual), both added to the
+        // FP32 result in the GPU epilogue's order
         const int M = int(call.input.rows), K = int(call.input.cols), N = int(call.weight.rows);
         FP8LM_CHECK(call.weight.cols == K && call.out.rows == M && call.out.cols == N, "forward GEMM shapes");
+        FP8LM_CHECK(!call.residual || (call.residual.rows == M && call.residual.cols == N &&
+                                       call.residual.data != call.out.data),
+                    "forward GEMM residual: [M,N], not aliasing the output");
         cpu::gemm_nt(f32(call.out), f32(call.input), f32(call.weight), M, N, K,
                      scale_inv(call.input) * scale_inv(call.weight), false);
-        if (call.bias) {
-          const float* bias = f32(call.bias);
+        if (call.bias || call.residual) {
+          const float* bias = call.bias ? f32(call.bias) : nullptr;
+          const float* residual = call.residual ? f32(call.residual) : nullptr;
           float* out = f32(call.out);
 #pragma omp parallel for schedule(static)
           for (int i = 0; i < M; ++i)
-            for (int j = 0; j < N; ++j) out[size_t(i) * N + j] += bias[j];
+            for (int j = 0; j < N; ++j) {
+              const size_t at = size_t(i) * N + j;
+              if (residual) out[at] += residual[at];
+              if (bias) out[at] += bias[j];
+            }
         }
         break;
       }

