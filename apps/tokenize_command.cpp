@@ -43,6 +43,7 @@
 #include "core/error.h"
 #include "core/logging.h"
 #include "core/token_data.h"
+#include "core/input_file.h"
 #include "core/tokenizer.h"
 
 namespace fp8lm {
@@ -66,7 +67,7 @@ struct TokenizeOptions {
 
 enum class InputKind { kText, kJsonLines, kJsonArray };
 
-struct InputFile {
+struct CorpusFile {
   std::string path;
   InputKind kind;
   uint64_t bytes;
@@ -115,7 +116,7 @@ struct Piece {
   bool is_json_line = false;
   bool starts_document = false;
   bool validation = false;
-  const InputFile* file = nullptr;
+  const CorpusFile* file = nullptr;
   int64_t line = 0;  // JSON lines: 1-based, for errors
 };
 
@@ -147,13 +148,13 @@ class ValidationSplit {
 // longer).
 class InputReader {
  public:
-  InputReader(const std::vector<InputFile>& files, const std::string& json_key, double val_fraction)
+  InputReader(const std::vector<CorpusFile>& files, const std::string& json_key, double val_fraction)
       : files_(files), json_key_(json_key), split_(val_fraction) {}
 
   // The next piece, or false at the end of the inputs.
   bool next(Piece& piece) {
     while (file_index_ < files_.size()) {
-      const InputFile& file = files_[file_index_];
+      const CorpusFile& file = files_[file_index_];
       if (!open_) open_file(file);
       const bool got = file.kind == InputKind::kText        ? next_text(file, piece)
                        : file.kind == InputKind::kJsonLines ? next_json_line(file, piece)
@@ -172,7 +173,7 @@ class InputReader {
   const ValidationSplit& split() const { return split_; }
 
  private:
-  void open_file(const InputFile& file) {
+  void open_file(const CorpusFile& file) {
     open_ = true;
     document_started_ = false;
     text_done_ = false;
@@ -201,7 +202,7 @@ class InputReader {
     open_ = false;
   }
 
-  bool next_text(const InputFile& file, Piece& piece) {
+  bool next_text(const CorpusFile& file, Piece& piece) {
     if (text_done_) return false;
     std::string buffer = std::move(carry_);
     carry_.clear();
@@ -236,7 +237,7 @@ class InputReader {
     return true;
   }
 
-  bool next_json_line(const InputFile& file, Piece& piece) {
+  bool next_json_line(const CorpusFile& file, Piece& piece) {
     std::string line;
     while (std::getline(*stream_, line)) {
       ++line_;
@@ -253,7 +254,7 @@ class InputReader {
     return false;
   }
 
-  bool next_array_record(const InputFile& file, Piece& piece) {
+  bool next_array_record(const CorpusFile& file, Piece& piece) {
     if (!array_.is_array()) throw InputError(file.path + ": not a JSON array of records");
     if (array_index_ >= array_.size()) return false;
     const nlohmann::json& record = array_[array_index_++];
@@ -279,7 +280,7 @@ class InputReader {
   }
 
  private:
-  const std::vector<InputFile>& files_;
+  const std::vector<CorpusFile>& files_;
   std::string json_key_;
   ValidationSplit split_;
   size_t file_index_ = 0;
@@ -424,18 +425,14 @@ int run_tokenize_command(const std::vector<std::string>& args) {
   const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_file, o.merge_file);
   FP8LM_INPUT_CHECK(tokenizer.vocab_size() <= 65536, o.vocab_file, ": ", tokenizer.vocab_size(),
                     " tokens do not fit the uint16 tokens of llm.c shards");
-  std::vector<InputFile> files;
+  std::vector<CorpusFile> files;
   uint64_t total_bytes = 0;
   for (const std::string& path : expand_inputs(o.input)) {
-    std::error_code error;
-    FP8LM_INPUT_CHECK(fs::is_regular_file(path, error), "--input ", path, ": not a regular file");
-    const uint64_t bytes = fs::file_size(path, error);
-    FP8LM_INPUT_CHECK(!error, "--input ", path, ": cannot read its size (", error.message(), ")");
-    FP8LM_INPUT_CHECK(::access(path.c_str(), R_OK) == 0, "--input ", path, ": cannot read (", std::strerror(errno), ")");
+    const uint64_t bytes = InputFile::open(path).size();  // the one rule: a readable regular file
     files.push_back({path, kind_of(path), bytes});
     total_bytes += bytes;
   }
-  const bool only_text = std::all_of(files.begin(), files.end(), [](const InputFile& f) { return f.kind == InputKind::kText; });
+  const bool only_text = std::all_of(files.begin(), files.end(), [](const CorpusFile& f) { return f.kind == InputKind::kText; });
   if (only_text && o.val_fraction > 0 && std::floor(static_cast<double>(files.size()) * o.val_fraction) < 1) {
     throw InputError(detail::concat("--val-fraction ", o.val_fraction, " of ", files.size(),
                                     " document(s) puts none in validation (a text file is one document)"),

@@ -302,6 +302,16 @@ TEST_CASE("tokenizer: a missing or malformed vocabulary or merges file is an err
   CHECK_THAT(load_error(good.merges, good.vocab), ContainsSubstring(good.merges) && ContainsSubstring("not valid JSON"));
 }
 
+namespace {
+// Every token of an llm.c shard, through the training loader's own reader.
+std::vector<uint16_t> shard_tokens(const std::string& path) {
+  const TokenShard shard = TokenShard::open_file(path, TokenFileFormat::llmc, 50257, 1);
+  std::vector<uint16_t> tokens(shard.size());
+  shard.read(0, tokens.size(), tokens.data());
+  return tokens;
+}
+}  // namespace
+
 TEST_CASE("tokenizer: shards are written under a temporary name and renamed when complete", "[tokenizer]") {
   TempDir dir;
   std::vector<fs::path> written;
@@ -317,10 +327,8 @@ TEST_CASE("tokenizer: shards are written under a temporary name and renamed when
   CHECK(writer.shards() == 2);
   CHECK(writer.total_tokens() == 6);
   CHECK(written == std::vector<fs::path>{dir.file("train_000000.bin"), dir.file("train_000001.bin")});
-  const TokenShard first = TokenShard::open_file(dir.file("train_000000.bin"), 50257, 1);
-  const TokenShard second = TokenShard::open_file(dir.file("train_000001.bin"), 50257, 1);
-  CHECK(std::vector<uint16_t>(first.tokens(), first.tokens() + first.size()) == std::vector<uint16_t>{1, 2, 3, 4});
-  CHECK(std::vector<uint16_t>(second.tokens(), second.tokens() + second.size()) == std::vector<uint16_t>{5, 6});
+  CHECK(shard_tokens(dir.file("train_000000.bin")) == std::vector<uint16_t>{1, 2, 3, 4});
+  CHECK(shard_tokens(dir.file("train_000001.bin")) == std::vector<uint16_t>{5, 6});
 }
 
 namespace {
@@ -328,8 +336,8 @@ namespace {
 std::vector<uint16_t> read_shards(const std::string& pattern) {
   std::vector<uint16_t> all;
   for (const std::string& path : expand_shard_paths(pattern)) {
-    const TokenShard shard = TokenShard::open_file(path, 50257, 1);
-    all.insert(all.end(), shard.tokens(), shard.tokens() + shard.size());
+    const std::vector<uint16_t> tokens = shard_tokens(path);
+    all.insert(all.end(), tokens.begin(), tokens.end());
   }
   return all;
 }
