@@ -12,6 +12,7 @@
 #include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/json_fields.h"
 #include "core/safetensors.h"
 #include "layers/gpt.h"
 #include "layers/gpt_hf.h"
@@ -284,10 +285,11 @@ void verify_files(const fs::path& dir, const nlohmann::json& state) {
   for (const auto& [name, record] : state["files"].items()) {
     const fs::path file = dir / name;
     FP8LM_INPUT_CHECK(fs::is_regular_file(file), file.string(), ": missing from the checkpoint");
-    const uint64_t bytes = record.at("bytes").get<uint64_t>();
+    const JsonFields entry(record, (dir / kStateFile).string(), "files." + name + ".");
+    const uint64_t bytes = entry.get<uint64_t>("bytes");
     FP8LM_INPUT_CHECK(fs::file_size(file) == bytes, file.string(), ": size ", fs::file_size(file),
                       " bytes, the checkpoint recorded ", bytes, " (truncated or replaced)");
-    FP8LM_INPUT_CHECK(file_crc32_hex(file.string()) == record.at("crc32").get<std::string>(), file.string(),
+    FP8LM_INPUT_CHECK(file_crc32_hex(file.string()) == entry.get<std::string>("crc32"), file.string(),
                       ": checksum mismatch (the file is corrupt)");
   }
 }
@@ -431,8 +433,10 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
 
   const nlohmann::json state = read_json(dir / kStateFile);
   const std::string state_path = (dir / kStateFile).string();
-  FP8LM_INPUT_CHECK(state.value("format", "") == "fp8lm-checkpoint", state_path, ": not an fp8lm checkpoint");
-  const int version = state.value("version", 0);
+  const JsonFields fields(state, state_path);  // typed reads: errors name the file and the key
+  FP8LM_INPUT_CHECK(fields.get_or<std::string>("format", "") == "fp8lm-checkpoint", state_path,
+                    ": not an fp8lm checkpoint");
+  const int version = fields.get_or<int>("version", 0);
   FP8LM_INPUT_CHECK(version >= kOldestReadableVersion && version <= kFormatVersion, state_path,
                     ": unsupported checkpoint version ", version, " (this fp8lm reads versions ", kOldestReadableVersion,
                     " to ", kFormatVersion, ")");
@@ -458,18 +462,19 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
     }
   }
 
+  loaded.progress.iteration = fields.get<int64_t>("iteration", 0);
+  loaded.progress.consumed_samples = fields.get<uint64_t>("consumed_samples");
+  loaded.progress.data.epoch = fields.object("data_position").get<uint64_t>("epoch");
+  loaded.progress.data.next_sample = fields.object("data_position").get<uint64_t>("next_sample");
+  loaded.progress.skipped_steps = fields.get_or<int64_t>("skipped_steps", 0, 0);
+
   engine.set_parameters(params);
   engine.set_optimizer_state(optimizer);
   if (scaling) engine.set_scaling_state(*scaling);
   loaded.resumed = true;
-  loaded.progress.iteration = state.at("iteration").get<int64_t>();
-  loaded.progress.consumed_samples = state.at("consumed_samples").get<uint64_t>();
-  loaded.progress.data.epoch = state.at("data_position").at("epoch").get<uint64_t>();
-  loaded.progress.data.next_sample = state.at("data_position").at("next_sample").get<uint64_t>();
-  loaded.progress.skipped_steps = state.value("skipped_steps", int64_t{0});
   engine.set_total_skips(loaded.progress.skipped_steps);
   spdlog::info("resumed from {} at iteration {} ({} precision checkpoint)", dir.string(), loaded.progress.iteration,
-               state.value("precision", std::string("?")));
+               fields.get_or<std::string>("precision", "?"));
   return loaded;
 }
 
