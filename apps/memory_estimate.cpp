@@ -93,14 +93,19 @@ uint64_t block_linear_elements(const Shape& x) {
   return sum({mul(3 * x.C / x.tp, x.C), mul(x.C, x.Cl), mul(x.Fl, x.C), mul(x.C, x.Fl)});
 }
 
-// Elements of this rank's parameter slab: every bucket padded (make_gpt_shard_layout).
-uint64_t slab_elements(const Shape& x) {
+// This rank's parameter slab: every bucket padded (make_gpt_shard_layout).
+struct Slab {
+  uint64_t elements = 0;
+  uint64_t largest_bucket = 0;
+};
+
+Slab slab_of(const Shape& x) {
   const uint64_t pad = 256 * x.dp;  // kBucketAlignment x data-parallel size
   const uint64_t embedding = round_up(add(mul(x.Vs, x.C), mul(x.P, x.C)), pad);
   const uint64_t weights = round_up(block_linear_elements(x), pad);
   const uint64_t others = round_up(sum({mul(4, x.C), 3 * x.C / x.tp, x.C, x.Fl, x.C}), pad);
   const uint64_t head = round_up(mul(2, x.C), pad);
-  return sum({embedding, mul(x.L, add(weights, others)), head});
+  return Slab{sum({embedding, mul(x.L, add(weights, others)), head}), std::max({embedding, weights, others, head})};
 }
 
 // Elements of the whole model (make_gpt_layout: every tensor whole, the vocabulary padded).
@@ -246,7 +251,8 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   precision.fp8_lm_head = o.fp8_lm_head;
   precision.fp8 = o.fp8;
 
-  const uint64_t n = slab_elements(x);         // this rank's parameter slab
+  const Slab slab = slab_of(x);
+  const uint64_t n = slab.elements;            // this rank's parameter slab
   const uint64_t S = n / x.parts;              // this rank's optimizer shard
   const uint64_t canonical = canonical_elements(x);  // the whole model (snapshots)
   const bool sharded = x.parts > 1;
@@ -286,7 +292,8 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   if (sharded) communication = add(communication, add(mul(S, 4), mul(S, eb(act))));
   const bool fp8_grad_comm = o.fp8_grad_comm && x.dp > 1;
   if (x.dp > 1 && o.grad_reduce_in_bf16 && !fp8_grad_comm) communication = sum({communication, mul(n, 2), sharded ? mul(S, 2) : 0});
-  if (fp8_grad_comm) communication = sum({communication, n, n});
+  // FP8 codes of the whole slab, and every rank's part of the largest bucket as received.
+  if (fp8_grad_comm) communication = sum({communication, n, slab.largest_bucket});
   if (o.fp8_param_gather) communication = sum({communication, fp8_grad_comm ? 0 : n, S});
   if (communication) backend("communication buffers (data-parallel)", communication, more_tp);
 
