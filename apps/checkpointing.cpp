@@ -322,9 +322,9 @@ std::optional<GptConfig> stored_model_config(const std::string& path, std::optio
   const fs::path dir = resolve_checkpoint_dir(path, step);
   if (is_fp8lm_checkpoint(dir)) {
     const nlohmann::json state = read_json(dir / kStateFile);
-    FP8LM_INPUT_CHECK(state.contains("config"), (dir / kStateFile).string(), ": no model config");
-    GptConfig config = parse_gpt_config(state["config"], (dir / kStateFile).string());
-    config.name = state.value("config_name", std::string("checkpoint"));
+    const JsonFields fields(state, (dir / kStateFile).string());
+    GptConfig config = parse_gpt_config(fields.object("config").json(), fields.source() + " \"config\"");
+    config.name = fields.get_or<std::string>("config_name", "checkpoint");
     return config;
   }
   const fs::path hf_dir = fs::is_regular_file(dir) ? dir.parent_path() : dir;
@@ -441,7 +441,7 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
                     ": unsupported checkpoint version ", version, " (this fp8lm reads versions ", kOldestReadableVersion,
                     " to ", kFormatVersion, ")");
   verify_files(dir, state);
-  const GptConfig stored = parse_gpt_config(state.at("config"), state_path);
+  const GptConfig stored = parse_gpt_config(fields.object("config").json(), state_path + " \"config\"");
   FP8LM_INPUT_CHECK(stored.n_layer == setup.model.n_layer && stored.n_embd == setup.model.n_embd &&
                         stored.n_head == setup.model.n_head && stored.n_inner == setup.model.n_inner &&
                         stored.vocab_size == setup.model.vocab_size && stored.n_positions == setup.model.n_positions,

@@ -75,6 +75,8 @@ std::vector<RealFlag> real_flags(const TrainOptions& o) {
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 int max_num_threads() { return kMaxThreadsPerHardwareThread * hardware_threads(); }
 
+namespace {
+
 void validate_real_flags(const TrainOptions& o) {
   for (const RealFlag& flag : real_flags(o)) {
     const double value = *flag.value;
@@ -87,6 +89,8 @@ void validate_real_flags(const TrainOptions& o) {
              format_real(value) + ")" + (flag.why ? std::string(": ") + flag.why : std::string()));
   }
 }
+
+}  // namespace
 
 void validate_options(const TrainOptions& o) {
   auto require = [](bool ok, const std::string& message) {
@@ -135,8 +139,11 @@ void validate_options(const TrainOptions& o) {
   require(!o.fp8_param_gather || o.fp8.recipe == ScalingRecipe::delayed,
           "--fp8-param-gather needs --fp8-recipe delayed: the owning rank casts each weight with the scale every "
           "rank agreed on the step before");
-  require(o.fp8.amax_history_len >= 1,
-          "--fp8-amax-history-len must be >= 1 (got " + num(o.fp8.amax_history_len) + ")");
+  // Delayed scaling reacts to the window's maximum: a window of more than 65,536 steps is
+  // longer than most runs, and the histories (states x length floats, host and GPU) grow with it.
+  require(o.fp8.amax_history_len >= 1 && o.fp8.amax_history_len <= kMaxAmaxHistoryLen,
+          "--fp8-amax-history-len must be in [1, " + num(kMaxAmaxHistoryLen) + "] (got " +
+              num(o.fp8.amax_history_len) + ")");
   require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");

@@ -42,5 +42,6 @@ int hardware_threads();
 int max_num_threads();
 
 inline constexpr double kMaxTimeoutMinutes = 7 * 24 * 60;
+inline constexpr int kMaxAmaxHistoryLen = 65536;
 
 }  // namespace fp8lm

@@ -367,18 +367,22 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
     MemoryConsumer init;
     init.name = "host: initial weights staging (whole model, FP32)";
     init.transient = true;
-    // The canonical FP32 weights, this rank's slab of them, and its shard or BF16 bits.
-    init.host_bytes = sum({mul(canonical, 4), mul(n, 4), master_is_working_copy ? 0 : mul(S, 4), cuda ? mul(n, 2) : 0});
+    // The canonical FP32 weights and this rank's slab of them, then either the BF16 bits
+    // uploaded to the GPU or the master shard (TrainingEngine::set_parameters).
+    init.host_bytes = sum({mul(canonical, 4), mul(n, 4),
+                           std::max(cuda ? mul(n, 2) : 0, master_is_working_copy ? 0 : mul(n, 4))});
     init.remedy = more_tp;
     estimate.consumers.push_back(init);
     if (!o.save_dir.empty() || !o.load_dir.empty() || !o.init_from.empty()) {
       MemoryConsumer checkpoint;
       checkpoint.name = "host: checkpoint staging (whole model: weights, AdamW state)";
       checkpoint.transient = true;
-      // The weights and optimizer snapshots, and the largest gather's buffers (every
-      // tensor-parallel rank's slab, this rank's, its shard, the canonical result).
-      checkpoint.host_bytes = sum({mul(canonical, 4 + state_bytes_per_element), mul(n, x.tp, 4), mul(n, 4),
-                                   mul(S, 4), mul(canonical, 4)});
+      // The weights and optimizer snapshots (whole tensors), and then the larger of a
+      // gather's buffers (every tensor-parallel rank's slab, this rank's, its shard) and
+      // the safetensors writer's copy of one file.
+      checkpoint.host_bytes =
+          add(mul(canonical, 4 + state_bytes_per_element),
+              std::max(sum({mul(n, x.tp, 4), mul(n, 4), mul(S, 4)}), mul(canonical, std::max<uint64_t>(4, state_bytes_per_element))));
       checkpoint.remedy = more_tp;
       estimate.consumers.push_back(checkpoint);
     }

@@ -133,6 +133,7 @@ TEST_CASE("bad flags: one-line error naming the flag", "[cli]") {
       {{"--mock-data", "--lr", "abc"}, "--lr"},
       {{"--mock-data", "--lr", "-1"}, "--lr"},
       {{"--mock-data", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len"},
+      {{"--mock-data", "--fp8-amax-history-len", "65537"}, "--fp8-amax-history-len must be in [1, 65536]"},
       {{"--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"}, "--global-batch-size"},
       {{"--mock-data", "--micro-batch-size", "0"}, "--micro-batch-size"},
       {{"--mock-data", "--fp8-hybrid", "--fp8-format", "e4m3"}, "--fp8-hybrid"},
