@@ -8,7 +8,9 @@
 #include <string>
 
 #include "apps/run_setup.h"
+#include "core/cast_cuda.h"
 #include "core/device.h"
+#include "core/gemm_cuda.h"
 #include "core/error.h"
 #include "core/mock_data.h"
 #include "core/tensor.h"
@@ -23,10 +25,9 @@ namespace {
 
 constexpr uint64_t kSaturated = std::numeric_limits<uint64_t>::max();
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-// Host memory of the CUDA runtime, cuBLASLt and the driver (measured: 300-500 MiB resident).
+// Host memory the CUDA driver, runtime and cuBLASLt keep resident once a context exists: an
+// allowance (typically a few hundred MiB), since it is not known before the context is made.
 constexpr uint64_t kCudaHostAllowance = 512 * kMiB;
-// cuBLASLt's workspace (core/gemm_cuda.h: GemmEngine::kWorkspaceBytes).
-constexpr uint64_t kGemmWorkspaceBytes = 32 * kMiB;
 // Device buffers of one NCCL communicator (channels x peers x NCCL_BUFFSIZE, typically far less).
 constexpr uint64_t kNcclAllowance = 256 * kMiB;
 
@@ -209,9 +210,9 @@ uint64_t cuda_workspace_bytes(const Shape& x) {
   size_t floats = cuda::layernorm_backward_scratch_floats(BT, int(x.C));
   floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, int(x.Fl)));
   floats = std::max(floats, cuda::attention_backward_scratch_floats(int(x.B), int(x.T), int(x.Cl), int(x.NHl)));
-  floats = std::max(floats, (x.BT + 63) / 64 * widest);  // column sums (dbias) per 64-row tile
+  floats = std::max(floats, cuda::dbias_scratch_floats(BT, int(widest)));
   return sum({mul(floats, 4), mul(x.BT, widest, 2), mul(x.BT, std::max(widest, x.C)),
-              mul(add(mul(5, x.BT), 1), 4), kGemmWorkspaceBytes});
+              mul(add(mul(5, x.BT), 1), 4), uint64_t(cuda::GemmEngine::kWorkspaceBytes)});
 }
 
 // The CPU backend's scratch vectors (layers/ops_cpu.cpp), at their largest: a normalised or

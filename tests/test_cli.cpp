@@ -244,7 +244,7 @@ TEST_CASE("every floating-point flag must be finite and inside its range", "[cli
              ContainsSubstring("--lr x --weight-decay (1) must be below 1"));
 }
 
-TEST_CASE("--seed takes any unsigned 64-bit value and nothing else", "[cli]") {
+TEST_CASE("the seed flag takes any unsigned 64-bit value and nothing else", "[cli]") {
   CHECK(parse({"--mock-data", "--seed", "18446744073709551615"}).seed == UINT64_MAX);
   CHECK(parse({"--mock-data", "--seed", "0"}).seed == 0);
   CHECK(parse({"--mock-data"}).seed == 1234);
@@ -254,7 +254,7 @@ TEST_CASE("--seed takes any unsigned 64-bit value and nothing else", "[cli]") {
   }
 }
 
-TEST_CASE("--num-threads is bounded by the machine's hardware threads", "[cli]") {
+TEST_CASE("the thread count flag is bounded by the machine's hardware threads", "[cli]") {
   CHECK(parse({"--mock-data", "--num-threads", std::to_string(max_num_threads())}).num_threads == max_num_threads());
   const std::string message = parse_error({"--mock-data", "--num-threads", std::to_string(max_num_threads() + 1)});
   CHECK_THAT(message, ContainsSubstring("--num-threads " + std::to_string(max_num_threads() + 1) + " exceeds 4 x"));
