@@ -206,7 +206,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(precision);
   app.add_option("--fp8-margin", o.fp8.margin, "Scale = fp8_max / amax / 2^margin")->group(precision);
   app.add_option("--fp8-interval", o.fp8.interval, "Update delayed scales every N steps")->group(precision);
-  app.add_option("--fp8-amax-history-len", o.fp8.amax_history_len, "Amax history window (delayed scaling)")
+  app.add_option("--fp8-amax-history-len", o.fp8.amax_history_len, "Amax history window (delayed scaling), 1 to 65536")
       ->group(precision);
   app.add_option("--fp8-amax-compute-algo", amax_algo, "Amax of the window: max or most_recent")
       ->check(CLI::IsMember({"max", "most_recent"}))
@@ -320,7 +320,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->group(system);
-  app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default)")->group(system);
+  app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default; at most 4 per hardware thread)")
+      ->group(system);
   app.add_flag("--benchmark", o.benchmark,
                "Time every step (synchronised) and report the median step, tokens/s, MFU and peak memory")
       ->group(system);

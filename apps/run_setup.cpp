@@ -87,9 +87,13 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
 
   // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits.
   const int64_t tokens_per_micro_batch = int64_t{options.micro_batch_size} * setup.seq_length;
-  FP8LM_INPUT_CHECK(tokens_per_micro_batch <= INT_MAX, "--micro-batch-size x --seq-length (",
-                    options.micro_batch_size, " x ", setup.seq_length, " = ", tokens_per_micro_batch,
-                    " tokens) exceeds 2^31 - 1: the kernels index a micro-batch's tokens in 32 bits");
+  if (tokens_per_micro_batch > INT_MAX)
+    throw InputError("--micro-batch-size x --seq-length (" + std::to_string(options.micro_batch_size) + " x " +
+                         std::to_string(setup.seq_length) + " = " + std::to_string(tokens_per_micro_batch) +
+                         " tokens) exceeds 2^31 - 1: the kernels index a micro-batch's tokens in 32 bits",
+                     options.seq_length > 0 ? "lower --micro-batch-size or --seq-length"
+                                            : "--seq-length defaults to the config's n_positions (" +
+                                                  std::to_string(setup.model.n_positions) + "): pass a shorter one");
   const int64_t per_step = int64_t{options.micro_batch_size} * data_parallel_size;
   FP8LM_INPUT_CHECK(per_step <= INT_MAX, "--micro-batch-size x data-parallel size (", per_step,
                     ") exceeds 2^31 - 1 sequences per step");

@@ -61,10 +61,10 @@ MemoryAvailability host_with(uint64_t bytes) {
 }
 
 // A config file with the tiny model's keys, some replaced.
-std::string write_config(const testing::TempDir& dir, const nlohmann::json& changes) {
+std::string write_config(const testing::TempDir& dir, const std::string& name, const nlohmann::json& changes) {
   nlohmann::json config = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 256}, {"n_positions", 64}};
   for (const auto& [key, value] : changes.items()) config[key] = value;
-  const std::string path = dir.file("config.json");
+  const std::string path = dir.file(name);
   std::ofstream(path) << config.dump();
   return path;
 }
@@ -228,7 +228,8 @@ TEST_CASE("the estimate's arithmetic saturates instead of wrapping", "[memory]")
 TEST_CASE("the binary refuses runs that cannot fit within a second, before allocating", "[memory][cli]") {
   const testing::TempDir dir;
   const std::string huge_model =
-      write_config(dir, {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
+      write_config(dir, "huge.json", {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
+  const std::string long_context = write_config(dir, "long.json", {{"n_positions", 1 << 30}});
   const std::string gpt2 = testing::source_path("configs/gpt2-124m.json");
   struct Case {
     std::string args, expected;
@@ -237,8 +238,11 @@ TEST_CASE("the binary refuses runs that cannot fit within a second, before alloc
       {"--config " + huge_model + " --mock-data --device cpu", "parameters (f32 working copy) 3.66 PiB"},
       {"--config " + kTiny + " --mock-data --device cpu --max-position-embeddings 1073741824 --seq-length 64",
        "parameters (f32 working copy) 256.00 GiB"},
+      {"--config " + long_context + " --mock-data --device cpu --seq-length 64", "parameters (f32 working copy) 256.00 GiB"},
+      {"--config " + long_context + " --mock-data --device cpu", "HINT: --seq-length defaults to the config's n_positions"},
       {"--config " + kTiny + " --mock-data --device cpu --max-position-embeddings 1073741824",
-       "--micro-batch-size x --seq-length (4 x 1073741824"},
+       "--micro-batch-size x --seq-length (4 x 1073741824 = 4294967296 tokens) exceeds 2^31 - 1: the kernels index a "
+       "micro-batch's tokens in 32 bits HINT: --seq-length defaults to the config's n_positions (1073741824)"},
       {"--config " + gpt2 + " --mock-data --device cpu --micro-batch-size 1000000", "largest: activations"},
       {"--config " + gpt2 + " --mock-data --device cpu --fp8-hybrid --fp8-amax-history-len 1000000000",
        "--fp8-amax-history-len must be in [1, 65536] (got 1000000000)"},
