@@ -1,11 +1,16 @@
 #include "apps/cli.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
 #include <map>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 
 #include "core/error.h"
+#include "core/gpt_config.h"
 
 namespace fp8lm {
 
@@ -33,6 +38,58 @@ Enum lookup(const std::map<std::string, Enum>& names, const std::string& value) 
   throw InputError(message, "run `fp8lm train --help` for every flag and its default");
 }
 
+// Shortest text that reads back as the same double ("1e+300", "inf", "0.1").
+std::string format_real(double value) {
+  char buffer[64];
+  const auto [end, error] = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return error == std::errc() ? std::string(buffer, end) : std::to_string(value);
+}
+
+// An unsigned 64-bit flag value: CLI11 (like strtoull) would read "-1" as 2^64 - 1.
+uint64_t parse_unsigned_flag(const std::string& flag, const std::string& text) {
+  uint64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  if (text.empty() || error != std::errc() || stop != end)
+    bad_flag(flag + " must be an integer in [0, 18446744073709551615] (got \"" + text + "\")");
+  return value;
+}
+
+}  // namespace
+
+std::vector<RealFlag> real_flags(const TrainOptions& o) {
+  constexpr double kUnbounded = std::numeric_limits<double>::max();
+  return {
+      {"--lr", &o.lr, 0.0, true, 1.0, true, "AdamW steps move each weight by about lr"},
+      {"--min-lr", &o.min_lr, 0.0, true, 1.0, true, nullptr},
+      {"--weight-decay", &o.weight_decay, 0.0, true, 10.0, true, nullptr},
+      {"--adam-beta1", &o.adam_beta1, 0.0, true, 1.0, false, nullptr},
+      {"--adam-beta2", &o.adam_beta2, 0.0, true, 1.0, false, nullptr},
+      {"--adam-eps", &o.adam_eps, 0.0, false, 1.0, true, nullptr},
+      {"--clip-grad", &o.clip_grad, 0.0, true, kUnbounded, true, "0 disables clipping"},
+      {"--distributed-timeout-minutes", &o.distributed_timeout_minutes, 0.0, false, kMaxTimeoutMinutes, true,
+       "at most a week"},
+  };
+}
+
+int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+int max_num_threads() { return kMaxThreadsPerHardwareThread * hardware_threads(); }
+
+namespace {
+
+void validate_real_flags(const TrainOptions& o) {
+  for (const RealFlag& flag : real_flags(o)) {
+    const double value = *flag.value;
+    const bool above_min = flag.min_inclusive ? value >= flag.min : value > flag.min;
+    const bool below_max = flag.max_inclusive ? value <= flag.max : value < flag.max;
+    // NaN fails both comparisons; infinities fail the finite bound on their side.
+    if (std::isfinite(value) && above_min && below_max) continue;
+    bad_flag(std::string(flag.name) + " must be a finite number in " + (flag.min_inclusive ? "[" : "(") +
+             format_real(flag.min) + ", " + format_real(flag.max) + (flag.max_inclusive ? "]" : ")") + " (got " +
+             format_real(value) + ")" + (flag.why ? std::string(": ") + flag.why : std::string()));
+  }
+}
+
 }  // namespace
 
 void validate_options(const TrainOptions& o) {
@@ -40,23 +97,19 @@ void validate_options(const TrainOptions& o) {
     if (!ok) bad_flag(message);
   };
   auto num = [](auto value) { return std::to_string(value); };
+  validate_real_flags(o);
+  require(o.min_lr <= o.lr, "--min-lr (" + format_real(o.min_lr) + ") must not exceed --lr (" + format_real(o.lr) + ")");
+  require(o.lr * o.weight_decay < 1.0, "--lr x --weight-decay (" + format_real(o.lr * o.weight_decay) +
+                                           ") must be below 1: each step scales the weights by 1 - lr x weight-decay");
   require(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1 (got " + num(o.micro_batch_size) + ")");
   require(o.global_batch_size >= 0, "--global-batch-size must be >= 1 (got " + num(o.global_batch_size) + ")");
   require(o.global_batch_size == 0 || o.global_batch_size % o.micro_batch_size == 0,
           "--global-batch-size (" + num(o.global_batch_size) + ") must be a multiple of --micro-batch-size (" +
               num(o.micro_batch_size) + ")");
   require(o.seq_length >= 0, "--seq-length must be >= 1 (got " + num(o.seq_length) + ")");
-  require(o.lr >= 0.0, "--lr must be >= 0 (got " + num(o.lr) + ")");
-  require(o.min_lr >= 0.0, "--min-lr must be >= 0 (got " + num(o.min_lr) + ")");
-  require(o.min_lr <= o.lr, "--min-lr (" + num(o.min_lr) + ") must not exceed --lr (" + num(o.lr) + ")");
   require(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0 (got " + num(o.lr_warmup_iters) + ")");
   require(o.lr_decay_iters >= -1, "--lr-decay-iters must be >= 0 (got " + num(o.lr_decay_iters) + ")");
   require(o.train_iters >= 0, "--train-iters must be >= 0 (got " + num(o.train_iters) + ")");
-  require(o.weight_decay >= 0.0, "--weight-decay must be >= 0 (got " + num(o.weight_decay) + ")");
-  require(o.adam_beta1 >= 0.0 && o.adam_beta1 < 1.0, "--adam-beta1 must be in [0, 1) (got " + num(o.adam_beta1) + ")");
-  require(o.adam_beta2 >= 0.0 && o.adam_beta2 < 1.0, "--adam-beta2 must be in [0, 1) (got " + num(o.adam_beta2) + ")");
-  require(o.adam_eps > 0.0, "--adam-eps must be > 0 (got " + num(o.adam_eps) + ")");
-  require(o.clip_grad >= 0.0, "--clip-grad must be >= 0, 0 disables clipping (got " + num(o.clip_grad) + ")");
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
   require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
@@ -70,6 +123,13 @@ void validate_options(const TrainOptions& o) {
   require(o.tensor_model_parallel_size >= 1,
           "--tensor-model-parallel-size must be >= 1 (got " + num(o.tensor_model_parallel_size) + ")");
   require(o.num_threads >= 0, "--num-threads must be >= 0 (got " + num(o.num_threads) + ")");
+  if (o.num_threads > max_num_threads()) {
+    throw InputError("--num-threads " + num(o.num_threads) + " exceeds " + num(kMaxThreadsPerHardwareThread) +
+                         " x this machine's " + num(hardware_threads()) + " hardware threads (" +
+                         num(max_num_threads()) + "): more threads only add contention, and tens of thousands "
+                         "exhaust the thread stacks",
+                     "pass --num-threads 0 for OpenMP's default (one per hardware thread)");
+  }
   require(!o.sequence_parallel || o.tensor_model_parallel_size > 1,
           "--sequence-parallel needs --tensor-model-parallel-size above 1");
   require(!(o.fp8_grad_comm && o.grad_reduce_in_bf16), "--fp8-grad-comm contradicts --grad-reduce-in-bf16");
@@ -79,10 +139,11 @@ void validate_options(const TrainOptions& o) {
   require(!o.fp8_param_gather || o.fp8.recipe == ScalingRecipe::delayed,
           "--fp8-param-gather needs --fp8-recipe delayed: the owning rank casts each weight with the scale every "
           "rank agreed on the step before");
-  require(o.distributed_timeout_minutes > 0.0,
-          "--distributed-timeout-minutes must be > 0 (got " + num(o.distributed_timeout_minutes) + ")");
-  require(o.fp8.amax_history_len >= 1,
-          "--fp8-amax-history-len must be >= 1 (got " + num(o.fp8.amax_history_len) + ")");
+  // Delayed scaling reacts to the window's maximum: a window of more than 65,536 steps is
+  // longer than most runs, and the histories (states x length floats, host and GPU) grow with it.
+  require(o.fp8.amax_history_len >= 1 && o.fp8.amax_history_len <= kMaxAmaxHistoryLen,
+          "--fp8-amax-history-len must be in [1, " + num(kMaxAmaxHistoryLen) + "] (got " +
+              num(o.fp8.amax_history_len) + ")");
   require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
@@ -99,6 +160,9 @@ void validate_options(const TrainOptions& o) {
   positive(o.model.ffn_hidden_size, "--ffn-hidden-size");
   positive(o.model.max_position_embeddings, "--max-position-embeddings");
   positive(o.model.vocab_size, "--vocab-size");
+  require(!o.model.vocab_size || *o.model.vocab_size <= kMaxVocabSize,
+          "--vocab-size " + (o.model.vocab_size ? num(*o.model.vocab_size) : "") + " exceeds " + num(kMaxVocabSize) +
+              ": tokens are stored as uint16, so the vocabulary holds at most 65,536 ids");
 }
 
 ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args) {
@@ -142,7 +206,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(precision);
   app.add_option("--fp8-margin", o.fp8.margin, "Scale = fp8_max / amax / 2^margin")->group(precision);
   app.add_option("--fp8-interval", o.fp8.interval, "Update delayed scales every N steps")->group(precision);
-  app.add_option("--fp8-amax-history-len", o.fp8.amax_history_len, "Amax history window (delayed scaling)")
+  app.add_option("--fp8-amax-history-len", o.fp8.amax_history_len, "Amax history window (delayed scaling), 1 to 65536")
       ->group(precision);
   app.add_option("--fp8-amax-compute-algo", amax_algo, "Amax of the window: max or most_recent")
       ->check(CLI::IsMember({"max", "most_recent"}))
@@ -178,7 +242,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--max-skipped-steps", o.max_skipped_steps,
                  "Stop after this many non-finite steps in a row")
       ->group(training);
-  app.add_option("--seed", o.seed, "Seed for initialisation and data order")->group(training);
+  std::string seed_text = std::to_string(o.seed);
+  app.add_option("--seed", seed_text, "Seed for initialisation and data order (0 to 2^64 - 1)")->group(training);
 
   // ---- Data
   const char* data = "Data";
@@ -261,7 +326,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->group(system);
-  app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default)")->group(system);
+  app.add_option("--num-threads", o.num_threads, "CPU threads (0: OpenMP default; at most 4 per hardware thread)")
+      ->group(system);
   app.add_flag("--benchmark", o.benchmark,
                "Time every step (synchronised) and report the median step, tokens/s, MFU and peak memory")
       ->group(system);
@@ -277,6 +343,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   } catch (const CLI::ParseError& e) {
     bad_flag(e.what());
   }
+
+  o.seed = parse_unsigned_flag("--seed", seed_text);
 
   // Precision resolution follows Megatron: an FP8 format turns FP8 GEMMs on (with or
   // without --bf16); otherwise BF16.

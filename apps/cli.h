@@ -22,4 +22,26 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
 // Checks ranges and contradictions that do not need the model config.
 void validate_options(const TrainOptions& options);
 
+// Every floating-point flag with its range: validate_options requires each to be finite and
+// inside it. A new double in TrainOptions gets a row here.
+struct RealFlag {
+  const char* name;
+  const double* value;
+  double min;
+  bool min_inclusive;
+  double max;
+  bool max_inclusive;
+  const char* why;  // appended to the error, or nullptr
+};
+std::vector<RealFlag> real_flags(const TrainOptions& options);
+
+// --num-threads above this many per hardware thread is refused (libgomp crashes on tens of
+// thousands, and oversubscription only slows a step down).
+inline constexpr int kMaxThreadsPerHardwareThread = 4;
+int hardware_threads();
+int max_num_threads();
+
+inline constexpr double kMaxTimeoutMinutes = 7 * 24 * 60;
+inline constexpr int kMaxAmaxHistoryLen = 65536;
+
 }  // namespace fp8lm

@@ -174,6 +174,7 @@ struct TrainingEngine::State {
   StepControl last_seen;
   int micro_batches = 0;
   float tokens_per_micro_batch = 1.0f;
+  MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
 
   size_t tensor_count() const { return model->layout().tensors().size(); }
   StepScalars* device_scalars() { return static_cast<StepScalars*>(scalars->data()); }
@@ -245,6 +246,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   const TrainOptions& o = setup.options;
   s.parallel = layout;
   s.ops = std::move(ops);
+  s.memory_estimate = setup.memory;
   s.host = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
   if (s.ops->stream_handle() != nullptr) {
     // The tensor-parallel and data-parallel traffic of the step runs on the backend's own
@@ -860,6 +862,18 @@ SettingsTable TrainingEngine::describe() const {
   rows.push_back({"estimated peak memory (this rank)",
                   format_mib(s.model->allocated_bytes() + s.optimizer_bytes() + s.communication_bytes() +
                              s.ops->workspace_bytes())});
+  // The start-up estimate beside what was measured once everything is allocated.
+  const bool device = s.ops->stream_handle() != nullptr;
+  const uint64_t allocated = benchmark_memory().allocated_bytes;
+  rows.push_back({"engine allocations: measured / estimated",
+                  format_bytes(allocated) + " / " + format_bytes(s.memory_estimate.engine_bytes(device))});
+  const MeasuredMemory host = measure_host_memory();
+  rows.push_back({"host memory: resident now, peak (VmRSS, VmHWM) / estimated",
+                  format_bytes(host.host_current_bytes) + ", " + format_bytes(host.host_peak_bytes) + " / " +
+                      format_bytes(s.memory_estimate.host_bytes())});
+  if (device)
+    rows.push_back({"GPU memory: in use (cudaMemGetInfo) / estimated",
+                    format_bytes(s.ops->device_memory_in_use()) + " / " + format_bytes(s.memory_estimate.device_bytes())});
   return rows;
 }
 

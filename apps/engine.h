@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/memory_estimate.h"
 #include "core/fp8.h"
 #include "core/logging.h"
 #include "core/tensor.h"

@@ -1,5 +1,6 @@
 #include "apps/run_setup.h"
 
+#include <climits>
 #include <cstdio>
 #include <sstream>
 
@@ -36,7 +37,7 @@ GptConfig model_config_from(const TrainOptions& o) {
                       "--vocab-size)");
     config.name = "custom";
     config.n_positions = m.max_position_embeddings.value_or(o.seq_length > 0 ? o.seq_length : 1024);
-    config.n_inner = m.ffn_hidden_size.value_or(4 * *m.hidden_size);
+    config.n_inner = m.ffn_hidden_size.value_or(0);  // 0: the default, 4 x n_embd (below)
   }
   if (m.num_layers || m.hidden_size || m.num_attention_heads || m.ffn_hidden_size || m.max_position_embeddings ||
       m.vocab_size) {
@@ -47,9 +48,10 @@ GptConfig model_config_from(const TrainOptions& o) {
     if (m.num_attention_heads) json["n_head"] = *m.num_attention_heads;
     if (m.max_position_embeddings) json["n_positions"] = *m.max_position_embeddings;
     if (m.vocab_size) json["vocab_size"] = *m.vocab_size;
-    json["n_inner"] = m.ffn_hidden_size ? *m.ffn_hidden_size
-                                        : (config.n_inner && !m.hidden_size ? config.n_inner
-                                                                            : 4 * json["n_embd"].get<int>());
+    // null: parse_gpt_config derives 4 x n_embd, in 64 bits and checked.
+    json["n_inner"] = m.ffn_hidden_size ? nlohmann::json(*m.ffn_hidden_size)
+                                        : (config.n_inner && !m.hidden_size ? nlohmann::json(config.n_inner)
+                                                                            : nlohmann::json());
     std::string name = config.name;
     config = parse_gpt_config(json, o.config_path.empty() ? "model flags" : o.config_path + " with model flags");
     config.name = name;
@@ -84,11 +86,22 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
                     ") exceeds the model's n_positions (", setup.model.n_positions, ")");
 
-  const int per_step = options.micro_batch_size * data_parallel_size;
-  setup.global_batch_size = options.global_batch_size > 0 ? options.global_batch_size : per_step;
+  // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits.
+  const int64_t tokens_per_micro_batch = int64_t{options.micro_batch_size} * setup.seq_length;
+  if (tokens_per_micro_batch > INT_MAX)
+    throw InputError("--micro-batch-size x --seq-length (" + std::to_string(options.micro_batch_size) + " x " +
+                         std::to_string(setup.seq_length) + " = " + std::to_string(tokens_per_micro_batch) +
+                         " tokens) exceeds 2^31 - 1: the kernels index a micro-batch's tokens in 32 bits",
+                     options.seq_length > 0 ? "lower --micro-batch-size or --seq-length"
+                                            : "--seq-length defaults to the config's n_positions (" +
+                                                  std::to_string(setup.model.n_positions) + "): pass a shorter one");
+  const int64_t per_step = int64_t{options.micro_batch_size} * data_parallel_size;
+  FP8LM_INPUT_CHECK(per_step <= INT_MAX, "--micro-batch-size x data-parallel size (", per_step,
+                    ") exceeds 2^31 - 1 sequences per step");
+  setup.global_batch_size = options.global_batch_size > 0 ? options.global_batch_size : int(per_step);
   FP8LM_INPUT_CHECK(setup.global_batch_size % per_step == 0, "--global-batch-size (", setup.global_batch_size,
                     ") must be a multiple of --micro-batch-size x data-parallel size (", per_step, ")");
-  setup.grad_accum_steps = setup.global_batch_size / per_step;
+  setup.grad_accum_steps = int(setup.global_batch_size / per_step);
 
   FP8LM_INPUT_CHECK(!options.sequence_parallel || setup.seq_length % tp == 0, "--sequence-parallel needs --seq-length (",
                     setup.seq_length, ") divisible by --tensor-model-parallel-size (", tp, ")");
@@ -110,6 +123,11 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   }
   setup.device_description = setup.use_cuda ? "cuda: " + cuda.name : "cpu (no GPU: " + (cuda.reason.empty() ? std::string("--device cpu") : cuda.reason) + ")";
   if (!setup.use_cuda && options.device == DeviceKind::cpu) setup.device_description = "cpu (--device cpu)";
+
+  // Last, because it needs every size above; before anything is allocated.
+  setup.memory = estimate_memory(setup);
+  check_memory_fits(setup.memory, query_memory_availability(setup.use_cuda, parallel.local_rank),
+                    parallel.local_size);
   return setup;
 }
 
@@ -193,6 +211,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"log-level", o.log_level},
       {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps)" : "off"},
   };
+  for (auto& row : memory_estimate_rows(s.memory, s.use_cuda)) rows.push_back(std::move(row));
   return rows;
 }
 

@@ -3,6 +3,7 @@
 // validated before any work starts.
 #pragma once
 
+#include "apps/memory_estimate.h"
 #include "apps/options.h"
 #include "core/gpt_config.h"
 #include "core/logging.h"
@@ -21,10 +22,12 @@ struct RunSetup {
   int global_batch_size = 0;
   bool use_cuda = false;
   std::string device_description;
+  MemoryEstimate memory;  // this rank's host and device memory, estimated before anything is allocated
 };
 
 // Throws InputError naming the flag or file at the first problem: every check that needs the
-// model config and the parallel layout (sizes that must divide each other) is here.
+// model config and the parallel layout (sizes that must divide each other) is here, the last
+// being that the run's estimated memory fits the host (and the GPU).
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel = {});
 
 // Every setting, one row each, for the startup table.

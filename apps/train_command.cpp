@@ -38,6 +38,8 @@ int train(const ParsedCommandLine& parsed, MpiSession& mpi) {
   const TrainingSummary summary = run_training(setup, watchdog.get());
   spdlog::info("done: {} steps, loss {:.4f} -> {:.4f}{}", summary.steps, summary.first_loss, summary.last_loss,
                summary.skipped_steps ? ", " + std::to_string(summary.skipped_steps) + " skipped" : std::string());
+  spdlog::info("memory: host peak {} (VmHWM), estimated {} before allocation", format_bytes(measure_host_memory().host_peak_bytes),
+               format_bytes(setup.memory.host_bytes()));
   (void)mpi;
   return kExitOk;
 }

@@ -33,4 +33,15 @@ const CudaAvailability& cuda_availability() {
   return availability;
 }
 
+DeviceMemoryInfo device_memory_info(int device) {
+  DeviceMemoryInfo info;
+  if (device < 0 || device >= cuda_availability().device_count) return info;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&info.free_bytes, &info.total_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return info;
+  }
+  info.ok = true;
+  return info;
+}
+
 }  // namespace fp8lm

@@ -3,6 +3,7 @@
 // version is insufficient for CUDA runtime version", which means "no GPU".
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace fp8lm {
@@ -16,6 +17,15 @@ struct CudaAvailability {
 };
 
 const CudaAvailability& cuda_availability();
+
+// Free and total memory of CUDA device `device` (cudaMemGetInfo; creates the device's context,
+// which the run creates anyway). ok is false when there is no such device.
+struct DeviceMemoryInfo {
+  bool ok = false;
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+};
+DeviceMemoryInfo device_memory_info(int device);
 inline bool cuda_available() { return cuda_availability().device_count > 0; }
 
 }  // namespace fp8lm

@@ -2,78 +2,129 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_fields.h"
 
 namespace fp8lm {
 
 namespace {
 
-// Keys that a GPT-2 config.json carries and fp8lm understands or may ignore silently.
-// Anything else is logged at debug level and ignored.
-const std::set<std::string> kKnownKeys = {
-    "n_layer", "n_head", "n_embd", "n_inner", "vocab_size", "n_positions", "n_ctx",
-    "layer_norm_epsilon", "activation_function", "model_type", "architectures", "tie_word_embeddings"};
+// Keys fp8lm reads.
+const std::set<std::string, std::less<>> kModelKeys = {
+    "n_layer", "n_head", "n_embd", "n_inner", "vocab_size", "n_positions", "n_ctx", "layer_norm_epsilon",
+    "activation_function", "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+    "reorder_and_upcast_attn"};
 
-int read_positive_int(const nlohmann::json& json, const char* key, const std::string& source, bool required,
-                      int fallback) {
-  auto it = json.find(key);
-  if (it == json.end() || it->is_null()) {
-    FP8LM_INPUT_CHECK(!required, source, ": missing required key \"", key, "\"");
-    return fallback;
+// Keys a Hugging Face GPT-2 config.json carries that do not change the model fp8lm trains
+// (dropout, generation, tokenizer and bookkeeping settings). They are ignored quietly, so a
+// real config.json gives no warning; any other key is reported, as it is most likely a typo
+// ("n_layers", "layer_norm_eps") of a key that then silently keeps its default.
+const std::set<std::string, std::less<>> kIgnoredHuggingFaceKeys = {
+    "_name_or_path", "add_cross_attention", "architectures", "attn_pdrop", "bad_words_ids", "begin_suppress_tokens",
+    "bos_token_id", "chunk_size_feed_forward", "cross_attention_hidden_size", "decoder_start_token_id",
+    "diversity_penalty", "do_sample", "early_stopping", "embd_pdrop", "encoder_no_repeat_ngram_size", "eos_token_id",
+    "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id", "forced_eos_token_id",
+    "gradient_checkpointing", "id2label", "initializer_range", "is_decoder", "is_encoder_decoder", "label2id",
+    "length_penalty", "max_length", "min_length", "model_type", "n_special", "no_repeat_ngram_size", "num_beam_groups",
+    "num_beams", "num_return_sequences", "output_attentions", "output_hidden_states", "output_past", "output_scores",
+    "pad_token_id", "predict_special_tokens", "prefix", "problem_type", "pruned_heads", "remove_invalid_values",
+    "repetition_penalty", "resid_pdrop", "return_dict", "return_dict_in_generate", "sep_token_id",
+    "summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
+    "suppress_tokens", "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder",
+    "tokenizer_class", "top_k", "top_p", "torch_dtype", "torchscript", "transformers_version", "typical_p",
+    "use_bfloat16", "use_cache"};
+
+constexpr int kMaxShapeValue = 1 << 30;
+
+// The parameter count in 64 bits, or nullopt when it does not fit.
+std::optional<int64_t> checked_parameter_count(const GptConfig& c) {
+  const int64_t C = c.n_embd, F = c.n_inner;
+  int64_t total = 0;
+  bool overflow = false;
+  auto term = [&](int64_t a, int64_t b) {
+    int64_t product = 0;
+    overflow |= __builtin_mul_overflow(a, b, &product);
+    overflow |= __builtin_add_overflow(total, product, &total);
+  };
+  // One block: ln_1, c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights and biases).
+  int64_t per_layer = 0, product = 0;
+  for (const auto& [a, b] : {std::pair{2, C}, {3 * C, C}, {3, C}, {C, C}, {1, C}, {2, C}, {F, C}, {1, F}, {F, C}, {1, C}}) {
+    overflow |= __builtin_mul_overflow(int64_t(a), b, &product);
+    overflow |= __builtin_add_overflow(per_layer, product, &per_layer);
   }
-  FP8LM_INPUT_CHECK(it->is_number_integer(), source, ": \"", key, "\" must be an integer, got ", it->dump());
-  const int64_t value = it->get<int64_t>();
-  FP8LM_INPUT_CHECK(value >= 1 && value <= (int64_t{1} << 30), source, ": \"", key,
-                    "\" must be a positive integer, got ", value);
-  return static_cast<int>(value);
+  term(c.padded_vocab_size(), C);
+  term(c.n_positions, C);
+  term(c.n_layer, per_layer);
+  term(2, C);
+  if (overflow) return std::nullopt;
+  return total;
+}
+
+// Settings of a Hugging Face config that change the model: fp8lm implements one choice of each.
+void check_supported_variant(const JsonFields& json) {
+  if (json.has("activation_function")) {
+    const std::string activation = json.get<std::string>("activation_function");
+    if (activation != "gelu_new" && activation != "gelu_pytorch_tanh")
+      json.fail("activation_function", "\"" + activation +
+                                           "\" is not supported; fp8lm implements GPT-2's tanh GELU (\"gelu_new\")");
+  }
+  auto require_flag = [&](const char* key, bool supported, const char* what) {
+    if (json.has(key) && json.get<bool>(key) != supported)
+      json.fail(key, std::string("= ") + (supported ? "false" : "true") + " is not supported; fp8lm " + what);
+  };
+  require_flag("tie_word_embeddings", true, "ties the LM head to the token embedding");
+  require_flag("scale_attn_weights", true, "scales attention scores by 1/sqrt(head size)");
+  require_flag("scale_attn_by_inverse_layer_idx", false, "scales every layer's attention alike");
+  require_flag("reorder_and_upcast_attn", false, "computes attention in its own (FP32-accumulating) kernels");
 }
 
 }  // namespace
 
 int64_t GptConfig::num_parameters() const {
-  const int64_t C = n_embd, F = n_inner;
-  const int64_t per_layer = 2 * C            // ln_1
-                            + C * 3 * C + 3 * C  // attn.c_attn
-                            + C * C + C          // attn.c_proj
-                            + 2 * C              // ln_2
-                            + C * F + F          // mlp.c_fc
-                            + F * C + C;         // mlp.c_proj
-  return int64_t{padded_vocab_size()} * C + int64_t{n_positions} * C + n_layer * per_layer + 2 * C;
+  const std::optional<int64_t> count = checked_parameter_count(*this);
+  FP8LM_CHECK(count.has_value(), "the parameter count of a validated config overflows 64 bits");
+  return *count;
 }
 
 int64_t GptConfig::num_parameters_unpadded() const {
   return num_parameters() - int64_t{padded_vocab_size() - vocab_size} * n_embd;
 }
 
-GptConfig parse_gpt_config(const nlohmann::json& json, const std::string& source) {
-  FP8LM_INPUT_CHECK(json.is_object(), source, ": a GPT config must be a JSON object");
+GptConfig parse_gpt_config(const nlohmann::json& json_value, const std::string& source) {
+  const JsonFields json(json_value, source);
   GptConfig config;
-  config.n_layer = read_positive_int(json, "n_layer", source, true, 0);
-  config.n_head = read_positive_int(json, "n_head", source, true, 0);
-  config.n_embd = read_positive_int(json, "n_embd", source, true, 0);
-  config.vocab_size = read_positive_int(json, "vocab_size", source, true, 0);
+  auto shape_value = [&](const char* key) { return json.get<int>(key, 1, kMaxShapeValue); };
+  config.n_layer = shape_value("n_layer");
+  config.n_head = shape_value("n_head");
+  config.n_embd = shape_value("n_embd");
+  config.vocab_size = shape_value("vocab_size");
   // Old GPT-2 configs name the context length n_ctx; n_positions wins when both exist.
-  const int n_ctx = read_positive_int(json, "n_ctx", source, false, 0);
-  config.n_positions = read_positive_int(json, "n_positions", source, n_ctx == 0, n_ctx);
-  config.n_inner = read_positive_int(json, "n_inner", source, false, 4 * config.n_embd);
+  const int n_ctx = json.get_or<int>("n_ctx", 0, 1, kMaxShapeValue);
+  config.n_positions = n_ctx != 0 && !json.has("n_positions") ? n_ctx : shape_value("n_positions");
+  // Hugging Face's null n_inner means 4 * n_embd: computed in 64 bits, so a wide model is
+  // refused here instead of wrapping to a negative width.
+  const int64_t n_inner = json.has("n_inner") ? int64_t{shape_value("n_inner")} : 4 * int64_t{config.n_embd};
+  if (n_inner > kMaxShapeValue)
+    json.fail("n_embd", "= " + std::to_string(config.n_embd) + " makes the default MLP width n_inner = 4 x n_embd = " +
+                            std::to_string(n_inner) + ", above the largest supported width " +
+                            std::to_string(kMaxShapeValue));
+  config.n_inner = static_cast<int>(n_inner);
+  config.layer_norm_epsilon =
+      static_cast<float>(json.get_or<double>("layer_norm_epsilon", config.layer_norm_epsilon, 1e-30, 0.5));
+  check_supported_variant(json);
 
-  if (auto it = json.find("layer_norm_epsilon"); it != json.end()) {
-    FP8LM_INPUT_CHECK(it->is_number(), source, ": \"layer_norm_epsilon\" must be a number");
-    const double eps = it->get<double>();
-    FP8LM_INPUT_CHECK(eps > 0.0 && eps < 1.0, source, ": \"layer_norm_epsilon\" must be in (0, 1), got ", eps);
-    config.layer_norm_epsilon = static_cast<float>(eps);
-  }
-  if (auto it = json.find("activation_function"); it != json.end() && !it->is_null()) {
-    FP8LM_INPUT_CHECK(it->is_string() && (*it == "gelu_new" || *it == "gelu_pytorch_tanh"), source,
-                      ": \"activation_function\" ", it->dump(),
-                      " is not supported; fp8lm implements GPT-2's tanh GELU (\"gelu_new\")");
-  }
+  // Tokens are stored as uint16 (llm.c shards, the data loader): ids 0..65535.
+  if (config.vocab_size > kMaxVocabSize)
+    json.fail("vocab_size", "= " + std::to_string(config.vocab_size) + " exceeds " + std::to_string(kMaxVocabSize) +
+                                ": tokens are stored as uint16, so the vocabulary holds at most 65,536 ids");
   FP8LM_INPUT_CHECK(config.n_embd % config.n_head == 0, source, ": n_embd (", config.n_embd,
                     ") must be divisible by n_head (", config.n_head, ")");
   FP8LM_INPUT_CHECK(config.head_dim() % 8 == 0, source, ": head size n_embd/n_head = ", config.head_dim(),
@@ -82,11 +133,25 @@ GptConfig parse_gpt_config(const nlohmann::json& json, const std::string& source
                     ") must be a multiple of 16 (FP8 GEMM alignment)");
   FP8LM_INPUT_CHECK(config.n_inner % 16 == 0, source, ": n_inner (", config.n_inner,
                     ") must be a multiple of 16 (FP8 GEMM alignment)");
+  FP8LM_INPUT_CHECK(checked_parameter_count(config).has_value(), source, ": the parameter count of n_layer ",
+                    config.n_layer, " x n_embd ", config.n_embd, " overflows 64 bits");
 
-  for (const auto& [key, value] : json.items()) {
-    if (!kKnownKeys.count(key)) spdlog::debug("{}: ignoring key \"{}\"", source, key);
+  if (const std::vector<std::string> unknown = unknown_config_keys(json_value); !unknown.empty()) {
+    std::string list;
+    for (const std::string& key : unknown) list += (list.empty() ? "\"" : ", \"") + key + "\"";
+    spdlog::warn("{}: ignoring unknown key{} {} (fp8lm reads n_layer, n_head, n_embd, n_inner, vocab_size, "
+                 "n_positions, layer_norm_epsilon; a misspelt key keeps its default)",
+                 source, unknown.size() > 1 ? "s" : "", list);
   }
   return config;
+}
+
+std::vector<std::string> unknown_config_keys(const nlohmann::json& json) {
+  std::vector<std::string> unknown;
+  if (!json.is_object()) return unknown;
+  for (const auto& [key, value] : json.items())
+    if (!kModelKeys.count(key) && !kIgnoredHuggingFaceKeys.count(key)) unknown.push_back(key);
+  return unknown;
 }
 
 GptConfig load_gpt_config(const std::string& path) {
@@ -109,7 +174,7 @@ nlohmann::json to_hf_json(const GptConfig& config) {
           {"n_layer", config.n_layer},
           {"n_head", config.n_head},
           {"n_embd", config.n_embd},
-          {"n_inner", config.n_inner == 4 * config.n_embd ? nlohmann::json() : nlohmann::json(config.n_inner)},
+          {"n_inner", config.n_inner == 4 * int64_t{config.n_embd} ? nlohmann::json() : nlohmann::json(config.n_inner)},
           {"vocab_size", config.vocab_size},
           {"n_positions", config.n_positions},
           {"n_ctx", config.n_positions},

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -29,10 +30,17 @@ struct GptConfig {
   int64_t num_parameters_unpadded() const;
 };
 
-// Reads and validates a config file. Errors are InputError naming the file.
+// Token ids are stored as uint16 (llm.c shards, the data loader).
+inline constexpr int kMaxVocabSize = 65536;
+
+// Reads and validates a config file. Errors are InputError naming the file and the key;
+// unknown keys (typos such as "n_layers") are logged as a warning naming them.
 GptConfig load_gpt_config(const std::string& path);
 // Validates a parsed JSON object; `source` names it in errors.
 GptConfig parse_gpt_config(const nlohmann::json& json, const std::string& source);
+// Keys of a config object that fp8lm neither reads nor knows as a Hugging Face GPT-2 key
+// that may be ignored.
+std::vector<std::string> unknown_config_keys(const nlohmann::json& json);
 // The Hugging Face GPT-2 config.json for this shape (for export).
 nlohmann::json to_hf_json(const GptConfig& config);
 

@@ -172,6 +172,13 @@ TEST_CASE("damaged checkpoints fail with the file named, and nothing is overwrit
     fs::remove(iteration / "fp8_scaling.safetensors");
     expect_failure(load, "fp8_scaling.safetensors: missing from the checkpoint");
   }
+  SECTION("state.json with a string where a number belongs: the file and the key named") {
+    const fs::path state_path = iteration / "state.json";
+    nlohmann::json state = nlohmann::json::parse(std::ifstream(state_path));
+    state["data_position"]["epoch"] = "0";
+    std::ofstream(state_path) << state.dump();
+    expect_failure(load, state_path.string() + ": \"data_position.epoch\" must be an integer, got \"0\"");
+  }
   SECTION("a broken latest") {
     std::ofstream(dir.file("ck/latest")) << "12\n";
     expect_failure(load, "latest names iteration 12");

@@ -1,5 +1,7 @@
 // The command line: Megatron flag names, precision resolution, and bad input failing
 // before any work with a one-line error naming the flag (exit code 2).
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -131,6 +133,7 @@ TEST_CASE("bad flags: one-line error naming the flag", "[cli]") {
       {{"--mock-data", "--lr", "abc"}, "--lr"},
       {{"--mock-data", "--lr", "-1"}, "--lr"},
       {{"--mock-data", "--fp8-amax-history-len", "0"}, "--fp8-amax-history-len"},
+      {{"--mock-data", "--fp8-amax-history-len", "65537"}, "--fp8-amax-history-len must be in [1, 65536]"},
       {{"--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"}, "--global-batch-size"},
       {{"--mock-data", "--micro-batch-size", "0"}, "--micro-batch-size"},
       {{"--mock-data", "--fp8-hybrid", "--fp8-format", "e4m3"}, "--fp8-hybrid"},
@@ -173,6 +176,15 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
       {"--config /nonexistent/config.json --mock-data", "/nonexistent/config.json"},
       {"--config " + kTiny + " --train-data-path /nonexistent/shard_*.bin", "/nonexistent/shard_*.bin"},
       {"--config " + kTiny + " --mock-data --metrics-file /nonexistent/dir/m.jsonl", "--metrics-file"},
+      {"--config " + kTiny + " --mock-data --lr inf", "--lr must be a finite number"},
+      {"--config " + kTiny + " --mock-data --lr 1e300", "--lr must be a finite number in [0, 1] (got 1e+300)"},
+      {"--config " + kTiny + " --mock-data --weight-decay inf", "--weight-decay must be a finite number"},
+      {"--config " + kTiny + " --mock-data --adam-eps inf", "--adam-eps must be a finite number"},
+      {"--config " + kTiny + " --mock-data --seed -1", "--seed must be an integer in [0, 18446744073709551615]"},
+      {"--config " + kTiny + " --mock-data --num-threads 100000", "--num-threads 100000 exceeds"},
+      {"--config " + kTiny + " --mock-data --num-threads 65535", "--num-threads 65535 exceeds"},
+      {"--config " + kTiny + " --mock-data --vocab-size 70000", "--vocab-size 70000 exceeds 65536"},
+      {"--config " + kTiny + " --mock-data --hidden-size 536870912", "n_inner = 4 x n_embd = 2147483648"},
       {"evaluate --config " + kTiny, "unknown subcommand 'evaluate'"},
   };
   for (const auto& [args, expected] : cases) {
@@ -207,4 +219,62 @@ TEST_CASE("run set-up: model flags override the config, batch arithmetic", "[cli
   CHECK(setup.seq_length == 64);
   CHECK(setup.grad_accum_steps == 4);
   CHECK_THROWS_AS(resolve_run_setup(parse({"--config", kTiny, "--mock-data", "--num-attention-heads", "3"})), InputError);
+}
+
+TEST_CASE("every floating-point flag must be finite and inside its range", "[cli]") {
+  // Driven by the table validate_options checks, so a flag added there is covered here.
+  const TrainOptions defaults;
+  for (const RealFlag& flag : real_flags(defaults)) {
+    for (const char* text : {"inf", "-inf", "nan", "1e300", "-1e300", "-0.001"}) {
+      const double value = std::strtod(text, nullptr);
+      const bool inside = std::isfinite(value) && (flag.min_inclusive ? value >= flag.min : value > flag.min) &&
+                          (flag.max_inclusive ? value <= flag.max : value < flag.max);
+      std::vector<std::string> args = {"--mock-data", flag.name, text};
+      if (std::string(flag.name) == "--min-lr") args.insert(args.end(), {"--lr", "1"});
+      INFO(flag.name << " " << text);
+      const std::string message = parse_error(args);
+      if (inside) {
+        CHECK(message == "(no error)");
+      } else {
+        CHECK_THAT(message, ContainsSubstring(std::string(flag.name) + " must be a finite number in "));
+      }
+    }
+  }
+  CHECK_THAT(parse_error({"--mock-data", "--lr", "1", "--weight-decay", "1"}),
+             ContainsSubstring("--lr x --weight-decay (1) must be below 1"));
+}
+
+TEST_CASE("the seed flag takes any unsigned 64-bit value and nothing else", "[cli]") {
+  CHECK(parse({"--mock-data", "--seed", "18446744073709551615"}).seed == UINT64_MAX);
+  CHECK(parse({"--mock-data", "--seed", "0"}).seed == 0);
+  CHECK(parse({"--mock-data"}).seed == 1234);
+  for (const char* bad : {"-1", "18446744073709551616", "1.5", "0x10", "seven"}) {
+    INFO(bad);
+    CHECK_THAT(parse_error({"--mock-data", "--seed", bad}), ContainsSubstring("--seed must be an integer in [0, "));
+  }
+}
+
+TEST_CASE("the thread count flag is bounded by the machine's hardware threads", "[cli]") {
+  CHECK(parse({"--mock-data", "--num-threads", std::to_string(max_num_threads())}).num_threads == max_num_threads());
+  const std::string message = parse_error({"--mock-data", "--num-threads", std::to_string(max_num_threads() + 1)});
+  CHECK_THAT(message, ContainsSubstring("--num-threads " + std::to_string(max_num_threads() + 1) + " exceeds 4 x"));
+  CHECK_THAT(message, ContainsSubstring(std::to_string(hardware_threads()) + " hardware threads"));
+}
+
+TEST_CASE("model flags and config files share one size validation", "[cli]") {
+  auto setup_error = [](std::vector<std::string> args) {
+    try {
+      resolve_run_setup(parse(std::move(args)));
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  CHECK_THAT(setup_error({"--config", kTiny, "--mock-data", "--hidden-size", "536870912", "--device", "cpu"}),
+             ContainsSubstring("\"n_embd\" = 536870912 makes the default MLP width n_inner = 4 x n_embd = 2147483648"));
+  CHECK_THAT(setup_error({"--mock-data", "--num-layers", "2", "--hidden-size", "536870912", "--num-attention-heads",
+                          "4194304", "--vocab-size", "256", "--device", "cpu"}),
+             ContainsSubstring("n_inner = 4 x n_embd = 2147483648"));
+  CHECK_THAT(setup_error({"--config", kTiny, "--mock-data", "--micro-batch-size", "100000000", "--device", "cpu"}),
+             ContainsSubstring("--micro-batch-size x --seq-length (100000000 x 64 = 6400000000 tokens) exceeds 2^31 - 1"));
 }

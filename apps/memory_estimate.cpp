@@ -1,0 +1,538 @@
+#include "apps/memory_estimate.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "apps/run_setup.h"
+#include "core/cast_cuda.h"
+#include "core/device.h"
+#include "core/gemm_cuda.h"
+#include "core/error.h"
+#include "core/mock_data.h"
+#include "core/tensor.h"
+#include "layers/attention.h"
+#include "layers/gelu.h"
+#include "layers/gpt.h"
+#include "layers/layernorm.h"
+
+namespace fp8lm {
+
+namespace {
+
+constexpr uint64_t kSaturated = std::numeric_limits<uint64_t>::max();
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+// Host memory the CUDA driver, runtime and cuBLASLt keep resident once a context exists: an
+// allowance (typically a few hundred MiB), since it is not known before the context is made.
+constexpr uint64_t kCudaHostAllowance = 512 * kMiB;
+// Device buffers of one NCCL communicator (channels x peers x NCCL_BUFFSIZE, typically far less).
+constexpr uint64_t kNcclAllowance = 256 * kMiB;
+
+// Sizes from user input: 64-bit, saturating at kSaturated instead of wrapping.
+uint64_t add(uint64_t a, uint64_t b) {
+  uint64_t sum = 0;
+  return __builtin_add_overflow(a, b, &sum) ? kSaturated : sum;
+}
+uint64_t mul(uint64_t a, uint64_t b) {
+  uint64_t product = 0;
+  return __builtin_mul_overflow(a, b, &product) ? kSaturated : product;
+}
+template <typename... Rest>
+uint64_t mul(uint64_t a, uint64_t b, Rest... rest) {
+  return mul(mul(a, b), uint64_t(rest)...);
+}
+uint64_t sum(std::initializer_list<uint64_t> terms) {
+  uint64_t total = 0;
+  for (uint64_t t : terms) total = add(total, t);
+  return total;
+}
+uint64_t round_up(uint64_t value, uint64_t multiple) {
+  const uint64_t padded = add(value, multiple - 1);
+  return padded == kSaturated ? kSaturated : padded / multiple * multiple;
+}
+
+// One rank's share of the model and its batch, as layers/gpt.cpp lays them out.
+struct Shape {
+  uint64_t L, C, F, V, P, NH;  // layers, width, MLP width, padded vocabulary, positions, heads
+  uint64_t tp, dp;
+  uint64_t Cl, Fl, NHl, Vs;  // this tensor-parallel rank's slices
+  uint64_t B, T, BT, N;      // micro-batch, sequence, tokens, rows this rank keeps (sequence-parallel)
+  uint64_t parts;            // of the optimizer shard: dp with the distributed optimizer, else 1
+  bool sequence_parallel;
+};
+
+Shape shape_of(const RunSetup& s) {
+  const GptConfig& m = s.model;
+  Shape x{};
+  x.L = uint64_t(m.n_layer);
+  x.C = uint64_t(m.n_embd);
+  x.F = uint64_t(m.n_inner);
+  x.V = uint64_t(m.padded_vocab_size());
+  x.P = uint64_t(m.n_positions);
+  x.NH = uint64_t(m.n_head);
+  x.tp = uint64_t(std::max(1, s.options.tensor_model_parallel_size));
+  x.dp = uint64_t(std::max(1, s.data_parallel_size));
+  x.Cl = x.C / x.tp;
+  x.Fl = x.F / x.tp;
+  x.NHl = x.NH / x.tp;
+  x.Vs = x.V / x.tp;
+  x.B = uint64_t(std::max(0, s.options.micro_batch_size));
+  x.T = uint64_t(std::max(0, s.seq_length));
+  x.BT = mul(x.B, x.T);
+  x.sequence_parallel = s.options.sequence_parallel;
+  x.N = x.sequence_parallel ? x.BT / x.tp : x.BT;
+  const bool sharded = x.dp > 1 && s.options.use_distributed_optimizer.value_or(true);
+  x.parts = sharded ? x.dp : 1;
+  return x;
+}
+
+// Elements of one block's four Linear weights on this rank.
+uint64_t block_linear_elements(const Shape& x) {
+  return sum({mul(3 * x.C / x.tp, x.C), mul(x.C, x.Cl), mul(x.Fl, x.C), mul(x.C, x.Fl)});
+}
+
+// This rank's parameter slab: every bucket padded (make_gpt_shard_layout).
+struct Slab {
+  uint64_t elements = 0;
+  uint64_t largest_bucket = 0;
+};
+
+Slab slab_of(const Shape& x) {
+  const uint64_t pad = 256 * x.dp;  // kBucketAlignment x data-parallel size
+  const uint64_t embedding = round_up(add(mul(x.Vs, x.C), mul(x.P, x.C)), pad);
+  const uint64_t weights = round_up(block_linear_elements(x), pad);
+  const uint64_t others = round_up(sum({mul(4, x.C), 3 * x.C / x.tp, x.C, x.Fl, x.C}), pad);
+  const uint64_t head = round_up(mul(2, x.C), pad);
+  return Slab{sum({embedding, mul(x.L, add(weights, others)), head}), std::max({embedding, weights, others, head})};
+}
+
+// Elements of the whole model (make_gpt_layout: every tensor whole, the vocabulary padded).
+uint64_t canonical_elements(const Shape& x) {
+  const uint64_t per_layer = sum({mul(4, x.C), mul(3, x.C, x.C), mul(3, x.C), mul(x.C, x.C), x.C, mul(2, x.F, x.C),
+                                  x.F, x.C});
+  return sum({mul(x.V, x.C), mul(x.P, x.C), mul(x.L, per_layer), mul(2, x.C)});
+}
+
+// Bytes of one element of `dtype` in the backend's memory: the CPU keeps every dtype as FP32.
+struct ElementBytes {
+  bool cuda;
+  uint64_t operator()(DType dtype) const {
+    if (!cuda) return 4;
+    switch (dtype) {
+      case DType::f32: return 4;
+      case DType::bf16: return 2;
+      default: return 1;
+    }
+  }
+};
+
+// Bytes of a [rows, cols] tensor of `dtype` (with its transposed copy for FP8 operands that
+// keep one), as the model's carver takes it (256-byte aligned).
+uint64_t tensor_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DType dtype, bool with_transpose = false) {
+  const uint64_t one = round_up(mul(rows, cols, eb(dtype)), 256);
+  return with_transpose ? mul(one, 2) : one;
+}
+
+uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+  const DType block_input = forward_operand_dtype(precision.gemm);
+  const DType block_grad = gradient_operand_dtype(precision.gemm, precision.fp8.format);
+  const DType head_input = forward_operand_dtype(precision.lm_head());
+  const DType head_grad = gradient_operand_dtype(precision.lm_head(), precision.fp8.format);
+  const uint64_t per_layer = sum({
+      tensor_bytes(eb, x.N, x.C, act),               // residual (the first layer's is the encoder output)
+      tensor_bytes(eb, x.BT, x.C, block_input),      // ln1
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
+      tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
+      tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
+      block_input == act ? 0 : tensor_bytes(eb, x.BT, x.Cl, block_input),
+      tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
+      tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
+      tensor_bytes(eb, x.BT, x.C, block_input),             // ln2
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
+      tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
+      tensor_bytes(eb, x.BT, x.Fl, block_input),  // gelu
+  });
+  const bool sp = x.sequence_parallel;
+  const uint64_t once = sum({
+      tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
+      sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
+      tensor_bytes(eb, x.BT, x.C, act),  // branch
+      sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
+      tensor_bytes(eb, x.N, x.C, act),  // residual_final
+      tensor_bytes(eb, x.BT, x.C, head_input),
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
+      tensor_bytes(eb, x.BT, x.Vs, act),  // logits
+      head_grad == act ? 0 : tensor_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad)),
+      tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
+      tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
+      x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
+      tensor_bytes(eb, x.N, x.C, act),  // dresidual
+      sp ? tensor_bytes(eb, x.BT, x.C, act) : 0,
+      tensor_bytes(eb, x.BT, x.C, act),  // dln
+      sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
+      tensor_bytes(eb, x.BT, x.Cl, act),      // datty
+      tensor_bytes(eb, x.BT, 3 * x.Cl, act),  // dqkv
+      tensor_bytes(eb, x.BT, x.Fl, act),      // dgelu
+      tensor_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), block_grad, is_fp8(block_grad)),
+  });
+  return add(mul(x.L, per_layer), once);
+}
+
+// Weight operands that are not views of the working copy (FP8 codes and their transposes;
+// BF16 copies on the CPU, whose working copy is FP32).
+uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+  uint64_t bytes = 0;
+  const DType block = forward_operand_dtype(precision.gemm);
+  if (block != act) {
+    for (const auto& [rows, cols] : {std::pair{3 * x.C / x.tp, x.C}, {x.C, x.Cl}, {x.Fl, x.C}, {x.C, x.Fl}})
+      bytes = add(bytes, mul(x.L, tensor_bytes(eb, rows, cols, block, is_fp8(block))));
+  }
+  const DType head = forward_operand_dtype(precision.lm_head());
+  if (head != act) bytes = add(bytes, tensor_bytes(eb, x.Vs, x.C, head, is_fp8(head)));
+  return bytes;
+}
+
+int fp8_scaling_states(const RunSetup& s) {
+  if (!s.options.fp8_enabled()) return 0;
+  // Three per FP8 Linear (input, weight, output gradient): four per block, and the head's.
+  return 3 * (4 * s.model.n_layer + (s.options.fp8_lm_head ? 1 : 0));
+}
+
+// The CUDA backend's workspaces (layers/ops_cuda.cpp plan_workspace), from the kernels' own
+// scratch sizes. Shapes beyond the kernels' 32-bit indexing saturate.
+uint64_t cuda_workspace_bytes(const Shape& x) {
+  const uint64_t widest = std::max({x.Fl, 3 * x.Cl, x.C});
+  if (x.BT > uint64_t(INT_MAX) || widest > uint64_t(INT_MAX) || x.N > uint64_t(INT_MAX)) return kSaturated;
+  const int BT = int(x.BT);
+  size_t floats = cuda::layernorm_backward_scratch_floats(BT, int(x.C));
+  floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, int(x.Fl)));
+  floats = std::max(floats, cuda::attention_backward_scratch_floats(int(x.B), int(x.T), int(x.Cl), int(x.NHl)));
+  floats = std::max(floats, cuda::dbias_scratch_floats(BT, int(widest)));
+  return sum({mul(floats, 4), mul(x.BT, widest, 2), mul(x.BT, std::max(widest, x.C)),
+              mul(add(mul(5, x.BT), 1), 4), uint64_t(cuda::GemmEngine::kWorkspaceBytes)});
+}
+
+// The CPU backend's scratch vectors (layers/ops_cpu.cpp), at their largest: a normalised or
+// activated [BT, width] block, and the transposes of the LM head's wgrad GEMM operands.
+uint64_t cpu_workspace_bytes(const Shape& x) {
+  const uint64_t widest = std::max({x.Fl, 3 * x.Cl, x.C});
+  return mul(4, sum({mul(x.BT, widest), std::max(mul(x.BT, x.Vs), mul(x.Vs, x.C)), mul(x.BT, widest)}));
+}
+
+std::string number(uint64_t value) { return std::to_string(value); }
+
+}  // namespace
+
+uint64_t MemoryEstimate::host_bytes() const {
+  uint64_t held = 0, transient = 0;
+  for (const MemoryConsumer& c : consumers) {
+    if (c.transient) transient = std::max(transient, c.host_bytes);
+    else held = add(held, c.host_bytes);
+  }
+  return add(held, transient);
+}
+
+uint64_t MemoryEstimate::device_bytes() const {
+  uint64_t total = 0;
+  for (const MemoryConsumer& c : consumers) total = add(total, c.device_bytes);
+  return total;
+}
+
+MemoryEstimate estimate_memory(const RunSetup& s) {
+  const TrainOptions& o = s.options;
+  const Shape x = shape_of(s);
+  const bool cuda = s.use_cuda;
+  const ElementBytes eb{cuda};
+  const DType act = cuda ? DType::bf16 : DType::f32;
+  GptPrecision precision;
+  precision.gemm = o.precision;
+  precision.fp8_lm_head = o.fp8_lm_head;
+  precision.fp8 = o.fp8;
+
+  const Slab slab = slab_of(x);
+  const uint64_t n = slab.elements;            // this rank's parameter slab
+  const uint64_t S = n / x.parts;              // this rank's optimizer shard
+  const uint64_t canonical = canonical_elements(x);  // the whole model (snapshots)
+  const bool sharded = x.parts > 1;
+  const uint64_t tensors = mul(x.L, 12) + 4;
+
+  MemoryEstimate estimate;
+  // Held in the backend's memory: the host on a CPU run, the GPU on a CUDA run.
+  auto backend = [&](std::string name, uint64_t bytes, std::string remedy, bool engine_slab = true) {
+    MemoryConsumer c;
+    c.name = std::move(name);
+    (cuda ? c.device_bytes : c.host_bytes) = bytes;
+    c.remedy = std::move(remedy);
+    c.engine_slab = engine_slab;
+    estimate.consumers.push_back(std::move(c));
+  };
+  const std::string more_tp = "raise --tensor-model-parallel-size";
+  const std::string zero = "shard it with the distributed optimizer over more data-parallel ranks";
+
+  uint64_t weights = mul(n, eb(act));
+  weights = add(weights, weight_operand_bytes(x, eb, act, precision));
+  backend("parameters (" + std::string(to_string(act)) + " working copy" +
+              (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
+          weights, more_tp);
+  backend("gradients (FP32)", mul(n, 4), more_tp);
+
+  const bool master_is_working_copy = !sharded && act == DType::f32;
+  const uint64_t state_bytes_per_element = o.optimizer_state == OptimizerStatePrecision::fp8_fp16 ? 3 : 8;
+  uint64_t optimizer = sum({master_is_working_copy ? 0 : mul(S, 4), mul(S, state_bytes_per_element),
+                            mul(tensors, 4 * 4 + 8)});
+  backend(std::string("optimizer: FP32 master + AdamW state (") + std::string(to_string(o.optimizer_state)) + ")" +
+              (sharded ? ", 1/" + number(x.dp) + " shard" : ""),
+          optimizer,
+          o.optimizer_state == OptimizerStatePrecision::fp32 ? "pass --optimizer-state-precision fp8-fp16, or " + zero
+                                                               : zero);
+
+  uint64_t communication = 0;
+  if (sharded) communication = add(communication, add(mul(S, 4), mul(S, eb(act))));
+  const bool fp8_grad_comm = o.fp8_grad_comm && x.dp > 1;
+  if (x.dp > 1 && o.grad_reduce_in_bf16 && !fp8_grad_comm) communication = sum({communication, mul(n, 2), sharded ? mul(S, 2) : 0});
+  // FP8 codes of the whole slab, and every rank's part of the largest bucket as received.
+  if (fp8_grad_comm) communication = sum({communication, n, slab.largest_bucket});
+  if (o.fp8_param_gather) communication = sum({communication, fp8_grad_comm ? 0 : n, S});
+  if (communication) backend("communication buffers (data-parallel)", communication, more_tp);
+
+  backend("activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) +
+              " layers)",
+          activation_bytes(x, eb, act, precision),
+          "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
+
+  if (cuda) {
+    backend("GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x), "lower --micro-batch-size");
+  } else {
+    backend("CPU backend scratch (normalised blocks, GEMM transposes)", cpu_workspace_bytes(x),
+            "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
+  }
+
+  if (const int states = fp8_scaling_states(s); states > 0) {
+    // The host table and, on the GPU, its device twin. Registering each state re-lays the
+    // history, so building it briefly holds two copies on the host.
+    const uint64_t history = mul(uint64_t(states), uint64_t(o.fp8.amax_history_len), 4);
+    MemoryConsumer c;
+    c.name = "FP8 amax histories (" + number(uint64_t(states)) + " scaling states x history " +
+             number(uint64_t(o.fp8.amax_history_len)) + ")";
+    c.host_bytes = mul(history, 2);
+    c.device_bytes = cuda ? history : 0;
+    c.remedy = "lower --fp8-amax-history-len (Transformer Engine's default is 1024)";
+    estimate.consumers.push_back(std::move(c));
+  }
+
+  if (x.dp > 1 || x.tp > 1) {
+    if (cuda) {
+      MemoryConsumer c;
+      c.name = "NCCL communicators (allowance)";
+      c.device_bytes = mul(kNcclAllowance, uint64_t((x.dp > 1) + (x.tp > 1)));
+      estimate.consumers.push_back(std::move(c));
+    }
+  }
+
+  {  // Host: the batch, the data streams, the CUDA runtime.
+    MemoryConsumer c;
+    c.name = "host: token batches and data";
+    uint64_t data = mul(x.BT, 4, 2, 2);  // inputs and targets, the loop's and the backend's
+    if (cuda) data = add(data, mul(4, add(mul(5, x.BT), 1), 4));  // pinned staging slots
+    if (o.mock_data) {
+      const uint64_t stream_floor = add(mul(4, x.B, x.dp, x.T), 1);
+      const uint64_t train_tokens = std::max<uint64_t>(kMockTrainTokens, stream_floor);
+      const uint64_t valid_tokens = o.valid_data_path.empty() ? std::max<uint64_t>(kMockValidTokens, stream_floor) : 0;
+      // uint16 tokens, and each stream's shuffled sample order (8 bytes a sample).
+      data = sum({data, mul(add(train_tokens, valid_tokens), 2),
+                  x.T ? mul(add(train_tokens, valid_tokens) / x.T, 8) : 0});
+    }
+    c.host_bytes = data;
+    c.remedy = "lower --micro-batch-size";
+    estimate.consumers.push_back(std::move(c));
+  }
+  {
+    // Measured, not modelled: what this process holds before the run allocates (code, the
+    // CUDA and MPI libraries, the parsed inputs).
+    MemoryConsumer c;
+    c.name = "host: this process before allocating (VmRSS)";
+    c.host_bytes = measure_host_memory().host_current_bytes;
+    estimate.consumers.push_back(std::move(c));
+  }
+  if (cuda) {
+    MemoryConsumer c;
+    c.name = "host: CUDA context and libraries (allowance)";
+    c.host_bytes = kCudaHostAllowance;
+    estimate.consumers.push_back(std::move(c));
+  }
+
+  {  // Host staging: the initial weights, and snapshots for checkpoints (whole tensors).
+    MemoryConsumer init;
+    init.name = "host: initial weights staging (whole model, FP32)";
+    init.transient = true;
+    // The canonical FP32 weights and this rank's slab of them, then either the BF16 bits
+    // uploaded to the GPU or the master shard (TrainingEngine::set_parameters).
+    init.host_bytes = sum({mul(canonical, 4), mul(n, 4),
+                           std::max(cuda ? mul(n, 2) : 0, master_is_working_copy ? 0 : mul(n, 4))});
+    init.remedy = more_tp;
+    estimate.consumers.push_back(init);
+    if (!o.save_dir.empty() || !o.load_dir.empty() || !o.init_from.empty()) {
+      MemoryConsumer checkpoint;
+      checkpoint.name = "host: checkpoint staging (whole model: weights, AdamW state)";
+      checkpoint.transient = true;
+      // The weights and optimizer snapshots (whole tensors), and then the larger of a
+      // gather's buffers (every tensor-parallel rank's slab, this rank's, its shard) and
+      // the safetensors writer's copy of one file.
+      checkpoint.host_bytes =
+          add(mul(canonical, 4 + state_bytes_per_element),
+              std::max(sum({mul(n, x.tp, 4), mul(n, 4), mul(S, 4)}), mul(canonical, std::max<uint64_t>(4, state_bytes_per_element))));
+      checkpoint.remedy = more_tp;
+      estimate.consumers.push_back(checkpoint);
+    }
+  }
+  return estimate;
+}
+
+uint64_t MemoryEstimate::engine_bytes(bool device) const {
+  uint64_t total = 0;
+  for (const MemoryConsumer& c : consumers) {
+    if (c.engine_slab) total = add(total, device ? c.device_bytes : c.host_bytes);
+  }
+  return total;
+}
+
+// ---- What the machine has -----------------------------------------------------------
+
+namespace {
+
+// A "Key:   123 kB" line of a /proc file, in bytes; 0 when absent.
+uint64_t proc_kib_field(const char* path, const std::string& key) {
+  std::ifstream file(path);
+  std::string line;
+  while (std::getline(file, line)) {
+    if (line.rfind(key + ":", 0) != 0) continue;
+    return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+// The cgroup v2 limit left to this process's group, or kSaturated when unlimited or unknown.
+uint64_t cgroup_memory_left() {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line, group;
+  while (std::getline(self, line))
+    if (line.rfind("0::", 0) == 0) group = line.substr(3);
+  if (group.empty()) return kSaturated;
+  const std::string dir = "/sys/fs/cgroup" + (group == "/" ? std::string() : group);
+  std::ifstream max_file(dir + "/memory.max"), current_file(dir + "/memory.current");
+  std::string max_text;
+  uint64_t current = 0;
+  if (!(max_file >> max_text) || max_text == "max" || !(current_file >> current)) return kSaturated;
+  const uint64_t limit = std::strtoull(max_text.c_str(), nullptr, 10);
+  return limit > current ? limit - current : 0;
+}
+
+}  // namespace
+
+MemoryAvailability query_memory_availability(bool use_cuda, int device) {
+  MemoryAvailability available;
+  available.host_bytes = proc_kib_field("/proc/meminfo", "MemAvailable");
+  available.host_source = "MemAvailable in /proc/meminfo";
+  if (available.host_bytes == 0) {  // not Linux, or an old kernel: nothing to compare against
+    available.host_bytes = kSaturated;
+    available.host_source = "unknown (no MemAvailable in /proc/meminfo)";
+  }
+  if (const uint64_t cgroup = cgroup_memory_left(); cgroup < available.host_bytes) {
+    available.host_bytes = cgroup;
+    available.host_source = "the cgroup's memory.max less memory.current";
+  }
+  if (use_cuda) {
+    const DeviceMemoryInfo info = device_memory_info(device);
+    if (info.ok) {
+      available.has_device = true;
+      available.device_free_bytes = info.free_bytes;
+      available.device_total_bytes = info.total_bytes;
+    }
+  }
+  return available;
+}
+
+namespace {
+
+// "activations 12.0 GiB, parameters 3.1 GiB, gradients 3.1 GiB"
+std::string largest_consumers(const MemoryEstimate& estimate, bool device, const MemoryConsumer** largest) {
+  std::vector<const MemoryConsumer*> sorted;
+  for (const MemoryConsumer& c : estimate.consumers)
+    if ((device ? c.device_bytes : c.host_bytes) > 0) sorted.push_back(&c);
+  std::stable_sort(sorted.begin(), sorted.end(), [&](const MemoryConsumer* a, const MemoryConsumer* b) {
+    return (device ? a->device_bytes : a->host_bytes) > (device ? b->device_bytes : b->host_bytes);
+  });
+  std::string text;
+  for (size_t i = 0; i < std::min<size_t>(3, sorted.size()); ++i)
+    text += (i ? ", " : "") + sorted[i]->name + " " + format_bytes(device ? sorted[i]->device_bytes : sorted[i]->host_bytes);
+  *largest = sorted.empty() ? nullptr : sorted.front();
+  return text;
+}
+
+[[noreturn]] void refuse(const MemoryEstimate& estimate, bool device, const std::string& need, const std::string& have) {
+  const MemoryConsumer* largest = nullptr;
+  const std::string consumers = largest_consumers(estimate, device, &largest);
+  std::string hint = largest && !largest->remedy.empty() ? largest->remedy : "lower --micro-batch-size";
+  hint += "; the startup table lists every consumer";
+  throw InputError("the run does not fit: it needs about " + need + " of " + (device ? "GPU" : "host") +
+                       " memory, and " + have + "; largest: " + consumers,
+                   hint);
+}
+
+}  // namespace
+
+void check_memory_fits(const MemoryEstimate& estimate, const MemoryAvailability& available, int ranks_on_host) {
+  const uint64_t host_need = mul(estimate.host_bytes(), uint64_t(std::max(1, ranks_on_host)));
+  if (host_need > available.host_bytes) {
+    const std::string need = format_bytes(host_need) +
+                             (ranks_on_host > 1 ? " (" + format_bytes(estimate.host_bytes()) + " per rank x " +
+                                                      std::to_string(ranks_on_host) + " ranks on this node)"
+                                                : std::string());
+    refuse(estimate, false, need, format_bytes(available.host_bytes) + " is available (" + available.host_source + ")");
+  }
+  if (available.has_device && estimate.device_bytes() > available.device_free_bytes) {
+    refuse(estimate, true, format_bytes(estimate.device_bytes()),
+           "the GPU has " + format_bytes(available.device_free_bytes) + " free of " +
+               format_bytes(available.device_total_bytes) + " (cudaMemGetInfo)");
+  }
+}
+
+MeasuredMemory measure_host_memory() {
+  MeasuredMemory measured;
+  measured.host_peak_bytes = proc_kib_field("/proc/self/status", "VmHWM");
+  measured.host_current_bytes = proc_kib_field("/proc/self/status", "VmRSS");
+  return measured;
+}
+
+std::string format_bytes(uint64_t bytes) {
+  if (bytes == kSaturated) return "more than 16 EiB";
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = double(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 6) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[64];
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
+SettingsTable memory_estimate_rows(const MemoryEstimate& estimate, bool use_cuda) {
+  SettingsTable rows;
+  for (const MemoryConsumer& c : estimate.consumers) {
+    std::string value;
+    if (c.device_bytes) value = format_bytes(c.device_bytes) + " GPU";
+    if (c.host_bytes) value += (value.empty() ? "" : " + ") + format_bytes(c.host_bytes) + " host";
+    if (c.transient) value += " (at start-up / checkpoints)";
+    rows.push_back({"memory estimate: " + c.name, value.empty() ? "0" : value});
+  }
+  rows.push_back({"memory estimate: host total (per rank)", format_bytes(estimate.host_bytes())});
+  if (use_cuda) rows.push_back({"memory estimate: GPU total (per rank)", format_bytes(estimate.device_bytes())});
+  return rows;
+}
+
+}  // namespace fp8lm
