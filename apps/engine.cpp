@@ -378,7 +378,6 @@ TrainingEngine::~TrainingEngine() {
 
 const TensorLayout& TrainingEngine::layout() const { return state_->canonical; }
 std::string_view TrainingEngine::backend() const { return state_->ops->name(); }
-const ParallelLayout& TrainingEngine::parallel_layout() const { return state_->parallel; }
 const ProcessGroups& TrainingEngine::host_groups() const { return *state_->host; }
 std::vector<ncclComm_t> TrainingEngine::nccl_comms() const { return state_->groups->nccl_comms(); }
 

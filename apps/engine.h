@@ -77,7 +77,6 @@ class TrainingEngine {
   // The canonical layout of every snapshot (make_gpt_layout).
   const TensorLayout& layout() const;
   std::string_view backend() const;
-  const ParallelLayout& parallel_layout() const;
   // The host (MPI) groups: checkpoint gathers, metrics, the stop decision.
   const ProcessGroups& host_groups() const;
   // Bytes each rank sent per communicator since the last reset (benchmarks, the volume model).

@@ -382,9 +382,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
 
 GptModel::~GptModel() = default;
 
-int GptModel::tensor_parallel_rank() const { return tp_->rank(); }
-int GptModel::tensor_parallel_size() const { return tp_->size(); }
-
 VocabSlice GptModel::vocab_slice() const {
   const int slice = config_.padded_vocab_size() / tp_->size();
   return VocabSlice{tp_->rank() * slice, slice, config_.vocab_size};

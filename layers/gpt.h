@@ -134,8 +134,6 @@ class GptModel {
   ScalingTable& scaling() { return scaling_; }
   int micro_batch_size() const { return B_; }
   int seq_length() const { return T_; }
-  int tensor_parallel_rank() const;
-  int tensor_parallel_size() const;
   VocabSlice vocab_slice() const;
 
   // Slabs [layout().total_elements()]: the working copy of the parameters in the activation
