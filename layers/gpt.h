@@ -190,6 +190,8 @@ class GptModel {
   ResidualAdd row_parallel_forward(const LinearParams& linear, const Tensor& input, const Tensor& residual_in,
                                    const Tensor& residual_out);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
+  void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
+                         const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
