@@ -97,13 +97,15 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
   }
 }
 
-}  // namespace
-
+// The backend a run set-up asks for (setup.use_cuda), with its model shape checked
+// against the backend's limits first: InputError before anything is allocated.
 std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
   return make_cuda_ops(device);
 }
+
+}  // namespace
 
 struct TrainingEngine::State {
   ParallelLayout parallel;
@@ -362,7 +364,6 @@ TrainingEngine::~TrainingEngine() {
 }
 
 const TensorLayout& TrainingEngine::layout() const { return state_->canonical; }
-std::string_view TrainingEngine::backend() const { return state_->ops->name(); }
 const ProcessGroups& TrainingEngine::host_groups() const { return *state_->host; }
 std::vector<ncclComm_t> TrainingEngine::nccl_comms() const { return state_->groups->nccl_comms(); }
 

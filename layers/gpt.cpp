@@ -287,7 +287,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     : config_(config),
       B_(micro_batch_size),
       T_(seq_length),
-      precision_(precision),
       ops_(ops),
       tp_(parallelism.tensor_parallel),
       scaling_(precision.fp8),

@@ -127,7 +127,6 @@ class GptModel {
   GptModel& operator=(const GptModel&) = delete;
 
   const GptConfig& config() const { return config_; }
-  const GptPrecision& precision() const { return precision_; }
   // This rank's parameter layout (make_gpt_shard_layout) and its buckets.
   const TensorLayout& layout() const { return layout_; }
   const std::vector<ParameterBucket>& buckets() const { return buckets_; }
@@ -199,7 +198,6 @@ class GptModel {
 
   GptConfig config_;
   int B_, T_;
-  GptPrecision precision_;
   Ops& ops_;
   const TensorParallelMappings* tp_;
   std::unique_ptr<TensorParallelMappings> single_rank_;  // when no mappings are given

@@ -154,8 +154,6 @@ class CudaOps final : public Ops {
     cudaStreamDestroy(stream_);
   }
 
-  std::string_view name() const override { return "cuda"; }
-
   // ---- Memory
   DType activation_dtype() const override { return DType::bf16; }
   size_t element_bytes(DType dtype) const override {
