@@ -26,14 +26,6 @@ namespace fp8lm {
 
 namespace {
 
-GptPrecision precision_of(const RunSetup& setup) {
-  GptPrecision precision;
-  precision.gemm = setup.options.precision;
-  precision.fp8_lm_head = setup.options.fp8_lm_head;
-  precision.fp8 = setup.options.fp8;
-  return precision;
-}
-
 // Scalars the step keeps in backend memory, so that a step never waits for the host.
 struct StepScalars {
   double sum_of_squares = 0.0;  // of the gradients
@@ -73,35 +65,24 @@ ShardPlan plan_shard(const TensorLayout& slab, const std::vector<ParameterBucket
   }
   plan.part_layouts.resize(buckets.size());
   for (const TensorInfo& t : slab.tensors()) {
-    TensorInfo piece = t, norm_piece = t, part_piece = t;
+    // The tensor's piece in the shard and in each bucket's part; offset and numel 0: none there.
+    TensorInfo piece = t;
+    piece.offset = 0;
     piece.numel = 0;
+    std::vector<TensorInfo> in_part(plan.parts.size(), piece);
     for (size_t b = 0; b < plan.parts.size(); ++b) {
       const ShardPlan::Part& p = plan.parts[b];
       const size_t begin = std::max(t.offset, p.part_begin), end = std::min(t.offset + t.numel, p.part_begin + p.size);
       if (begin >= end) continue;
       piece.offset = p.shard_offset + (begin - p.part_begin);
       piece.numel = end - begin;
-      part_piece.offset = begin - p.part_begin;
-      part_piece.numel = end - begin;
-      for (size_t other = 0; other < plan.parts.size(); ++other) {
-        TensorInfo in_part = part_piece;
-        if (other != b) in_part.numel = 0;
-        if (other != b) in_part.offset = 0;
-        plan.part_layouts[other].add_at(in_part);
-      }
+      in_part[b].offset = begin - p.part_begin;
+      in_part[b].numel = end - begin;
       break;
     }
-    if (piece.numel == 0) {
-      piece.offset = 0;
-      for (TensorLayout& part_layout : plan.part_layouts) {
-        TensorInfo empty = t;
-        empty.offset = 0;
-        empty.numel = 0;
-        part_layout.add_at(empty);
-      }
-    }
-    norm_piece.offset = piece.offset;
-    norm_piece.numel = t.split == TensorSplit::replicated && tp_rank != 0 ? 0 : piece.numel;
+    for (size_t b = 0; b < plan.parts.size(); ++b) plan.part_layouts[b].add_at(in_part[b]);
+    TensorInfo norm_piece = piece;
+    if (t.split == TensorSplit::replicated && tp_rank != 0) norm_piece.numel = 0;
     plan.layout.add_at(piece);
     plan.norm_layout.add_at(norm_piece);
   }
@@ -116,13 +97,15 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
   }
 }
 
-}  // namespace
-
+// The backend a run set-up asks for (setup.use_cuda), with its model shape checked
+// against the backend's limits first: InputError before anything is allocated.
 std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
   return make_cuda_ops(device);
 }
+
+}  // namespace
 
 struct TrainingEngine::State {
   ParallelLayout parallel;
@@ -211,6 +194,9 @@ struct TrainingEngine::State {
       if (*a) bytes += (*a)->bytes();
     return bytes;
   }
+  size_t allocated_bytes() const {
+    return model->allocated_bytes() + optimizer_bytes() + communication_bytes() + ops->workspace_bytes();
+  }
   StepControl read_control() {
     StepControl control;
     ops->download(&control, this->control(), sizeof control);
@@ -260,7 +246,8 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   Communicator* tp_group = layout.tp_size > 1 ? &s.groups->tp() : nullptr;
   s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
   s.ops->set_amax_group(tp_group);
-  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, precision_of(setup), *s.ops,
+  const GptPrecision precision{.gemm = o.precision, .fp8_lm_head = o.fp8_lm_head, .fp8 = o.fp8};
+  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, precision, *s.ops,
                                        ModelParallelism{s.tp.get(), layout.dp_size});
   s.canonical = make_gpt_layout(setup.model);
   s.state_precision = o.optimizer_state;
@@ -379,8 +366,6 @@ TrainingEngine::~TrainingEngine() {
 }
 
 const TensorLayout& TrainingEngine::layout() const { return state_->canonical; }
-std::string_view TrainingEngine::backend() const { return state_->ops->name(); }
-const ParallelLayout& TrainingEngine::parallel_layout() const { return state_->parallel; }
 const ProcessGroups& TrainingEngine::host_groups() const { return *state_->host; }
 std::vector<ncclComm_t> TrainingEngine::nccl_comms() const { return state_->groups->nccl_comms(); }
 
@@ -842,8 +827,7 @@ void TrainingEngine::set_total_skips(int64_t total) {
 BenchmarkMemory TrainingEngine::benchmark_memory() const {
   const State& s = *state_;
   BenchmarkMemory memory;
-  memory.allocated_bytes =
-      s.model->allocated_bytes() + s.optimizer_bytes() + s.communication_bytes() + s.ops->workspace_bytes();
+  memory.allocated_bytes = s.allocated_bytes();
   memory.device_used_bytes = s.ops->device_memory_in_use();
   return memory;
 }
@@ -859,12 +843,10 @@ SettingsTable TrainingEngine::describe() const {
                                                                          : "8 (FP32 m + v) + 4 FP32 master"});
   if (s.communication_bytes()) rows.push_back({"communication buffers", format_mib(s.communication_bytes())});
   rows.push_back({"backend workspaces", format_mib(s.ops->workspace_bytes())});
-  rows.push_back({"estimated peak memory (this rank)",
-                  format_mib(s.model->allocated_bytes() + s.optimizer_bytes() + s.communication_bytes() +
-                             s.ops->workspace_bytes())});
+  rows.push_back({"estimated peak memory (this rank)", format_mib(s.allocated_bytes())});
   // The start-up estimate beside what was measured once everything is allocated.
   const bool device = s.ops->stream_handle() != nullptr;
-  const uint64_t allocated = benchmark_memory().allocated_bytes;
+  const uint64_t allocated = s.allocated_bytes();
   rows.push_back({"engine allocations: measured / estimated",
                   format_bytes(allocated) + " / " + format_bytes(s.memory_estimate.engine_bytes(device))});
   const MeasuredMemory host = measure_host_memory();

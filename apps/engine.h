@@ -77,8 +77,6 @@ class TrainingEngine {
 
   // The canonical layout of every snapshot (make_gpt_layout).
   const TensorLayout& layout() const;
-  std::string_view backend() const;
-  const ParallelLayout& parallel_layout() const;
   // The host (MPI) groups: checkpoint gathers, metrics, the stop decision.
   const ProcessGroups& host_groups() const;
   // Bytes each rank sent per communicator since the last reset (benchmarks, the volume model).
@@ -134,10 +132,6 @@ class TrainingEngine {
   struct State;
   std::unique_ptr<State> state_;
 };
-
-// The backend a run set-up asks for (setup.use_cuda), with its model shape checked
-// against the backend's limits first: InputError before anything is allocated.
-std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device = 0);
 
 std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout = {});
 

@@ -24,8 +24,6 @@ const CudaAvailability& cuda_availability() {
       return result;
     }
     result.device_count = count;
-    result.compute_major = properties.major;
-    result.compute_minor = properties.minor;
     result.name = std::string(properties.name) + " (sm_" + std::to_string(properties.major) +
                   std::to_string(properties.minor) + ")";
     return result;

@@ -12,8 +12,6 @@ struct CudaAvailability {
   int device_count = 0;
   std::string reason;  // why none is usable, when device_count == 0
   std::string name;    // device 0's name and compute capability, when usable
-  int compute_major = 0;
-  int compute_minor = 0;
 };
 
 const CudaAvailability& cuda_availability();

@@ -43,9 +43,6 @@ namespace fp8lm::cuda {
 enum class GemmType : uint8_t { bf16, fp32, e4m3, e5m2 };
 
 std::string_view to_string(GemmType type);
-constexpr GemmType gemm_type(Fp8Dtype dtype) {
-  return dtype == Fp8Dtype::e4m3 ? GemmType::e4m3 : GemmType::e5m2;
-}
 constexpr bool is_fp8(GemmType type) { return type == GemmType::e4m3 || type == GemmType::e5m2; }
 constexpr size_t gemm_type_bytes(GemmType type) {
   return type == GemmType::fp32 ? 4 : type == GemmType::bf16 ? 2 : 1;

@@ -35,8 +35,6 @@ class Random {
     const double u2 = uniform();
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }
-  uint64_t state() const { return state_; }
-  void set_state(uint64_t state) { state_ = state; }
 
  private:
   uint64_t state_;

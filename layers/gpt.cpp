@@ -173,7 +173,6 @@ DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format) {
 
 // One Linear layer: its parameters, gradients, GEMM operands and FP8 scaling states.
 struct GptModel::LinearParams {
-  std::string name;         // "h.3.mlp.c_fc", "lm_head"
   int tensor = -1;          // the weight's index in the layout
   Tensor weight;            // [N,K] working copy (this rank's part)
   Tensor bias;              // [N] working copy; empty for the tied LM head
@@ -288,7 +287,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     : config_(config),
       B_(micro_batch_size),
       T_(seq_length),
-      precision_(precision),
       ops_(ops),
       tp_(parallelism.tensor_parallel),
       scaling_(precision.fp8),
@@ -317,7 +315,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   auto make_linear = [&](const std::string& name, const std::string& weight_name, bool has_bias,
                          GemmPrecision gemm_precision) {
     LinearParams linear;
-    linear.name = name;
     linear.tensor = layout_.index_of(weight_name);
     linear.weight = working(weight_name);
     linear.grad_weight = grad(weight_name);
@@ -381,9 +378,6 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
 }
 
 GptModel::~GptModel() = default;
-
-int GptModel::tensor_parallel_rank() const { return tp_->rank(); }
-int GptModel::tensor_parallel_size() const { return tp_->size(); }
 
 VocabSlice GptModel::vocab_slice() const {
   const int slice = config_.padded_vocab_size() / tp_->size();
@@ -483,6 +477,23 @@ GptModel::ResidualAdd GptModel::row_parallel_forward(const LinearParams& linear,
   return {.residual_in = residual_in, .residual_out = residual_out, .branch = s.branch_rows, .branch_bias = linear.bias};
 }
 
+// A LayerNorm that feeds column-parallel linears: it takes the residual stream after
+// `input`'s pending add, normalizes this rank's rows into `out`, and gathers all rows.
+void GptModel::layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out,
+                                 const Tensor& mean, const Tensor& rstd) {
+  ops_.layernorm_forward({.out = local_rows(out),
+                          .mean = mean,
+                          .rstd = rstd,
+                          .residual_out = input.residual_out,
+                          .residual_in = input.residual_in,
+                          .branch = input.branch,
+                          .branch_bias = input.branch_bias,
+                          .weight = ln.weight,
+                          .bias = ln.bias,
+                          .eps = config_.layer_norm_epsilon});
+  tp_->column_parallel_input(out);
+}
+
 void GptModel::forward(const TokenBatch& batch) {
   const Scratch& s = *scratch_;
   before_forward(-1);
@@ -496,17 +507,7 @@ void GptModel::forward(const TokenBatch& batch) {
   }
   before_forward(config_.n_layer);
   // ln_f adds the last block's MLP output into the residual stream first (when its GEMM did not).
-  ops_.layernorm_forward({.out = local_rows(s.lnf),
-                          .mean = s.lnf_mean,
-                          .rstd = s.lnf_rstd,
-                          .residual_out = block_output_.residual_out,
-                          .residual_in = block_output_.residual_in,
-                          .branch = block_output_.branch,
-                          .branch_bias = block_output_.branch_bias,
-                          .weight = ln_f_->weight,
-                          .bias = ln_f_->bias,
-                          .eps = config_.layer_norm_epsilon});
-  tp_->column_parallel_input(s.lnf);
+  layernorm_forward(*ln_f_, block_output_, s.lnf, s.lnf_mean, s.lnf_rstd);
   ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = s.lnf, .weight = lm_head_->weight_operand});
 }
 
@@ -514,39 +515,18 @@ void GptModel::block_forward(int l) {
   const BlockParams& w = blocks_[l];
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
-  const float eps = config_.layer_norm_epsilon;
   const int tp = tp_->size();
   const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
 
   // ln_1 adds the previous block's MLP output (and its bias) into the residual stream,
   // when its GEMM did not.
   const ResidualAdd input = l == 0 ? ResidualAdd{.residual_in = s.encoded} : block_output_;
-  ops_.layernorm_forward({.out = local_rows(a.ln1),
-                          .mean = a.ln1_mean,
-                          .rstd = a.ln1_rstd,
-                          .residual_out = input.residual_out,
-                          .residual_in = input.residual_in,
-                          .branch = input.branch,
-                          .branch_bias = input.branch_bias,
-                          .weight = w.ln1.weight,
-                          .bias = w.ln1.bias,
-                          .eps = eps});
-  tp_->column_parallel_input(a.ln1);
+  layernorm_forward(w.ln1, input, a.ln1, a.ln1_mean, a.ln1_rstd);
   ops_.gemm({.pass = GemmPass::forward, .out = a.qkv, .input = a.ln1, .weight = w.qkv.weight_operand,
              .bias = w.qkv.bias});
   ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
   const ResidualAdd attention_output = row_parallel_forward(w.proj, a.atty_operand, a.residual, a.residual_mid);
-  ops_.layernorm_forward({.out = local_rows(a.ln2),
-                          .mean = a.ln2_mean,
-                          .rstd = a.ln2_rstd,
-                          .residual_out = attention_output.residual_out,
-                          .residual_in = attention_output.residual_in,
-                          .branch = attention_output.branch,
-                          .branch_bias = attention_output.branch_bias,
-                          .weight = w.ln2.weight,
-                          .bias = w.ln2.bias,
-                          .eps = eps});
-  tp_->column_parallel_input(a.ln2);
+  layernorm_forward(w.ln2, attention_output, a.ln2, a.ln2_mean, a.ln2_rstd);
   // c_fc's bias joins the GELU, which also casts the next GEMM's input.
   ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
   ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);

@@ -127,15 +127,12 @@ class GptModel {
   GptModel& operator=(const GptModel&) = delete;
 
   const GptConfig& config() const { return config_; }
-  const GptPrecision& precision() const { return precision_; }
   // This rank's parameter layout (make_gpt_shard_layout) and its buckets.
   const TensorLayout& layout() const { return layout_; }
   const std::vector<ParameterBucket>& buckets() const { return buckets_; }
   ScalingTable& scaling() { return scaling_; }
   int micro_batch_size() const { return B_; }
   int seq_length() const { return T_; }
-  int tensor_parallel_rank() const;
-  int tensor_parallel_size() const;
   VocabSlice vocab_slice() const;
 
   // Slabs [layout().total_elements()]: the working copy of the parameters in the activation
@@ -192,6 +189,8 @@ class GptModel {
   ResidualAdd row_parallel_forward(const LinearParams& linear, const Tensor& input, const Tensor& residual_in,
                                    const Tensor& residual_out);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
+  void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
+                         const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
@@ -199,7 +198,6 @@ class GptModel {
 
   GptConfig config_;
   int B_, T_;
-  GptPrecision precision_;
   Ops& ops_;
   const TensorParallelMappings* tp_;
   std::unique_ptr<TensorParallelMappings> single_rank_;  // when no mappings are given

@@ -22,7 +22,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string_view>
 
 #include "core/scaling.h"
 #include "core/tensor.h"
@@ -164,7 +163,6 @@ inline size_t adamw_scratch_floats(size_t tensors) { return 4 * tensors + 2; }
 class Ops {
  public:
   virtual ~Ops() = default;
-  virtual std::string_view name() const = 0;  // "cpu", "cuda"
 
   // ---- Memory ---------------------------------------------------------------------
   // The dtype of activations and of the working copy of the parameters: FP32 on the CPU

@@ -74,8 +74,6 @@ void add_column_sums(float* dbias, const float* in, int64_t M, int64_t N) {
 
 class CpuOps final : public Ops {
  public:
-  std::string_view name() const override { return "cpu"; }
-
   // ---- Memory
   DType activation_dtype() const override { return DType::f32; }
   size_t element_bytes(DType) const override { return sizeof(float); }

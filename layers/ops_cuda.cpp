@@ -9,7 +9,6 @@
 
 #include "core/cast_cuda.h"
 #include "core/check_cuda.h"
-#include "core/scaling_cuda.h"
 #include "core/device_memory_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -154,8 +153,6 @@ class CudaOps final : public Ops {
     cudaStreamDestroy(side_stream_);
     cudaStreamDestroy(stream_);
   }
-
-  std::string_view name() const override { return "cuda"; }
 
   // ---- Memory
   DType activation_dtype() const override { return DType::bf16; }
@@ -554,21 +551,19 @@ class CudaOps final : public Ops {
   }
   void adamw_moment_amaxes(const AdamWCall& call) override {
     if (call.precision != OptimizerStatePrecision::fp8_fp16) return;
-    const auto& device = static_cast<const DeviceTable&>(*call.table);
     cuda::adamw_fp8_fp16_moment_amaxes(call.grads, call.state.m8, call.state.v16, call.state.m_scales,
-                                       call.state.v_scales, device.table(), call.hyperparams, call.control,
+                                       call.state.v_scales, device_table(*call.table), call.hyperparams, call.control,
                                        call.scratch, stream_);
   }
   void adamw_apply(const AdamWCall& call) override {
-    const auto& device = static_cast<const DeviceTable&>(*call.table);
+    const cuda::DeviceTensorTable& table = device_table(*call.table);
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
       cuda::adamw_fp8_fp16_apply(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
-                                 call.state.v_scales, device.table(), call.hyperparams, call.control, call.scratch,
-                                 stream_);
+                                 call.state.v_scales, table, call.hyperparams, call.control, call.scratch, stream_);
     } else {
-      cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, device.table(),
+      cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, table,
                             call.hyperparams, call.control, stream_);
     }
   }
@@ -602,23 +597,16 @@ class CudaOps final : public Ops {
     const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
     uint8_t* transposed = static_cast<uint8_t*>(out.transposed);
     float* bias_grad = dbias ? f32(dbias) : nullptr;
-    if (in_dtype == DType::f32) {
-      const float* values = static_cast<const float*>(in);
+    auto cast_from = [&](const auto* values) {
       if (transposed || bias_grad) {
         cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
                                  float_scratch_.data(), stream_);
       } else {
         cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_);
       }
-      return;
-    }
-    const bf16* values = static_cast<const bf16*>(in);
-    if (transposed || bias_grad) {
-      cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
-                               float_scratch_.data(), stream_);
-    } else {
-      cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_);
-    }
+    };
+    if (in_dtype == DType::f32) return cast_from(static_cast<const float*>(in));
+    cast_from(static_cast<const bf16*>(in));
   }
 
   // Current scaling: `in`'s own amax sets the state's scale (and is recorded for the
@@ -639,9 +627,6 @@ class CudaOps final : public Ops {
                                    recording_ ? history_.data() + s : nullptr, tensor_amax_.data(), fp8_max(dtype),
                                    table_->config().margin, stream_);
     cast(out, amax_sink_.data(), in, in_dtype, dbias);
-  }
-  void quantize_current(const Tensor& out, const bf16* in, const Tensor& dbias) {
-    quantize_current(out, static_cast<const void*>(in), dbias, DType::bf16);
   }
 
   cudaStream_t stream_ = nullptr;

@@ -113,13 +113,6 @@ void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, u
   v_scale = new_v_scale;
 }
 
-void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits,
-                           size_t n, float& m_scale, float& v_scale, const AdamWStepScalars& s) {
-  float amax_m = 0.0f, amax_v = 0.0f;
-  adamw_moment_amax_fp8_fp16(grads, m_codes, v_bits, n, m_scale, v_scale, s, amax_m, amax_v);
-  adamw_apply_fp8_fp16(params, grads, m_codes, v_bits, n, m_scale, v_scale, amax_m, amax_v, s);
-}
-
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
                          const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes) {
   const auto& tensors = layout.tensors();

@@ -184,13 +184,10 @@ namespace cpu {
 void adamw_tensor_fp32(float* params, const float* grads, float* m, float* v, size_t n,
                        const AdamWStepScalars& s);
 
-// One tensor, fp8_fp16 state. All arrays [n]; params, m_codes (E4M3), v_bits (FP16)
-// updated in place. m_scale and v_scale are the tensor's scales: read to dequantize the
-// stored moments, then overwritten with the scales of the re-quantized moments.
-void adamw_tensor_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits,
-                           size_t n, float& m_scale, float& v_scale, const AdamWStepScalars& s);
-// Its two passes: the updated moments' amaxes (running maxima into amax_m, amax_v), then
-// the update with the new scales moment_scale(amax_m), moment_scale(amax_v).
+// One tensor, fp8_fp16 state, in two passes; all arrays [n]. First the updated moments'
+// amaxes (running maxima into amax_m, amax_v), then the update with the new scales
+// moment_scale(amax_m), moment_scale(amax_v): params, m_codes (E4M3) and v_bits (FP16) in
+// place; m_scale and v_scale are read to dequantize the stored moments, then overwritten.
 void adamw_moment_amax_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
                                 float m_scale, float v_scale, const AdamWStepScalars& s, float& amax_m, float& amax_v);
 void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits, size_t n,

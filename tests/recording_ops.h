@@ -15,7 +15,6 @@ class RecordingOps final : public Ops {
  public:
   RecordingOps(std::unique_ptr<Ops> inner, std::vector<std::string>& log) : inner_(std::move(inner)), log_(log) {}
 
-  std::string_view name() const override { return inner_->name(); }
   DType activation_dtype() const override { return inner_->activation_dtype(); }
   size_t element_bytes(DType dtype) const override { return inner_->element_bytes(dtype); }
   std::unique_ptr<Allocation> allocate(size_t bytes) override { return inner_->allocate(bytes); }

@@ -25,7 +25,6 @@
 #include "layers/encoder.h"
 #include "layers/gelu.h"
 #include "layers/layernorm.h"
-#include "layers/residual.h"
 
 namespace {
 
@@ -390,16 +389,6 @@ TEST_CASE("gelu backward matches finite differences and writes dinp", "[layers][
     return weighted_sum(dout, out);
   };
   require_gradient_matches("dinp", dinp, central_difference(inp, objective));
-}
-
-// ---------------------------------------------------------------------------------------
-// residual (no backward of its own: the model accumulates one gradient into both branches)
-
-TEST_CASE("residual forward adds elementwise", "[layers][cpu]") {
-  const std::vector<float> a{1.0f, -2.0f, 3.5f, 0.0f, 1e-3f}, b{0.5f, 2.0f, -1.0f, 7.0f, 1e3f};
-  std::vector<float> out(a.size());
-  fp8lm::cpu::residual_forward(out.data(), a.data(), b.data(), a.size());
-  for (size_t i = 0; i < a.size(); i++) REQUIRE(out[i] == a[i] + b[i]);
 }
 
 // ---------------------------------------------------------------------------------------
