@@ -81,7 +81,7 @@ done
 plot_line=$(printf '%s, ' "${plot_commands[@]}")
 title=$(printf '%s' "$title" | tr -d '"\\')
 gnuplot <<EOF
-set terminal pngcairo size 1100,650 font "sans,11"
+set terminal pngcairo noenhanced size 1100,650 font "sans,11"
 set output "$output"
 set title "$title"
 set xlabel "tokens"

@@ -17,7 +17,7 @@ TEST_CASE("progress lines show tokens/s, the elapsed time and the ETA", "[progre
   const std::string metrics = dir.file("metrics.jsonl");
   const auto result = testing::run_fp8lm("--config " + testing::source_path("configs/tiny.json") +
                                          " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 "
-                                         "--train-iters 4 --log-interval 2 --eval-interval 0 --metrics-file " +
+                                         "--train-iters 4 --log-interval 2 --eval-interval 0 --eval-iters 0 --metrics-file " +
                                          metrics);
   INFO(result.output);
   REQUIRE(result.exit_code == 0);
