@@ -10,5 +10,6 @@ namespace fp8lm {
 int run_train_command(const std::vector<std::string>& args);
 int run_convert_command(const std::vector<std::string>& args);
 int run_tokenize_command(const std::vector<std::string>& args);
+int run_eval_command(const std::vector<std::string>& args);
 
 }  // namespace fp8lm

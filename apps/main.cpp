@@ -22,7 +22,8 @@ int main(int argc, char** argv) {
     if (command == "train") return fp8lm::run_train_command(args);
     if (command == "convert") return fp8lm::run_convert_command(args);
     if (command == "tokenize") return fp8lm::run_tokenize_command(args);
-    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert, tokenize");
+    if (command == "eval") return fp8lm::run_eval_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert, tokenize, eval");
   } catch (const fp8lm::InputError& e) {
     std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
     return fp8lm::kExitInputError;

@@ -50,7 +50,7 @@ DataLoaders open_data(const RunSetup& setup) {
     MockDataLoaders mock = make_mock_data_loaders(loader_options);
     loaders.train.emplace(std::move(mock.train));
     if (o.valid_data_path.empty()) loaders.valid.emplace(std::move(mock.valid));
-  } else {
+  } else if (!o.train_data_path.empty()) {  // evaluation alone reads no training data
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
   if (!o.valid_data_path.empty()) {
@@ -69,6 +69,38 @@ AdamWHyperparams hyperparams_at(const TrainOptions& o, double lr) {
   hp.eps = static_cast<float>(o.adam_eps);
   hp.weight_decay = static_cast<float>(o.weight_decay);
   return hp;
+}
+
+// The validation loss: `eval_iters` batches from the start of the validation data, each
+// batch's mean token loss, averaged. Training's periodic evaluation and `fp8lm eval` both call
+// it, so a checkpoint's evaluation reproduces the loss its run logged.
+double validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_iters, int micro_batch_size,
+                       int seq_length, Watchdog* watchdog) {
+  std::vector<int32_t> inputs(size_t(micro_batch_size) * seq_length), targets(inputs.size());
+  valid.reset();
+  double sum = 0.0;
+  for (int64_t i = 0; i < eval_iters; ++i) {
+    valid.next_batch(inputs.data(), targets.data());
+    sum += engine.evaluate(inputs.data(), targets.data());
+    if (watchdog) watchdog->heartbeat();
+  }
+  return sum / double(eval_iters);
+}
+
+// "42.1s", "3m07s", "2h05m": the progress line's elapsed time and ETA.
+std::string format_duration(double seconds) {
+  char text[32];
+  if (!(seconds >= 0.0)) return "?";
+  if (seconds < 60.0) {
+    std::snprintf(text, sizeof text, "%.1fs", seconds);
+  } else if (seconds < 3600.0) {
+    const long whole = long(seconds);
+    std::snprintf(text, sizeof text, "%ldm%02lds", whole / 60, whole % 60);
+  } else {
+    const long minutes = long(seconds / 60.0);
+    std::snprintf(text, sizeof text, "%ldh%02ldm", minutes / 60, minutes % 60);
+  }
+  return text;
 }
 
 // The JSONL metrics file. Each line is one write(2) on an O_APPEND descriptor, so no stdio
@@ -250,6 +282,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   MetricsFile metrics_file(o.metrics_file, first_rank);
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
+  if (!data.train) throw InputError("--train-data-path is required (or --mock-data for a synthetic token stream)");
   spdlog::info("train data: {} shard(s), {} tokens, {} samples per epoch", data.train->num_shards(),
                data.train->num_tokens(), data.train->samples_per_epoch());
   if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
@@ -308,14 +341,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   const int64_t tokens_per_step = int64_t{setup.global_batch_size} * T;
 
   auto evaluate = [&](int64_t iteration) -> double {
-    data.valid->reset();
-    double sum = 0.0;
-    for (int64_t i = 0; i < o.eval_iters; ++i) {
-      data.valid->next_batch(inputs.data(), targets.data());
-      sum += engine->evaluate(inputs.data(), targets.data());
-      if (watchdog) watchdog->heartbeat();
-    }
-    const double val_loss = sum / double(o.eval_iters);
+    const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog);
     spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
                  std::exp(std::min(val_loss, 50.0)));
     metrics_file.write({{"iter", iteration}, {"val_loss", val_loss}});
@@ -324,7 +350,8 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
 
   std::vector<double> benchmark_step_ms;
   using Clock = std::chrono::steady_clock;
-  Clock::time_point interval_start = Clock::now();
+  const Clock::time_point loop_start = Clock::now();
+  Clock::time_point interval_start = loop_start;
   int64_t interval_steps = 0;
   summary.steps = start_step;
   for (int64_t step = start_step; step < o.train_iters; ++step) {
@@ -360,17 +387,24 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
       const double seconds = std::chrono::duration<double>(Clock::now() - interval_start).count();
       const double ms_per_iter = 1e3 * seconds / double(interval_steps);
       const double tokens_per_second = double(tokens_per_step) * interval_steps / seconds;
+      // The ETA extrapolates this process's mean step time (a resumed run counts from its start).
+      const double elapsed = std::chrono::duration<double>(Clock::now() - loop_start).count();
+      const double eta = elapsed / double(iteration - start_step) * double(o.train_iters - iteration);
       if (step == start_step) summary.first_loss = m.loss;
       summary.last_loss = m.loss;
-      spdlog::info("iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s{}",
-                   iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second,
-                   summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
+      spdlog::info(
+          "iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
+          "elapsed {} | ETA {}{}",
+          iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second, format_duration(elapsed),
+          format_duration(eta),
+          summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
       metrics_file.write({{"iter", iteration},
                           {"loss", m.loss},
                           {"lr", lr},
                           {"grad_norm", m.grad_norm},
                           {"tokens_per_s", tokens_per_second},
                           {"ms_per_iter", ms_per_iter},
+                          {"elapsed_s", elapsed},
                           {"skipped_steps", summary.skipped_steps}});
       interval_start = Clock::now();
       interval_steps = 0;
@@ -413,6 +447,22 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss, summary.steps - start_step);
   metrics_file.close();
   return summary;
+}
+
+EvaluationResult run_evaluation(const RunSetup& setup) {
+  const TrainOptions& o = setup.options;
+  const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
+  FP8LM_INPUT_CHECK(!checkpoint.empty(), "--load DIR or --init-from PATH is required: the weights to evaluate");
+  FP8LM_INPUT_CHECK(!o.valid_data_path.empty(), "--valid-data-path is required: the token shards to evaluate on");
+  FP8LM_INPUT_CHECK(o.eval_iters >= 1, "--eval-iters must be >= 1 (got ", o.eval_iters, ")");
+  if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
+  DataLoaders data = open_data(setup);
+  std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
+  load_into_engine(checkpoint, o.ckpt_step, setup, *engine);
+  EvaluationResult result;
+  result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
+  result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
+  return result;
 }
 
 }  // namespace fp8lm

@@ -24,4 +24,14 @@ class Watchdog;
 // watches the engine's NCCL communicators.
 TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog = nullptr);
 
+struct EvaluationResult {
+  double loss = 0.0;   // mean token loss (nats)
+  int64_t tokens = 0;  // target tokens scored, all ranks
+};
+
+// `fp8lm eval`: the engine training uses, loaded from --load / --init-from, scores
+// --eval-iters batches of --valid-data-path with the same evaluation as training's
+// (so a checkpoint reproduces the validation loss its run logged).
+EvaluationResult run_evaluation(const RunSetup& setup);
+
 }  // namespace fp8lm

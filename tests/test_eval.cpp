@@ -1,0 +1,178 @@
+// fp8lm eval end to end on the CPU: a checkpoint's evaluation reproduces the validation loss
+// its training run logged (both precisions), a Hugging Face export scores as its checkpoint
+// does, the JSON line parses, and bad input exits 2 naming the culprit.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
+
+#include "apps/shard_writer.h"
+#include "cli_testing.h"
+#include "temp_dir.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+using testing::TempDir;
+
+const std::string kTiny = testing::source_path("configs/tiny.json");
+
+testing::CommandResult run(const std::string& args) {
+  auto result = testing::run_fp8lm(args);
+  INFO("fp8lm " << args << "\n" << result.output);
+  return result;
+}
+
+// A validation shard of 4,000 tokens below the tiny config's vocabulary of 256.
+std::string write_valid_shard(const TempDir& dir) {
+  std::vector<std::filesystem::path> written;
+  ShardWriter writer(dir.path(), "val", 1 << 20, written);
+  std::vector<uint16_t> tokens(4000);
+  uint32_t state = 12345;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    tokens[i] = uint16_t(i % 3 == 0 ? (state >> 24) : (tokens[i - 1] * 7 + 3) % 256);
+  }
+  writer.append(tokens.data(), tokens.size());
+  writer.finish();
+  return writer.final_path(0).string();
+}
+
+// The one line of output that is a JSON object with a "loss".
+nlohmann::json eval_json(const std::string& output) {
+  std::istringstream lines(output);
+  std::string line;
+  while (std::getline(lines, line))
+    if (line.rfind("{\"", 0) == 0) {
+      nlohmann::json parsed = nlohmann::json::parse(line);
+      if (parsed.contains("loss")) return parsed;
+    }
+  FAIL("no JSON line with a loss in the output");
+  return {};
+}
+
+double last_val_loss(const std::string& metrics_path) {
+  std::ifstream file(metrics_path);
+  std::string line;
+  double loss = -1.0;
+  while (std::getline(file, line)) {
+    const auto parsed = nlohmann::json::parse(line);
+    if (parsed.contains("val_loss")) loss = parsed["val_loss"].get<double>();
+  }
+  return loss;
+}
+
+}  // namespace
+
+TEST_CASE("eval of a checkpoint reproduces the validation loss its run logged", "[eval]") {
+  TempDir dir;
+  const std::string valid = write_valid_shard(dir);
+  for (const char* precision : {"--bf16", "--fp8-hybrid"}) {
+    INFO(precision);
+    const std::string ck = dir.file(std::string("ck") + precision), metrics = ck + ".jsonl";
+    REQUIRE(run("--config " + kTiny + " --mock-data --valid-data-path " + valid +
+                " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+                "--train-iters 6 --log-interval 3 --eval-interval 3 --eval-iters 3 --log-level warn --save " +
+                ck + " --metrics-file " + metrics + " " + precision)
+                .exit_code == 0);
+    const double logged = last_val_loss(metrics);
+    REQUIRE(logged > 0.0);
+
+    // The run's settings (precision, batch shape, eval-iters) are the defaults.
+    const auto defaults = run("eval --load " + ck + " --valid-data-path " + valid + " --device cpu --log-level warn");
+    REQUIRE(defaults.exit_code == 0);
+    const nlohmann::json line = eval_json(defaults.output);
+    CHECK(line["loss"].get<double>() == logged);
+    CHECK(std::fabs(line["perplexity"].get<double>() - std::exp(logged)) < 1e-9 * std::exp(logged));
+    CHECK(line["tokens"].get<int64_t>() == 3 * 2 * 32);
+    CHECK(line["precision"] == (std::string(precision) == "--bf16" ? "bf16" : "fp8-hybrid"));
+    CHECK_THAT(defaults.output, ContainsSubstring("eval: loss "));
+    CHECK_THAT(defaults.output, ContainsSubstring("| perplexity "));
+
+    // The same, spelled out.
+    const auto spelled = run("eval --load " + ck + " --valid-data-path " + valid +
+                             " --device cpu --log-level warn --eval-iters 3 --micro-batch-size 2 --seq-length 32 " +
+                             precision);
+    REQUIRE(spelled.exit_code == 0);
+    CHECK(eval_json(spelled.output)["loss"].get<double>() == logged);
+
+    // Fewer batches: a different mean, over fewer tokens.
+    const auto shorter = run("eval --load " + ck + " --valid-data-path " + valid +
+                             " --device cpu --log-level warn --eval-iters 1");
+    REQUIRE(shorter.exit_code == 0);
+    CHECK(eval_json(shorter.output)["tokens"].get<int64_t>() == 2 * 32);
+  }
+
+  // A BF16 checkpoint in the other precision scores close to it, not equal.
+  const auto crossed = run("eval --load " + dir.file("ck--bf16") + " --valid-data-path " + valid +
+                           " --device cpu --log-level warn --fp8-hybrid");
+  REQUIRE(crossed.exit_code == 0);
+  const double bf16_logged = last_val_loss(dir.file("ck--bf16.jsonl"));
+  CHECK(std::fabs(eval_json(crossed.output)["loss"].get<double>() - bf16_logged) < 0.05 * bf16_logged);
+}
+
+TEST_CASE("eval of a Hugging Face export scores as its checkpoint does", "[eval]") {
+  TempDir dir;
+  const std::string valid = write_valid_shard(dir);
+  const std::string ck = dir.file("ck");
+  REQUIRE(run("--config " + kTiny +
+              " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 --train-iters 4 --eval-interval 0 "
+              "--log-level warn --bf16 --save " + ck)
+              .exit_code == 0);
+  REQUIRE(run("convert --load " + ck + " --to " + dir.file("hf") + " --dtype fp32 --log-level warn").exit_code == 0);
+  const std::string common =
+      " --valid-data-path " + valid + " --device cpu --log-level warn --eval-iters 2 --micro-batch-size 2 --seq-length 32";
+  const auto from_checkpoint = run("eval --load " + ck + common);
+  const auto from_hf = run("eval --init-from " + dir.file("hf") + common);
+  const auto from_file = run("eval --init-from " + dir.file("hf/model.safetensors") + common);
+  REQUIRE(from_checkpoint.exit_code == 0);
+  REQUIRE(from_hf.exit_code == 0);
+  REQUIRE(from_file.exit_code == 0);
+  const double expected = eval_json(from_checkpoint.output)["loss"].get<double>();
+  CHECK(eval_json(from_hf.output)["loss"].get<double>() == expected);
+  CHECK(eval_json(from_file.output)["loss"].get<double>() == expected);
+  CHECK(eval_json(from_hf.output)["precision"] == "bf16");
+}
+
+TEST_CASE("eval: bad input exits 2 naming the flag, file or path", "[eval]") {
+  TempDir dir;
+  const std::string valid = write_valid_shard(dir);
+  const std::string ck = dir.file("ck");
+  REQUIRE(run("--config " + kTiny + " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 --train-iters 1 "
+              "--eval-interval 0 --log-level warn --save " + ck)
+              .exit_code == 0);
+  struct Case {
+    std::string args;
+    std::string named;
+  };
+  const std::string data = " --valid-data-path " + valid + " --device cpu";
+  for (const Case& c : std::vector<Case>{
+           {"eval --load " + ck + data + " --train-iters 5", "--train-iters"},
+           {"eval --load " + ck + data + " --bogus", "--bogus"},
+           {"eval" + data, "--load DIR or --init-from PATH is required"},
+           {"eval --load " + ck + " --init-from " + ck + data, "--load and --init-from are alternatives"},
+           {"eval --load " + ck + " --device cpu", "--valid-data-path is required"},
+           {"eval --load " + ck + " --device cpu --valid-data-path " + dir.file("nothing*.bin"), "nothing*.bin"},
+           {"eval --load " + dir.file("missing") + data, dir.file("missing")},
+           {"eval --load " + ck + data + " --eval-iters 0", "--eval-iters"},
+           {"eval --load " + ck + data + " --micro-batch-size x", "--micro-batch-size"},
+           {"eval --load " + ck + data + " --fp8-format e5m2", "--fp8-format"},
+           {"evaluate --load " + ck, "unknown subcommand 'evaluate'"},
+       }) {
+    const auto result = run(c.args);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.output, ContainsSubstring(c.named));
+    CHECK_THAT(result.output, ContainsSubstring("fp8lm: error:"));
+  }
+  // --help lists the flags and exits 0.
+  const auto help = run("eval --help");
+  CHECK(help.exit_code == 0);
+  CHECK_THAT(help.output, ContainsSubstring("--valid-data-path"));
+  CHECK_THAT(help.output, ContainsSubstring("--init-from"));
+}

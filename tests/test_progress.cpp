@@ -1,0 +1,48 @@
+// Training's progress line: throughput, elapsed time and an ETA, in one line; the metrics
+// JSONL carries the elapsed seconds.
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include <catch2/catch_test_macros.hpp>
+#include <nlohmann/json.hpp>
+
+#include "cli_testing.h"
+#include "temp_dir.h"
+
+using namespace fp8lm;
+
+TEST_CASE("progress lines show tokens/s, the elapsed time and the ETA", "[progress]") {
+  testing::TempDir dir;
+  const std::string metrics = dir.file("metrics.jsonl");
+  const auto result = testing::run_fp8lm("--config " + testing::source_path("configs/tiny.json") +
+                                         " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 "
+                                         "--train-iters 4 --log-interval 2 --eval-interval 0 --eval-iters 0 --metrics-file " +
+                                         metrics);
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  // e.g. "iter      2/4 | loss 5.5 | ... | 1234 tokens/s | elapsed 0.1s | ETA 0.1s"
+  const std::regex progress(R"(iter +(\d+)/4 \|[^\n]*\| \d+ tokens/s \| elapsed [0-9.hms]+ \| ETA ([0-9.hms]+)\n)");
+  int lines = 0;
+  std::string last_eta;
+  for (auto it = std::sregex_iterator(result.output.begin(), result.output.end(), progress);
+       it != std::sregex_iterator(); ++it) {
+    ++lines;
+    last_eta = (*it)[2];
+  }
+  CHECK(lines == 3);  // iterations 1, 2 and 4
+  CHECK(last_eta == "0.0s");  // nothing left after the last iteration
+
+  std::ifstream file(metrics);
+  std::string line;
+  double previous = -1.0;
+  int entries = 0;
+  while (std::getline(file, line)) {
+    const auto parsed = nlohmann::json::parse(line);
+    REQUIRE(parsed.contains("elapsed_s"));
+    CHECK(parsed["elapsed_s"].get<double>() >= previous);
+    previous = parsed["elapsed_s"].get<double>();
+    ++entries;
+  }
+  CHECK(entries == 3);
+}
