@@ -837,12 +837,6 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
     }
   }
 
-  loaded.progress.iteration = fields.get<int64_t>("iteration", 0);
-  loaded.progress.consumed_samples = fields.get<uint64_t>("consumed_samples");
-  loaded.progress.data.epoch = fields.object("data_position").get<uint64_t>("epoch");
-  loaded.progress.data.next_sample = fields.object("data_position").get<uint64_t>("next_sample");
-  loaded.progress.skipped_steps = fields.get_or<int64_t>("skipped_steps", 0, 0);
-
   engine.set_parameters(params);
   engine.set_optimizer_state(optimizer);
   if (scaling) engine.set_scaling_state(*scaling);

@@ -458,7 +458,9 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
-  load_into_engine(checkpoint, o.ckpt_step, setup, *engine);
+  // --load restores the FP8 scaling state too, so the loss is the one the run logged.
+  load_into_engine(checkpoint, o.ckpt_step, setup, *engine,
+                   o.load_dir.empty() ? CheckpointUse::weights_only : CheckpointUse::resume);
   EvaluationResult result;
   result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
   result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
