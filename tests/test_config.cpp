@@ -195,12 +195,12 @@ TEST_CASE("a config that is not a regular file is refused without reading it", "
     return std::string("(no error)");
   };
   CHECK(load_error(dir.path().string()) ==
-        dir.path().string() + ": the GPT config must be a regular JSON file, not a directory");
+        dir.path().string() + ": not a regular file (a directory)");
   // A FIFO would block the read forever: refused from its type alone.
   const std::string fifo = dir.file("config.fifo");
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  CHECK(load_error(fifo) == fifo + ": the GPT config must be a regular JSON file, not a pipe, socket or device");
-  CHECK(load_error(dir.file("missing.json")) == dir.file("missing.json") + ": GPT config file not found");
+  CHECK(load_error(fifo) == fifo + ": not a regular file (a FIFO (named pipe))");
+  CHECK(load_error(dir.file("missing.json")) == dir.file("missing.json") + ": cannot open (No such file or directory)");
 }
 
 TEST_CASE("every size derived from the config is checked in 64 bits", "[config]") {
