@@ -15,8 +15,17 @@ command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 cmake --build build-sanitize -j "$(nproc)"
 # protect_shadow_gap=0: the CUDA runtime maps memory where ASan's shadow gap would be.
 # Leaks are checked; lsan.supp names the libraries whose process-lifetime state is not ours.
-export ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1:halt_on_error=1
 export LSAN_OPTIONS=suppressions=$repo/scripts/lsan.supp:print_suppressions=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 cd build-sanitize
-ctest --output-on-failure -j "$(nproc)" "$@"
+# The tests that run under mpirun: Open MPI's components are dlopen()ed and unloaded at
+# MPI_Finalize, so LeakSanitizer reports their ~116 KB of process-lifetime state from an
+# "<unknown module>" that no suppression can name. Those tests are checked for every
+# address and undefined-behaviour error, without the leak check; all others with it.
+mpi_tests='mpi_|every parallel layout|resumes at TP=1|fp8lm_rank_'
+status=0
+ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1:halt_on_error=1 \
+  ctest --output-on-failure -j "$(nproc)" -E "$mpi_tests" "$@" || status=1
+ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0:halt_on_error=1 \
+  ctest --output-on-failure -j "$(nproc)" -R "$mpi_tests" "$@" || status=1
+exit $status
