@@ -382,4 +382,17 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   return parsed;
 }
 
+bool parse_subcommand_arguments(CLI::App& app, const std::vector<std::string>& args, const std::string& command) {
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return false;
+  } catch (const CLI::ParseError& e) {
+    throw InputError("fp8lm " + command + ": " + e.what(), "run `fp8lm " + command + " --help` for its flags");
+  }
+  return true;
+}
+
 }  // namespace fp8lm

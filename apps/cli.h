@@ -7,6 +7,10 @@
 
 #include "apps/options.h"
 
+namespace CLI {
+class App;
+}
+
 namespace fp8lm {
 
 struct ParsedCommandLine {
@@ -43,5 +47,9 @@ int max_num_threads();
 
 inline constexpr double kMaxTimeoutMinutes = 7 * 24 * 60;
 inline constexpr int kMaxAmaxHistoryLen = 65536;
+
+// A subcommand's arguments (after its name) parsed by `app`. --help prints the help and
+// returns false; a parse error is an InputError naming the subcommand, with a hint to its help.
+bool parse_subcommand_arguments(CLI::App& app, const std::vector<std::string>& args, const std::string& command);
 
 }  // namespace fp8lm

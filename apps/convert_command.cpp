@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/checkpointing.h"
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -33,15 +34,7 @@ int run_convert_command(const std::vector<std::string>& args) {
   app.add_option("--dtype", dtype, "bf16, fp16 or fp32")->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   app.add_option("--log-level", log_level, "trace, debug, info, warn or error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
-    return kExitOk;
-  } catch (const CLI::ParseError& e) {
-    throw InputError(e.what(), "run `fp8lm convert --help`");
-  }
+  if (!parse_subcommand_arguments(app, args, "convert")) return kExitOk;
   init_logging(log_level);
 
   // The same load-and-verify path as `train --load`: the manifest's checksum, then every

@@ -135,15 +135,7 @@ int run_eval_command(const std::vector<std::string>& args) {
     else
       app.add_flag(flag.name, flag.help);
   }
-  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
-    return kExitOk;
-  } catch (const CLI::ParseError& e) {
-    throw InputError(std::string("fp8lm eval: ") + e.what(), kHelpHint);
-  }
+  if (!parse_subcommand_arguments(app, args, "eval")) return kExitOk;
 
   std::set<std::string> given;
   std::vector<std::string> user_flags;

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "apps/shard_writer.h"
 #include "core/error.h"
@@ -374,15 +375,9 @@ TokenizeOptions parse_options(const std::vector<std::string>& args, bool& help) 
   app.add_option("--workers", o.workers, "Threads (0: every core)");
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn or error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
+  if (!parse_subcommand_arguments(app, args, "tokenize")) {
     help = true;
     return o;
-  } catch (const CLI::ParseError& e) {
-    throw InputError(e.what(), "run `fp8lm tokenize --help`");
   }
   FP8LM_INPUT_CHECK(o.tokenizer_type == "GPT2BPETokenizer", "--tokenizer-type ", o.tokenizer_type,
                     ": not supported HINT: only GPT2BPETokenizer (byte-level BPE from encoder.json and vocab.bpe)");
