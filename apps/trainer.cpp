@@ -20,6 +20,7 @@
 #include "apps/engine.h"
 #include "apps/signals.h"
 #include "core/error.h"
+#include "core/indexed_dataset.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
 #include "optim/lr_schedule.h"
@@ -50,6 +51,14 @@ DataLoaders open_data(const RunSetup& setup) {
     MockDataLoaders mock = make_mock_data_loaders(loader_options);
     loaders.train.emplace(std::move(mock.train));
     if (o.valid_data_path.empty()) loaders.valid.emplace(std::move(mock.valid));
+  } else if (!o.data_path.empty()) {
+    // Megatron indexed datasets: the train and valid splits of each, blended by weight.
+    const DataBlend blend = parse_data_path(o.data_path);
+    const auto split = parse_split(o.split);
+    loaders.train = open_indexed_loader(blend, split, DataSplit::train, loader_options);
+    DataLoaderOptions valid_options = loader_options;
+    valid_options.shuffle = false;  // the same batches at every evaluation
+    loaders.valid = open_indexed_loader(blend, split, DataSplit::valid, valid_options);
   } else {
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
