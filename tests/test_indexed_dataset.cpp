@@ -229,7 +229,7 @@ TEST_CASE("indexed dataset: a token id >= the vocabulary is an error naming the 
              ContainsSubstring(dir.file("n.bin") + ": token -7 at index 2 is negative (byte offset 8)"));
 }
 
-TEST_CASE("--split: Megatron's fractions of the documents, disjoint and covering", "[indexed]") {
+TEST_CASE("split: Megatron's fractions of the documents, disjoint and covering", "[indexed]") {
   auto range = [](const std::string& split, DataSplit which, uint64_t n) {
     return split_documents(parse_split(split), which, n);
   };
@@ -265,7 +265,7 @@ TEST_CASE("--split: Megatron's fractions of the documents, disjoint and covering
   }
 }
 
-TEST_CASE("--data-path: one prefix or weight/prefix pairs, normalised", "[indexed]") {
+TEST_CASE("data path: one prefix or weight/prefix pairs, normalised", "[indexed]") {
   const DataBlend one = parse_data_path({"a/b"});
   CHECK(one.prefixes == std::vector<std::string>{"a/b"});
   CHECK(one.weights == std::vector<double>{1.0});
@@ -460,7 +460,7 @@ TEST_CASE("tokenize --output-format megatron writes one document per input docum
   CHECK(trained.exit_code == 0);
 }
 
-TEST_CASE("--data-path flags are validated before any work, naming the flag or file", "[indexed][cli]") {
+TEST_CASE("data-path flags are validated before any work, naming the flag or file", "[indexed][cli]") {
   TempDir dir;
   write_dataset(dir.file("d"), tagged_documents(1, 10, 9));
   const std::string base = "train --config " + testing::source_path("configs/tiny.json") +
