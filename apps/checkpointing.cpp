@@ -136,6 +136,8 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"seed", o.seed},
           {"train_data_path", o.train_data_path},
           {"valid_data_path", o.valid_data_path},
+          {"data_path", o.data_path},
+          {"split", o.split},
           {"mock_data", o.mock_data},
           {"save", o.save_dir},
           {"load", o.load_dir},

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/gpt_config.h"
+#include "core/indexed_dataset.h"
 
 namespace fp8lm {
 
@@ -149,8 +150,17 @@ void validate_options(const TrainOptions& o) {
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,
           "--train-iters must exceed --benchmark-warmup under --benchmark");
-  require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty(),
-          "--train-data-path is required (or --mock-data for a synthetic token stream)");
+  require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty() || !o.data_path.empty(),
+          "--train-data-path or --data-path is required (or --mock-data for a synthetic token stream)");
+  if (!o.data_path.empty()) {
+    require(o.train_data_path.empty() && o.valid_data_path.empty(),
+            "--data-path contradicts --train-data-path and --valid-data-path: --data-path's --split makes the "
+            "train and valid sets; llm.c shards go through --train-data-path/--valid-data-path");
+    require(!o.mock_data, "--data-path contradicts --mock-data");
+    parse_data_path(o.data_path);  // InputError naming --data-path
+    const auto split = parse_split(o.split);
+    require(split[0] > 0 || o.train_iters == 0, "--split " + o.split + " leaves no documents for training");
+  }
   auto positive = [&](const std::optional<int>& value, const char* flag) {
     require(!value || *value >= 1, std::string(flag) + " must be >= 1 (got " + (value ? num(*value) : "") + ")");
   };
@@ -251,6 +261,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(data);
   app.add_option("--valid-data-path", o.valid_data_path, "Validation token shards")->group(data);
   app.add_flag("--mock-data", o.mock_data, "Synthetic learnable token stream instead of files")->group(data);
+  app.add_option("--data-path", o.data_path,
+                 "Megatron indexed dataset(s) (PREFIX.bin/.idx): PREFIX, or a weighted blend 0.3 PREFIX_A 0.7 PREFIX_B")
+      ->expected(1, CLI::detail::expected_max_vector_size)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->group(data);
+  app.add_option("--split", o.split, "Train/valid/test weights over --data-path's documents")->group(data);
   std::string data_format = "llmc";
   app.add_option("--data-format", data_format,
                  "Shard format: llmc (llm.c .bin: header with magic 20240520, then uint16 tokens) or raw-uint16 "
@@ -376,6 +392,9 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   if (no_distributed_optimizer) o.use_distributed_optimizer = false;
   o.fp8_grad_reduce = fp8_grad_reduce == "all-to-all" ? GradReduceAlgorithm::all_to_all : GradReduceAlgorithm::reduce_scatter;
   o.data_format = data_format == "raw-uint16" ? TokenFileFormat::raw_uint16 : TokenFileFormat::llmc;
+  if (app.count("--split") > 0 && o.data_path.empty()) bad_flag("--split needs --data-path (it splits its documents)");
+  if (app.count("--data-format") > 0 && !o.data_path.empty())
+    bad_flag("--data-format names the llm.c shard format; --data-path's indexed datasets name their dtype in PREFIX.idx");
   o.device = lookup<DeviceKind>(
       {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
   validate_options(o);

@@ -50,6 +50,8 @@ const EvalFlag kEvalFlags[] = {
     {"--ckpt-step", true, "With --load: this iteration instead of `latest`"},
     {"--config", true, "GPT config JSON (default: the checkpoint's, or config.json beside the model)"},
     {"--valid-data-path", true, "Token shards to evaluate on (see --data-format); globs allowed"},
+    {"--data-path", true, "Megatron indexed dataset(s), [WEIGHT] PREFIX ...: evaluates --split's valid part"},
+    {"--split", true, "Train/valid/test weights over --data-path's documents (default 969,30,1)"},
     {"--data-format", true, "llmc or raw-uint16"},
     {"--eval-iters", true, "Batches to score (default: the checkpoint run's --eval-iters, else 100)"},
     {"--micro-batch-size", true, "Sequences per batch (default: the checkpoint run's, else 4)"},
@@ -69,6 +71,9 @@ const EvalFlag kEvalFlags[] = {
     {"--num-threads", true, "CPU threads (0: OpenMP default)"},
     {"--log-level", true, "trace, debug, info, warn or error"},
 };
+
+// --data-path takes a list ([WEIGHT] PREFIX ...), as train's does.
+bool is_list_flag(const std::string& name) { return name == "--data-path"; }
 
 bool is_precision_choice(const std::string& name) {
   return name == "--bf16" || name == "--fp32" || name == "--fp8-format" || name == "--fp8-hybrid" ||
@@ -129,8 +134,13 @@ int run_eval_command(const std::vector<std::string>& args) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.get_formatter()->column_width(34);
+  std::vector<std::string> list_values;  // --data-path's, which is the only list flag
   for (const EvalFlag& flag : kEvalFlags) {
-    if (flag.takes_value)
+    if (is_list_flag(flag.name))
+      app.add_option(flag.name, list_values, flag.help)
+          ->expected(1, CLI::detail::expected_max_vector_size)
+          ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+    else if (flag.takes_value)
       app.add_option(flag.name, flag.help);
     else
       app.add_flag(flag.name, flag.help);
@@ -144,7 +154,10 @@ int run_eval_command(const std::vector<std::string>& args) {
     if (option->count() == 0) continue;
     given.insert(flag.name);
     user_flags.push_back(flag.name);
-    if (flag.takes_value) user_flags.push_back(option->results().back());
+    if (is_list_flag(flag.name))
+      user_flags.insert(user_flags.end(), list_values.begin(), list_values.end());
+    else if (flag.takes_value)
+      user_flags.push_back(option->results().back());
   }
   auto value_of = [&](const char* name) {
     const CLI::Option* option = app.get_option(name);
@@ -154,8 +167,9 @@ int run_eval_command(const std::vector<std::string>& args) {
     throw InputError("fp8lm eval: --load DIR or --init-from PATH is required (the weights to evaluate)", kHelpHint);
   if (given.count("--load") && given.count("--init-from"))
     throw InputError("fp8lm eval: --load and --init-from are alternatives; give one", kHelpHint);
-  if (!given.count("--valid-data-path"))
-    throw InputError("fp8lm eval: --valid-data-path is required (the token shards to evaluate on)", kHelpHint);
+  if (!given.count("--valid-data-path") && !given.count("--data-path"))
+    throw InputError("fp8lm eval: --valid-data-path or --data-path is required (the tokens to evaluate on)",
+                     kHelpHint);
 
   // The checkpoint's settings first, the user's after them: a repeated flag takes its last value.
   const std::string weights = given.count("--load") ? value_of("--load") : value_of("--init-from");
@@ -182,7 +196,10 @@ int run_eval_command(const std::vector<std::string>& args) {
   init_logging(options.log_level, layout.world_rank);
   const RunSetup setup = resolve_run_setup(options, layout);
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
-  spdlog::info("evaluating {} on {}: {} batches of {} x {} tokens, {}, {}", weights, options.valid_data_path,
+  const std::string data = options.data_path.empty()
+                              ? options.valid_data_path
+                              : "the valid split (" + options.split + ") of --data-path";
+  spdlog::info("evaluating {} on {}: {} batches of {} x {} tokens, {}, {}", weights, data,
                options.eval_iters, options.micro_batch_size, setup.seq_length, describe_precision(options),
                setup.device_description);
   const EvaluationResult result = run_evaluation(setup);

@@ -71,6 +71,9 @@ struct TrainOptions {
   std::string valid_data_path;       // --valid-data-path
   bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
   TokenFileFormat data_format = TokenFileFormat::llmc;  // --data-format: llmc or raw-uint16
+  // --data-path: Megatron indexed datasets, PREFIX or weight/prefix pairs (core/indexed_dataset.h)
+  std::vector<std::string> data_path;
+  std::string split = "969,30,1";    // --split: train/valid/test weights over --data-path's documents
 
   // Checkpoints
   std::string save_dir;              // --save

@@ -15,6 +15,12 @@ namespace fp8lm {
 
 namespace {
 
+std::string join_words(const std::vector<std::string>& words) {
+  std::string joined;
+  for (const auto& word : words) joined += (joined.empty() ? "" : " ") + word;
+  return joined;
+}
+
 std::string format_double(double value) {
   char buffer[64];
   std::snprintf(buffer, sizeof buffer, "%g", value);
@@ -184,6 +190,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"train-data-path", o.mock_data ? "(mock data)" : or_none(o.train_data_path)},
       {"valid-data-path", o.mock_data && o.valid_data_path.empty() ? "(mock data)" : or_none(o.valid_data_path)},
       {"data-format", std::string(to_string(o.data_format))},
+      {"data-path / split", o.data_path.empty() ? std::string("(none)") : join_words(o.data_path) + " / " + o.split},
       {"save", or_none(o.save_dir)},
       {"save-interval", str(o.save_interval)},
       {"load", or_none(o.load_dir) + (o.ckpt_step ? " (ckpt-step " + str(*o.ckpt_step) + ")" : "")},

@@ -18,6 +18,12 @@
 // header: magic 20240520, version 1, token count; then uint16 tokens), at most --shard-tokens
 // tokens each, each written as NAME.tmp and renamed when complete. On failure every file this
 // run wrote is removed.
+//
+// --output-format megatron: one Megatron-LM indexed dataset DIR/text_document.{bin,idx}
+// (core/indexed_dataset.h) holding every document, one document per input document, each
+// followed by <|endoftext|> as Megatron's preprocess_data.py --append-eod writes it. Its
+// train/valid/test split is made at training time (--split), so --val-fraction and
+// --shard-tokens do not apply.
 #include <glob.h>
 #include <omp.h>
 #include <sys/stat.h>
@@ -33,6 +39,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -41,6 +48,7 @@
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "apps/shard_writer.h"
+#include "core/indexed_dataset.h"
 #include "core/error.h"
 #include "core/logging.h"
 #include "core/token_data.h"
@@ -64,7 +72,10 @@ struct TokenizeOptions {
   std::string tokenizer_type = "GPT2BPETokenizer";
   int workers = 0;
   std::string log_level = "info";
+  std::string output_format = "llmc";  // or "megatron"
 };
+
+constexpr const char* kMegatronOutputName = "text_document";
 
 enum class InputKind { kText, kJsonLines, kJsonArray };
 
@@ -124,6 +135,9 @@ struct Piece {
 struct Unit {
   std::vector<Piece> pieces;
   std::vector<uint16_t> train, val;
+  // Megatron output: each piece's token count in `train` and whether it starts a document.
+  std::vector<size_t> piece_tokens;
+  std::vector<bool> piece_starts_document;
   std::exception_ptr error;  // what encoding it threw, rethrown in input order
 };
 
@@ -337,11 +351,14 @@ void append_ids(const std::vector<int32_t>& ids, std::vector<uint16_t>& out) {
   for (const int32_t id : ids) out.push_back(static_cast<uint16_t>(id));
 }
 
-void encode_unit(const Gpt2Tokenizer& tokenizer, const std::string& json_key, Unit& unit, BpeCache& cache) {
+// `megatron`: no <|endoftext|> before documents (the writer appends one after each), and each
+// piece's extent is recorded so documents can be told apart.
+void encode_unit(const Gpt2Tokenizer& tokenizer, const std::string& json_key, Unit& unit, BpeCache& cache,
+                 bool megatron) {
   std::vector<int32_t> ids;
   for (const Piece& piece : unit.pieces) {
     ids.clear();
-    if (piece.starts_document) ids.push_back(tokenizer.end_of_text_id());
+    if (piece.starts_document && !megatron) ids.push_back(tokenizer.end_of_text_id());
     if (piece.is_json_line) {
       const std::string where = "line " + std::to_string(piece.line);
       nlohmann::json record;
@@ -356,6 +373,10 @@ void encode_unit(const Gpt2Tokenizer& tokenizer, const std::string& json_key, Un
       tokenizer.encode(piece.text, ids, cache);
     }
     append_ids(ids, piece.validation ? unit.val : unit.train);
+    if (megatron) {
+      unit.piece_tokens.push_back(ids.size());
+      unit.piece_starts_document.push_back(piece.starts_document);
+    }
   }
 }
 
@@ -373,11 +394,22 @@ TokenizeOptions parse_options(const std::vector<std::string>& args, bool& help) 
   app.add_option("--shard-tokens", o.shard_tokens, "Tokens per shard at most");
   app.add_option("--tokenizer-type", o.tokenizer_type, "Only GPT2BPETokenizer (Megatron's name)");
   app.add_option("--workers", o.workers, "Threads (0: every core)");
+  app.add_option("--output-format", o.output_format,
+                 "llmc (train_/val_ shards) or megatron (DIR/text_document.bin/.idx, Megatron's indexed dataset; "
+                 "split at training time by --split)")
+      ->check(CLI::IsMember({"llmc", "megatron"}));
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn or error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
   if (!parse_subcommand_arguments(app, args, "tokenize")) {
     help = true;
     return o;
+  }
+  if (o.output_format == "megatron") {
+    FP8LM_INPUT_CHECK(app.count("--val-fraction") == 0, "--val-fraction: not used with --output-format megatron ",
+                      "HINT: a Megatron dataset is split at training time by --split (e.g. --split 969,30,1)");
+    FP8LM_INPUT_CHECK(app.count("--shard-tokens") == 0,
+                      "--shard-tokens: not used with --output-format megatron (one .bin/.idx pair holds every document)");
+    o.val_fraction = 0;
   }
   FP8LM_INPUT_CHECK(o.tokenizer_type == "GPT2BPETokenizer", "--tokenizer-type ", o.tokenizer_type,
                     ": not supported HINT: only GPT2BPETokenizer (byte-level BPE from encoder.json and vocab.bpe)");
@@ -396,11 +428,12 @@ void check_output_dir(const fs::path& dir) {
     FP8LM_INPUT_CHECK(fs::is_directory(dir, error), "--output ", dir.string(), ": not a directory");
     for (const auto& entry : fs::directory_iterator(dir, error)) {
       const std::string name = entry.path().filename().string();
-      const bool shard = (name.rfind("train_", 0) == 0 || name.rfind("val_", 0) == 0) &&
-                         (name.ends_with(".bin") || name.ends_with(".bin.tmp"));
+      const bool shard = ((name.rfind("train_", 0) == 0 || name.rfind("val_", 0) == 0) &&
+                          (name.ends_with(".bin") || name.ends_with(".bin.tmp"))) ||
+                         name.rfind(std::string(kMegatronOutputName) + ".", 0) == 0;
       if (shard) {
         throw InputError("--output " + dir.string() + ": already holds shards (" + name + ")",
-                         "use an empty directory, or delete the old train_*/val_* files");
+                         "use an empty directory, or delete the old train_*/val_*/text_document.* files");
       }
     }
   }
@@ -442,8 +475,13 @@ int run_tokenize_command(const std::vector<std::string>& args) {
 
   std::vector<fs::path> written;
   try {
+    const bool megatron = o.output_format == "megatron";
     ShardWriter train(out_dir, "train", o.shard_tokens, written);
     ShardWriter val(out_dir, "val", o.shard_tokens, written);
+    std::optional<IndexedDatasetWriter> indexed;
+    if (megatron) indexed.emplace((out_dir / kMegatronOutputName).string(), tokenizer.vocab_size(), &written);
+    const uint16_t end_of_text = static_cast<uint16_t>(tokenizer.end_of_text_id());
+    bool document_open = false;
     InputReader reader(files, o.json_key, o.val_fraction);
     std::vector<BpeCache> caches(workers);
     ProgressBar progress(total_bytes);
@@ -466,13 +504,26 @@ int run_tokenize_command(const std::vector<std::string>& args) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers)
       for (size_t u = 0; u < units.size(); ++u) {
         try {
-          encode_unit(tokenizer, o.json_key, units[u], caches[omp_get_thread_num()]);
+          encode_unit(tokenizer, o.json_key, units[u], caches[omp_get_thread_num()], megatron);
         } catch (...) {  // an exception must not leave an OpenMP region
           units[u].error = std::current_exception();
         }
       }
       for (Unit& unit : units) {
         if (unit.error) std::rethrow_exception(unit.error);  // the first error in input order
+        if (megatron) {
+          size_t offset = 0;
+          for (size_t p = 0; p < unit.piece_tokens.size(); ++p) {
+            if (unit.piece_starts_document[p] && document_open) {
+              indexed->append(&end_of_text, 1);
+              indexed->end_document();
+            }
+            document_open = true;
+            indexed->append(unit.train.data() + offset, unit.piece_tokens[p]);
+            offset += unit.piece_tokens[p];
+          }
+          continue;
+        }
         train.append(unit.train.data(), unit.train.size());
         val.append(unit.val.data(), unit.val.size());
       }
@@ -482,9 +533,24 @@ int run_tokenize_command(const std::vector<std::string>& args) {
                       " file(s) (JSON inputs hold no records)");
     train.finish();
     val.finish();
+    if (megatron) {
+      if (document_open) {
+        indexed->append(&end_of_text, 1);
+        indexed->end_document();
+      }
+      indexed->finish();
+    }
     progress.update(total_bytes, true);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const ValidationSplit& split = reader.split();
+    if (megatron) {
+      spdlog::info("tokenize: {} documents, {:.1f} MB in {:.2f} s ({:.1f} MB/s): {} tokens in {}.bin/.idx "
+                   "(Megatron indexed dataset; train with --data-path {})",
+                   indexed->documents(), total_bytes / 1e6, seconds, seconds > 0 ? total_bytes / 1e6 / seconds : 0.0,
+                   indexed->total_tokens(), (out_dir / kMegatronOutputName).string(),
+                   (out_dir / kMegatronOutputName).string());
+      return kExitOk;
+    }
     spdlog::info("tokenize: {} documents ({} val), {:.1f} MB in {:.2f} s ({:.1f} MB/s): {} train tokens in {} shard(s), "
                  "{} val tokens in {} shard(s)",
                  split.documents(), split.val_documents(), total_bytes / 1e6, seconds,

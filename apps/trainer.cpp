@@ -20,6 +20,7 @@
 #include "apps/engine.h"
 #include "apps/signals.h"
 #include "core/error.h"
+#include "core/indexed_dataset.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
 #include "optim/lr_schedule.h"
@@ -50,6 +51,14 @@ DataLoaders open_data(const RunSetup& setup) {
     MockDataLoaders mock = make_mock_data_loaders(loader_options);
     loaders.train.emplace(std::move(mock.train));
     if (o.valid_data_path.empty()) loaders.valid.emplace(std::move(mock.valid));
+  } else if (!o.data_path.empty()) {
+    // Megatron indexed datasets: the train and valid splits of each, blended by weight.
+    const DataBlend blend = parse_data_path(o.data_path);
+    const auto split = parse_split(o.split);
+    loaders.train = open_indexed_loader(blend, split, DataSplit::train, loader_options);
+    DataLoaderOptions valid_options = loader_options;
+    valid_options.shuffle = false;  // the same batches at every evaluation
+    loaders.valid = open_indexed_loader(blend, split, DataSplit::valid, valid_options);
   } else if (!o.train_data_path.empty()) {  // evaluation alone reads no training data
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
@@ -453,10 +462,12 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
   const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
   FP8LM_INPUT_CHECK(!checkpoint.empty(), "--load DIR or --init-from PATH is required: the weights to evaluate");
-  FP8LM_INPUT_CHECK(!o.valid_data_path.empty(), "--valid-data-path is required: the token shards to evaluate on");
+  FP8LM_INPUT_CHECK(!o.valid_data_path.empty() || !o.data_path.empty(),
+                    "--valid-data-path or --data-path is required: the tokens to evaluate on");
   FP8LM_INPUT_CHECK(o.eval_iters >= 1, "--eval-iters must be >= 1 (got ", o.eval_iters, ")");
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
+  FP8LM_INPUT_CHECK(data.valid.has_value(), "--split ", o.split, " leaves no documents of --data-path for validation");
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
   // --load restores the FP8 scaling state too, so the loss is the one the run logged.
   load_into_engine(checkpoint, o.ckpt_step, setup, *engine,

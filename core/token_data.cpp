@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <utility>
@@ -71,11 +72,44 @@ size_t find_token_out_of_range(const uint16_t* tokens /*[count]*/, size_t count,
 
 // `index`: the token's index in its shard; `first_token_byte`: where the shard's tokens begin
 // in its file (for the byte offset a hex dump would show), or -1 for tokens held in memory.
-std::string token_out_of_range_message(const std::string& name, uint16_t token, uint64_t index, int vocab_size,
-                                       int64_t first_token_byte) {
+std::string token_out_of_range_message(const std::string& name, int64_t token, uint64_t index, int vocab_size,
+                                       int64_t first_token_byte, size_t token_bytes = 2) {
   std::string where;
-  if (first_token_byte >= 0) where = detail::concat(" (byte offset ", uint64_t(first_token_byte) + 2 * index, ")");
+  if (first_token_byte >= 0) {
+    where = detail::concat(" (byte offset ", uint64_t(first_token_byte) + token_bytes * index, ")");
+  }
+  if (token < 0) return detail::concat(name, ": token ", token, " at index ", index, " is negative", where);
   return detail::concat(name, ": token ", token, " at index ", index, " is >= vocab_size ", vocab_size, where);
+}
+
+template <typename Element>
+size_t convert_elements(const unsigned char* bytes, size_t count, int vocab_size, uint16_t* out, int64_t& bad_value) {
+  for (size_t i = 0; i < count; ++i) {
+    Element value;
+    std::memcpy(&value, bytes + i * sizeof(Element), sizeof(Element));
+    const int64_t token = static_cast<int64_t>(value);
+    if (token < 0 || token >= vocab_size) {
+      bad_value = token;
+      return i;
+    }
+    out[i] = static_cast<uint16_t>(token);
+  }
+  return count;
+}
+
+// Converts `count` elements of `type` to uint16 tokens. Returns the index of the first that is
+// negative or >= vocab_size (its value in bad_value), or count.
+size_t convert_tokens(const unsigned char* bytes, size_t count, TokenElementType type, int vocab_size, uint16_t* out,
+                      int64_t& bad_value) {
+  switch (type) {
+    case TokenElementType::uint8: return convert_elements<uint8_t>(bytes, count, vocab_size, out, bad_value);
+    case TokenElementType::int8: return convert_elements<int8_t>(bytes, count, vocab_size, out, bad_value);
+    case TokenElementType::int16: return convert_elements<int16_t>(bytes, count, vocab_size, out, bad_value);
+    case TokenElementType::int32: return convert_elements<int32_t>(bytes, count, vocab_size, out, bad_value);
+    case TokenElementType::int64: return convert_elements<int64_t>(bytes, count, vocab_size, out, bad_value);
+    case TokenElementType::uint16: return convert_elements<uint16_t>(bytes, count, vocab_size, out, bad_value);
+  }
+  return count;
 }
 
 // Throws an InputError naming the first token >= vocab_size.
@@ -160,13 +194,31 @@ TokenExtent locate_tokens(const InputFile& file, TokenFileFormat format) {
 }
 
 // Every token of a file shard < vocab_size, read in large sequential chunks.
-void check_file_token_range(const InputFile& file, const TokenExtent& extent, int vocab_size) {
-  constexpr size_t kChunkTokens = size_t{1} << 19;  // 1 MiB
-  std::vector<uint16_t> chunk(std::min(kChunkTokens, extent.count));
-  for (size_t first = 0; first < extent.count; first += chunk.size()) {
-    const size_t count = std::min(chunk.size(), extent.count - first);
-    file.read_exact_at(extent.first_byte + 2 * uint64_t(first), chunk.data(), 2 * count);
-    check_token_range(chunk.data(), count, vocab_size, file.path(), first, int64_t(extent.first_byte));
+void check_file_token_range(const InputFile& file, const TokenExtent& extent, int vocab_size,
+                            TokenElementType type = TokenElementType::uint16) {
+  constexpr size_t kChunkTokens = size_t{1} << 19;
+  if (type == TokenElementType::uint16) {
+    std::vector<uint16_t> chunk(std::min(kChunkTokens, extent.count));
+    for (size_t first = 0; first < extent.count; first += chunk.size()) {
+      const size_t count = std::min(chunk.size(), extent.count - first);
+      file.read_exact_at(extent.first_byte + 2 * uint64_t(first), chunk.data(), 2 * count);
+      check_token_range(chunk.data(), count, vocab_size, file.path(), first, int64_t(extent.first_byte));
+    }
+    return;
+  }
+  const size_t bytes = element_bytes(type);
+  std::vector<unsigned char> raw(std::min(kChunkTokens, extent.count) * bytes);
+  std::vector<uint16_t> tokens(raw.size() / bytes);
+  for (size_t first = 0; first < extent.count; first += tokens.size()) {
+    const size_t count = std::min(tokens.size(), extent.count - first);
+    file.read_exact_at(extent.first_byte + bytes * uint64_t(first), raw.data(), bytes * count);
+    int64_t bad_value = 0;
+    const size_t bad = convert_tokens(raw.data(), count, type, vocab_size, tokens.data(), bad_value);
+    if (bad != count) {
+      throw InputError(token_out_of_range_message(file.path(), bad_value, first + bad, vocab_size,
+                                                  int64_t(extent.first_byte), bytes),
+                       "the data was tokenized for a larger vocabulary than the model's");
+    }
   }
 }
 
@@ -225,6 +277,52 @@ std::string_view to_string(TokenFileFormat format) {
   return format == TokenFileFormat::llmc ? "llmc" : "raw-uint16";
 }
 
+size_t element_bytes(TokenElementType type) {
+  switch (type) {
+    case TokenElementType::uint8:
+    case TokenElementType::int8: return 1;
+    case TokenElementType::int16:
+    case TokenElementType::uint16: return 2;
+    case TokenElementType::int32: return 4;
+    case TokenElementType::int64: return 8;
+  }
+  return 0;
+}
+
+std::string_view to_string(TokenElementType type) {
+  switch (type) {
+    case TokenElementType::uint8: return "uint8";
+    case TokenElementType::int8: return "int8";
+    case TokenElementType::int16: return "int16";
+    case TokenElementType::int32: return "int32";
+    case TokenElementType::int64: return "int64";
+    case TokenElementType::uint16: return "uint16";
+  }
+  return "?";
+}
+
+TokenShard TokenShard::open_span(const std::string& path, uint64_t first_byte, size_t count, TokenElementType type,
+                                 int vocab_size, size_t min_tokens) {
+  TokenShard shard;
+  shard.name_ = path;
+  shard.vocab_size_ = vocab_size;
+  shard.element_ = type;
+  shard.file_ = InputFile::open(path);
+  const uint64_t end_byte = first_byte + uint64_t(count) * element_bytes(type);
+  if (shard.file_.size() < end_byte) {
+    throw InputError(detail::concat(path, ": truncated: the file ends at byte offset ", shard.file_.size(),
+                                    ", the tokens it should hold end at byte offset ", end_byte),
+                     "the file is truncated or was not fully written");
+  }
+  check_token_count(count, min_tokens, path);
+  shard.file_.advise_sequential();
+  check_file_token_range(shard.file_, TokenExtent{first_byte, count}, vocab_size, type);
+  shard.file_.advise_random();
+  shard.first_token_byte_ = first_byte;
+  shard.num_tokens_ = count;
+  return shard;
+}
+
 TokenShard TokenShard::open_file(const std::string& path, TokenFileFormat format, int vocab_size,
                                  size_t min_tokens) {
   TokenShard shard;
@@ -259,6 +357,20 @@ void TokenShard::read(uint64_t first, size_t count, uint16_t* out /*[count]*/) c
               ") of ", num_tokens_);
   if (!file_.is_open()) {
     std::copy_n(owned_tokens_.data() + first, count, out);
+    return;
+  }
+  if (element_ != TokenElementType::uint16) {
+    const size_t bytes = element_bytes(element_);
+    std::vector<unsigned char> raw(count * bytes);
+    file_.read_exact_at(first_token_byte_ + bytes * first, raw.data(), raw.size());
+    int64_t bad_value = 0;
+    const size_t bad = convert_tokens(raw.data(), count, element_, vocab_size_, out, bad_value);
+    if (bad != count) {
+      throw RuntimeError(token_out_of_range_message(name_, bad_value, first + bad, vocab_size_,
+                                                    int64_t(first_token_byte_), bytes) +
+                             "; the file changed after it was validated",
+                         "do not modify or replace input files while a run reads them");
+    }
     return;
   }
   file_.read_exact_at(first_token_byte_ + 2 * first, out, 2 * count);
@@ -298,6 +410,111 @@ DataLoader::DataLoader(std::vector<std::vector<uint16_t>> shard_tokens, const Da
                                               options.vocab_size, size_t(options.seq_len) + 1));
   }
   init();
+}
+
+DataLoader::DataLoader(std::vector<TokenShard> shards, const DataLoaderOptions& options)
+    : options_(options), shards_(std::move(shards)) {
+  FP8LM_CHECK(options.seq_len > 0, "seq_len ", options.seq_len);
+  FP8LM_CHECK(!shards_.empty(), "no shards");
+  init();
+}
+
+DataLoader::DataLoader(std::vector<std::vector<TokenShard>> sources, std::vector<double> weights,
+                       const DataLoaderOptions& options)
+    : options_(options) {
+  FP8LM_CHECK(options.seq_len > 0, "seq_len ", options.seq_len);
+  FP8LM_CHECK(!sources.empty() && sources.size() == weights.size(), sources.size(), " sources, ", weights.size(),
+              " weights");
+  std::vector<size_t> shard_counts;
+  for (auto& source : sources) {
+    FP8LM_CHECK(!source.empty(), "a blend source without shards");
+    shard_counts.push_back(source.size());
+    for (auto& shard : source) shards_.push_back(std::move(shard));
+  }
+  init();
+  if (sources.size() > 1) init_blend(std::move(shard_counts), std::move(weights));
+}
+
+void DataLoader::init_blend(std::vector<size_t> source_shard_counts, std::vector<double> weights) {
+  double total = 0;
+  for (const double w : weights) {
+    FP8LM_CHECK(std::isfinite(w) && w > 0, "blend weight ", w);
+    total += w;
+  }
+  size_t shard = 0;
+  for (size_t i = 0; i < source_shard_counts.size(); ++i) {
+    BlendSource source;
+    source.first_shard = shard;
+    source.end_shard = shard + source_shard_counts[i];
+    source.first_sample = sample_offsets_[source.first_shard];
+    source.num_samples = sample_offsets_[source.end_shard] - source.first_sample;
+    source.weight = weights[i] / total;
+    blend_.push_back(std::move(source));
+    shard = blend_.back().end_shard;
+  }
+  const std::vector<uint64_t> per_epoch = replay_blend(steps_per_epoch() * samples_per_step());
+  for (size_t i = 0; i < blend_.size(); ++i) blend_[i].picks_per_epoch = per_epoch[i];
+  reset();
+}
+
+size_t DataLoader::blend_pick(uint64_t index, const std::vector<uint64_t>& counts) const {
+  // Megatron's rule, in doubles as Megatron computes it, so the schedules agree.
+  const double at = std::max(static_cast<double>(index), 1.0);
+  size_t best = 0;
+  double best_error = blend_[0].weight * at - static_cast<double>(counts[0]);
+  for (size_t i = 1; i < blend_.size(); ++i) {
+    const double error = blend_[i].weight * at - static_cast<double>(counts[i]);
+    if (error > best_error) {
+      best_error = error;
+      best = i;
+    }
+  }
+  return best;
+}
+
+std::vector<uint64_t> DataLoader::replay_blend(uint64_t picks) const {
+  std::vector<uint64_t> counts(blend_.size(), 0);
+  for (uint64_t j = 0; j < picks; ++j) ++counts[blend_pick(j, counts)];
+  return counts;
+}
+
+uint64_t DataLoader::blend_sample(size_t index, uint64_t picks_this_epoch) {
+  BlendSource& source = blend_[index];
+  const uint64_t pick = position_.epoch * source.picks_per_epoch + picks_this_epoch;
+  const uint64_t source_epoch = pick / source.num_samples;
+  const uint64_t in_epoch = pick % source.num_samples;
+  if (!options_.shuffle) return source.first_sample + in_epoch;
+  if (source.order_epoch != source_epoch) {
+    source.order.resize(source.num_samples);
+    for (uint64_t i = 0; i < source.num_samples; ++i) source.order[i] = i;
+    // Each source its own stream: the seed mixed with the source's index, then the epoch.
+    std::mt19937_64 engine(epoch_seed(epoch_seed(options_.seed, ~uint64_t(index)), source_epoch));
+    for (uint64_t i = source.num_samples - 1; i > 0; --i) {
+      std::swap(source.order[i], source.order[uniform_below(engine, i + 1)]);
+    }
+    source.order_epoch = source_epoch;
+  }
+  return source.first_sample + source.order[in_epoch];
+}
+
+void DataLoader::next_blend_batch(int32_t* inputs /*[B,T]*/, int32_t* targets /*[B,T]*/) {
+  const uint64_t B = uint64_t(options_.micro_batch_size);
+  const uint64_t T = uint64_t(options_.seq_len);
+  const uint64_t mine = uint64_t(options_.data_parallel_rank) * B;
+  // Every rank replays the whole step's picks, so each knows how far every source has read.
+  for (uint64_t j = 0; j < samples_per_step(); ++j) {
+    const size_t source = blend_pick(position_.next_sample + j, blend_counts_);
+    if (j >= mine && j < mine + B) {
+      copy_sample(blend_sample(source, blend_counts_[source]), inputs + (j - mine) * T, targets + (j - mine) * T);
+    }
+    ++blend_counts_[source];
+  }
+  position_.next_sample += samples_per_step();
+  if (position_.next_sample + samples_per_step() > samples_per_epoch()) {
+    position_.epoch += 1;
+    position_.next_sample = 0;
+    blend_counts_.assign(blend_.size(), 0);
+  }
 }
 
 void DataLoader::init() {
@@ -347,6 +564,7 @@ void DataLoader::set_position(const DataPosition& position) {
     position_.epoch += 1;
     position_.next_sample = 0;
   }
+  if (!blend_.empty()) blend_counts_ = replay_blend(position_.next_sample);
 }
 
 void DataLoader::prepare_order(uint64_t epoch) {
@@ -378,6 +596,10 @@ void DataLoader::copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* 
 }
 
 void DataLoader::next_batch(int32_t* inputs /*[B,T]*/, int32_t* targets /*[B,T]*/) {
+  if (!blend_.empty()) {
+    next_blend_batch(inputs, targets);
+    return;
+  }
   prepare_order(position_.epoch);
   const uint64_t B = uint64_t(options_.micro_batch_size);
   const uint64_t T = uint64_t(options_.seq_len);

@@ -22,6 +22,15 @@
 // data-parallel rank r reads the r-th block of B. An epoch's remainder (< world*B samples) is
 // dropped. The order depends only on (seed, epoch, the shards), never on the platform or the
 // standard library, so a resumed run reads exactly the batches it would have read.
+//
+// Blends (several sources with weights): an epoch has as many picks as the sources have
+// samples together. Pick j of an epoch comes from the source whose share falls furthest below
+// its weight (Megatron's blending: argmax_i w_i * max(j, 1) - picks_i, the first on a tie);
+// the schedule restarts with every epoch. Source i's c-th pick overall is the sample at
+// c mod n_i of its own order for source epoch floor(c / n_i) (n_i: its samples), shuffled
+// with a seed of (seed, i, source epoch), so a source given more weight than its size repeats
+// and one given less is read partly, each without repeats inside its own epoch. The
+// position is still (epoch, next_sample): the per-source counts are replayed from it.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +50,12 @@ inline constexpr int kLlmcHeaderInts = 256;  // the header is 1024 bytes
 enum class TokenFileFormat : uint8_t { llmc, raw_uint16 };
 std::string_view to_string(TokenFileFormat format);  // "llmc", "raw-uint16": --data-format's values
 
+// The integer type of the tokens in a file: llm.c and raw shards hold uint16; Megatron's
+// indexed datasets (core/indexed_dataset.h) name theirs in the index. Little-endian.
+enum class TokenElementType : uint8_t { uint8, int8, int16, int32, int64, uint16 };
+size_t element_bytes(TokenElementType type);
+std::string_view to_string(TokenElementType type);
+
 // Expands a data path flag into shard files: a comma-separated list of files and/or glob(3)
 // patterns. The result is sorted, so the data order does not depend on how the list was
 // written. A pattern that matches nothing is an InputError naming it.
@@ -56,6 +71,12 @@ class TokenShard {
   // Validates tokens held in memory (mock data, tests); `name` stands for the file in errors.
   static TokenShard from_tokens(std::vector<uint16_t> tokens, std::string name, int vocab_size,
                                 size_t min_tokens);
+  // `count` tokens of `type` at byte `first_byte` of the file `path` (a span another format's
+  // index located, e.g. a split of a Megatron .bin). Validated like a shard file: the file must
+  // hold the span, and every token must be in [0, vocab_size); errors name the file and the
+  // token's byte offset.
+  static TokenShard open_span(const std::string& path, uint64_t first_byte, size_t count, TokenElementType type,
+                              int vocab_size, size_t min_tokens);
 
   TokenShard(TokenShard&&) noexcept = default;
   TokenShard& operator=(TokenShard&&) noexcept = default;
@@ -79,6 +100,7 @@ class TokenShard {
   uint64_t first_token_byte_ = 0;       // past the llm.c header, or 0 for raw files
   size_t num_tokens_ = 0;
   int vocab_size_ = 0;
+  TokenElementType element_ = TokenElementType::uint16;
 };
 
 // Where the next global micro-batch step begins: the epoch and the index into that epoch's
@@ -107,6 +129,12 @@ class DataLoader {
   DataLoader(const std::vector<std::string>& shard_paths, const DataLoaderOptions& options);
   // Reads token streams held in memory; each vector is one shard.
   DataLoader(std::vector<std::vector<uint16_t>> shard_tokens, const DataLoaderOptions& options);
+  // Reads shards already opened and validated (e.g. the splits of Megatron indexed datasets).
+  DataLoader(std::vector<TokenShard> shards, const DataLoaderOptions& options);
+  // A weighted blend of sources, each a group of shards (Megatron's --data-path 0.3 A 0.7 B).
+  // Weights are positive and normalised here. See "Blends" above for the order.
+  DataLoader(std::vector<std::vector<TokenShard>> sources, std::vector<double> weights,
+             const DataLoaderOptions& options);
 
   DataLoader(DataLoader&&) noexcept = default;
   DataLoader& operator=(DataLoader&&) noexcept = default;
@@ -121,7 +149,8 @@ class DataLoader {
   void set_position(const DataPosition& position);
   void reset() { set_position(DataPosition{}); }
 
-  // Samples in one epoch, over all shards (before the remainder is dropped).
+  // Samples in one epoch, over all shards (before the remainder is dropped). A blend's epoch
+  // has as many samples as its sources together, whatever the weights.
   uint64_t samples_per_epoch() const { return sample_offsets_.back(); }
   // Global steps (world*B samples each) in one epoch.
   uint64_t steps_per_epoch() const { return samples_per_epoch() / samples_per_step(); }
@@ -133,6 +162,12 @@ class DataLoader {
   size_t num_shards() const { return shards_.size(); }
   const TokenShard& shard(size_t index) const { return shards_[index]; }
   uint64_t num_tokens() const;
+  size_t num_sources() const { return blend_.empty() ? 1 : blend_.size(); }
+  // Blends only: the samples each source gives to one epoch's steps (in proportion to its weight).
+  uint64_t source_samples_per_epoch(size_t source) const { return blend_.at(source).picks_per_epoch; }
+  // The source the blend schedule takes pick `index` of an epoch from, given how many picks each
+  // source has given before it (`counts`); exposed for tests.
+  size_t blend_pick(uint64_t index, const std::vector<uint64_t>& counts) const;
 
  private:
   void init();  // validates the options, builds the sample index, starts at epoch 0
@@ -141,7 +176,24 @@ class DataLoader {
   uint64_t sample_at(uint64_t index_in_epoch) const;
   void copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* targets /*[T]*/);
 
+  // One source of a blend: shards [first_shard, end_shard), global samples
+  // [first_sample, first_sample + num_samples).
+  struct BlendSource {
+    size_t first_shard = 0, end_shard = 0;
+    uint64_t first_sample = 0, num_samples = 0;
+    double weight = 0;               // normalised
+    uint64_t picks_per_epoch = 0;    // samples it gives to one epoch's steps
+    std::vector<uint64_t> order;     // its shuffled order for source epoch order_epoch
+    uint64_t order_epoch = UINT64_MAX;
+  };
+  void init_blend(std::vector<size_t> source_shard_counts, std::vector<double> weights);
+  std::vector<uint64_t> replay_blend(uint64_t picks) const;  // each source's picks among the first `picks`
+  uint64_t blend_sample(size_t source, uint64_t picks_this_epoch);  // the global sample of that pick
+  void next_blend_batch(int32_t* inputs, int32_t* targets);
+
   DataLoaderOptions options_;
+  std::vector<BlendSource> blend_;       // empty: one source, the order above
+  std::vector<uint64_t> blend_counts_;   // picks each source gave this epoch before position_
   std::vector<TokenShard> shards_;
   std::vector<uint64_t> sample_offsets_;  // [shards + 1]: first global sample of each shard
   DataPosition position_;

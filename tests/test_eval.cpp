@@ -157,7 +157,7 @@ TEST_CASE("eval: bad input exits 2 naming the flag, file or path", "[eval]") {
            {"eval --load " + ck + data + " --bogus", "--bogus"},
            {"eval" + data, "--load DIR or --init-from PATH is required"},
            {"eval --load " + ck + " --init-from " + ck + data, "--load and --init-from are alternatives"},
-           {"eval --load " + ck + " --device cpu", "--valid-data-path is required"},
+           {"eval --load " + ck + " --device cpu", "--valid-data-path or --data-path is required"},
            {"eval --load " + ck + " --device cpu --valid-data-path " + dir.file("nothing*.bin"), "nothing*.bin"},
            {"eval --load " + dir.file("missing") + data, dir.file("missing")},
            {"eval --load " + ck + data + " --eval-iters 0", "--eval-iters"},
