@@ -786,6 +786,35 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   return final_dir.string();
 }
 
+InferenceWeights read_inference_weights(const std::string& path, std::optional<int64_t> step,
+                                        const TensorLayout& layout, const GptConfig& config, bool fp8,
+                                        const ScalingSnapshot& expected_scaling) {
+  InferenceWeights weights;
+  weights.params.assign(layout.total_elements(), 0.0f);
+  const fs::path resolved = resolve_checkpoint_dir(path, step);
+  if (!is_fp8lm_checkpoint(resolved)) {
+    const fs::path file = hf_model_file(resolved.string());
+    FP8LM_INPUT_CHECK(fs::is_regular_file(file), path,
+                      ": neither an fp8lm checkpoint (state.json) nor a Hugging Face model (model.safetensors)");
+    load_hf_parameters(SafetensorsFile::open(file.string()), layout, config, weights.params.data());
+    weights.path = file.string();
+    return weights;
+  }
+  const CheckpointManifest manifest = read_resolved_checkpoint(resolved, path, /*verify_data=*/true);
+  const fs::path dir(manifest.dir);
+  const GptConfig& stored = manifest.config;
+  FP8LM_INPUT_CHECK(stored.n_layer == config.n_layer && stored.n_embd == config.n_embd &&
+                        stored.n_head == config.n_head && stored.n_inner == config.n_inner &&
+                        stored.vocab_size == config.vocab_size && stored.n_positions == config.n_positions,
+                    (dir / kStateFile).string(), ": the checkpoint's model shape differs from --config's");
+  load_hf_parameters(SafetensorsFile::open((dir / kModelFile).string()), layout, config, weights.params.data());
+  if (fp8 && records(manifest, kScalingFile))
+    weights.scaling =
+        read_scaling_state(SafetensorsFile::open((dir / kScalingFile).string()), expected_scaling, manifest.version);
+  weights.path = manifest.dir;
+  return weights;
+}
+
 LoadedState load_into_engine(const std::string& path, std::optional<int64_t> step, const RunSetup& setup,
                              TrainingEngine& engine, CheckpointUse use) {
   const TensorLayout& layout = engine.layout();

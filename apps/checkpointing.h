@@ -113,6 +113,18 @@ enum class CheckpointUse {
 LoadedState load_into_engine(const std::string& path, std::optional<int64_t> step, const RunSetup& setup,
                              TrainingEngine& engine, CheckpointUse use);
 
+// What decoding needs of a checkpoint or Hugging Face model: the weights, and an fp8lm
+// checkpoint's FP8 scaling state when `expected_scaling` (the decoding model's operands and
+// history length) matches it and fp8 is on.
+struct InferenceWeights {
+  std::string path;                       // the checkpoint directory or model file read
+  std::vector<float> params;              // [layout.total_elements()] canonical layout
+  std::optional<ScalingSnapshot> scaling;
+};
+InferenceWeights read_inference_weights(const std::string& path, std::optional<int64_t> step,
+                                        const TensorLayout& layout, const GptConfig& config, bool fp8,
+                                        const ScalingSnapshot& expected_scaling);
+
 // For --load, at start-up: refuses a --load that is not a complete checkpoint (state.json
 // and its checksum; the data files are verified when they are read), and makes the
 // checkpoint's seed the run's, with a warning naming both values when --seed differs: the

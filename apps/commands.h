@@ -11,5 +11,6 @@ int run_train_command(const std::vector<std::string>& args);
 int run_convert_command(const std::vector<std::string>& args);
 int run_tokenize_command(const std::vector<std::string>& args);
 int run_eval_command(const std::vector<std::string>& args);
+int run_sample_command(const std::vector<std::string>& args);
 
 }  // namespace fp8lm

@@ -1,7 +1,7 @@
 // fp8lm: one binary, with subcommands. `train` is the default, so
 //   fp8lm --config configs/tiny.json --mock-data
-// trains; `convert` exports a checkpoint for Hugging Face. Later subcommands (eval,
-// sample, tokenize) dispatch here too.
+// trains; `convert` exports a checkpoint for Hugging Face, `tokenize` makes token shards,
+// `eval` scores a model, `sample` generates text.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -23,7 +23,9 @@ int main(int argc, char** argv) {
     if (command == "convert") return fp8lm::run_convert_command(args);
     if (command == "tokenize") return fp8lm::run_tokenize_command(args);
     if (command == "eval") return fp8lm::run_eval_command(args);
-    throw fp8lm::InputError("unknown subcommand '" + command + "'", "subcommands: train (the default), convert, tokenize, eval");
+    if (command == "sample") return fp8lm::run_sample_command(args);
+    throw fp8lm::InputError("unknown subcommand '" + command + "'",
+                            "subcommands: train (the default), convert, tokenize, eval, sample");
   } catch (const fp8lm::InputError& e) {
     std::fprintf(stderr, "fp8lm: error: %s\n", e.full_message().c_str());
     return fp8lm::kExitInputError;

@@ -69,6 +69,7 @@ struct TrainOptions {
   uint64_t seed = 1234;              // --seed
   std::string train_data_path;       // --train-data-path (file or glob of shards)
   std::string valid_data_path;       // --valid-data-path
+  bool inference_only = false;       // not a flag: fp8lm sample, which needs no training memory
   bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
   TokenFileFormat data_format = TokenFileFormat::llmc;  // --data-format: llmc or raw-uint16
   // --data-path: Megatron indexed datasets, PREFIX or weight/prefix pairs (core/indexed_dataset.h)

@@ -132,6 +132,7 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
 
   // Last, because it needs every size above; before anything is allocated.
   setup.memory = estimate_memory(setup);
+  if (options.inference_only) return setup;  // the estimate is a training run's (optimizer, gradients)
   check_memory_fits(setup.memory, query_memory_availability(setup.use_cuda, parallel.local_rank),
                     parallel.local_size);
   return setup;

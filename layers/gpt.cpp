@@ -284,13 +284,26 @@ Tensor slab_view(void* slab, DType dtype, size_t element_bytes, const TensorInfo
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
                    Ops& ops, const ModelParallelism& parallelism)
+    : GptModel(config, micro_batch_size, seq_length, precision, ops, parallelism,
+               InferenceShape{.batch = 0, .max_prompt = 0, .capacity = 0}) {}
+
+GptModel::GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops)
+    : GptModel(config, shape.batch, shape.max_prompt, precision, ops, ModelParallelism{}, shape) {
+  FP8LM_CHECK(shape.capacity >= shape.max_prompt && shape.capacity <= config.n_positions,
+              "inference model: cache capacity ", shape.capacity, " outside [", shape.max_prompt, ", ",
+              config.n_positions, "]");
+}
+
+GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
+                   Ops& ops, const ModelParallelism& parallelism, const InferenceShape& inference)
     : config_(config),
       B_(micro_batch_size),
       T_(seq_length),
       ops_(ops),
       tp_(parallelism.tensor_parallel),
       scaling_(precision.fp8),
-      activation_dtype_(ops.activation_dtype()) {
+      activation_dtype_(ops.activation_dtype()),
+      inference_(inference) {
   FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
   if (tp_ == nullptr) {
     single_rank_ = std::make_unique<TensorParallelMappings>(nullptr, false, ops);
@@ -300,7 +313,7 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   const size_t n = layout_.total_elements();
   const size_t act_bytes = ops.element_bytes(activation_dtype_);
   working_ = ops.allocate(n * act_bytes);
-  gradients_ = ops.allocate(n * sizeof(float));
+  if (!is_inference()) gradients_ = ops.allocate(n * sizeof(float));
 
   auto find = [&](const std::string& name) -> const TensorInfo& {
     const TensorInfo* info = layout_.find(name);
@@ -308,7 +321,9 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     return *info;
   };
   auto working = [&](const std::string& name) { return slab_view(working_->data(), activation_dtype_, act_bytes, find(name)); };
-  auto grad = [&](const std::string& name) { return slab_view(gradients_->data(), DType::f32, sizeof(float), find(name)); };
+  auto grad = [&](const std::string& name) {
+    return gradients_ ? slab_view(gradients_->data(), DType::f32, sizeof(float), find(name)) : Tensor{};
+  };
 
   // Linear layers: parameters and FP8 scaling states, registered in the order checkpoints
   // name them (per block: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head).
@@ -374,6 +389,7 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   }
 
   plan_memory();
+  if (is_inference()) plan_kv_cache();
   ops.attach_scaling(scaling_);
 }
 
@@ -393,30 +409,56 @@ void GptModel::plan_memory() {
   const int64_t N = tp_->local_rows(BT), Vs = vocab_slice().size, L = config_.n_layer;
   const bool sp = tp_->sequence_parallel();
   const DType act = activation_dtype_;
+  const bool training = !is_inference();
+  // A GEMM operand of `dtype`. An inference model shares one block's buffers among all
+  // blocks, whose operand dtypes may differ: its buffers take the widest (activation) size.
+  auto stamped = [](Tensor t, DType dtype, int state) {
+    t.dtype = dtype;
+    t.scaling_state = state;
+    return t;
+  };
   auto carve = [&](void* base) {
     Carver c(ops_, base);
+    auto operand = [&](int64_t rows, int64_t cols, DType dtype, int state) {
+      return training ? c.take(rows, cols, dtype, state) : stamped(c.take(rows, cols, act), dtype, state);
+    };
     Scratch s;
     s.token_embeddings = c.take(BT, C, DType::f32);
     s.token_rows = sp ? c.take(N, C, DType::f32) : s.token_embeddings;
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
+    Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
     for (int64_t l = 0; l < L; ++l) {
       const BlockParams& w = blocks_[l];
       BlockActivations& a = saved_[l];
+      if (!training && l > 0) {
+        // Block l runs after block l-1 is done with the buffers: the same ones, its own dtypes.
+        a = saved_[0];
+        a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
+        a.atty_operand = w.proj.input_dtype == act ? a.atty
+                                                   : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state);
+        a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
+        a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
+        continue;
+      }
       a.residual = l == 0 ? s.encoded : c.take(N, C, act);
-      a.ln1 = c.take(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+      a.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
       a.ln1_mean = c.take(N, 1, DType::f32);
       a.ln1_rstd = c.take(N, 1, DType::f32);
       a.qkv = c.take(BT, 3 * Cl, act);
       a.atty = c.take(BT, Cl, act);
-      a.atty_operand = w.proj.input_dtype == act ? a.atty : c.take(BT, Cl, w.proj.input_dtype, w.proj.input_state);
+      if (!training) shared_atty_operand = c.take(BT, Cl, act);
+      a.atty_operand = w.proj.input_dtype == act
+                           ? a.atty
+                           : (training ? c.take(BT, Cl, w.proj.input_dtype, w.proj.input_state)
+                                       : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
-      a.ln2 = c.take(BT, C, w.fc.input_dtype, w.fc.input_state);
+      a.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
       a.ln2_mean = c.take(N, 1, DType::f32);
       a.ln2_rstd = c.take(N, 1, DType::f32);
       a.fc_pre = c.take(BT, F, act);
-      a.gelu = c.take(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      a.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
     }
     s.branch = c.take(BT, C, act);
     s.branch_rows = sp ? c.take(N, C, act) : s.branch;
@@ -424,6 +466,12 @@ void GptModel::plan_memory() {
     s.lnf = c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
     s.lnf_mean = c.take(N, 1, DType::f32);
     s.lnf_rstd = c.take(N, 1, DType::f32);
+    if (!training) {
+      // Decoding computes the logits of one token per sequence; nothing runs backward.
+      s.logits = c.take(B_, Vs, act);
+      scratch_ = std::make_unique<Scratch>(s);
+      return c.size();
+    }
     s.logits = c.take(BT, Vs, act);
     s.logits_grad = lm_head_->grad_dtype == act
                         ? s.logits
@@ -457,7 +505,41 @@ void GptModel::plan_memory() {
   ops_.plan_workspace(shape);
 }
 
+// The key/value cache of an inference model: per block, keys and values [B*capacity, C'],
+// and their two scales, in one allocation.
+void GptModel::plan_kv_cache() {
+  const int64_t L = config_.n_layer, C = config_.n_embd;
+  const DType dtype = inference_.fp8_kv_cache ? DType::e4m3 : activation_dtype_;
+  const int64_t rows = int64_t(B_) * inference_.capacity;
+  auto carve = [&](void* base) {
+    Carver c(ops_, base);
+    const Tensor scales = c.take(2 * L, 1, DType::f32);
+    kv_.assign(size_t(L), KvCache{});
+    for (int64_t l = 0; l < L; ++l) {
+      KvCache& cache = kv_[size_t(l)];
+      cache.keys = c.take(rows, C, dtype);
+      cache.values = c.take(rows, C, dtype);
+      cache.scales = static_cast<float*>(scales.data) + 2 * l;
+      cache.capacity = inference_.capacity;
+    }
+    return c.size();
+  };
+  kv_cache_ = ops_.allocate(carve(nullptr));
+  carve(kv_cache_->data());
+}
+
 // ---- Forward --------------------------------------------------------------------------
+
+namespace {
+
+// The first `rows` rows of an activation buffer (a chunk shorter than the buffer).
+Tensor first_rows(Tensor t, int64_t rows) {
+  FP8LM_CHECK(rows <= t.rows, "a chunk of ", rows, " rows in a buffer of ", t.rows);
+  t.rows = rows;
+  return t;
+}
+
+}  // namespace
 
 // A row-parallel Linear (c_proj) whose output joins the residual stream:
 //   residual_out = residual_in + input . W^T + bias.
@@ -501,9 +583,10 @@ void GptModel::forward(const TokenBatch& batch) {
   ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
   tp_->row_parallel_output(s.token_embeddings, s.token_rows);
   ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_);
+  const Chunk whole{.B = B_, .T = T_};
   for (int l = 0; l < config_.n_layer; ++l) {
     before_forward(l);
-    block_forward(l);
+    block_forward(l, whole);
   }
   before_forward(config_.n_layer);
   // ln_f adds the last block's MLP output into the residual stream first (when its GEMM did not).
@@ -511,27 +594,85 @@ void GptModel::forward(const TokenBatch& batch) {
   ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = s.lnf, .weight = lm_head_->weight_operand});
 }
 
-void GptModel::block_forward(int l) {
+void GptModel::block_forward(int l, const Chunk& chunk) {
   const BlockParams& w = blocks_[l];
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
   const int tp = tp_->size();
-  const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
+  const AttentionShape heads{chunk.B, chunk.T, config_.n_head / tp, config_.n_embd / config_.n_head};
+  // A chunk of an inference model fills the first rows of the buffers.
+  const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
+  auto rows = [&](const Tensor& t) { return chunk.cached ? first_rows(t, chunk_rows) : t; };
 
   // ln_1 adds the previous block's MLP output (and its bias) into the residual stream,
   // when its GEMM did not.
-  const ResidualAdd input = l == 0 ? ResidualAdd{.residual_in = s.encoded} : block_output_;
-  layernorm_forward(w.ln1, input, a.ln1, a.ln1_mean, a.ln1_rstd);
-  ops_.gemm({.pass = GemmPass::forward, .out = a.qkv, .input = a.ln1, .weight = w.qkv.weight_operand,
+  const ResidualAdd input = l == 0 ? ResidualAdd{.residual_in = rows(s.encoded)} : block_output_;
+  layernorm_forward(w.ln1, input, rows(a.ln1), rows(a.ln1_mean), rows(a.ln1_rstd));
+  ops_.gemm({.pass = GemmPass::forward, .out = rows(a.qkv), .input = rows(a.ln1), .weight = w.qkv.weight_operand,
              .bias = w.qkv.bias});
-  ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
-  const ResidualAdd attention_output = row_parallel_forward(w.proj, a.atty_operand, a.residual, a.residual_mid);
-  layernorm_forward(w.ln2, attention_output, a.ln2, a.ln2_mean, a.ln2_rstd);
+  if (chunk.cached) {
+    attention_cached(l, chunk, heads);
+  } else {
+    ops_.attention_forward(a.atty, a.atty_operand, a.lse, a.qkv, heads);
+  }
+  const ResidualAdd attention_output =
+      row_parallel_forward(w.proj, rows(a.atty_operand), rows(a.residual), rows(a.residual_mid));
+  layernorm_forward(w.ln2, attention_output, rows(a.ln2), rows(a.ln2_mean), rows(a.ln2_rstd));
   // c_fc's bias joins the GELU, which also casts the next GEMM's input.
-  ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
-  ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
+  ops_.gemm({.pass = GemmPass::forward, .out = rows(a.fc_pre), .input = rows(a.ln2), .weight = w.fc.weight_operand});
+  ops_.bias_gelu_forward(rows(a.gelu), rows(a.fc_pre), w.fc.bias);
   const bool last = l + 1 == config_.n_layer;
-  block_output_ = row_parallel_forward(w.fc2, a.gelu, a.residual_mid, last ? s.residual_final : saved_[l + 1].residual);
+  block_output_ = row_parallel_forward(w.fc2, rows(a.gelu), rows(a.residual_mid),
+                                       rows(last ? s.residual_final : saved_[l + 1].residual));
+}
+
+void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape& heads) {
+  const BlockActivations& a = saved_[l];
+  const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
+  const KvCache& cache = kv_[size_t(l)];
+  const Tensor qkv = first_rows(a.qkv, chunk_rows);
+  ops_.kv_cache_append(cache, qkv, heads, chunk.position);
+  if (chunk.position == 0) {
+    // A prompt: causal attention among its own tokens, as in training.
+    Tensor lse = a.lse;
+    lse.rows = int64_t(chunk.B) * heads.heads;
+    lse.cols = chunk.T;
+    ops_.attention_forward(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), lse, qkv, heads);
+  } else {
+    ops_.attention_decode(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), qkv, cache, heads,
+                          chunk.position + 1);
+  }
+}
+
+void GptModel::forward_cached(const TokenBatch& batch, int position) {
+  FP8LM_CHECK(is_inference(), "forward_cached needs a model built for inference");
+  const int n = batch.T;
+  FP8LM_CHECK(batch.B == B_ && n >= 1 && n <= T_, "forward_cached: a chunk of [", batch.B, ",", n,
+              "] in a model of batch ", B_, " and prompts of up to ", T_, " tokens");
+  FP8LM_CHECK(position >= 0 && position + n <= inference_.capacity, "forward_cached: positions [", position, ", ",
+              position + n, ") beyond the cache's ", inference_.capacity);
+  FP8LM_CHECK(position == 0 || n == 1, "forward_cached: after the prompt, one token per sequence at a time");
+  const Chunk chunk{.B = batch.B, .T = n, .position = position, .cached = true};
+  const int64_t chunk_rows = int64_t(batch.B) * n;
+  const Scratch& s = *scratch_;
+  ops_.set_amax_recording(false);
+  ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, lm_head_->weight, vocab_slice());
+  const Tensor positions = wpe_.row_slice(position, n, ops_.element_bytes(wpe_.dtype));
+  ops_.add_position_embedding(first_rows(s.encoded, chunk_rows), first_rows(s.token_rows, chunk_rows), positions,
+                              /*first_row=*/0, n);
+  for (int l = 0; l < config_.n_layer; ++l) block_forward(l, chunk);
+  if (n == 1) {
+    layernorm_forward(*ln_f_, block_output_, first_rows(s.lnf, chunk_rows), first_rows(s.lnf_mean, chunk_rows),
+                      first_rows(s.lnf_rstd, chunk_rows));
+    ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = first_rows(s.lnf, chunk_rows),
+               .weight = lm_head_->weight_operand});
+  }
+  ops_.set_amax_recording(true);
+}
+
+Tensor GptModel::next_token_logits() const {
+  FP8LM_CHECK(is_inference(), "next_token_logits needs a model built for inference");
+  return scratch_->logits;
 }
 
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
@@ -636,7 +777,10 @@ void GptModel::layernorm_backward(const LayerNormParams& ln, const Tensor& input
 
 // ---- Steps ----------------------------------------------------------------------------
 
-void GptModel::zero_gradients() { ops_.zero(gradients(), layout_.total_elements() * sizeof(float)); }
+void GptModel::zero_gradients() {
+  FP8LM_CHECK(!is_inference(), "an inference model has no gradients");
+  ops_.zero(gradients(), layout_.total_elements() * sizeof(float));
+}
 
 void GptModel::forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
   forward(batch);
@@ -700,8 +844,9 @@ std::vector<std::pair<size_t, size_t>> GptModel::partial_gradient_ranges() const
 }
 
 size_t GptModel::allocated_bytes() const {
-  size_t total = working_->bytes() + gradients_->bytes() + activations_->bytes();
-  if (weight_operands_) total += weight_operands_->bytes();
+  size_t total = working_->bytes() + activations_->bytes();
+  for (const auto* allocation : {&gradients_, &weight_operands_, &kv_cache_})
+    if (*allocation) total += (*allocation)->bytes();
   return total;
 }
 
@@ -709,8 +854,12 @@ SettingsTable GptModel::memory_table() const {
   SettingsTable rows = {
       {"parameters: " + std::string(to_string(activation_dtype_)) + " working copy", format_mib(working_->bytes())}};
   if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", format_mib(weight_operands_->bytes())});
-  rows.push_back({"gradients: FP32", format_mib(gradients_->bytes())});
+  if (gradients_) rows.push_back({"gradients: FP32", format_mib(gradients_->bytes())});
   rows.push_back({"activations", format_mib(activations_->bytes())});
+  if (kv_cache_)
+    rows.push_back({"key/value cache (" + std::string(inference_.fp8_kv_cache ? "FP8 E4M3" : to_string(activation_dtype_)) +
+                        ")",
+                    format_mib(kv_cache_->bytes())});
   rows.push_back({"FP8 scaling states", std::to_string(scaling_.size())});
   return rows;
 }

@@ -118,10 +118,25 @@ struct LayerHooks {
   std::function<void(int layer)> after_backward;  // once the backward has the layer's gradients
 };
 
+// The sizes of a model built for incremental decoding (fp8lm sample): `batch` sequences,
+// prompts of up to `max_prompt` tokens run in one pass, and a key/value cache of
+// `capacity` positions per sequence, E4M3 when fp8_kv_cache (layers/kv_cache.h).
+struct InferenceShape {
+  int batch = 1;
+  int max_prompt = 1;
+  int capacity = 1;
+  bool fp8_kv_cache = false;
+};
+
 class GptModel {
  public:
+  // A model to train (and evaluate): gradients, and every block's activations kept for the
+  // backward.
   GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
            const ModelParallelism& parallelism = {});
+  // A model to decode with: no gradients, one block's activations shared by all blocks, and
+  // a key/value cache. One rank (no tensor parallelism).
+  GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops);
   ~GptModel();
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
@@ -138,7 +153,7 @@ class GptModel {
   // Slabs [layout().total_elements()]: the working copy of the parameters in the activation
   // dtype (what the forward reads; FP32 on the CPU, BF16 on the GPU) and the FP32 gradients.
   void* working() { return working_->data(); }
-  float* gradients() { return static_cast<float*>(gradients_->data()); }
+  float* gradients() { return gradients_ ? static_cast<float*>(gradients_->data()) : nullptr; }
 
   void zero_gradients();
   // One micro-batch: forward, loss, backward. Gradients accumulate with weight dloss per
@@ -146,6 +161,16 @@ class GptModel {
   void forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum);
   // Forward and loss only; the token losses accumulate into loss_sum. Records no amax.
   void forward_eval(const TokenBatch& batch, const Tensor& loss_sum);
+  // Incremental decoding (inference models): runs batch [B,n] (n new tokens of each of the
+  // B sequences, at positions [position, position + n)) through the model, appending their
+  // keys and values to the cache. position 0 starts the sequences (a prompt: causal
+  // attention among its n tokens); after that n is 1 (each token attends to the cache).
+  // When n == 1, next_token_logits() [B,Vs] (activation dtype) then holds the logits that
+  // follow each sequence's token; a longer prompt only fills the cache, so a caller feeds
+  // a prompt's last token as the first step of one token. Records no amax.
+  void forward_cached(const TokenBatch& batch, int position);
+  Tensor next_token_logits() const;
+  bool is_inference() const { return inference_.capacity > 0; }
   // Casts every weight operand that is not a view of the working copy (FP8 weights and
   // their transposes; BF16-rounded copies on the CPU) from the working copy, recording the
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
@@ -175,11 +200,24 @@ class GptModel {
   struct BlockActivations;
 
  private:
+  GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
+           const ModelParallelism& parallelism, const InferenceShape& inference);
+  // The rows one forward pass covers: the whole [B,T] batch (training and evaluation), or
+  // in an inference model n new tokens of each sequence at `position`, through the cache.
+  struct Chunk {
+    int B = 0, T = 0;
+    int position = 0;
+    bool cached = false;
+  };
   void plan_memory();
+  void plan_kv_cache();
   void forward(const TokenBatch& batch);
   void loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum);
   void backward(const TokenBatch& batch);
-  void block_forward(int layer);
+  void block_forward(int layer, const Chunk& chunk);
+  // Attention of an inference chunk: its keys and values into layer's cache, then causal
+  // attention within a prompt, or the new token against the cache.
+  void attention_cached(int layer, const Chunk& chunk, const AttentionShape& heads);
   void block_backward(int layer);
   // The residual stream after a row-parallel Linear, as the next LayerNorm takes it: the
   // stream itself, or the stream before the add with the reduced branch and its bias.
@@ -207,6 +245,9 @@ class GptModel {
   DType activation_dtype_;
 
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
+  InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // capacity 0: a training model
+  std::unique_ptr<Allocation> kv_cache_;
+  std::vector<KvCache> kv_;  // per block
 
   std::vector<BlockParams> blocks_;
   std::unique_ptr<LinearParams> lm_head_;

@@ -130,6 +130,16 @@ struct AttentionShape {
   int width() const { return heads * head_size; }
 };
 
+// One layer's key/value cache for incremental decoding (layers/kv_cache.h): the keys and
+// values of `capacity` positions of each of B sequences, in the activation dtype or in FP8
+// E4M3 with one scale per tensor (the CPU holds the quantized values fp8(x * scale), as
+// for every FP8 tensor).
+struct KvCache {
+  Tensor keys, values;      // [B*capacity, C'] row b*capacity + position
+  float* scales = nullptr;  // [2] backend memory: the keys' and values' scales (FP8 only)
+  int capacity = 0;
+};
+
 // The sizes of one rank's model, so a backend can size its workspaces once, before the
 // first step ("local" = this rank's share under tensor parallelism).
 struct ModelShape {
@@ -283,6 +293,21 @@ class Ops {
   // dqkv [B*T,3C'] = from dout [B*T,C'] and the forward's qkv, out and lse.
   virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                   const Tensor& lse, const AttentionShape& shape) = 0;
+
+  // ---- Incremental decoding (layers/kv_cache.h) -----------------------------------
+  // Writes the keys and values of qkv [B*n,3C'] (positions [position, position + n) of each
+  // sequence; shape.T = n) into the cache. An FP8 cache takes its scales at position 0,
+  // from the amax of these first keys and values (kv_cache_scale()); later tokens saturate
+  // beyond them.
+  virtual void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
+                               int position) = 0;
+  // One new token per sequence (shape.T = 1): its query in qkv [B,3C'] attends to cache
+  // positions [0, length), its own key and value among them. out [B,C'] activation, operand
+  // = out in the next GEMM's dtype (a view of out when that is the activation dtype).
+  virtual void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
+                                const AttentionShape& shape, int length) = 0;
+  // A tensor's values as FP32 on the host (activation dtype or f32; waits for the stream).
+  virtual void download_values(float* host, const Tensor& source) = 0;
 
   // ---- Loss (vocabulary-parallel cross-entropy, layers/cross_entropy.h) ------------
   // partials [N,3] f32: this slice's row max, sum of exp(x - max) and target logit (or 0).

@@ -13,6 +13,7 @@
 #include "layers/cross_entropy.h"
 #include "layers/encoder.h"
 #include "layers/gelu.h"
+#include "layers/kv_cache.h"
 #include "layers/layernorm.h"
 #include "optim/grad_clip.h"
 #include "optim/slab_ops.h"
@@ -281,6 +282,42 @@ class CpuOps final : public Ops {
                           const Tensor& lse, const AttentionShape& shape) override {
     cpu::attention_backward(f32(dqkv), f32(dout), f32(qkv), f32(out), f32(lse), shape.B, shape.T, shape.width(),
                             shape.heads);
+  }
+
+  // ---- Incremental decoding
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+    const bool fp8 = is_fp8(cache.keys.dtype);
+    FP8LM_CHECK(!fp8 || cache.keys.dtype == DType::e4m3, "an FP8 key/value cache is E4M3");
+    FP8LM_CHECK(position >= 0 && position + shape.T <= cache.capacity, "kv_cache_append: positions [", position, ", ",
+                position + shape.T, ") outside the cache's ", cache.capacity);
+    if (fp8 && position == 0) {
+      // The first keys and values set the scales (layers/kv_cache.h).
+      const int C = shape.width();
+      float key_amax = 0.0f, value_amax = 0.0f;
+      for (int64_t row = 0; row < qkv.rows; ++row)
+        for (int c = 0; c < C; ++c) {
+          key_amax = std::max(key_amax, std::fabs(f32(qkv)[row * 3 * C + C + c]));
+          value_amax = std::max(value_amax, std::fabs(f32(qkv)[row * 3 * C + 2 * C + c]));
+        }
+      cache.scales[0] = kv_cache_scale(key_amax);
+      cache.scales[1] = kv_cache_scale(value_amax);
+    }
+    cpu::kv_cache_append(f32(cache.keys), f32(cache.values), f32(qkv), shape.B, shape.T, shape.width(),
+                         cache.capacity, position, fp8 ? cache.scales : nullptr);
+  }
+  void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
+                        const AttentionShape& shape, int length) override {
+    const bool fp8 = is_fp8(cache.keys.dtype);
+    FP8LM_CHECK(length >= 1 && length <= cache.capacity, "attention_decode: length ", length, " outside [1, ",
+                cache.capacity, "]");
+    cpu::attention_decode(f32(out), f32(qkv), f32(cache.keys), f32(cache.values), shape.B, shape.width(), shape.heads,
+                          cache.capacity, length, fp8 ? 1.0f / cache.scales[0] : 1.0f,
+                          fp8 ? 1.0f / cache.scales[1] : 1.0f);
+    if (!same_data(operand, out)) store(operand, f32(out), recording_);
+  }
+  void download_values(float* host, const Tensor& source) override {
+    FP8LM_CHECK(!is_fp8(source.dtype), "download_values: FP8 values need their scale");
+    std::copy(f32(source), f32(source) + source.numel(), host);
   }
 
   // ---- Loss

@@ -19,6 +19,7 @@
 #include "layers/encoder.h"
 #include "layers/encoder_index.h"
 #include "layers/gelu.h"
+#include "layers/kv_cache.h"
 #include "layers/layernorm.h"
 #include "optim/adamw_cuda.h"
 #include "optim/grad_clip_cuda.h"
@@ -520,6 +521,27 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const AttentionShape& shape) override {
     cuda::attention_backward(bf(dqkv), cbf(dout), cbf(qkv), cbf(out), f32(lse), shape.B, shape.T, shape.width(),
                              shape.heads, float_scratch_.data(), stream_);
+  }
+
+  // ---- Incremental decoding
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+    cuda::kv_cache_append(cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype), cache.scales,
+                          float_scratch_.data(), cbf(qkv), shape.B, shape.T, shape.width(), cache.capacity, position,
+                          stream_);
+  }
+  void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
+                        const AttentionShape& shape, int length) override {
+    cuda::attention_decode(bf(out), cbf(qkv), cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype),
+                           cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, length, stream_);
+    if (operand.data != out.data) quantize(operand, out, Tensor{});
+  }
+  void download_values(float* host, const Tensor& source) override {
+    const size_t n = size_t(source.numel());
+    if (source.dtype == DType::f32) return download(host, source.data, n * sizeof(float));
+    FP8LM_CHECK(source.dtype == DType::bf16, "download_values: FP8 codes need their scale");
+    std::vector<uint16_t> bits(n);
+    download(bits.data(), source.data, n * sizeof(uint16_t));
+    for (size_t i = 0; i < n; ++i) host[i] = bf16_to_float(bits[i]);
   }
 
   // ---- Loss

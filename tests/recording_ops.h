@@ -155,6 +155,16 @@ class RecordingOps final : public Ops {
     record("attention_backward");
     inner_->attention_backward(dqkv, dout, qkv, out, lse, shape);
   }
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+    record("kv_cache_append -> " + dtype(cache.keys));
+    inner_->kv_cache_append(cache, qkv, shape, position);
+  }
+  void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
+                        const AttentionShape& shape, int length) override {
+    record("attention_decode -> " + dtype(operand));
+    inner_->attention_decode(out, operand, qkv, cache, shape, length);
+  }
+  void download_values(float* host, const Tensor& source) override { inner_->download_values(host, source); }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {
     record("cross_entropy_partials");

@@ -21,6 +21,7 @@
 #include "core/tokenizer.h"
 #include "cli_testing.h"
 #include "temp_dir.h"
+#include "tokenizer_testing.h"
 
 namespace fp8lm {
 namespace {
@@ -31,6 +32,9 @@ using testing::run_command;
 using testing::run_fp8lm;
 using testing::source_path;
 using testing::TempDir;
+using testing::SyntheticFiles;
+using testing::alphabet_char;
+using testing::write_synthetic;
 
 std::string read_text(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
@@ -89,42 +93,6 @@ std::vector<FixtureCase> reference_cases() {
   std::vector<FixtureCase> cases;
   for (const auto& c : json.at("cases")) cases.push_back({c.at("name"), c.at("text"), c.at("ids").get<std::vector<int32_t>>()});
   return cases;
-}
-
-// GPT-2's byte alphabet, written out independently of core/tokenizer.cpp, for synthetic files.
-std::string alphabet_char(int byte) {
-  int code_point = byte;
-  const bool prints = (byte >= 33 && byte <= 126) || (byte >= 161 && byte <= 172) || (byte >= 174);
-  if (!prints) {
-    int rank = 0;
-    for (int b = 0; b < byte; ++b) rank += !((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174));
-    code_point = 256 + rank;
-  }
-  std::string utf8;
-  if (code_point < 0x80) {
-    utf8 += static_cast<char>(code_point);
-  } else {
-    utf8 += static_cast<char>(0xC0 | (code_point >> 6));
-    utf8 += static_cast<char>(0x80 | (code_point & 0x3F));
-  }
-  return utf8;
-}
-
-// A tiny byte-level vocabulary: the 256 bytes (id = byte), then `extra` tokens, then
-// <|endoftext|>; and its merges.
-struct SyntheticFiles {
-  std::string vocab, merges;
-};
-SyntheticFiles write_synthetic(const TempDir& dir, const std::vector<std::string>& extra, const std::string& merges_text) {
-  nlohmann::json vocab = nlohmann::json::object();
-  for (int b = 0; b < 256; ++b) vocab[alphabet_char(b)] = b;
-  int id = 256;
-  for (const std::string& token : extra) vocab[token] = id++;
-  vocab["<|endoftext|>"] = id;
-  SyntheticFiles files{dir.file("encoder.json"), dir.file("vocab.bpe")};
-  write_text(files.vocab, vocab.dump());
-  write_text(files.merges, "#version: 0.2\n" + merges_text);
-  return files;
 }
 
 std::vector<std::string> pieces(std::string_view text) {

@@ -1,0 +1,168 @@
+#include "apps/generator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <spdlog/spdlog.h>
+
+#include "apps/checkpointing.h"
+#include "apps/run_setup.h"
+#include "core/error.h"
+#include "layers/gpt.h"
+#include "layers/ops_cpu.h"
+#include "layers/ops_cuda.h"
+
+namespace fp8lm {
+
+struct Generator::State {
+  GptConfig config;
+  GeneratorShape shape;
+  bool fp8 = false;
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<GptModel> model;
+  TensorLayout canonical;
+
+  // The model's FP8 operands, as a checkpoint's scaling state must match them.
+  ScalingSnapshot expected_scaling() {
+    ScalingTable& table = model->scaling();
+    ScalingSnapshot snapshot;
+    for (int i = 0; i < table.size(); ++i) {
+      snapshot.names.push_back(table.name(i));
+      snapshot.dtypes.push_back(table.dtype(i));
+    }
+    snapshot.history_len = table.config().amax_history_len;
+    return snapshot;
+  }
+};
+
+Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  const TrainOptions& o = setup.options;
+  FP8LM_INPUT_CHECK(setup.parallel.world_size == 1, "fp8lm sample runs on one process (this launch has ",
+                    setup.parallel.world_size, ")");
+  s.config = setup.model;
+  s.shape = shape;
+  s.fp8 = o.fp8_enabled();
+  if (setup.use_cuda) {
+    check_cuda_model_support(setup.model, o.precision == GemmPrecision::fp32);
+    s.ops = make_cuda_ops(0);
+  } else {
+    s.ops = make_cpu_ops();
+  }
+  const GptPrecision precision{.gemm = o.precision, .fp8_lm_head = o.fp8_lm_head, .fp8 = o.fp8};
+  s.model = std::make_unique<GptModel>(setup.model,
+                                       // the prompt's last token runs as the first decoding step
+                                       InferenceShape{.batch = shape.batch,
+                                                      .max_prompt = std::max(1, shape.max_prompt - 1),
+                                                      .capacity = shape.capacity,
+                                                      .fp8_kv_cache = shape.fp8_kv_cache},
+                                       precision, *s.ops);
+  s.canonical = make_gpt_layout(setup.model);
+}
+
+Generator::~Generator() = default;
+
+void Generator::set_parameters(const std::vector<float>& canonical) {
+  State& s = *state_;
+  FP8LM_CHECK(canonical.size() == s.canonical.total_elements(), "set_parameters: ", canonical.size(),
+              " values for a model of ", s.canonical.total_elements());
+  const TensorLayout& layout = s.model->layout();
+  std::vector<float> local(layout.total_elements(), 0.0f);
+  for (const TensorInfo& t : layout.tensors()) {
+    const TensorInfo* source = s.canonical.find(t.name);
+    FP8LM_CHECK(source != nullptr, "no canonical tensor ", t.name);
+    copy_part_from_full(t, canonical.data() + source->offset, local.data() + t.offset, 0, 1);
+  }
+  Tensor working;
+  working.data = s.model->working();
+  working.dtype = s.ops->activation_dtype();
+  working.rows = 1;
+  working.cols = int64_t(local.size());
+  s.ops->upload_values(working, local.data());
+  // The FP8 weights are cast from the FP32 values: one rounding, as in training.
+  const std::unique_ptr<Allocation> fp32_values = s.ops->allocate(local.size() * sizeof(float));
+  s.ops->upload(fp32_values->data(), local.data(), local.size() * sizeof(float));
+  s.model->set_fp8_cast_source(static_cast<const float*>(fp32_values->data()));
+  s.model->refresh_weight_operands();
+  s.ops->synchronize();
+  s.model->set_fp8_cast_source(nullptr);
+}
+
+std::string Generator::load(const std::string& path, std::optional<int64_t> step) {
+  State& s = *state_;
+  InferenceWeights weights = read_inference_weights(path, step, s.canonical, s.config, s.fp8, s.expected_scaling());
+  ScalingTable& table = s.model->scaling();
+  if (weights.scaling) {
+    table.history() = weights.scaling->history;
+    table.scales() = weights.scaling->scale;
+    table.scale_invs() = weights.scaling->scale_inv;
+    std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), weights.scaling->initialized ? 1 : 0);
+    s.ops->upload_scaling();
+  }
+  set_parameters(weights.params);
+  if (s.fp8)
+    spdlog::info("FP8 activations cast with {}", table.uses_current_scaling()
+                                                     ? "current scaling (each tensor's own amax)"
+                                                     : "the checkpoint's delayed scales");
+  return weights.path;
+}
+
+GenerationResult Generator::generate(const GenerationRequest& request) {
+  State& s = *state_;
+  const int B = s.shape.batch;
+  const int P = int(request.prompt.size());
+  FP8LM_CHECK(P >= 1 && P <= s.shape.max_prompt && request.max_new_tokens >= 1 &&
+                  P + request.max_new_tokens - 1 <= s.shape.capacity,
+              "generate: a prompt of ", P, " tokens and ", request.max_new_tokens, " new ones in a cache of ",
+              s.shape.capacity);
+  const VocabSlice slice = s.model->vocab_slice();
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point start) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  };
+
+  GenerationResult result;
+  result.tokens.assign(size_t(B), {});
+  std::vector<Random> streams;
+  for (int b = 0; b < B; ++b) streams.emplace_back(request.seed * 0x9E3779B97F4A7C15ull + uint64_t(b) + 1);
+
+  // The prompt but its last token fills the cache; the last token is the first step.
+  const Clock::time_point prefill_start = Clock::now();
+  if (P > 1) {
+    std::vector<int32_t> tokens;
+    for (int b = 0; b < B; ++b) tokens.insert(tokens.end(), request.prompt.begin(), request.prompt.end() - 1);
+    const TokenBatch batch = s.ops->load_batch(tokens.data(), tokens.data(), B, P - 1, slice);
+    s.model->forward_cached(batch, 0);
+  }
+  s.ops->synchronize();
+  result.prefill_ms = ms_since(prefill_start);
+
+  const Clock::time_point decode_start = Clock::now();
+  std::vector<int32_t> current(size_t(B), request.prompt.back());
+  std::vector<bool> ended(size_t(B), false);
+  std::vector<float> logits(size_t(B) * slice.size);
+  for (int step = 0; step < request.max_new_tokens; ++step) {
+    const TokenBatch batch = s.ops->load_batch(current.data(), current.data(), B, 1, slice);
+    s.model->forward_cached(batch, P - 1 + step);
+    s.ops->download_values(logits.data(), s.model->next_token_logits());
+    std::vector<int32_t> drawn(size_t(B), -1);
+    for (int b = 0; b < B; ++b) {
+      if (ended[size_t(b)]) continue;  // keeps its last token as input: the batch keeps its shape
+      const int32_t token =
+          sample_token(logits.data() + size_t(b) * slice.size, slice.vocab_size, request.sampling, streams[size_t(b)]);
+      drawn[size_t(b)] = token;
+      current[size_t(b)] = token;
+      result.tokens[size_t(b)].push_back(token);
+      if (request.stop_token && token == *request.stop_token) ended[size_t(b)] = true;
+    }
+    ++result.decode_steps;
+    if (request.on_step) request.on_step(drawn);
+    if (std::all_of(ended.begin(), ended.end(), [](bool e) { return e; })) break;
+  }
+  result.decode_ms = ms_since(decode_start);
+  return result;
+}
+
+SettingsTable Generator::describe() const { return state_->model->memory_table(); }
+
+}  // namespace fp8lm

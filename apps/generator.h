@@ -1,0 +1,75 @@
+// Text generation with a trained model: the model built for incremental decoding
+// (layers/gpt.h, InferenceShape), its weights read from an fp8lm checkpoint or a Hugging
+// Face GPT-2 model, and the next tokens drawn on the host (layers/sampling.h).
+//
+// Precision: the GEMMs run in the run set-up's precision. Under FP8 the Linear weights are
+// cast to E4M3 once, at load, from the FP32 values; activations are cast with the
+// checkpoint's delayed scales when it has them for these operands, and with current scaling
+// otherwise (a BF16 checkpoint, a Hugging Face model, or --fp8-recipe tensorwise). With
+// fp8_kv_cache the keys and values are stored in E4M3 (layers/kv_cache.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/logging.h"
+#include "layers/sampling.h"
+
+namespace fp8lm {
+
+struct RunSetup;
+
+struct GeneratorShape {
+  int batch = 1;         // sequences decoded together, each continuing the same prompt
+  int max_prompt = 1;    // the longest prompt
+  int capacity = 1;      // prompt + new tokens, at most n_positions
+  bool fp8_kv_cache = false;
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;  // non-empty, shorter than the capacity
+  int max_new_tokens = 1;
+  SamplingOptions sampling;
+  uint64_t seed = 0;            // sequence b draws from its own stream of (seed, b)
+  std::optional<int32_t> stop_token;  // a sequence ends after it (<|endoftext|>); none: max_new_tokens each
+  // Called after each step with the step's token of every sequence (-1 for ended ones).
+  std::function<void(const std::vector<int32_t>&)> on_step;
+};
+
+struct GenerationResult {
+  std::vector<std::vector<int32_t>> tokens;  // [batch][new tokens], without the prompt
+  double prefill_ms = 0.0;                   // the prompt (all but its last token) into the cache
+  double decode_ms = 0.0;                    // every one-token step, sampling included
+  int64_t decode_steps = 0;
+};
+
+class Generator {
+ public:
+  // The backend and model of `setup` (device, precision, config) at `shape`. One rank.
+  Generator(const RunSetup& setup, const GeneratorShape& shape);
+  ~Generator();
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
+
+  // Reads the weights (and an FP8 checkpoint's scaling state) of an fp8lm checkpoint or a
+  // Hugging Face model; returns the path read.
+  std::string load(const std::string& path, std::optional<int64_t> step);
+  // Sets the weights from FP32 values in the canonical layout (make_gpt_layout); random
+  // weights for benchmarks, and tests.
+  void set_parameters(const std::vector<float>& canonical);
+
+  GenerationResult generate(const GenerationRequest& request);
+
+  // Rows for the startup table: memory per class.
+  SettingsTable describe() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace fp8lm
