@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs fp8lm's system packages (idempotent, quiet), then configures a Release
 # build into build/ and builds it. Safe to run again: it skips what is done.
-#   scripts/setup.sh            # packages + configure + build
+#   scripts/setup.sh            # packages + configure + build (the binary and the tests)
 #   FP8LM_SKIP_APT=1 scripts/setup.sh   # only configure + build
+#   FP8LM_BUILD_TARGET=fp8lm scripts/setup.sh   # only the binary (the quickstart)
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -63,4 +64,4 @@ command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 if [ ! -f build/CMakeCache.txt ]; then
   cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >/dev/null
 fi
-cmake --build build -j "$(nproc)"
+cmake --build build -j "$(nproc)" ${FP8LM_BUILD_TARGET:+--target "$FP8LM_BUILD_TARGET"}
