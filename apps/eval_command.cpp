@@ -40,11 +40,8 @@ const char* const kHelpHint = "run `fp8lm eval --help` for its flags";
 
 // Every flag eval accepts: train's flags of the same name.
 std::vector<ForwardedFlag> eval_flags() {
-  std::vector<ForwardedFlag> flags = {
-      {"--load", true, "fp8lm checkpoint directory (uses `latest`) or iteration directory"},
-      {"--init-from", true, "A Hugging Face GPT-2 model.safetensors (or its directory), or an fp8lm checkpoint"},
-      {"--ckpt-step", true, "With --load: this iteration instead of `latest`"},
-      {"--config", true, "GPT config JSON (default: the checkpoint's, or config.json beside the model)"},
+  std::vector<ForwardedFlag> flags = kWeightsFlags;
+  flags.insert(flags.end(), {
       {"--valid-data-path", true, "Token shards to evaluate on (see --data-format); globs allowed"},
       {"--data-path", true, "Megatron indexed dataset(s), [WEIGHT] PREFIX ...: evaluates --split's valid part"},
       {"--split", true, "Train/valid/test weights over --data-path's documents (default 969,30,1)"},
@@ -52,11 +49,9 @@ std::vector<ForwardedFlag> eval_flags() {
       {"--eval-iters", true, "Batches to score (default: the checkpoint run's --eval-iters, else 100)"},
       {"--micro-batch-size", true, "Sequences per batch (default: the checkpoint run's, else 4)"},
       {"--seq-length", true, "Tokens per sequence (default: the checkpoint run's, else n_positions)"},
-  };
+  });
   flags.insert(flags.end(), kPrecisionFlags.begin(), kPrecisionFlags.end());
-  flags.insert(flags.end(), {{"--device", true, "auto (CUDA if a GPU is present), cuda or cpu"},
-                             {"--num-threads", true, "CPU threads (0: OpenMP default)"},
-                             {"--log-level", true, "trace, debug, info, warn or error"}});
+  flags.insert(flags.end(), kRuntimeFlags.begin(), kRuntimeFlags.end());
   return flags;
 }
 

@@ -26,6 +26,19 @@ bool is_precision_choice(const std::string& name) {
 
 }  // namespace
 
+const std::vector<ForwardedFlag> kWeightsFlags = {
+    {"--load", true, "fp8lm checkpoint directory (uses `latest`) or iteration directory"},
+    {"--init-from", true, "A Hugging Face GPT-2 model.safetensors (or its directory), or an fp8lm checkpoint"},
+    {"--ckpt-step", true, "With --load: this iteration instead of `latest`"},
+    {"--config", true, "GPT config JSON (default: the checkpoint's, or config.json beside the model)"},
+};
+
+const std::vector<ForwardedFlag> kRuntimeFlags = {
+    {"--device", true, "auto (CUDA if a GPU is present), cuda or cpu"},
+    {"--num-threads", true, "CPU threads (0: OpenMP default)"},
+    {"--log-level", true, "trace, debug, info, warn or error"},
+};
+
 const std::vector<ForwardedFlag> kPrecisionFlags = {
     {"--bf16", false, "BF16 GEMMs (default: the checkpoint run's precision; BF16 for Hugging Face models)"},
     {"--fp32", false, "FP32 GEMMs (reference mode)"},

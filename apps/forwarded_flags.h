@@ -23,8 +23,11 @@ struct ForwardedFlag {
   const char* help;
 };
 
-// The precision and FP8 recipe flags both subcommands take.
+// The flag groups both subcommands take: the weights to run (--load or --init-from, with
+// --ckpt-step and --config), the precision and FP8 recipe, and the device and logging.
+extern const std::vector<ForwardedFlag> kWeightsFlags;
 extern const std::vector<ForwardedFlag> kPrecisionFlags;
+extern const std::vector<ForwardedFlag> kRuntimeFlags;
 
 // A subcommand's forwarded flags: registered on its parser, read after parsing.
 class ForwardedFlags {

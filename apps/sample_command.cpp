@@ -52,16 +52,9 @@ struct SampleOptions {
 };
 
 std::vector<ForwardedFlag> sample_flags() {
-  std::vector<ForwardedFlag> flags = {
-      {"--load", true, "fp8lm checkpoint directory (uses `latest`) or iteration directory"},
-      {"--init-from", true, "A Hugging Face GPT-2 model.safetensors (or its directory), or an fp8lm checkpoint"},
-      {"--ckpt-step", true, "With --load: this iteration instead of `latest`"},
-      {"--config", true, "GPT config JSON (default: the checkpoint's, or config.json beside the model)"},
-  };
+  std::vector<ForwardedFlag> flags = kWeightsFlags;
   flags.insert(flags.end(), kPrecisionFlags.begin(), kPrecisionFlags.end());
-  flags.insert(flags.end(), {{"--device", true, "auto (CUDA if a GPU is present), cuda or cpu"},
-                             {"--num-threads", true, "CPU threads (0: OpenMP default)"},
-                             {"--log-level", true, "trace, debug, info, warn or error"}});
+  flags.insert(flags.end(), kRuntimeFlags.begin(), kRuntimeFlags.end());
   return flags;
 }
 

@@ -21,6 +21,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "error_testing.h"
 #include "temp_dir.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
@@ -32,6 +33,7 @@ using Catch::Matchers::ContainsSubstring;
 namespace {
 
 using testing::TempDir;
+using testing::input_error_message;
 
 void write_bytes(const std::string& path, const void* data, size_t bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -99,17 +101,6 @@ std::vector<int> sample_ids(const Batch& batch, int B, int T) {
   std::vector<int> ids;
   for (int b = 0; b < B; ++b) ids.push_back(batch.inputs[size_t(b) * T] / T);
   return ids;
-}
-
-// The InputError message `action` throws (fails the test when it throws nothing).
-std::string input_error_message(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.full_message();
-  }
-  FAIL("expected an InputError");
-  return {};
 }
 
 // The RuntimeError message `action` throws (fails the test when it throws nothing).

@@ -17,6 +17,7 @@
 #include "core/indexed_dataset.h"
 #include "core/token_data.h"
 #include "core/tokenizer.h"
+#include "error_testing.h"
 #include "temp_dir.h"
 
 namespace fp8lm {
@@ -26,6 +27,7 @@ namespace fs = std::filesystem;
 using Catch::Matchers::ContainsSubstring;
 using testing::run_fp8lm;
 using testing::TempDir;
+using testing::input_error_message;
 
 std::string read_bytes(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
@@ -55,16 +57,6 @@ std::string handmade_index(uint8_t dtype_code, const std::vector<int32_t>& lengt
   for (int64_t v : pointers) put(idx, v);
   for (int64_t v : document_indices) put(idx, v);
   return idx;
-}
-
-std::string input_error_message(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.full_message();
-  }
-  FAIL("expected an InputError");
-  return {};
 }
 
 std::vector<std::vector<uint16_t>> sample_documents() {
