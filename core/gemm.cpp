@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -20,77 +21,107 @@ namespace cpu {
 
 namespace {
 
+// Every C[i][j] is one dot product of row i of A and row j of B, summed in kLanes
+// interleaved partial sums (the compiler vectorizes them without -ffast-math) over k in
+// order, then the lanes in order, then the k % kLanes tail. That order is the definition;
+// the tiling below only decides which dot products run together and where their partial
+// sums wait, so the result is bit-identical for any tile sizes and thread count.
 constexpr int kLanes = 8;
+constexpr int kRows = 4, kCols = 2;  // a register block: kRows x kCols dot products at once
 
-// sums[r][c] = dot(row r of the kRows rows of A at `a`, row c of the kCols rows of B at `b`),
-// each in kLanes interleaved partial sums added in a fixed order. The sizes are constants so
-// the partials live in registers; each loaded piece of A and B serves kCols and kRows dot
-// products.
-template <int kRows, int kCols>
-inline void dot_block(float (&sums)[kRows][kCols], const float* a, const float* b, int K) {
-  float partial[kRows][kCols][kLanes] = {};
-  int k = 0;
-  for (; k + kLanes <= K; k += kLanes)
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kCols; ++c)
+template <int R, int Cn>
+using Partials = float[R][Cn][kLanes];
+
+// partial[r][c][lane] += a[r][k + lane] * b[c][k + lane] for k in [k_begin, k_end) step kLanes.
+// R and Cn are constants so the partials live in registers; each loaded piece of A and B
+// serves Cn and R dot products.
+template <int R, int Cn>
+inline void accumulate_block(Partials<R, Cn>& partial, const float* a, const float* b, size_t K, int k_begin,
+                             int k_end) {
+  for (int k = k_begin; k < k_end; k += kLanes)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < Cn; ++c)
+        for (int lane = 0; lane < kLanes; ++lane) partial[r][c][lane] += a[r * K + k + lane] * b[c * K + k + lane];
+}
+
+struct TileJob {
+  float* C;
+  const float* A;
+  const float* B;
+  int N, K;
+  float alpha;
+  bool accumulate;
+  int k_begin, k_end;          // this pass's share of the kLanes-multiple part of K
+  float* saved = nullptr;      // [M][N][kLanes] partial sums between passes, or nullptr (one pass)
+};
+
+template <int R, int Cn>
+inline void run_block(const TileJob& job, int i0, int j0) {
+  const size_t K = size_t(job.K);
+  const float* a = job.A + size_t(i0) * K;
+  const float* b = job.B + size_t(j0) * K;
+  Partials<R, Cn> partial;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < Cn; ++c)
+      for (int lane = 0; lane < kLanes; ++lane)
+        partial[r][c][lane] =
+            job.saved && job.k_begin > 0 ? job.saved[((size_t(i0 + r) * job.N) + j0 + c) * kLanes + lane] : 0.0f;
+  accumulate_block<R, Cn>(partial, a, b, K, job.k_begin, job.k_end);
+  const int vector_end = job.K / kLanes * kLanes;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < Cn; ++c) {
+      if (job.k_end < vector_end) {  // more passes to come: park the partial sums
         for (int lane = 0; lane < kLanes; ++lane)
-          partial[r][c][lane] += a[size_t(r) * K + k + lane] * b[size_t(c) * K + k + lane];
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) {
+          job.saved[((size_t(i0 + r) * job.N) + j0 + c) * kLanes + lane] = partial[r][c][lane];
+        continue;
+      }
       float sum = 0.0f;
       for (int lane = 0; lane < kLanes; ++lane) sum += partial[r][c][lane];
-      for (int tail = k; tail < K; ++tail) sum += a[size_t(r) * K + tail] * b[size_t(c) * K + tail];
-      sums[r][c] = sum;
+      for (int tail = vector_end; tail < job.K; ++tail) sum += a[r * K + tail] * b[c * K + tail];
+      float& out = job.C[size_t(i0 + r) * job.N + j0 + c];
+      out = job.accumulate ? out + job.alpha * sum : job.alpha * sum;
     }
 }
 
-// One tile: rows [i0, i0 + rows) of C, columns [j_begin, j_end). Compiled twice, for AVX2
-// and for baseline x86-64, and picked at load time: the wider vectors run the same
-// additions in the same order (no FMA is enabled, so nothing is contracted), so the result
-// is bit-identical on every machine.
-__attribute__((target_clones("avx2", "default"))) void gemm_tile(float* C, const float* A, const float* B, int i0,
-                                                                  int rows, int j_begin, int j_end, int N, int K,
-                                                                  float alpha, bool accumulate) {
-  constexpr int kRows = 4, kCols = 2;
-  auto store = [&](int i, int j, float sum) {
-    float& c = C[static_cast<size_t>(i) * N + j];
-    c = accumulate ? c + alpha * sum : alpha * sum;
-  };
+// Rows [i0, i0 + rows) of C, columns [j_begin, j_end). Compiled twice, for AVX2 and for
+// baseline x86-64, and picked at load time: the wider vectors run the same additions in
+// the same order (no FMA is enabled, so nothing is contracted).
+__attribute__((target_clones("avx2", "default"))) void run_tile(const TileJob& job, int i0, int rows, int j_begin,
+                                                                 int j_end) {
   int j = j_begin;
-  if (rows == kRows) {
-    for (; j + kCols <= j_end; j += kCols) {
-      float sums[kRows][kCols];
-      dot_block<kRows, kCols>(sums, A + static_cast<size_t>(i0) * K, B + static_cast<size_t>(j) * K, K);
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < kCols; ++c) store(i0 + r, j + c, sums[r][c]);
-    }
-  }
+  if (rows == kRows)
+    for (; j + kCols <= j_end; j += kCols) run_block<kRows, kCols>(job, i0, j);
   for (; j < j_end; ++j)
-    for (int r = 0; r < rows; ++r) {
-      float sum[1][1];
-      dot_block<1, 1>(sum, A + static_cast<size_t>(i0 + r) * K, B + static_cast<size_t>(j) * K, K);
-      store(i0 + r, j, sum[0][0]);
-    }
+    for (int r = 0; r < rows; ++r) run_block<1, 1>(job, i0 + r, j);
 }
 
 }  // namespace
 
 void gemm_nt(float* C, const float* A, const float* B, int M, int N, int K, float alpha, bool accumulate) {
-  // Each C[i][j] is one dot product of row i of A and row j of B, summed in eight interleaved
-  // partial sums (the compiler vectorizes them without -ffast-math, in one fixed order).
-  // Tiles of kRows rows of A reuse each row of B kRows times from registers and cache; tiles
-  // of kColumns rows of B give every thread work when M is small (decoding). The order of
-  // each dot product is the same for any tiling and thread count.
-  constexpr int kRows = 4, kColumns = 256;
-  const int row_tiles = (M + kRows - 1) / kRows, column_tiles = (N + kColumns - 1) / kColumns;
+  // Tiles of kTileRows x kTileColumns outputs, column tiles outermost: the threads split
+  // the rows of B, and each tile of B (kTileColumns rows) is reused from cache by every row
+  // tile of A. A long K (the LM head's dgrad: 50,304) runs in passes of kPassK, so that the
+  // rows of A and B of one pass stay in cache; the partial sums wait in memory in between.
+  constexpr int kTileRows = 64, kTileColumns = 64, kPassK = 2048;
+  const int row_tiles = (M + kTileRows - 1) / kTileRows, column_tiles = (N + kTileColumns - 1) / kTileColumns;
+  const int vector_end = K / kLanes * kLanes;
+  std::vector<float> saved;
+  const bool passes = vector_end > 2 * kPassK && size_t(M) * N <= (size_t(1) << 22);
+  if (passes) saved.resize(size_t(M) * N * kLanes);
+  int k_begin = 0;
+  do {
+    const int k_end = passes ? std::min(vector_end, k_begin + kPassK) : vector_end;
+    const TileJob job{C, A, B, N, K, alpha, accumulate, k_begin, k_end, passes ? saved.data() : nullptr};
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int row_tile = 0; row_tile < row_tiles; ++row_tile) {
     for (int column_tile = 0; column_tile < column_tiles; ++column_tile) {
-      const int i0 = row_tile * kRows;
-      gemm_tile(C, A, B, i0, std::min(kRows, M - i0), column_tile * kColumns,
-                       std::min(N, (column_tile + 1) * kColumns), N, K, alpha, accumulate);
+      for (int row_tile = 0; row_tile < row_tiles; ++row_tile) {
+        const int i0 = row_tile * kTileRows, j0 = column_tile * kTileColumns;
+        for (int i = i0; i < std::min(M, i0 + kTileRows); i += kRows)
+          run_tile(job, i, std::min(kRows, M - i), j0, std::min(N, j0 + kTileColumns));
+      }
     }
-  }
+    k_begin = k_end;
+  } while (k_begin < vector_end);
 }
 
 void transpose(float* out, const float* in, int rows, int cols) {
