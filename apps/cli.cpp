@@ -145,7 +145,8 @@ void validate_options(const TrainOptions& o) {
   require(o.fp8.amax_history_len >= 1 && o.fp8.amax_history_len <= kMaxAmaxHistoryLen,
           "--fp8-amax-history-len must be in [1, " + num(kMaxAmaxHistoryLen) + "] (got " +
               num(o.fp8.amax_history_len) + ")");
-  require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
+  require(o.fp8.margin >= 0 && o.fp8.margin <= kMaxFp8Margin,
+          "--fp8-margin must be in [0, " + num(kMaxFp8Margin) + "] (got " + num(o.fp8.margin) + ")");
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,

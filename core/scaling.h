@@ -60,14 +60,20 @@ inline bool is_scale_update_step(const Fp8RecipeConfig& config, int64_t step) {
   return config.recipe == ScalingRecipe::delayed && (step + 1) % config.interval == 0;
 }
 
+// --fp8-margin's range: [0, kMaxFp8Margin].
+inline constexpr int kMaxFp8Margin = 64;
+
 // The one scale rule, shared by the CPU reference and the GPU kernels.
 // Keeps `previous_scale` when amax is 0 or not finite (nothing to learn from), and
-// caps the scale at FLT_MAX when a tiny amax would overflow it.
+// caps the scale at FLT_MAX when a tiny amax would overflow it. The margin lowers the
+// format's maximum by an exact power of two before the one division (Transformer Engine's
+// order): the same value as dividing the scale by 2^margin afterwards wherever that is
+// exact, and defined for every margin the flag accepts (a shift of 1 by 64 is not).
 FP8LM_HOST_DEVICE inline float compute_scale(float amax, float format_max, int margin,
                                              float previous_scale) {
   constexpr float kFloatMax = 3.402823466e38f;
   if (!(amax > 0.0f && amax <= kFloatMax)) return previous_scale;  // 0, negative, inf or NaN
-  float scale = format_max / amax / static_cast<float>(1ull << margin);
+  const float scale = ldexpf(format_max, -margin) / amax;
   return scale <= kFloatMax ? scale : kFloatMax;
 }
 

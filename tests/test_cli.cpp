@@ -7,10 +7,12 @@
 
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
 
 #include "apps/cli.h"
 #include "apps/run_setup.h"
 #include "cli_testing.h"
+#include "temp_dir.h"
 #include "core/error.h"
 
 using namespace fp8lm;
@@ -277,4 +279,28 @@ TEST_CASE("model flags and config files share one size validation", "[cli]") {
              ContainsSubstring("n_inner = 4 x n_embd = 2147483648"));
   CHECK_THAT(setup_error({"--config", kTiny, "--mock-data", "--micro-batch-size", "100000000", "--device", "cpu"}),
              ContainsSubstring("--micro-batch-size x --seq-length (100000000 x 64 = 6400000000 tokens) exceeds 2^31 - 1"));
+}
+
+TEST_CASE("--fp8-margin takes every value of its range, 64 included, with finite losses", "[cli][scaling]") {
+  // Margin 64 puts every FP8 operand far below the format's smallest value: the GEMMs see
+  // zeros, the BF16 LM head still gives a finite loss. Before, the scale rule shifted 1 by
+  // 64 bits (undefined; the CPU then ignored the margin) and the GPU refused it mid-run.
+  const testing::TempDir dir;
+  for (const char* margin : {"63", "64"}) {
+    const std::string metrics = dir.file(std::string("margin") + margin + ".jsonl");
+    const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --device cpu --train-iters 2 --seq-length 16 "
+                                        "--log-interval 1 --eval-iters 0 --fp8-hybrid --fp8-margin " +
+                                        std::string(margin) + " --metrics-file " + metrics);
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    std::ifstream file(metrics);
+    std::string line;
+    int lines = 0;
+    while (std::getline(file, line)) {
+      const auto json = nlohmann::json::parse(line);
+      if (json.contains("loss")) CHECK(std::isfinite(json["loss"].get<double>()));
+      ++lines;
+    }
+    CHECK(lines == 2);
+  }
 }
