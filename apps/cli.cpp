@@ -204,7 +204,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   // ---- Precision
   const char* precision = "Precision";
   bool bf16 = false, fp32 = false, fp8_hybrid = false, fp8_e4m3 = false;
-  std::string fp8_format, fp8_recipe = "delayed", amax_algo = "max", state_precision = "fp8-fp16";
+  std::string fp8_format, fp8_recipe = "delayed", amax_algo(to_string(o.fp8.amax_compute_algo)),
+      state_precision = "fp8-fp16";
   app.add_flag("--bf16", bf16, "BF16 mixed precision (the default without an FP8 flag)")->group(precision);
   app.add_flag("--fp32", fp32, "FP32 GEMMs (a reference mode, for debugging)")->group(precision);
   app.add_option("--fp8-format", fp8_format, "FP8 GEMMs: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")

@@ -319,7 +319,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
              number(uint64_t(o.fp8.amax_history_len)) + ")";
     c.host_bytes = mul(history, 2);
     c.device_bytes = cuda ? history : 0;
-    c.remedy = "lower --fp8-amax-history-len (Transformer Engine's default is 1024)";
+    c.remedy = "lower --fp8-amax-history-len (the default, Megatron-LM's, is 1)";
     estimate.consumers.push_back(std::move(c));
   }
 

@@ -48,8 +48,11 @@ std::string_view to_string(AmaxComputeAlgo algo);
 struct Fp8RecipeConfig {
   Fp8Format format = Fp8Format::hybrid;
   ScalingRecipe recipe = ScalingRecipe::delayed;
-  int amax_history_len = 1024;
-  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::max;
+  // Megatron-LM's defaults (--fp8-amax-history-len 1, --fp8-amax-compute-algo most_recent):
+  // the scale follows the last step's amax. The seed recipe's history 1024 with `max` (Transformer
+  // Engine's DelayedScaling defaults) is selected by passing those flags.
+  int amax_history_len = 1;
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::most_recent;
   int margin = 0;
   int interval = 1;  // update the delayed scales every `interval` optimizer steps
 };

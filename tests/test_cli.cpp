@@ -67,10 +67,10 @@ TEST_CASE("precision follows Megatron", "[cli]") {
     CHECK(o.precision == GemmPrecision::fp8);
     CHECK(o.fp8.format == Fp8Format::e4m3);
   }
-  SECTION("FP8 defaults: history 1024, max, margin 0, delayed") {
+  SECTION("FP8 defaults (Megatron-LM's): history 1, most_recent, margin 0, delayed") {
     const TrainOptions o = parse({"--mock-data", "--fp8-format", "hybrid"});
-    CHECK(o.fp8.amax_history_len == 1024);
-    CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::max);
+    CHECK(o.fp8.amax_history_len == 1);
+    CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::most_recent);
     CHECK(o.fp8.margin == 0);
     CHECK(o.fp8.recipe == ScalingRecipe::delayed);
   }
@@ -205,8 +205,9 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
 TEST_CASE("--help lists the flags in groups with defaults", "[cli]") {
   const auto run = testing::run_fp8lm("--help");
   CHECK(run.exit_code == 0);
-  for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len", "1024",
-                           "--lr-decay-style", "cosine", "--tensor-model-parallel-size"}) {
+  for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len INT=1",
+                           "--fp8-amax-compute-algo TEXT:{max,most_recent}=most_recent", "--lr-decay-style",
+                           "cosine", "--tensor-model-parallel-size"}) {
     CHECK_THAT(run.output, ContainsSubstring(text));
   }
   CHECK(testing::run_fp8lm("train --help").exit_code == 0);

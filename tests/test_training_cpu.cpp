@@ -242,7 +242,8 @@ TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[t
 TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp32", "[training][cpu][slow]") {
   // 150 steps of 4 x 32 tokens on the mock language (entropy about 1.3 nats/token at
   // vocab 256, uniform is log 256 = 5.55). Measured on the dev machine: validation
-  // loss 1.876 (fp32), 1.875 (bf16), 1.878 (fp8 hybrid, delayed scaling).
+  // loss 1.867 (fp32), 1.867 (bf16), 1.871 (fp8 hybrid, delayed scaling with the default
+  // history 1 and most_recent; 1.871 too with the seed recipe's history 1024 and max).
   const testing::TempDir dir;
   std::map<std::string, double> val_loss;
   for (const char* precision : {"--fp32", "--bf16", "--fp8-hybrid"}) {
