@@ -67,6 +67,9 @@ const EvalFlag kEvalFlags[] = {
     {"--fp8-amax-history-len", true, "Amax history window (delayed scaling)"},
     {"--fp8-amax-compute-algo", true, "max or most_recent"},
     {"--fp8-lm-head", false, "The tied LM-head GEMM in FP8 too"},
+    {"--first-last-layers-bf16", false, "The first and last blocks' GEMMs in BF16 under FP8 (counts below)"},
+    {"--num-layers-at-start-in-bf16", true, "With --first-last-layers-bf16: blocks at the start in BF16"},
+    {"--num-layers-at-end-in-bf16", true, "With --first-last-layers-bf16: blocks at the end in BF16"},
     {"--device", true, "auto (CUDA if a GPU is present), cuda or cpu"},
     {"--num-threads", true, "CPU threads (0: OpenMP default)"},
     {"--log-level", true, "trace, debug, info, warn or error"},
@@ -116,6 +119,15 @@ std::vector<std::string> checkpoint_defaults(const std::string& path, std::optio
       add("--fp8-amax-history-len", "fp8_amax_history_len");
       add("--fp8-amax-compute-algo", "fp8_amax_compute_algo");
       if (args.value("fp8_lm_head", false) && !given.count("--fp8-lm-head")) flags.push_back("--fp8-lm-head");
+      // The BF16 blocks decide which FP8 scaling states exist: the three flags go together.
+      const bool layers_given = given.count("--first-last-layers-bf16") ||
+                                given.count("--num-layers-at-start-in-bf16") ||
+                                given.count("--num-layers-at-end-in-bf16");
+      if (args.value("first_last_layers_bf16", false) && !layers_given) {
+        flags.push_back("--first-last-layers-bf16");
+        add("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16");
+        add("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16");
+      }
     }
   }
   return flags;

@@ -59,6 +59,32 @@ TEST_CASE("the four Megatron seed flags work as written", "[cli]") {
   CHECK_THAT(run.output, ContainsSubstring("fp8-amax-history-len"));
 }
 
+TEST_CASE("--first-last-layers-bf16 follows Megatron: off by default, counts 1 and 1, read only with the flag",
+          "[cli]") {
+  const TrainOptions defaults = parse({"--mock-data", "--fp8-hybrid"});
+  CHECK_FALSE(defaults.first_last_layers_bf16);
+  CHECK(defaults.num_layers_at_start_in_bf16 == 1);
+  CHECK(defaults.num_layers_at_end_in_bf16 == 1);
+  CHECK(defaults.bf16_layers_at_start() == 0);
+  CHECK(defaults.bf16_layers_at_end() == 0);
+  // Counts without the flag are harmless (Megatron ignores them), negative ones too.
+  const TrainOptions counts_alone = parse({"--mock-data", "--fp8-hybrid", "--num-layers-at-start-in-bf16", "-3"});
+  CHECK(counts_alone.bf16_layers_at_start() == 0);
+  const TrainOptions on = parse({"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16",
+                                 "2"});
+  CHECK(on.bf16_layers_at_start() == 1);
+  CHECK(on.bf16_layers_at_end() == 2);
+  // Under BF16 there is no FP8 block to keep in BF16.
+  CHECK(parse({"--mock-data", "--bf16", "--first-last-layers-bf16"}).bf16_layers_at_start() == 0);
+
+  const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --train-iters 0 --device cpu --fp8-hybrid "
+                                      "--num-layers 4 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("first 1, last 2 (blocks 0, 2-3 in BF16)"));
+  CHECK_THAT(run.output, ContainsSubstring("FP8 amax histories (12 scaling states x history 1)"));
+}
+
 TEST_CASE("precision follows Megatron", "[cli]") {
   SECTION("no FP8 flag: BF16") { CHECK(parse({"--mock-data"}).precision == GemmPrecision::bf16); }
   SECTION("--bf16 alone: BF16") { CHECK(parse({"--mock-data", "--bf16"}).precision == GemmPrecision::bf16); }
@@ -154,6 +180,11 @@ TEST_CASE("bad flags: one-line error naming the flag", "[cli]") {
       {{"--mock-data", "--fp32", "--bf16"}, "--fp32"},
       {{"--mock-data", "--fp8-lm-head"}, "--fp8-lm-head"},
       {{"--mock-data", "--transformer-impl", "megatron"}, "--transformer-impl"},
+      {{"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1"},
+       "--num-layers-at-start-in-bf16 must be >= 0 (got -1)"},
+      {{"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "-2"},
+       "--num-layers-at-end-in-bf16 must be >= 0 (got -2)"},
+      {{"--mock-data", "--num-layers-at-start-in-bf16", "x"}, "--num-layers-at-start-in-bf16"},
       {{"--train-iters", "5"}, "--train-data-path"},
   };
   for (const Case& c : cases) {
@@ -187,6 +218,8 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
       {"--config " + kTiny + " --mock-data --num-threads 65535", "--num-threads 65535 exceeds"},
       {"--config " + kTiny + " --mock-data --vocab-size 70000", "--vocab-size 70000 exceeds 65536"},
       {"--config " + kTiny + " --mock-data --hidden-size 536870912", "n_inner = 4 x n_embd = 2147483648"},
+      {"--config " + kTiny + " --mock-data --fp8-hybrid --first-last-layers-bf16 --num-layers-at-end-in-bf16 2",
+       "--num-layers-at-start-in-bf16 (1) + --num-layers-at-end-in-bf16 (2) exceed the model's 2 layers HINT: "},
       {"evaluate --config " + kTiny, "unknown subcommand 'evaluate'"},
   };
   for (const auto& [args, expected] : cases) {
