@@ -59,7 +59,7 @@ TEST_CASE("the four Megatron seed flags work as written", "[cli]") {
   CHECK_THAT(run.output, ContainsSubstring("fp8-amax-history-len"));
 }
 
-TEST_CASE("--first-last-layers-bf16 follows Megatron: off by default, counts 1 and 1, read only with the flag",
+TEST_CASE("BF16 first and last layers follow Megatron's flags: off by default, counts 1 and 1, read only with the flag",
           "[cli]") {
   const TrainOptions defaults = parse({"--mock-data", "--fp8-hybrid"});
   CHECK_FALSE(defaults.first_last_layers_bf16);
@@ -70,8 +70,8 @@ TEST_CASE("--first-last-layers-bf16 follows Megatron: off by default, counts 1 a
   // Counts without the flag are harmless (Megatron ignores them), negative ones too.
   const TrainOptions counts_alone = parse({"--mock-data", "--fp8-hybrid", "--num-layers-at-start-in-bf16", "-3"});
   CHECK(counts_alone.bf16_layers_at_start() == 0);
-  const TrainOptions on = parse({"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16",
-                                 "2"});
+  const TrainOptions on =
+      parse({"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"});
   CHECK(on.bf16_layers_at_start() == 1);
   CHECK(on.bf16_layers_at_end() == 2);
   // Under BF16 there is no FP8 block to keep in BF16.
@@ -235,7 +235,7 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
   }
 }
 
-TEST_CASE("--help lists the flags in groups with defaults", "[cli]") {
+TEST_CASE("the help lists the flags in groups with defaults", "[cli]") {
   const auto run = testing::run_fp8lm("--help");
   CHECK(run.exit_code == 0);
   for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len INT=1",
@@ -315,15 +315,16 @@ TEST_CASE("model flags and config files share one size validation", "[cli]") {
              ContainsSubstring("--micro-batch-size x --seq-length (100000000 x 64 = 6400000000 tokens) exceeds 2^31 - 1"));
 }
 
-TEST_CASE("--fp8-margin takes every value of its range, 64 included, with finite losses", "[cli][scaling]") {
+TEST_CASE("the FP8 margin takes every value of its range, 64 included, with finite losses", "[cli][scaling]") {
   // Margin 64 puts every FP8 operand far below the format's smallest value: the GEMMs see
   // zeros, the BF16 LM head still gives a finite loss. Before, the scale rule shifted 1 by
   // 64 bits (undefined; the CPU then ignored the margin) and the GPU refused it mid-run.
   const testing::TempDir dir;
   for (const char* margin : {"63", "64"}) {
     const std::string metrics = dir.file(std::string("margin") + margin + ".jsonl");
-    const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --device cpu --train-iters 2 --seq-length 16 "
-                                        "--log-interval 1 --eval-iters 0 --fp8-hybrid --fp8-margin " +
+    const auto run = testing::run_fp8lm("--config " + kTiny +
+                                        " --mock-data --device cpu --train-iters 2 --seq-length 16 --log-interval 1 "
+                                        "--eval-iters 0 --fp8-hybrid --fp8-margin " +
                                         std::string(margin) + " --metrics-file " + metrics);
     INFO(run.output);
     REQUIRE(run.exit_code == 0);

@@ -171,7 +171,7 @@ TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts,
   }
 }
 
-TEST_CASE("--first-last-layers-bf16: the named blocks' GEMMs run BF16, the others FP8, with no FP8 states",
+TEST_CASE("BF16 first and last layers: the named blocks' GEMMs run BF16, the others FP8, with no FP8 states",
           "[model][cpu]") {
   GptConfig config = two_layers();
   config.n_layer = 4;
@@ -208,7 +208,7 @@ TEST_CASE("--first-last-layers-bf16: the named blocks' GEMMs run BF16, the other
   CHECK(loss_sum > 0.0f);
 }
 
-TEST_CASE("--first-last-layers-bf16 in the step: the BF16 blocks' weights are cast to BF16, the others to FP8",
+TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are cast to BF16, the others to FP8",
           "[model][cpu]") {
   const RunSetup setup = resolve_run_setup(
       parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",

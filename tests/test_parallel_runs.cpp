@@ -97,7 +97,7 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
   }
 }
 
-TEST_CASE("--first-last-layers-bf16 under --fp8-param-gather: the BF16 blocks' weights travel in the working dtype",
+TEST_CASE("BF16 first and last layers under --fp8-param-gather: the BF16 blocks' weights travel in the working dtype",
           "[parallel][cpu]") {
   // Block 1 is FP8 (its weights gathered as FP8 codes), blocks 0 and 2 BF16 (gathered as the
   // working copy): the run matches the one-process run as every layout does.

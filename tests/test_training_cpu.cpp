@@ -296,7 +296,7 @@ std::vector<double> logged_losses(const std::string& metrics_file) {
 
 }  // namespace
 
-TEST_CASE("--first-last-layers-bf16: the model learns; no BF16 block is the plain FP8 run, all of them BF16's",
+TEST_CASE("BF16 first and last layers: the model learns; no BF16 block is the plain FP8 run, all of them BF16's",
           "[training][cpu]") {
   const testing::TempDir dir;
   const std::vector<std::string> base = {"--config", testing::source_path("configs/tiny.json"), "--mock-data",
