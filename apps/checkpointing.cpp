@@ -14,11 +14,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "apps/cli.h"
 #include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -117,6 +120,9 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"fp8_margin", o.fp8.margin},
           {"fp8_interval", o.fp8.interval},
           {"fp8_lm_head", o.fp8_lm_head},
+          {"first_last_layers_bf16", o.first_last_layers_bf16},
+          {"num_layers_at_start_in_bf16", o.num_layers_at_start_in_bf16},
+          {"num_layers_at_end_in_bf16", o.num_layers_at_end_in_bf16},
           {"optimizer_state_precision", std::string(to_string(o.optimizer_state))},
           {"micro_batch_size", o.micro_batch_size},
           {"global_batch_size", o.global_batch_size},
@@ -268,39 +274,78 @@ void add_scaling_tensors(SafetensorsWriter& writer, const ScalingSnapshot& state
   writer.set_metadata("initialized", state.initialized ? "1" : "0");
 }
 
-// The stored scaling state when it matches the run's operands exactly; otherwise none
-// (with the reason logged), and the run starts with an empty history.
+// The stored scaling state, laid out for this run's operands: each operand takes the stored
+// state of the same name and format. Operands the checkpoint lacks (blocks that were BF16 under
+// another --first-last-layers-bf16, another --fp8-lm-head or --fp8-format) start empty, and then
+// the whole table quantizes its first step with current scaling (as a fresh run does) while the
+// matched windows keep their amaxes. None (with the reason logged) when the history length
+// differs or no operand matches: every state starts afresh.
 std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, const ScalingSnapshot& expected,
                                                   int version) {
   const auto& meta = file.metadata();
   FP8LM_INPUT_CHECK(meta.count("names") && meta.count("dtypes") && meta.count("initialized"), file.path(),
                     ": missing FP8 scaling metadata");
-  ScalingSnapshot state;
+  ScalingSnapshot stored;
   try {
-    state.names = nlohmann::json::parse(meta.at("names")).get<std::vector<std::string>>();
+    stored.names = nlohmann::json::parse(meta.at("names")).get<std::vector<std::string>>();
     for (const std::string& d : nlohmann::json::parse(meta.at("dtypes")).get<std::vector<std::string>>())
-      state.dtypes.push_back(d == "e4m3" ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2);
+      stored.dtypes.push_back(d == "e4m3" ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(file.path() + ": bad FP8 scaling metadata (" + e.what() + ")");
   }
+  FP8LM_INPUT_CHECK(stored.dtypes.size() == stored.names.size(), file.path(),
+                    ": FP8 scaling metadata names ", stored.names.size(), " operands but ", stored.dtypes.size(),
+                    " formats");
   FP8LM_INPUT_CHECK(file.contains("amax_history"), file.path(), ": missing tensor \"amax_history\"");
   const auto& history = file.tensor("amax_history");
   const bool state_major = version < 2;  // version 1: [states, history]
-  const int64_t states = int64_t(state.names.size());
-  FP8LM_INPUT_CHECK(history.shape.size() == 2 && history.shape[state_major ? 0 : 1] == states, file.path(),
+  const int64_t S = int64_t(stored.names.size());
+  FP8LM_INPUT_CHECK(history.shape.size() == 2 && history.shape[state_major ? 0 : 1] == S, file.path(),
                     ": amax_history shape does not match its names");
-  state.history_len = static_cast<int>(history.shape[state_major ? 1 : 0]);
-  if (state.names != expected.names || state.dtypes != expected.dtypes || state.history_len != expected.history_len) {
-    spdlog::warn("{}: FP8 scaling state is for other operands, formats or history length; starting it afresh",
-                 file.path());
+  stored.history_len = static_cast<int>(history.shape[state_major ? 1 : 0]);
+  if (stored.history_len != expected.history_len) {
+    spdlog::warn("{}: its amax histories are {} steps long and --fp8-amax-history-len is {}: the FP8 scaling "
+                 "state starts afresh (current scaling on the first step)",
+                 file.path(), stored.history_len, expected.history_len);
     return std::nullopt;
   }
-  const int64_t S = static_cast<int64_t>(state.names.size());
-  state.history = read_as_float(history);
-  if (state_major) state.history = history_from_state_major(state.history, int(S), state.history_len);
-  state.scale = read_as_float(expect_tensor(file, "scale", SafetensorsDtype::F32, {S}));
-  state.scale_inv = read_as_float(expect_tensor(file, "scale_inv", SafetensorsDtype::F32, {S}));
-  state.initialized = meta.at("initialized") == "1";
+  stored.history = read_as_float(history);
+  if (state_major) stored.history = history_from_state_major(stored.history, int(S), stored.history_len);
+  stored.scale = read_as_float(expect_tensor(file, "scale", SafetensorsDtype::F32, {S}));
+  stored.scale_inv = read_as_float(expect_tensor(file, "scale_inv", SafetensorsDtype::F32, {S}));
+  stored.initialized = meta.at("initialized") == "1";
+  if (stored.names == expected.names && stored.dtypes == expected.dtypes) return stored;
+
+  // Match by name, as Transformer Engine matches a module's FP8 metadata to its module.
+  std::map<std::string, int64_t> index_of;
+  for (int64_t j = 0; j < S; ++j) index_of.emplace(stored.names[size_t(j)], j);
+  const int64_t R = int64_t(expected.names.size());
+  ScalingSnapshot state = expected;
+  std::fill(state.history.begin(), state.history.end(), 0.0f);
+  std::fill(state.scale.begin(), state.scale.end(), 1.0f);
+  std::fill(state.scale_inv.begin(), state.scale_inv.end(), 1.0f);
+  int64_t matched = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const auto found = index_of.find(expected.names[size_t(i)]);
+    if (found == index_of.end() || stored.dtypes[size_t(found->second)] != expected.dtypes[size_t(i)]) continue;
+    const int64_t j = found->second;
+    for (int slot = 0; slot < state.history_len; ++slot)
+      state.history[size_t(slot * R + i)] = stored.history[size_t(slot * S + j)];
+    state.scale[size_t(i)] = stored.scale[size_t(j)];
+    state.scale_inv[size_t(i)] = stored.scale_inv[size_t(j)];
+    ++matched;
+  }
+  if (matched == 0) {
+    spdlog::warn("{}: FP8 scaling state is for other operands or formats; starting it afresh", file.path());
+    return std::nullopt;
+  }
+  // Delayed scales are used as a table (all initialized or none): with an operand new to the
+  // table, every operand takes current scaling until the first update.
+  state.initialized = stored.initialized && matched == R;
+  spdlog::warn("{}: {} of this run's {} FP8 scaling states resume by name ({} stored); the operands differ "
+               "(--first-last-layers-bf16, --fp8-lm-head or --fp8-format changed){}",
+               file.path(), matched, R, S,
+               state.initialized ? "" : ": those without one start empty, and the first step takes current scaling");
   return state;
 }
 
@@ -378,6 +423,37 @@ std::string manifest_string(const nlohmann::json& state, const std::string& stat
   return value.get<std::string>();
 }
 
+// The FP8 settings of the run that saved `state`, when it trained with FP8 GEMMs. Keys added
+// after the first checkpoints may be absent: their flags were off then.
+std::optional<CheckpointManifest::Fp8Settings> saved_fp8_settings(const nlohmann::json& state,
+                                                                  const std::string& state_path) {
+  const nlohmann::json::json_pointer precision("/args/precision");
+  if (!state.contains(precision) || state[precision] != "fp8") return std::nullopt;
+  CheckpointManifest::Fp8Settings fp8;
+  auto count = [&](const std::string& key) {
+    const uint64_t value = manifest_count(state, state_path, "/args/" + key);
+    FP8LM_INPUT_CHECK(value <= uint64_t(std::numeric_limits<int>::max()), state_path, ": key \"args/", key,
+                      "\" out of range");
+    return static_cast<int>(value);
+  };
+  fp8.amax_history_len = count("fp8_amax_history_len");
+  FP8LM_INPUT_CHECK(fp8.amax_history_len >= 1 && fp8.amax_history_len <= kMaxAmaxHistoryLen, state_path,
+                    ": key \"args/fp8_amax_history_len\" must be in [1, ", kMaxAmaxHistoryLen, "], not ",
+                    fp8.amax_history_len);
+  const std::string algo = manifest_string(state, state_path, "/args/fp8_amax_compute_algo");
+  FP8LM_INPUT_CHECK(algo == "max" || algo == "most_recent", state_path,
+                    ": key \"args/fp8_amax_compute_algo\" must be \"max\" or \"most_recent\", not \"", algo, "\"");
+  fp8.amax_compute_algo = algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
+  if (state.contains(nlohmann::json::json_pointer("/args/first_last_layers_bf16"))) {
+    const nlohmann::json& flag = manifest_field(state, state_path, "/args/first_last_layers_bf16");
+    FP8LM_INPUT_CHECK(flag.is_boolean(), state_path, ": key \"args/first_last_layers_bf16\" must be true or false");
+    fp8.first_last_layers_bf16 = flag.get<bool>();
+    fp8.num_layers_at_start_in_bf16 = count("num_layers_at_start_in_bf16");
+    fp8.num_layers_at_end_in_bf16 = count("num_layers_at_end_in_bf16");
+  }
+  return fp8;
+}
+
 // A recorded file's size and CRC-32, before anything is read from it.
 void verify_data_file(const fs::path& dir, const std::string& name, const nlohmann::json& state,
                       const std::string& state_path) {
@@ -429,6 +505,7 @@ CheckpointManifest read_manifest(const fs::path& dir, bool verify_data) {
   manifest.config.name = state.contains("config_name") ? manifest_string(state, state_path, "/config_name")
                                                        : std::string("checkpoint");
   manifest.precision = state.contains("precision") ? manifest_string(state, state_path, "/precision") : "?";
+  manifest.fp8 = saved_fp8_settings(state, state_path);
 
   const nlohmann::json& files = manifest_field(state, state_path, "/files");
   FP8LM_INPUT_CHECK(files.is_object(), state_path, ": key \"files\" must be an object of file records");
@@ -689,6 +766,34 @@ void adopt_resume_checkpoint(TrainOptions& options) {
                  "continues where it stopped",
                  options.seed, *manifest.seed, manifest.dir, *manifest.seed);
     options.seed = *manifest.seed;
+  }
+  if (!manifest.fp8 || !options.fp8_enabled()) return;
+  // The recipe that wrote the checkpoint, for the flags left out: its amax histories then
+  // resume as they were, whatever this build's defaults (which changed to Megatron-LM's).
+  const CheckpointManifest::Fp8Settings& saved = *manifest.fp8;
+  auto adopt = [&](const char* flag, auto& value, auto saved_value, auto describe) {
+    if (options.given(flag) || value == saved_value) return;
+    spdlog::info("{} not given: resuming with the checkpoint's {} (the default is {})", flag, describe(saved_value),
+                 describe(value));
+    value = saved_value;
+  };
+  auto number = [](int value) { return std::to_string(value); };
+  auto algo_name = [](AmaxComputeAlgo algo) { return std::string(to_string(algo)); };
+  adopt("--fp8-amax-history-len", options.fp8.amax_history_len, saved.amax_history_len, number);
+  adopt("--fp8-amax-compute-algo", options.fp8.amax_compute_algo, saved.amax_compute_algo, algo_name);
+  // The three BF16-layer flags go together: they decide which blocks have FP8 scaling states.
+  const bool layers_given = options.given("--first-last-layers-bf16") ||
+                            options.given("--num-layers-at-start-in-bf16") ||
+                            options.given("--num-layers-at-end-in-bf16");
+  const int saved_start = saved.first_last_layers_bf16 ? saved.num_layers_at_start_in_bf16 : 0;
+  const int saved_end = saved.first_last_layers_bf16 ? saved.num_layers_at_end_in_bf16 : 0;
+  if (!layers_given && (options.bf16_layers_at_start() != saved_start || options.bf16_layers_at_end() != saved_end)) {
+    spdlog::info("--first-last-layers-bf16 not given: resuming with the checkpoint's BF16 layers ({})",
+                 saved.first_last_layers_bf16 ? "first " + number(saved_start) + ", last " + number(saved_end)
+                                              : std::string("none"));
+    options.first_last_layers_bf16 = saved.first_last_layers_bf16;
+    options.num_layers_at_start_in_bf16 = saved.num_layers_at_start_in_bf16;
+    options.num_layers_at_end_in_bf16 = saved.num_layers_at_end_in_bf16;
   }
 }
 

@@ -72,6 +72,16 @@ struct CheckpointManifest {
   std::optional<uint64_t> seed;     // the run's --seed (absent in hand-made manifests)
   GptConfig config;
   std::string precision;            // the saving run's, for messages
+  // The saving run's FP8 settings from state.json's "args", when it trained with FP8 GEMMs: a
+  // resume takes them for the flags it leaves out (adopt_resume_checkpoint).
+  struct Fp8Settings {
+    int amax_history_len = 0;
+    AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::most_recent;
+    bool first_last_layers_bf16 = false;  // absent before the flag existed: off
+    int num_layers_at_start_in_bf16 = 1;
+    int num_layers_at_end_in_bf16 = 1;
+  };
+  std::optional<Fp8Settings> fp8;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)
 };
 
@@ -129,6 +139,11 @@ InferenceWeights read_inference_weights(const std::string& path, std::optional<i
 // and its checksum; the data files are verified when they are read), and makes the
 // checkpoint's seed the run's, with a warning naming both values when --seed differs: the
 // data order continues where it stopped only with the seed that began it.
+// An FP8 run resuming an FP8 checkpoint also takes the checkpoint's --fp8-amax-history-len,
+// --fp8-amax-compute-algo and BF16 first and last layers for the flags it leaves out (as
+// `fp8lm eval` does), so a checkpoint resumes with the recipe that wrote it whatever this
+// build's defaults are; a flag given explicitly wins (load_into_engine then says what of the
+// scaling state it could keep).
 void adopt_resume_checkpoint(TrainOptions& options);
 
 // The model config stored with a checkpoint or Hugging Face directory (state.json's

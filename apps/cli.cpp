@@ -145,7 +145,16 @@ void validate_options(const TrainOptions& o) {
   require(o.fp8.amax_history_len >= 1 && o.fp8.amax_history_len <= kMaxAmaxHistoryLen,
           "--fp8-amax-history-len must be in [1, " + num(kMaxAmaxHistoryLen) + "] (got " +
               num(o.fp8.amax_history_len) + ")");
-  require(o.fp8.margin >= 0 && o.fp8.margin <= 64, "--fp8-margin must be in [0, 64] (got " + num(o.fp8.margin) + ")");
+  require(o.fp8.margin >= 0 && o.fp8.margin <= kMaxFp8Margin,
+          "--fp8-margin must be in [0, " + num(kMaxFp8Margin) + "] (got " + num(o.fp8.margin) + ")");
+  // As in Megatron, the counts are read only under --first-last-layers-bf16; their sum against
+  // the model's layers is checked once the config is known (resolve_run_setup).
+  if (o.first_last_layers_bf16) {
+    require(o.num_layers_at_start_in_bf16 >= 0,
+            "--num-layers-at-start-in-bf16 must be >= 0 (got " + num(o.num_layers_at_start_in_bf16) + ")");
+    require(o.num_layers_at_end_in_bf16 >= 0,
+            "--num-layers-at-end-in-bf16 must be >= 0 (got " + num(o.num_layers_at_end_in_bf16) + ")");
+  }
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,
@@ -203,7 +212,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   // ---- Precision
   const char* precision = "Precision";
   bool bf16 = false, fp32 = false, fp8_hybrid = false, fp8_e4m3 = false;
-  std::string fp8_format, fp8_recipe = "delayed", amax_algo = "max", state_precision = "fp8-fp16";
+  std::string fp8_format, fp8_recipe = "delayed", amax_algo(to_string(o.fp8.amax_compute_algo)),
+      state_precision = "fp8-fp16";
   app.add_flag("--bf16", bf16, "BF16 mixed precision (the default without an FP8 flag)")->group(precision);
   app.add_flag("--fp32", fp32, "FP32 GEMMs (a reference mode, for debugging)")->group(precision);
   app.add_option("--fp8-format", fp8_format, "FP8 GEMMs: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)")
@@ -222,6 +232,15 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->check(CLI::IsMember({"max", "most_recent"}))
       ->group(precision);
   app.add_flag("--fp8-lm-head", o.fp8_lm_head, "Run the tied LM-head GEMMs in FP8 too (default BF16)")
+      ->group(precision);
+  app.add_flag("--first-last-layers-bf16", o.first_last_layers_bf16,
+               "Under FP8, run the first and last blocks' Linear GEMMs in BF16 (counts below)")
+      ->group(precision);
+  app.add_option("--num-layers-at-start-in-bf16", o.num_layers_at_start_in_bf16,
+                 "With --first-last-layers-bf16: how many blocks at the start run in BF16")
+      ->group(precision);
+  app.add_option("--num-layers-at-end-in-bf16", o.num_layers_at_end_in_bf16,
+                 "With --first-last-layers-bf16: how many blocks at the end run in BF16")
       ->group(precision);
   app.add_option("--optimizer-state-precision", state_precision,
                  "AdamW moments: fp8-fp16 (E4M3 m, FP16 v, FP8-LLM) or fp32")
@@ -361,6 +380,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   }
 
   o.seed = parse_unsigned_flag("--seed", seed_text);
+  for (const CLI::Option* option : app.get_options())
+    if (option->count() > 0) o.given_flags.insert(option->get_name());
 
   // Precision resolution follows Megatron: an FP8 format turns FP8 GEMMs on (with or
   // without --bf16); otherwise BF16.

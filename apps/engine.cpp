@@ -246,8 +246,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   Communicator* tp_group = layout.tp_size > 1 ? &s.groups->tp() : nullptr;
   s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
   s.ops->set_amax_group(tp_group);
-  const GptPrecision precision{.gemm = o.precision, .fp8_lm_head = o.fp8_lm_head, .fp8 = o.fp8};
-  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, precision, *s.ops,
+  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, model_precision(o), *s.ops,
                                        ModelParallelism{s.tp.get(), layout.dp_size});
   s.canonical = make_gpt_layout(setup.model);
   s.state_precision = o.optimizer_state;

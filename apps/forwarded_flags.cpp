@@ -51,6 +51,9 @@ const std::vector<ForwardedFlag> kPrecisionFlags = {
     {"--fp8-amax-history-len", true, "Amax history window (delayed scaling)"},
     {"--fp8-amax-compute-algo", true, "max or most_recent"},
     {"--fp8-lm-head", false, "The tied LM-head GEMM in FP8 too"},
+    {"--first-last-layers-bf16", false, "The first and last blocks' GEMMs in BF16 under FP8 (counts below)"},
+    {"--num-layers-at-start-in-bf16", true, "With --first-last-layers-bf16: blocks at the start in BF16"},
+    {"--num-layers-at-end-in-bf16", true, "With --first-last-layers-bf16: blocks at the end in BF16"},
 };
 
 ForwardedFlags::ForwardedFlags(CLI::App& app, std::vector<ForwardedFlag> flags) : app_(app), flags_(std::move(flags)) {
@@ -143,6 +146,15 @@ std::vector<std::string> checkpoint_run_flags(const std::string& path, std::opti
       add("--fp8-amax-history-len", "fp8_amax_history_len");
       add("--fp8-amax-compute-algo", "fp8_amax_compute_algo");
       if (args.value("fp8_lm_head", false) && !given.count("--fp8-lm-head")) flags.push_back("--fp8-lm-head");
+      // The BF16 blocks decide which FP8 scaling states exist: the three flags go together.
+      const bool layers_given = given.count("--first-last-layers-bf16") ||
+                                given.count("--num-layers-at-start-in-bf16") ||
+                                given.count("--num-layers-at-end-in-bf16");
+      if (args.value("first_last_layers_bf16", false) && !layers_given) {
+        flags.push_back("--first-last-layers-bf16");
+        add("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16");
+        add("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16");
+      }
     }
   }
   return flags;

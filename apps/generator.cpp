@@ -49,14 +49,13 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   } else {
     s.ops = make_cpu_ops();
   }
-  const GptPrecision precision{.gemm = o.precision, .fp8_lm_head = o.fp8_lm_head, .fp8 = o.fp8};
   s.model = std::make_unique<GptModel>(setup.model,
                                        // the prompt's last token runs as the first decoding step
                                        InferenceShape{.batch = shape.batch,
                                                       .max_prompt = std::max(1, shape.max_prompt - 1),
                                                       .capacity = shape.capacity,
                                                       .fp8_kv_cache = shape.fp8_kv_cache},
-                                       precision, *s.ops);
+                                       model_precision(o), *s.ops);
   s.canonical = make_gpt_layout(setup.model);
 }
 

@@ -136,25 +136,49 @@ uint64_t tensor_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DTyp
   return with_transpose ? mul(one, 2) : one;
 }
 
+// The blocks' GEMM precisions with how many blocks take each: one entry, or two under
+// --first-last-layers-bf16 (counted, not looped: the estimate also sizes absurd layer counts).
+std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x, const GptPrecision& precision) {
+  const uint64_t bf16 = std::min<uint64_t>(x.L, uint64_t(precision.bf16_layers_at_start) +
+                                                    uint64_t(precision.bf16_layers_at_end));
+  if (precision.gemm != GemmPrecision::fp8 || bf16 == 0) return {{precision.gemm, x.L}};
+  std::vector<std::pair<GemmPrecision, uint64_t>> blocks = {{GemmPrecision::bf16, bf16}};
+  if (x.L > bf16) blocks.push_back({GemmPrecision::fp8, x.L - bf16});
+  return blocks;
+}
+
 uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
-  const DType block_input = forward_operand_dtype(precision.gemm);
-  const DType block_grad = gradient_operand_dtype(precision.gemm, precision.fp8.format);
   const DType head_input = forward_operand_dtype(precision.lm_head());
   const DType head_grad = gradient_operand_dtype(precision.lm_head(), precision.fp8.format);
-  const uint64_t per_layer = sum({
-      tensor_bytes(eb, x.N, x.C, act),               // residual (the first layer's is the encoder output)
-      tensor_bytes(eb, x.BT, x.C, block_input),      // ln1
-      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
-      tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
-      tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
-      block_input == act ? 0 : tensor_bytes(eb, x.BT, x.Cl, block_input),
-      tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
-      tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
-      tensor_bytes(eb, x.BT, x.C, block_input),             // ln2
-      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
-      tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
-      tensor_bytes(eb, x.BT, x.Fl, block_input),  // gelu
-  });
+  // Each block's saved activations, with its own GEMM operand dtype (BF16 blocks under
+  // --first-last-layers-bf16), and one gradient operand buffer per dtype the blocks use.
+  uint64_t layers = 0;
+  std::vector<DType> grad_dtypes;
+  for (const auto& [gemm, count] : block_precisions(x, precision)) {
+    const DType block_input = forward_operand_dtype(gemm);
+    const DType block_grad = gradient_operand_dtype(gemm, precision.fp8.format);
+    if (std::find(grad_dtypes.begin(), grad_dtypes.end(), block_grad) == grad_dtypes.end())
+      grad_dtypes.push_back(block_grad);
+    const uint64_t per_layer = sum({
+        tensor_bytes(eb, x.N, x.C, act),               // residual (the first layer's is the encoder output)
+        tensor_bytes(eb, x.BT, x.C, block_input),      // ln1
+        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
+        tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
+        tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
+        block_input == act ? 0 : tensor_bytes(eb, x.BT, x.Cl, block_input),
+        tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
+        tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
+        tensor_bytes(eb, x.BT, x.C, block_input),             // ln2
+        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
+        tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
+        tensor_bytes(eb, x.BT, x.Fl, block_input),  // gelu
+    });
+    layers = add(layers, mul(count, per_layer));
+  }
+  uint64_t grad_operands = 0;
+  for (DType grad_dtype : grad_dtypes)
+    grad_operands = add(grad_operands, tensor_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
+                                                    is_fp8(grad_dtype)));
   const bool sp = x.sequence_parallel;
   const uint64_t once = sum({
       tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
@@ -176,19 +200,20 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       tensor_bytes(eb, x.BT, x.Cl, act),      // datty
       tensor_bytes(eb, x.BT, 3 * x.Cl, act),  // dqkv
       tensor_bytes(eb, x.BT, x.Fl, act),      // dgelu
-      tensor_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), block_grad, is_fp8(block_grad)),
+      grad_operands,
   });
-  return add(mul(x.L, per_layer), once);
+  return add(layers, once);
 }
 
 // Weight operands that are not views of the working copy (FP8 codes and their transposes;
 // BF16 copies on the CPU, whose working copy is FP32).
 uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
   uint64_t bytes = 0;
-  const DType block = forward_operand_dtype(precision.gemm);
-  if (block != act) {
+  for (const auto& [gemm, count] : block_precisions(x, precision)) {
+    const DType block = forward_operand_dtype(gemm);
+    if (block == act) continue;
     for (const auto& [rows, cols] : {std::pair{3 * x.C / x.tp, x.C}, {x.C, x.Cl}, {x.Fl, x.C}, {x.C, x.Fl}})
-      bytes = add(bytes, mul(x.L, tensor_bytes(eb, rows, cols, block, is_fp8(block))));
+      bytes = add(bytes, mul(count, tensor_bytes(eb, rows, cols, block, is_fp8(block))));
   }
   const DType head = forward_operand_dtype(precision.lm_head());
   if (head != act) bytes = add(bytes, tensor_bytes(eb, x.Vs, x.C, head, is_fp8(head)));
@@ -197,8 +222,9 @@ uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act,
 
 int fp8_scaling_states(const RunSetup& s) {
   if (!s.options.fp8_enabled()) return 0;
-  // Three per FP8 Linear (input, weight, output gradient): four per block, and the head's.
-  return 3 * (4 * s.model.n_layer + (s.options.fp8_lm_head ? 1 : 0));
+  // Three per FP8 Linear (input, weight, output gradient): four per FP8 block, and the head's.
+  const int fp8_blocks = s.model.n_layer - s.options.bf16_layers_at_start() - s.options.bf16_layers_at_end();
+  return 3 * (4 * std::max(fp8_blocks, 0) + (s.options.fp8_lm_head ? 1 : 0));
 }
 
 // The CUDA backend's workspaces (layers/ops_cuda.cpp plan_workspace), from the kernels' own
@@ -247,10 +273,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   const bool cuda = s.use_cuda;
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
-  GptPrecision precision;
-  precision.gemm = o.precision;
-  precision.fp8_lm_head = o.fp8_lm_head;
-  precision.fp8 = o.fp8;
+  const GptPrecision precision = model_precision(o);
 
   const Slab slab = slab_of(x);
   const uint64_t n = slab.elements;            // this rank's parameter slab
@@ -319,7 +342,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
              number(uint64_t(o.fp8.amax_history_len)) + ")";
     c.host_bytes = mul(history, 2);
     c.device_bytes = cuda ? history : 0;
-    c.remedy = "lower --fp8-amax-history-len (Transformer Engine's default is 1024)";
+    c.remedy = "lower --fp8-amax-history-len (the default, Megatron-LM's, is 1)";
     estimate.consumers.push_back(std::move(c));
   }
 

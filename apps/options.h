@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,12 @@ struct TrainOptions {
   GemmPrecision precision = GemmPrecision::bf16;  // --bf16 / --fp8-format / --fp32
   Fp8RecipeConfig fp8;                            // --fp8-format --fp8-recipe --fp8-margin ...
   bool fp8_lm_head = false;                       // --fp8-lm-head: the tied LM head in FP8 too
+  // --first-last-layers-bf16: under FP8, the first --num-layers-at-start-in-bf16 and the last
+  // --num-layers-at-end-in-bf16 blocks run their four Linear GEMMs in BF16 (Megatron's flags and
+  // defaults; the counts mean nothing without the flag, as in Megatron).
+  bool first_last_layers_bf16 = false;
+  int num_layers_at_start_in_bf16 = 1;
+  int num_layers_at_end_in_bf16 = 1;
   OptimizerStatePrecision optimizer_state = OptimizerStatePrecision::fp8_fp16;  // --optimizer-state-precision
 
   // Batch
@@ -111,7 +118,15 @@ struct TrainOptions {
   bool benchmark = false;              // --benchmark: time steps (synchronised), report median, MFU
   int benchmark_warmup = 5;            // --benchmark-warmup: steps left out of the timing
 
+  // The flags the command line gave ("--fp8-amax-history-len", ...): a resumed run takes the
+  // checkpoint's FP8 recipe for those it left out (adopt_resume_checkpoint, apps/checkpointing.h).
+  std::set<std::string> given_flags;
+  bool given(const std::string& flag) const { return given_flags.count(flag) > 0; }
+
   bool fp8_enabled() const { return precision == GemmPrecision::fp8; }
+  // The blocks whose GEMMs run in BF16 under FP8: [0, start) and [n_layer - end, n_layer).
+  int bf16_layers_at_start() const { return fp8_enabled() && first_last_layers_bf16 ? num_layers_at_start_in_bf16 : 0; }
+  int bf16_layers_at_end() const { return fp8_enabled() && first_last_layers_bf16 ? num_layers_at_end_in_bf16 : 0; }
   // "fp8-hybrid", "fp8-e4m3", "bf16" or "fp32": how logs, benchmarks and checkpoints name the run.
   std::string precision_name() const {
     return fp8_enabled() ? "fp8-" + std::string(to_string(fp8.format)) : std::string(to_string(precision));

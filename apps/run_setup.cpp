@@ -65,6 +65,23 @@ GptConfig model_config_from(const TrainOptions& o) {
   return config;
 }
 
+// Which blocks run BF16 GEMMs under --first-last-layers-bf16, for the startup table.
+std::string bf16_blocks_description(const TrainOptions& o, int n_layer) {
+  if (!o.first_last_layers_bf16) return "off";
+  const int start = o.bf16_layers_at_start(), end = o.bf16_layers_at_end();
+  auto range = [](int first, int last) {
+    return first == last ? std::to_string(first) : std::to_string(first) + "-" + std::to_string(last);
+  };
+  std::vector<std::string> blocks;
+  if (start > 0) blocks.push_back(range(0, start - 1));
+  if (end > 0) blocks.push_back(range(n_layer - end, n_layer - 1));
+  std::string text = "first " + std::to_string(start) + ", last " + std::to_string(end);
+  if (blocks.empty()) return text + " (no block in BF16)";
+  text += " (blocks ";
+  for (size_t i = 0; i < blocks.size(); ++i) text += (i ? ", " : "") + blocks[i];
+  return text + " in BF16)";
+}
+
 }  // namespace
 
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel) {
@@ -87,6 +104,16 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                     m.n_inner);
   FP8LM_INPUT_CHECK(m.padded_vocab_size() % (8 * tp) == 0, "--tensor-model-parallel-size ", tp,
                     " does not divide the padded vocabulary ", m.padded_vocab_size(), " into slices of a multiple of 8");
+
+  const TrainOptions& o = setup.options;  // with what a resume took from its checkpoint
+  if (o.first_last_layers_bf16) {
+    const int64_t bf16_layers = int64_t{o.num_layers_at_start_in_bf16} + o.num_layers_at_end_in_bf16;
+    if (bf16_layers > m.n_layer)
+      throw InputError("--num-layers-at-start-in-bf16 (" + std::to_string(o.num_layers_at_start_in_bf16) +
+                           ") + --num-layers-at-end-in-bf16 (" + std::to_string(o.num_layers_at_end_in_bf16) +
+                           ") exceed the model's " + std::to_string(m.n_layer) + " layers",
+                       "the two counts may cover each block once at most (--bf16 runs every block in BF16)");
+  }
 
   setup.seq_length = options.seq_length > 0 ? options.seq_length : setup.model.n_positions;
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
@@ -138,6 +165,14 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   return setup;
 }
 
+GptPrecision model_precision(const TrainOptions& o) {
+  return GptPrecision{.gemm = o.precision,
+                      .fp8_lm_head = o.fp8_lm_head,
+                      .bf16_layers_at_start = o.bf16_layers_at_start(),
+                      .bf16_layers_at_end = o.bf16_layers_at_end(),
+                      .fp8 = o.fp8};
+}
+
 SettingsTable settings_table(const RunSetup& s) {
   const TrainOptions& o = s.options;
   const GptConfig& m = s.model;
@@ -171,6 +206,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"fp8-margin", fp8 ? str(o.fp8.margin) : "(fp8 off)"},
       {"fp8-interval", fp8 ? str(o.fp8.interval) : "(fp8 off)"},
       {"fp8-lm-head", fp8 ? (o.fp8_lm_head ? "fp8" : "bf16") : "(fp8 off)"},
+      {"first-last-layers-bf16", !fp8 ? "(fp8 off)" : bf16_blocks_description(o, m.n_layer)},
       {"optimizer-state-precision", std::string(to_string(o.optimizer_state))},
       {"micro-batch-size", str(o.micro_batch_size)},
       {"global-batch-size", str(s.global_batch_size)},

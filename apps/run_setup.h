@@ -7,6 +7,7 @@
 #include "apps/options.h"
 #include "core/gpt_config.h"
 #include "core/logging.h"
+#include "layers/gpt.h"
 #include "parallel/process_groups.h"
 
 namespace fp8lm {
@@ -29,6 +30,9 @@ struct RunSetup {
 // model config and the parallel layout (sizes that must divide each other) is here, the last
 // being that the run's estimated memory fits the host (and the GPU).
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel = {});
+
+// How the flags' precision maps onto the model's GEMMs (the training and decoding models).
+GptPrecision model_precision(const TrainOptions& options);
 
 // Every setting, one row each, for the startup table.
 SettingsTable settings_table(const RunSetup& setup);

@@ -410,7 +410,7 @@ void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratc
 void compute_current_scale(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin,
                            cudaStream_t stream) {
   FP8LM_CHECK(scale != nullptr && scale_inv != nullptr && amax != nullptr, "compute_current_scale needs pointers");
-  FP8LM_CHECK(margin >= 0 && margin < 64, "margin ", margin);
+  FP8LM_CHECK(margin >= 0 && margin <= kMaxFp8Margin, "margin ", margin);
   current_scale_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, amax, fp8_max, margin);
   CUDA_CHECK_LAUNCH();
 }

@@ -86,7 +86,7 @@ __global__ void current_scale_and_record_kernel(float* scale, float* scale_inv, 
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
                            AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip) {
   FP8LM_CHECK(S >= 0 && L >= 1, "update_delayed_scales: S=", S, " L=", L);
-  FP8LM_CHECK(margin >= 0 && margin < 64, "update_delayed_scales: margin ", margin);
+  FP8LM_CHECK(margin >= 0 && margin <= kMaxFp8Margin, "update_delayed_scales: margin ", margin);
   if (S == 0) return;
   FP8LM_CHECK(history && scale && scale_inv && format_max, "update_delayed_scales needs every array");
   const size_t smem = static_cast<size_t>(L) * sizeof(float);

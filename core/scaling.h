@@ -48,8 +48,11 @@ std::string_view to_string(AmaxComputeAlgo algo);
 struct Fp8RecipeConfig {
   Fp8Format format = Fp8Format::hybrid;
   ScalingRecipe recipe = ScalingRecipe::delayed;
-  int amax_history_len = 1024;
-  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::max;
+  // Megatron-LM's defaults (--fp8-amax-history-len 1, --fp8-amax-compute-algo most_recent):
+  // the scale follows the last step's amax. The seed recipe's history 1024 with `max` (Transformer
+  // Engine's DelayedScaling defaults) is selected by passing those flags.
+  int amax_history_len = 1;
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::most_recent;
   int margin = 0;
   int interval = 1;  // update the delayed scales every `interval` optimizer steps
 };
@@ -60,14 +63,20 @@ inline bool is_scale_update_step(const Fp8RecipeConfig& config, int64_t step) {
   return config.recipe == ScalingRecipe::delayed && (step + 1) % config.interval == 0;
 }
 
+// --fp8-margin's range: [0, kMaxFp8Margin].
+inline constexpr int kMaxFp8Margin = 64;
+
 // The one scale rule, shared by the CPU reference and the GPU kernels.
 // Keeps `previous_scale` when amax is 0 or not finite (nothing to learn from), and
-// caps the scale at FLT_MAX when a tiny amax would overflow it.
+// caps the scale at FLT_MAX when a tiny amax would overflow it. The margin lowers the
+// format's maximum by an exact power of two before the one division (Transformer Engine's
+// order): the same value as dividing the scale by 2^margin afterwards wherever that is
+// exact, and defined for every margin the flag accepts (a shift of 1 by 64 is not).
 FP8LM_HOST_DEVICE inline float compute_scale(float amax, float format_max, int margin,
                                              float previous_scale) {
   constexpr float kFloatMax = 3.402823466e38f;
   if (!(amax > 0.0f && amax <= kFloatMax)) return previous_scale;  // 0, negative, inf or NaN
-  float scale = format_max / amax / static_cast<float>(1ull << margin);
+  const float scale = ldexpf(format_max, -margin) / amax;
   return scale <= kFloatMax ? scale : kFloatMax;
 }
 

@@ -236,7 +236,10 @@ struct GptModel::Scratch {
   Tensor datty;              // [BT,C']
   Tensor dqkv;               // [BT,3C']
   Tensor dgelu;              // [BT,F'] gradient of the GELU output
-  Tensor grad_operand;       // [BT,max(F',3C',C)] gradient operand storage (FP8 with transpose, or activation)
+  // [BT,max(F',3C',C)] gradient operand storage, one per dtype the blocks' gradient operands
+  // take (FP8 with its transpose, BF16, or the activation dtype); two when some blocks run
+  // BF16 GEMMs under FP8 (--first-last-layers-bf16).
+  std::vector<Tensor> grad_operands;
 };
 
 namespace {
@@ -357,10 +360,15 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     LinearParams* linears[4] = {&block.qkv, &block.proj, &block.fc, &block.fc2};
     for (int i = 0; i < 4; ++i) {
       const std::string name = h + kBlockLinearNames[i];
-      *linears[i] = make_linear(name, name + ".weight", true, precision.gemm);
+      *linears[i] = make_linear(name, name + ".weight", true, precision.block(l, config.n_layer));
     }
     blocks_.push_back(std::move(block));
   }
+  // A block whose Linears run in BF16 has no FP8 weights: its weight bucket travels in the
+  // working copy's dtype, as every non-Linear bucket does.
+  for (ParameterBucket& bucket : buckets_)
+    if (bucket.linear_weights && precision.block(bucket.layer, config.n_layer) != GemmPrecision::fp8)
+      bucket.linear_weights = false;
   lm_head_ = std::make_unique<LinearParams>(make_linear("lm_head", "wte.weight", false, precision.lm_head()));
   ln_f_ = std::make_unique<LayerNormParams>(
       LayerNormParams{working("ln_f.weight"), working("ln_f.bias"), grad("ln_f.weight"), grad("ln_f.bias")});
@@ -486,8 +494,12 @@ void GptModel::plan_memory() {
     s.datty = c.take(BT, Cl, act);
     s.dqkv = c.take(BT, 3 * Cl, act);
     s.dgelu = c.take(BT, F, act);
-    const DType grad_dtype = blocks_.empty() ? act : blocks_[0].fc.grad_dtype;
-    s.grad_operand = c.take(BT, std::max({F, 3 * Cl, C}), grad_dtype, -1, is_fp8(grad_dtype));
+    std::vector<DType> grad_dtypes;
+    for (const BlockParams& block : blocks_)
+      if (std::find(grad_dtypes.begin(), grad_dtypes.end(), block.fc.grad_dtype) == grad_dtypes.end())
+        grad_dtypes.push_back(block.fc.grad_dtype);
+    for (DType grad_dtype : grad_dtypes)
+      s.grad_operands.push_back(c.take(BT, std::max({F, 3 * Cl, C}), grad_dtype, -1, is_fp8(grad_dtype)));
     scratch_ = std::make_unique<Scratch>(s);
     return c.size();
   };
@@ -694,8 +706,12 @@ Tensor GptModel::gradient_operand(const Tensor& gradient, const LinearParams& li
 }
 
 Tensor GptModel::gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const {
-  Tensor operand = scratch_->grad_operand;
-  FP8LM_CHECK(operand.dtype == linear.grad_dtype && rows * cols <= operand.numel());
+  const std::vector<Tensor>& buffers = scratch_->grad_operands;
+  const auto found = std::find_if(buffers.begin(), buffers.end(),
+                                  [&](const Tensor& buffer) { return buffer.dtype == linear.grad_dtype; });
+  FP8LM_CHECK(found != buffers.end(), "no gradient operand buffer of dtype ", to_string(linear.grad_dtype));
+  Tensor operand = *found;
+  FP8LM_CHECK(rows * cols <= operand.numel());
   operand.rows = rows;
   operand.cols = cols;
   operand.scaling_state = linear.grad_state;

@@ -85,7 +85,18 @@ void init_gpt_parameters(float* params, const TensorLayout& layout, const GptCon
 struct GptPrecision {
   GemmPrecision gemm = GemmPrecision::fp32;  // the transformer blocks' Linear layers
   bool fp8_lm_head = false;                  // the tied LM head in FP8 too (else BF16 under fp8)
+  // Under fp8, the first and last blocks whose Linear layers run in BF16 instead
+  // (--first-last-layers-bf16): blocks [0, bf16_layers_at_start) and
+  // [n_layer - bf16_layers_at_end, n_layer). They have no FP8 scaling states.
+  int bf16_layers_at_start = 0;
+  int bf16_layers_at_end = 0;
   Fp8RecipeConfig fp8;
+  // Block `layer`'s GEMM precision, of `n_layer` blocks.
+  GemmPrecision block(int layer, int n_layer) const {
+    if (gemm != GemmPrecision::fp8) return gemm;
+    const bool bf16 = layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end;
+    return bf16 ? GemmPrecision::bf16 : GemmPrecision::fp8;
+  }
   // The LM head's GEMM precision: FP8 only when asked, BF16 under fp8 otherwise.
   GemmPrecision lm_head() const {
     if (gemm != GemmPrecision::fp8) return gemm;

@@ -118,7 +118,7 @@ TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries"
   CHECK(state["iteration"] == 8);
   CHECK(state["consumed_samples"] == 32);  // 8 steps x global batch 4
   CHECK(state["config"]["n_embd"] == 64);
-  CHECK(state["args"]["fp8_amax_history_len"] == 1024);
+  CHECK(state["args"]["fp8_amax_history_len"] == 1);  // the default, Megatron-LM's
   CHECK(state["files"]["model.safetensors"]["crc32"].get<std::string>().size() == 8);
 
   // The weights are Hugging Face GPT-2 names and layout; E4M3 m and FP16 v in the optimizer file.
@@ -131,7 +131,7 @@ TEST_CASE("a checkpoint directory: its files, latest, checksums, no temporaries"
   CHECK(optimizer.metadata().at("step_count") == "8");
   const auto scaling = SafetensorsFile::open(dir.file("ck/iter_0000008/fp8_scaling.safetensors"));
   // [history, states]: this step's amaxes are one contiguous row (checkpoint version 2).
-  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{1024, 24});
+  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{1, 24});
   CHECK(state["version"] == 2);
 
   // --ckpt-step picks an older iteration; --load without --config takes the stored one.
@@ -703,4 +703,89 @@ TEST_CASE("a save that runs out of space fails naming the file; latest and its c
   CHECK(leftovers(dir.file("ck")).empty());  // the staging directory is gone again
   CHECK_FALSE(fs::exists(dir.file("ck/iter_0000002")));
   CHECK(load_error(dir.file("ck")) == "(no error)");
+}
+
+TEST_CASE("a checkpoint of the seed recipe (history 1024, max) resumes bit-exactly with its flags left out; "
+          "another --fp8-amax-history-len starts the histories afresh, naming the flag",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string seed_recipe = kRun + "--fp8-hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max";
+  REQUIRE(run(seed_recipe + " --metrics-file " + dir.file("straight.jsonl")).exit_code == 0);
+  REQUIRE(run(seed_recipe + " --exit-interval 4 --save " + dir.file("ck") + " --metrics-file " + dir.file("split.jsonl"))
+              .exit_code == 0);
+  // The recipe flags left out: the checkpoint's recipe, not this build's defaults (history 1, most_recent).
+  const auto resumed = run(kRun + "--fp8-hybrid --log-level info --load " + dir.file("ck") + " --save " + dir.file("ck") +
+                           " --metrics-file " + dir.file("split.jsonl"));
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("--fp8-amax-history-len not given: resuming with the checkpoint's 1024 "
+                                               "(the default is 1)"));
+  CHECK_THAT(resumed.output, ContainsSubstring("--fp8-amax-compute-algo not given: resuming with the checkpoint's max "
+                                               "(the default is most_recent)"));
+  const auto straight = read_metrics(dir.file("straight.jsonl")), split = read_metrics(dir.file("split.jsonl"));
+  REQUIRE(straight.size() == 8);
+  REQUIRE(split.size() == 8);
+  for (size_t i = 0; i < 8; ++i) {
+    INFO("iteration " << i + 1);
+    CHECK(split[i]["loss"].get<double>() == straight[i]["loss"].get<double>());
+    CHECK(split[i]["grad_norm"].get<double>() == straight[i]["grad_norm"].get<double>());
+  }
+  const auto state = nlohmann::json::parse(file_bytes(dir.file("ck/iter_0000008/state.json")));
+  CHECK(state["args"]["fp8_amax_history_len"] == 1024);
+  CHECK(state["args"]["fp8_amax_compute_algo"] == "max");
+  const auto scaling = SafetensorsFile::open(dir.file("ck/iter_0000008/fp8_scaling.safetensors"));
+  CHECK(scaling.tensor("amax_history").shape == std::vector<int64_t>{1024, 24});
+
+  // A flag given explicitly wins. A 1024-step window does not fit a 1-step one: the scaling
+  // state starts afresh (current scaling on the first step), and the warning names the flag.
+  const auto changed = run(kRun + "--fp8-hybrid --fp8-amax-history-len 1 --train-iters 6 --ckpt-step 4 --load " +
+                           dir.file("ck") + " --metrics-file " + dir.file("changed.jsonl"));
+  REQUIRE(changed.exit_code == 0);
+  CHECK_THAT(changed.output, ContainsSubstring("its amax histories are 1024 steps long and --fp8-amax-history-len is 1: "
+                                               "the FP8 scaling state starts afresh"));
+  for (const auto& line : read_metrics(dir.file("changed.jsonl"))) CHECK(std::isfinite(line["loss"].get<double>()));
+}
+
+TEST_CASE("BF16 first and last layers: a checkpoint resumes bit-exactly with the flags left out; other BF16 "
+          "layers resume the FP8 scaling states that match by name",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string three = kRun + "--fp8-hybrid --num-layers 3 ";
+  const std::string layers = three + "--first-last-layers-bf16";  // blocks 0 and 2 in BF16
+  REQUIRE(run(layers + " --metrics-file " + dir.file("straight.jsonl")).exit_code == 0);
+  REQUIRE(run(layers + " --exit-interval 4 --save " + dir.file("ck") + " --metrics-file " + dir.file("split.jsonl"))
+              .exit_code == 0);
+  const auto resumed = run(three + "--log-level info --load " + dir.file("ck") + " --save " + dir.file("ck") +
+                           " --metrics-file " + dir.file("split.jsonl"));
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("--first-last-layers-bf16 not given: resuming with the checkpoint's BF16 "
+                                               "layers (first 1, last 1)"));
+  const auto straight = read_metrics(dir.file("straight.jsonl")), split = read_metrics(dir.file("split.jsonl"));
+  REQUIRE(straight.size() == 8);
+  REQUIRE(split.size() == 8);
+  for (size_t i = 0; i < 8; ++i) CHECK(split[i]["loss"].get<double>() == straight[i]["loss"].get<double>());
+  // Only block 1 has FP8 scaling states (3 per Linear).
+  const auto scaling = SafetensorsFile::open(dir.file("ck/iter_0000008/fp8_scaling.safetensors"));
+  const auto names = nlohmann::json::parse(scaling.metadata().at("names")).get<std::vector<std::string>>();
+  CHECK(names.size() == 12);
+  for (const std::string& name : names) CHECK(name.rfind("h.1.", 0) == 0);
+
+  // Given explicitly, every block in FP8: block 1's 12 states resume, blocks 0 and 2 start
+  // empty, and the first step takes current scaling.
+  const auto all_fp8 = run(three + "--first-last-layers-bf16 --num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 0 "
+                                   "--train-iters 6 --ckpt-step 4 --load " + dir.file("ck") + " --metrics-file " +
+                           dir.file("all_fp8.jsonl"));
+  REQUIRE(all_fp8.exit_code == 0);
+  CHECK_THAT(all_fp8.output, ContainsSubstring("12 of this run's 36 FP8 scaling states resume by name (12 stored)"));
+  CHECK_THAT(all_fp8.output, ContainsSubstring("the first step takes current scaling"));
+  for (const auto& line : read_metrics(dir.file("all_fp8.jsonl"))) CHECK(std::isfinite(line["loss"].get<double>()));
+
+  // The reverse: a plain FP8 checkpoint resumed with BF16 first and last layers keeps block 1's
+  // delayed scales as they were (every operand of the run found its state).
+  REQUIRE(run(three + "--exit-interval 4 --save " + dir.file("plain")).exit_code == 0);
+  const auto to_bf16_ends = run(layers + " --train-iters 6 --load " + dir.file("plain") + " --metrics-file " +
+                                dir.file("ends.jsonl"));
+  REQUIRE(to_bf16_ends.exit_code == 0);
+  CHECK_THAT(to_bf16_ends.output, ContainsSubstring("12 of this run's 12 FP8 scaling states resume by name (36 stored)"));
+  CHECK(to_bf16_ends.output.find("the first step takes current scaling") == std::string::npos);
+  for (const auto& line : read_metrics(dir.file("ends.jsonl"))) CHECK(std::isfinite(line["loss"].get<double>()));
 }

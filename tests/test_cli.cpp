@@ -7,10 +7,12 @@
 
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
 
 #include "apps/cli.h"
 #include "apps/run_setup.h"
 #include "cli_testing.h"
+#include "temp_dir.h"
 #include "core/error.h"
 
 using namespace fp8lm;
@@ -57,6 +59,32 @@ TEST_CASE("the four Megatron seed flags work as written", "[cli]") {
   CHECK_THAT(run.output, ContainsSubstring("fp8-amax-history-len"));
 }
 
+TEST_CASE("BF16 first and last layers follow Megatron's flags: off by default, counts 1 and 1, read only with the flag",
+          "[cli]") {
+  const TrainOptions defaults = parse({"--mock-data", "--fp8-hybrid"});
+  CHECK_FALSE(defaults.first_last_layers_bf16);
+  CHECK(defaults.num_layers_at_start_in_bf16 == 1);
+  CHECK(defaults.num_layers_at_end_in_bf16 == 1);
+  CHECK(defaults.bf16_layers_at_start() == 0);
+  CHECK(defaults.bf16_layers_at_end() == 0);
+  // Counts without the flag are harmless (Megatron ignores them), negative ones too.
+  const TrainOptions counts_alone = parse({"--mock-data", "--fp8-hybrid", "--num-layers-at-start-in-bf16", "-3"});
+  CHECK(counts_alone.bf16_layers_at_start() == 0);
+  const TrainOptions on =
+      parse({"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"});
+  CHECK(on.bf16_layers_at_start() == 1);
+  CHECK(on.bf16_layers_at_end() == 2);
+  // Under BF16 there is no FP8 block to keep in BF16.
+  CHECK(parse({"--mock-data", "--bf16", "--first-last-layers-bf16"}).bf16_layers_at_start() == 0);
+
+  const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --train-iters 0 --device cpu --fp8-hybrid "
+                                      "--num-layers 4 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("first 1, last 2 (blocks 0, 2-3 in BF16)"));
+  CHECK_THAT(run.output, ContainsSubstring("FP8 amax histories (12 scaling states x history 1)"));
+}
+
 TEST_CASE("precision follows Megatron", "[cli]") {
   SECTION("no FP8 flag: BF16") { CHECK(parse({"--mock-data"}).precision == GemmPrecision::bf16); }
   SECTION("--bf16 alone: BF16") { CHECK(parse({"--mock-data", "--bf16"}).precision == GemmPrecision::bf16); }
@@ -65,10 +93,10 @@ TEST_CASE("precision follows Megatron", "[cli]") {
     CHECK(o.precision == GemmPrecision::fp8);
     CHECK(o.fp8.format == Fp8Format::e4m3);
   }
-  SECTION("FP8 defaults: history 1024, max, margin 0, delayed") {
+  SECTION("FP8 defaults (Megatron-LM's): history 1, most_recent, margin 0, delayed") {
     const TrainOptions o = parse({"--mock-data", "--fp8-format", "hybrid"});
-    CHECK(o.fp8.amax_history_len == 1024);
-    CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::max);
+    CHECK(o.fp8.amax_history_len == 1);
+    CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::most_recent);
     CHECK(o.fp8.margin == 0);
     CHECK(o.fp8.recipe == ScalingRecipe::delayed);
   }
@@ -152,6 +180,11 @@ TEST_CASE("bad flags: one-line error naming the flag", "[cli]") {
       {{"--mock-data", "--fp32", "--bf16"}, "--fp32"},
       {{"--mock-data", "--fp8-lm-head"}, "--fp8-lm-head"},
       {{"--mock-data", "--transformer-impl", "megatron"}, "--transformer-impl"},
+      {{"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1"},
+       "--num-layers-at-start-in-bf16 must be >= 0 (got -1)"},
+      {{"--mock-data", "--fp8-hybrid", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "-2"},
+       "--num-layers-at-end-in-bf16 must be >= 0 (got -2)"},
+      {{"--mock-data", "--num-layers-at-start-in-bf16", "x"}, "--num-layers-at-start-in-bf16"},
       {{"--train-iters", "5"}, "--train-data-path"},
   };
   for (const Case& c : cases) {
@@ -185,6 +218,8 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
       {"--config " + kTiny + " --mock-data --num-threads 65535", "--num-threads 65535 exceeds"},
       {"--config " + kTiny + " --mock-data --vocab-size 70000", "--vocab-size 70000 exceeds 65536"},
       {"--config " + kTiny + " --mock-data --hidden-size 536870912", "n_inner = 4 x n_embd = 2147483648"},
+      {"--config " + kTiny + " --mock-data --fp8-hybrid --first-last-layers-bf16 --num-layers-at-end-in-bf16 2",
+       "--num-layers-at-start-in-bf16 (1) + --num-layers-at-end-in-bf16 (2) exceed the model's 2 layers HINT: "},
       {"evaluate --config " + kTiny, "unknown subcommand 'evaluate'"},
   };
   for (const auto& [args, expected] : cases) {
@@ -200,11 +235,12 @@ TEST_CASE("the binary exits 2 with one line on bad input, before any work", "[cl
   }
 }
 
-TEST_CASE("--help lists the flags in groups with defaults", "[cli]") {
+TEST_CASE("the help lists the flags in groups with defaults", "[cli]") {
   const auto run = testing::run_fp8lm("--help");
   CHECK(run.exit_code == 0);
-  for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len", "1024",
-                           "--lr-decay-style", "cosine", "--tensor-model-parallel-size"}) {
+  for (const char* text : {"Precision", "Training", "Data", "Checkpoints", "--fp8-amax-history-len INT=1",
+                           "--fp8-amax-compute-algo TEXT:{max,most_recent}=most_recent", "--lr-decay-style",
+                           "cosine", "--tensor-model-parallel-size"}) {
     CHECK_THAT(run.output, ContainsSubstring(text));
   }
   CHECK(testing::run_fp8lm("train --help").exit_code == 0);
@@ -277,4 +313,29 @@ TEST_CASE("model flags and config files share one size validation", "[cli]") {
              ContainsSubstring("n_inner = 4 x n_embd = 2147483648"));
   CHECK_THAT(setup_error({"--config", kTiny, "--mock-data", "--micro-batch-size", "100000000", "--device", "cpu"}),
              ContainsSubstring("--micro-batch-size x --seq-length (100000000 x 64 = 6400000000 tokens) exceeds 2^31 - 1"));
+}
+
+TEST_CASE("the FP8 margin takes every value of its range, 64 included, with finite losses", "[cli][scaling]") {
+  // Margin 64 puts every FP8 operand far below the format's smallest value: the GEMMs see
+  // zeros, the BF16 LM head still gives a finite loss. Before, the scale rule shifted 1 by
+  // 64 bits (undefined; the CPU then ignored the margin) and the GPU refused it mid-run.
+  const testing::TempDir dir;
+  for (const char* margin : {"63", "64"}) {
+    const std::string metrics = dir.file(std::string("margin") + margin + ".jsonl");
+    const auto run = testing::run_fp8lm("--config " + kTiny +
+                                        " --mock-data --device cpu --train-iters 2 --seq-length 16 --log-interval 1 "
+                                        "--eval-iters 0 --fp8-hybrid --fp8-margin " +
+                                        std::string(margin) + " --metrics-file " + metrics);
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    std::ifstream file(metrics);
+    std::string line;
+    int lines = 0;
+    while (std::getline(file, line)) {
+      const auto json = nlohmann::json::parse(line);
+      if (json.contains("loss")) CHECK(std::isfinite(json["loss"].get<double>()));
+      ++lines;
+    }
+    CHECK(lines == 2);
+  }
 }

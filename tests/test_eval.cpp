@@ -176,3 +176,27 @@ TEST_CASE("eval: bad input exits 2 naming the flag, file or path", "[eval]") {
   CHECK_THAT(help.output, ContainsSubstring("--valid-data-path"));
   CHECK_THAT(help.output, ContainsSubstring("--init-from"));
 }
+
+TEST_CASE("eval of a checkpoint with BF16 first and last layers reproduces its logged loss, or takes the flags given",
+          "[eval]") {
+  TempDir dir;
+  const std::string valid = write_valid_shard(dir);
+  const std::string ck = dir.file("ck"), metrics = ck + ".jsonl";
+  REQUIRE(run("--config " + kTiny + " --mock-data --valid-data-path " + valid +
+              " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --num-layers 3 "
+              "--train-iters 6 --log-interval 3 --eval-interval 3 --eval-iters 3 --log-level warn --fp8-hybrid "
+              "--first-last-layers-bf16 --save " + ck + " --metrics-file " + metrics)
+              .exit_code == 0);
+  const double logged = last_val_loss(metrics);
+  REQUIRE(logged > 0.0);
+  const auto defaults = run("eval --load " + ck + " --valid-data-path " + valid + " --device cpu --log-level warn");
+  REQUIRE(defaults.exit_code == 0);
+  CHECK(eval_json(defaults.output)["loss"].get<double>() == logged);
+  // Every block in FP8 instead: another loss, close to it.
+  const auto all_fp8 = run("eval --load " + ck + " --valid-data-path " + valid + " --device cpu --log-level warn "
+                           "--first-last-layers-bf16 --num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 0");
+  REQUIRE(all_fp8.exit_code == 0);
+  const double fp8_loss = eval_json(all_fp8.output)["loss"].get<double>();
+  CHECK(fp8_loss != logged);
+  CHECK(std::fabs(fp8_loss - logged) < 0.05 * logged);
+}

@@ -79,6 +79,8 @@ TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[m
       {"--fp32", "--optimizer-state-precision", "fp32"},
       {"--fp8-hybrid", "--micro-batch-size", "8"},
       {"--fp8-format", "e4m3", "--fp8-lm-head", "--num-layers", "3", "--seq-length", "32"},
+      // Blocks 0 and 3 BF16: their own operand dtypes, and a second gradient operand buffer.
+      {"--fp8-hybrid", "--num-layers", "4", "--first-last-layers-bf16", "--seq-length", "32"},
   };
   for (const auto& variant : variants) {
     std::vector<std::string> args = {"--config", kTiny, "--mock-data", "--micro-batch-size", "4"};

@@ -1,6 +1,7 @@
 // The one model's op sequence, pinned: the CPU backend wrapped in a recording Ops runs a
 // two-layer model, and the log must be exactly the order layers/gpt.cpp states. The next
 // issue's collectives get pinned between these lines the same way.
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -35,11 +36,16 @@ GptConfig two_layers() {
 // dtype of the blocks, `grad` their gradient dtype, `head` the LM head's operand dtype.
 // `cast` is what turns an activation into a GEMM operand ("quantize", or "view" when the
 // operand is the activation itself).
-std::vector<std::string> expected_sequence(int layers, const std::string& op, const std::string& grad,
-                                           const std::string& head, const std::string& head_cast,
-                                           const std::string& grad_cast) {
+// `blocks` gives each block's {op, grad} (blocks may differ: --first-last-layers-bf16).
+struct BlockDtypes {
+  std::string op, grad;
+};
+std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& blocks, const std::string& head,
+                                           const std::string& head_cast, const std::string& grad_cast) {
+  const int layers = int(blocks.size());
   std::vector<std::string> s = {"embedding_lookup", "add_position_embedding"};
   for (int l = 0; l < layers; ++l) {
+    const std::string& op = blocks[size_t(l)].op;
     // One rank: the c_proj GEMMs' epilogues add the bias and the residual, so every
     // LayerNorm normalizes the residual stream as it is.
     s.push_back("layernorm -> " + op);
@@ -60,6 +66,8 @@ std::vector<std::string> expected_sequence(int layers, const std::string& op, co
   s.push_back("zero");
   s.push_back("layernorm_backward");
   for (int l = layers - 1; l >= 0; --l) {
+    const std::string& op = blocks[size_t(l)].op;
+    const std::string& grad = blocks[size_t(l)].grad;
     s.push_back(grad_cast + " -> " + grad + " +dbias");  // mlp.c_proj's output gradient
     s.push_back("gemm dgrad " + grad + "x" + op);
     s.push_back("gemm wgrad " + grad + "x" + op);
@@ -79,6 +87,13 @@ std::vector<std::string> expected_sequence(int layers, const std::string& op, co
   s.push_back("position_embedding_backward");
   s.push_back("embedding_lookup_backward");
   return s;
+}
+
+// Every block alike.
+std::vector<std::string> expected_sequence(int layers, const std::string& op, const std::string& grad,
+                                           const std::string& head, const std::string& head_cast,
+                                           const std::string& grad_cast) {
+  return expected_sequence(std::vector<BlockDtypes>(size_t(layers), BlockDtypes{op, grad}), head, head_cast, grad_cast);
 }
 
 std::vector<int32_t> tokens(size_t n, uint64_t seed) {
@@ -154,4 +169,64 @@ TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts,
     for (int i = 0; i < 4 * layers; ++i) expected.push_back("quantize -> e4m3");  // FP8 weights and W^T
     CHECK(log == expected);
   }
+}
+
+TEST_CASE("BF16 first and last layers: the named blocks' GEMMs run BF16, the others FP8, with no FP8 states",
+          "[model][cpu]") {
+  GptConfig config = two_layers();
+  config.n_layer = 4;
+  std::vector<std::string> log;
+  auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+  GptPrecision precision;
+  precision.gemm = GemmPrecision::fp8;
+  precision.bf16_layers_at_start = 1;
+  precision.bf16_layers_at_end = 2;
+  const int B = 2, T = 8;
+  GptModel model(config, B, T, precision, *ops);
+  init_gpt_parameters(static_cast<float*>(model.working()), model.layout(), model.config(), 1);
+  model.refresh_weight_operands();
+
+  // FP8 scaling states only for block 1's four Linears (input, weight, output gradient each).
+  REQUIRE(model.scaling().size() == 12);
+  for (int i = 0; i < model.scaling().size(); ++i) CHECK(model.scaling().name(i).rfind("h.1.", 0) == 0);
+  CHECK(model.fp8_weight_operands().size() == 4);
+  for (const ParameterBucket& bucket : model.buckets())
+    if (bucket.layer >= 0 && bucket.layer < config.n_layer && bucket.name.find("weights") != std::string::npos)
+      CHECK(bucket.linear_weights == (bucket.layer == 1));  // FP8 codes under --fp8-param-gather: block 1's only
+
+  float loss_sum = 0.0f;
+  Tensor loss;
+  loss.data = &loss_sum;
+  loss.rows = loss.cols = 1;
+  const auto x = tokens(B * T, 1), y = tokens(B * T, 2);
+  const TokenBatch batch = ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice());
+  log.clear();
+  model.forward_backward(batch, 1.0f / (B * T), loss);
+  const BlockDtypes bf16{"bf16", "bf16"}, fp8{"e4m3", "e5m2"};
+  CHECK(log == expected_sequence({bf16, fp8, bf16, bf16}, "bf16", "quantize", "quantize"));
+  CHECK(std::isfinite(loss_sum));
+  CHECK(loss_sum > 0.0f);
+}
+
+TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are cast to BF16, the others to FP8",
+          "[model][cpu]") {
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
+                                "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--num-layers", "3",
+                                "--first-last-layers-bf16"})
+          .options);
+  std::vector<std::string> log;
+  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  const auto x = tokens(32, 3), y = tokens(32, 4);
+  AdamWHyperparams hp;
+  hp.lr = 1e-3f;
+  engine.begin_step();
+  engine.forward_backward(x.data(), y.data(), 1.0f / 32);
+  log.clear();
+  engine.end_step(hp, 1.0, 0);
+  std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_moment_amaxes", "adamw_apply",
+                                       "update_scales", "quantize -> bf16"};  // ... and the LM head's BF16 copy
+  for (const char* block : {"bf16", "e4m3", "bf16"})
+    for (int i = 0; i < 4; ++i) expected.push_back(std::string("quantize -> ") + block);
+  CHECK(log == expected);
 }

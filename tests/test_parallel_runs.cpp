@@ -97,6 +97,27 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
   }
 }
 
+TEST_CASE("BF16 first and last layers under --fp8-param-gather: the BF16 blocks' weights travel in the working dtype",
+          "[parallel][cpu]") {
+  // Block 1 is FP8 (its weights gathered as FP8 codes), blocks 0 and 2 BF16 (gathered as the
+  // working copy): the run matches the one-process run as every layout does.
+  const testing::TempDir dir;
+  const std::string args = base_args("--fp8-hybrid --num-layers 3 --first-last-layers-bf16");
+  REQUIRE(testing::run_fp8lm(args + " --metrics-file " + dir.file("single.jsonl")).exit_code == 0);
+  const std::vector<double> reference = losses(dir.file("single.jsonl"));
+  REQUIRE(reference.size() == 12);
+  for (const char* flags : {"--fp8-param-gather", "--fp8-param-gather --overlap-param-gather --overlap-grad-reduce"}) {
+    const auto run = run_ranks(2, args + " " + flags + " --metrics-file " + dir.file("gather.jsonl"));
+    INFO(flags << "\n" << run.output);
+    REQUIRE(run.exit_code == 0);
+    const std::vector<double> parallel = losses(dir.file("gather.jsonl"));
+    REQUIRE(parallel.size() == 12);
+    CHECK(std::fabs(parallel[0] - reference[0]) < 1e-5 * reference[0]);
+    CHECK(largest_relative_gap(parallel, reference) < 2e-3);
+    std::filesystem::remove(dir.file("gather.jsonl"));
+  }
+}
+
 TEST_CASE("a checkpoint saved at TP=2 x DP=2 resumes at TP=1, TP=4 and exactly at TP=2 x DP=2",
           "[parallel][cpu][checkpoint]") {
   const testing::TempDir dir;

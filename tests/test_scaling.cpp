@@ -120,3 +120,32 @@ TEST_CASE("hybrid: forward tensors E4M3, gradients E5M2", "[scaling]") {
   CHECK(gradient_dtype(Fp8Format::hybrid) == Fp8Dtype::e5m2);
   CHECK(gradient_dtype(Fp8Format::e4m3) == Fp8Dtype::e4m3);
 }
+
+TEST_CASE("the margin is exact for every --fp8-margin the flag accepts, 64 included", "[scaling]") {
+  // The old rule divided by float(1 << margin): undefined for margin 64 (x86 then ignored the
+  // margin and returned 448/amax). Margins 0 to 63 keep their old values wherever the scale is
+  // a normal float: lowering 448 by 2^m before the division equals dividing after it.
+  for (float amax : {3.0f, 0.37f, 1e-3f, 2e4f}) {
+    for (Fp8Dtype dtype : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      const float format_max = fp8_max(dtype);
+      for (int margin = 0; margin <= kMaxFp8Margin; ++margin) {
+        INFO("amax " << amax << " margin " << margin);
+        const float scale = compute_scale(amax, format_max, margin, 1.0f);
+        CHECK(scale == std::ldexp(format_max, -margin) / amax);
+        if (margin < 64) CHECK(scale == format_max / amax / static_cast<float>(1ull << margin));
+      }
+    }
+  }
+  CHECK(compute_scale(1.0f, 448.0f, 64, 1.0f) == std::ldexp(448.0f, -64));
+
+  // The delayed update and current scaling take it the same way.
+  Fp8RecipeConfig config;
+  config.margin = kMaxFp8Margin;
+  ScalingTable table(config);
+  const int x = table.add("x", Fp8Dtype::e4m3);
+  CHECK(table.scale_for(x, 2.0f) == std::ldexp(224.0f, -64));  // current scaling before the first update
+  table.record_amax(x, 4.0f);
+  table.update(0);
+  CHECK(table.scale(x) == std::ldexp(112.0f, -64));
+  CHECK(table.scale_inv(x) == 1.0f / std::ldexp(112.0f, -64));
+}
