@@ -460,7 +460,7 @@ TEST_CASE("a resumed run counts its first step's weights, and resumes bit-exactl
         bytes(dir.file("split/iter_0000006/model.safetensors")));
 }
 
-TEST_CASE("--fp8-stats-interval is validated: not negative, and only with FP8 GEMMs", "[fp8-stats][cli]") {
+TEST_CASE("the flag --fp8-stats-interval is validated: not negative, and only with FP8 GEMMs", "[fp8-stats][cli]") {
   const auto bf16 = testing::run_fp8lm(run_args("--bf16 --fp8-stats-interval 2"));
   CHECK(bf16.exit_code != 0);
   CHECK_THAT(bf16.output, ContainsSubstring("--fp8-stats-interval needs --fp8-format"));
