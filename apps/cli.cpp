@@ -121,6 +121,9 @@ void validate_options(const TrainOptions& o) {
   require(o.eval_interval >= 0, "--eval-interval must be >= 0 (got " + num(o.eval_interval) + ")");
   require(o.eval_iters >= 0, "--eval-iters must be >= 0 (got " + num(o.eval_iters) + ")");
   require(o.log_interval >= 1, "--log-interval must be >= 1 (got " + num(o.log_interval) + ")");
+  require(o.fp8_stats_interval >= 0, "--fp8-stats-interval must be >= 0 (got " + num(o.fp8_stats_interval) + ")");
+  require(o.fp8_stats_interval == 0 || o.fp8_enabled(),
+          "--fp8-stats-interval needs --fp8-format: the statistics describe the FP8 GEMM operands");
   require(o.tensor_model_parallel_size >= 1,
           "--tensor-model-parallel-size must be >= 1 (got " + num(o.tensor_model_parallel_size) + ")");
   require(o.num_threads >= 0, "--num-threads must be >= 0 (got " + num(o.num_threads) + ")");
@@ -315,6 +318,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--eval-iters", o.eval_iters, "Validation batches per evaluation")->group(logging);
   app.add_option("--log-interval", o.log_interval, "Log every N steps")->group(logging);
   app.add_option("--metrics-file", o.metrics_file, "Append one JSON line per log interval here")->group(logging);
+  app.add_option("--fp8-stats-interval", o.fp8_stats_interval,
+                 "Every N steps, per FP8 operand: amax, scale, saturated/underflow/subnormal fractions, into the "
+                 "metrics file and a log summary (0: off)")
+      ->group(logging);
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn or error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}))
       ->group(logging);

@@ -12,6 +12,7 @@
 #include "apps/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "apps/run_setup.h"
@@ -155,6 +156,18 @@ struct TrainingEngine::State {
   std::unique_ptr<Allocation> weight_state_of_tensor;        // [tensors] int: the FP8 weight's state, -1
   std::unique_ptr<HostReadback> control_readback;
   StepControl last_seen;
+  int64_t next_step = 0;  // begin_step() without a step starts this one
+
+  // FP8 statistics (--fp8-stats-interval): the counts [states] the casts add to while a step
+  // that collects them runs, and their copy on the host after it.
+  int64_t fp8_stats_interval = 0;
+  std::unique_ptr<Allocation> fp8_counts;
+  std::unique_ptr<HostReadback> fp8_counts_readback;
+  int64_t counting_step = -1;  // the step the casts count for now; -1: nothing is counted
+  int64_t counted_step = -1;   // the step whose counts the readback holds
+  // The weight operands were last cast by refresh_weight_operands() (set_parameters,
+  // set_scaling_state), not by a step: casting them again gives the same codes.
+  bool weights_from_refresh = false;
   int micro_batches = 0;
   float tokens_per_micro_batch = 1.0f;
   MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
@@ -195,7 +208,8 @@ struct TrainingEngine::State {
     return bytes;
   }
   size_t allocated_bytes() const {
-    return model->allocated_bytes() + optimizer_bytes() + communication_bytes() + ops->workspace_bytes();
+    return model->allocated_bytes() + optimizer_bytes() + communication_bytes() + ops->workspace_bytes() +
+           (fp8_counts ? fp8_counts->bytes() : 0);
   }
   StepControl read_control() {
     StepControl control;
@@ -212,6 +226,25 @@ struct TrainingEngine::State {
   void reduce_fp8_gradients();
   void publish_parameters();
   void cast_weights_of(int layer);
+  bool collects_fp8_statistics(int64_t step) const {
+    return fp8_counts && fp8_stats_interval > 0 && step >= 0 && (step + 1) % fp8_stats_interval == 0;
+  }
+  // Zeroes the counts and has the casts add to them from now on (in stream order).
+  void start_fp8_statistics(int64_t step) {
+    ops->zero(fp8_counts->data(), fp8_counts->bytes());
+    ops->set_fp8_statistics(static_cast<Fp8CastCounts*>(fp8_counts->data()));
+    counting_step = step;
+  }
+  // No more counting; with `keep`, the counts travel to the host (in stream order, no wait).
+  void stop_fp8_statistics(bool keep) {
+    if (counting_step < 0) return;
+    ops->set_fp8_statistics(nullptr);
+    if (keep) {
+      fp8_counts_readback->capture(fp8_counts->data());
+      counted_step = counting_step;
+    }
+    counting_step = -1;
+  }
   // The canonical layout's values <-> this rank's shard, through host memory (checkpoints).
   template <typename T>
   std::vector<T> gather_canonical(const void* shard_values);
@@ -346,6 +379,13 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
     device.upload(s.weight_state_of_tensor->data(), state_of.data(), count * sizeof(int32_t));
   }
 
+  s.fp8_stats_interval = o.fp8_stats_interval;
+  if (s.fp8 && o.fp8_stats_interval > 0 && model.scaling().size() > 0) {
+    const size_t bytes = size_t(model.scaling().size()) * sizeof(Fp8CastCounts);
+    s.fp8_counts = device.allocate(bytes);
+    s.fp8_counts_readback = device.make_readback(bytes);
+  }
+
   device.set_step_control(s.control(), StepControl{});
   s.control_readback = device.make_readback(sizeof(StepControl));
   s.control_readback->capture(s.control());
@@ -381,8 +421,20 @@ void TrainingEngine::reset_traffic() {
   for (Communicator* c : {&g.tp(), &g.dp(), &g.world(), &g.dp_background()}) c->reset_traffic();
 }
 
-void TrainingEngine::begin_step() {
+void TrainingEngine::begin_step() { begin_step(state_->next_step); }
+
+void TrainingEngine::begin_step(int64_t step) {
   State& s = *state_;
+  s.next_step = step;
+  if (s.collects_fp8_statistics(step) && s.counting_step != step) {
+    // The step before did not open the count (this is a run's first step, or steps were
+    // skipped): the weight operands this step multiplies were cast uncounted. Cast them again:
+    // from the same values with the same scales, so the codes, the amaxes recorded and
+    // everything after are what they would have been.
+    s.stop_fp8_statistics(/*keep=*/false);
+    s.start_fp8_statistics(step);
+    if (s.weights_from_refresh) s.model->refresh_weight_operands();
+  }
   s.model->zero_gradients();
   s.ops->zero(&s.device_scalars()->loss_sum, sizeof(float));
   s.micro_batches = 0;
@@ -582,8 +634,52 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       ops.discard_current_amaxes(s.control());
     }
   }
+  // The statistics of this step end here, before the weights of the next are cast; the next
+  // step's start now, when it collects them, so that they count its weights' casts.
+  s.stop_fp8_statistics(/*keep=*/s.counting_step == step);
+  if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
+  s.weights_from_refresh = false;
+  s.next_step = step + 1;
   s.publish_parameters();
   s.control_readback->capture(s.control());
+}
+
+bool TrainingEngine::collects_fp8_statistics(int64_t step) const { return state_->collects_fp8_statistics(step); }
+
+std::vector<Fp8TensorStatistics> TrainingEngine::fp8_statistics() {
+  State& s = *state_;
+  FP8LM_CHECK(s.counted_step >= 0, "fp8_statistics: no step has collected FP8 statistics yet");
+  const ScalingTable& table = s.model->scaling();
+  const size_t states = size_t(table.size());
+  const auto* counts = static_cast<const Fp8CastCounts*>(s.fp8_counts_readback->wait());
+  // Every rank's counts summed (integers, exact in doubles below 2^53) and amaxes MAX-ed: a
+  // data-parallel rank saw its own micro-batches, a tensor-parallel rank its part of a tensor.
+  // [4][states]: elements, saturated, underflow, subnormal; then [2][states]: amax (NaN as 0),
+  // and whether it was NaN.
+  std::vector<double> sums(4 * states), maxima(2 * states);
+  for (size_t k = 0; k < states; ++k) {
+    sums[k] = double(counts[k].elements);
+    sums[states + k] = double(counts[k].saturated);
+    sums[2 * states + k] = double(counts[k].underflow);
+    sums[3 * states + k] = double(counts[k].subnormal);
+    const float amax = fp8_stats_amax(counts[k].amax_bits);
+    maxima[k] = std::isnan(amax) ? 0.0 : double(amax);
+    maxima[states + k] = std::isnan(amax) ? 1.0 : 0.0;
+  }
+  Communicator& world = s.host->world();
+  if (world.size() > 1 && states > 0) {
+    world.all_reduce(sums.data(), sums.data(), sums.size(), CommDtype::f64, ReduceOp::sum);
+    world.all_reduce(maxima.data(), maxima.data(), maxima.size(), CommDtype::f64, ReduceOp::max);
+  }
+  std::vector<Fp8TensorStatistics> result;
+  for (size_t k = 0; k < states; ++k) {
+    if (sums[k] == 0.0) continue;  // not cast in the step (no rank holds a part of it)
+    const float amax = maxima[states + k] > 0.0 ? std::nanf("") : float(maxima[k]);
+    result.push_back(make_fp8_tensor_statistics(table.name(int(k)), table.dtype(int(k)), sums[k], sums[states + k],
+                                                sums[2 * states + k], sums[3 * states + k], amax, counts[k].scale,
+                                                table.config().margin));
+  }
+  return result;
 }
 
 StepMetrics TrainingEngine::step_metrics() {
@@ -723,8 +819,11 @@ void TrainingEngine::set_parameters(const std::vector<float>& values) {
     const std::vector<float> master = s.shard_from_canonical(values);
     s.ops->upload(s.master, master.data(), master.size() * sizeof(float));
   }
-  // Every rank holds the whole weights here: every operand is cast from them now.
+  // Every rank holds the whole weights here: every operand is cast from them now (uncounted:
+  // a step that collects FP8 statistics counts them again at its start).
+  s.stop_fp8_statistics(/*keep=*/false);
   model.refresh_weight_operands();
+  s.weights_from_refresh = true;
   std::fill(s.refresh_pending.begin(), s.refresh_pending.end(), false);
   s.ops->synchronize();
 }
@@ -808,7 +907,9 @@ void TrainingEngine::set_scaling_state(const ScalingSnapshot& snapshot) {
   s.ops->upload_scaling();
   // The weight operands must be cast with the restored weight scales. Recording the
   // weight amaxes again is idempotent: the saved row 0 already holds them.
+  s.stop_fp8_statistics(/*keep=*/false);
   s.model->refresh_weight_operands();
+  s.weights_from_refresh = true;
   s.ops->synchronize();
 }
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/fp8_statistics.h"
 #include "apps/memory_estimate.h"
 #include "core/fp8.h"
 #include "core/logging.h"
@@ -85,7 +86,9 @@ class TrainingEngine {
   // The device communicators a Watchdog should watch (empty on the CPU and for one rank).
   std::vector<ncclComm_t> nccl_comms() const;
 
-  // Starts an optimizer step: clears gradients and the loss accumulator.
+  // Starts optimizer step `step` (0-based, as end_step's): clears gradients and the loss
+  // accumulator. Without `step`: the step after the last end_step (0 at first).
+  void begin_step(int64_t step);
   void begin_step();
   // One micro-batch: forward and backward, gradients accumulated with weight `dloss`
   // per token loss (1 / (B*T*accumulation steps)). inputs/targets [B,T] on the host.
@@ -97,6 +100,19 @@ class TrainingEngine {
 
   // Metrics of the last finished step (waits for the device).
   StepMetrics step_metrics();
+
+  // FP8 statistics (--fp8-stats-interval N; apps/fp8_statistics.h): step `step` collects
+  // them when N > 0, the GEMMs are FP8 and step + 1 (the iteration) is a multiple of N. Such a
+  // step counts every FP8 cast of the operands its GEMMs multiply: the activations and
+  // gradients of all its micro-batches, and the weight operands (cast at the end of the step
+  // before, or, under --overlap-param-gather, in the step's forward; the first step of a run
+  // casts them again, identically, to count them). Other steps run exactly as without
+  // statistics: the same kernels, no extra work, no host sync.
+  bool collects_fp8_statistics(int64_t step) const;
+  // After end_step of a step that collected them: one record per FP8 operand that was cast,
+  // in scaling-table order, counts summed and amaxes MAX-ed over every rank (so every rank
+  // must call it). Waits for the device.
+  std::vector<Fp8TensorStatistics> fp8_statistics();
   // Non-finite (skipped) steps so far. Never waits: on the GPU it answers from the
   // newest step whose result has reached the host, so it may lag by a step.
   struct SkipStatus {

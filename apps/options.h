@@ -96,6 +96,7 @@ struct TrainOptions {
   int64_t eval_iters = 100;          // --eval-iters
   int64_t log_interval = 100;        // --log-interval
   std::string metrics_file;          // --metrics-file (JSONL)
+  int64_t fp8_stats_interval = 0;    // --fp8-stats-interval: per-tensor FP8 statistics every N steps; 0 = off
   std::string log_level = "info";    // --log-level
 
   // Parallelism and device

@@ -236,6 +236,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},
+      {"fp8-stats-interval", !fp8 ? std::string("(fp8 off)") : o.fp8_stats_interval > 0 ? str(o.fp8_stats_interval) : "off"},
       {"world size", str(s.parallel.world_size)},
       {"tensor-model-parallel-size", str(o.tensor_model_parallel_size) + (o.sequence_parallel ? " (sequence-parallel)" : "")},
       {"data-parallel size", str(s.data_parallel_size)},

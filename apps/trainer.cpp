@@ -366,7 +366,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
   for (int64_t step = start_step; step < o.train_iters; ++step) {
     const double lr = learning_rate(step, schedule);
     const Clock::time_point step_start = Clock::now();
-    engine->begin_step();
+    engine->begin_step(step);
     for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
       data.train->next_batch(inputs.data(), targets.data());
       engine->forward_backward(inputs.data(), targets.data(), dloss);
@@ -388,6 +388,15 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
       if (skips.consecutive >= o.max_skipped_steps)
         throw RuntimeError("stopping: " + std::to_string(skips.consecutive) + " non-finite steps in a row",
                            "lower --lr, raise --fp8-margin, or check the data; --max-skipped-steps sets the limit");
+    }
+
+    if (engine->collects_fp8_statistics(step)) {
+      // Every rank takes part (the counts are summed over the ranks); the first one reports.
+      const std::vector<Fp8TensorStatistics> statistics = engine->fp8_statistics();
+      if (first_rank) {
+        for (const Fp8TensorStatistics& tensor : statistics) metrics_file.write(fp8_statistics_line(iteration, tensor));
+        spdlog::info("iter {:6d} | {}", iteration, fp8_statistics_summary(statistics));
+      }
     }
 
     const bool log_now = iteration % o.log_interval == 0 || iteration == o.train_iters || step == start_step;

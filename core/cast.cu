@@ -7,6 +7,7 @@
 
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/fp8_stats.cuh"
 #include "core/scaling.h"
 
 namespace fp8lm::cuda {
@@ -117,11 +118,12 @@ __device__ __forceinline__ void write_transposed(uint8_t* __restrict__ out_t, co
 // One block per 64x64 tile of in [M,N]. Thread t handles kVec consecutive columns
 // (16 bytes of input) of rows t / kThreadsPerRow + p * kLanes, p < kPasses.
 // out == nullptr and out_t == nullptr: column sums only (column_sum).
-template <typename T, Fp8Dtype kDtype>
+// kStats: also tallies the FP8 cast statistics of the quantized elements into *counts.
+template <typename T, Fp8Dtype kDtype, bool kStats = false>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ partial,
                           float* amax, const T* __restrict__ in, const float* __restrict__ scale_pointer, int M,
-                          int N, bool vec_in, bool vec_out, bool vec_t) {
+                          int N, bool vec_in, bool vec_out, bool vec_t, Fp8CastCounts* counts = nullptr) {
   constexpr int kVec = 16 / sizeof(T);             // 8 (bf16) or 4 (float)
   constexpr int kThreadsPerRow = kTile / kVec;     // 8 or 16
   constexpr int kLanes = kThreads / kThreadsPerRow;  // 32 or 16 rows at a time
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < kVec; ++j) sums[j] = 0.0f;
   int local_amax = 0;
+  Fp8CastTally tally;
 
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -167,6 +170,11 @@ __global__ void __launch_bounds__(kThreads)
         const uint16_t pair = to_fp8x2<kDtype>(x[j] * scale, x[j + 1] * scale);
         q[j] = static_cast<uint8_t>(pair & 0xFF);
         q[j + 1] = static_cast<uint8_t>(pair >> 8);
+      }
+      if constexpr (kStats) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (gr < M && gc + j < N) tally.add(x[j], x[j] * scale, q[j], kDtype);
       }
       if (out) {
         if (full && vec_out) {
@@ -199,6 +207,7 @@ __global__ void __launch_bounds__(kThreads)
     write_transposed(out_t, tile, row0, col0, M, N, full, vec_t);
   }
   if (amax) commit_block_amax(amax, local_amax);
+  if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
 }
 
 // out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ... (one thread per column).
@@ -249,14 +258,17 @@ __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(uint8_t* __rest
 
 constexpr int kChunk = 8;  // elements per thread per step
 
-template <typename T, Fp8Dtype kDtype, bool kCast>
+// kCast: write the codes (else the amax alone). kStats: tally the FP8 cast statistics of
+// the codes into *counts; with kCast false, a statistics pass that writes nothing.
+template <typename T, Fp8Dtype kDtype, bool kCast, bool kStats = false>
 __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ out, float* amax,
                                                         const T* __restrict__ in,
                                                         const float* __restrict__ scale_pointer, size_t n,
-                                                        bool vec_in, bool vec_out) {
-  const float scale = kCast ? *scale_pointer : 1.0f;
+                                                        bool vec_in, bool vec_out, Fp8CastCounts* counts = nullptr) {
+  const float scale = (kCast || kStats) ? *scale_pointer : 1.0f;
   const size_t chunks = (n + kChunk - 1) / kChunk;
   int local_amax = 0;
+  Fp8CastTally tally;
   for (size_t chunk = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
        chunk += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const size_t i0 = chunk * kChunk;
@@ -270,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ ou
     }
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) local_amax = max(local_amax, amax_bits(x[j]));
-    if constexpr (kCast) {
+    if constexpr (kCast || kStats) {
       uint8_t q[kChunk];
 #pragma unroll
       for (int j = 0; j < kChunk; j += 2) {
@@ -278,16 +290,24 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ ou
         q[j] = static_cast<uint8_t>(pair & 0xFF);
         q[j + 1] = static_cast<uint8_t>(pair >> 8);
       }
-      if (whole && vec_out) {
-        store_bytes<kChunk>(out + i0, q);
-      } else {
+      if constexpr (kStats) {
 #pragma unroll
         for (int j = 0; j < kChunk; ++j)
-          if (i0 + j < n) out[i0 + j] = q[j];
+          if (i0 + j < n) tally.add(x[j], x[j] * scale, q[j], kDtype);
+      }
+      if constexpr (kCast) {
+        if (whole && vec_out) {
+          store_bytes<kChunk>(out + i0, q);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j)
+            if (i0 + j < n) out[i0 + j] = q[j];
+        }
       }
     }
   }
   if (amax) commit_block_amax(amax, local_amax);
+  if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
 }
 
 __global__ void current_scale_kernel(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin) {
@@ -306,7 +326,7 @@ dim3 tile_grid(int M, int N) {
 
 template <typename T>
 void launch_cast_transpose(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const T* in, const float* scale,
-                           Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
+                           Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream, Fp8CastCounts* counts) {
   FP8LM_CHECK(M >= 0 && N >= 0, "cast_transpose_fp8 shape M=", M, " N=", N);
   if (M == 0 || N == 0) return;
   FP8LM_CHECK(in != nullptr && out != nullptr && scale != nullptr, "cast_transpose_fp8 needs in, out and scale");
@@ -318,12 +338,14 @@ void launch_cast_transpose(uint8_t* out, uint8_t* out_t, float* dbias, float* am
   const bool vec_out = N % kVec == 0 && aligned(out, kVec);
   const bool vec_t = M % 16 == 0 && aligned(out_t, 16);
   float* partial = dbias ? scratch : nullptr;
+  // Without statistics, the very kernel the casts always ran (kStats = false).
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t, counts);
+  };
   if (dtype == Fp8Dtype::e4m3) {
-    cast_transpose_kernel<T, Fp8Dtype::e4m3>
-        <<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t);
+    counts ? launch(cast_transpose_kernel<T, Fp8Dtype::e4m3, true>) : launch(cast_transpose_kernel<T, Fp8Dtype::e4m3>);
   } else {
-    cast_transpose_kernel<T, Fp8Dtype::e5m2>
-        <<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t);
+    counts ? launch(cast_transpose_kernel<T, Fp8Dtype::e5m2, true>) : launch(cast_transpose_kernel<T, Fp8Dtype::e5m2>);
   }
   CUDA_CHECK_LAUNCH();
   if (dbias) launch_add_column_partials(dbias, scratch, static_cast<int>(grid.y), N, stream);
@@ -347,16 +369,37 @@ void launch_amax(float* amax, const T* in, size_t n, cudaStream_t stream) {
 
 template <typename T>
 void launch_cast(uint8_t* out, float* amax, const T* in, const float* scale, Fp8Dtype dtype, size_t n,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, Fp8CastCounts* counts) {
   if (n == 0) return;
   FP8LM_CHECK(out != nullptr && in != nullptr && scale != nullptr, "cast_fp8 needs out, in and scale");
   const bool vec_in = aligned(in, 16);
   const bool vec_out = aligned(out, kChunk);
   const int blocks = elementwise_blocks(n);
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out, counts);
+  };
   if (dtype == Fp8Dtype::e4m3) {
-    cast_kernel<T, Fp8Dtype::e4m3, true><<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out);
+    counts ? launch(cast_kernel<T, Fp8Dtype::e4m3, true, true>) : launch(cast_kernel<T, Fp8Dtype::e4m3, true>);
   } else {
-    cast_kernel<T, Fp8Dtype::e5m2, true><<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out);
+    counts ? launch(cast_kernel<T, Fp8Dtype::e5m2, true, true>) : launch(cast_kernel<T, Fp8Dtype::e5m2, true>);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+// The statistics of casting in [n] with *scale, without writing the codes.
+template <typename T>
+void launch_count(Fp8CastCounts* counts, const T* in, const float* scale, Fp8Dtype dtype, size_t n,
+                  cudaStream_t stream) {
+  if (n == 0) return;
+  FP8LM_CHECK(counts != nullptr && in != nullptr && scale != nullptr, "count_fp8_cast needs counts, in and scale");
+  const bool vec_in = aligned(in, 16);
+  const int blocks = elementwise_blocks(n);
+  if (dtype == Fp8Dtype::e4m3) {
+    cast_kernel<T, Fp8Dtype::e4m3, false, true>
+        <<<blocks, kThreads, 0, stream>>>(nullptr, nullptr, in, scale, n, vec_in, false, counts);
+  } else {
+    cast_kernel<T, Fp8Dtype::e5m2, false, true>
+        <<<blocks, kThreads, 0, stream>>>(nullptr, nullptr, in, scale, n, vec_in, false, counts);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -364,13 +407,15 @@ void launch_cast(uint8_t* out, float* amax, const T* in, const float* scale, Fp8
 }  // namespace
 
 void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const __nv_bfloat16* in,
-                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
-  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream);
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
+                        Fp8CastCounts* counts) {
+  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream, counts);
 }
 
 void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const float* in,
-                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream) {
-  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream);
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
+                        Fp8CastCounts* counts) {
+  launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream, counts);
 }
 
 void transpose_fp8(uint8_t* out, const uint8_t* in, int M, int N, cudaStream_t stream) {
@@ -387,12 +432,17 @@ void amax_of(float* amax, const __nv_bfloat16* in, size_t n, cudaStream_t stream
 void amax_of(float* amax, const float* in, size_t n, cudaStream_t stream) { launch_amax(amax, in, n, stream); }
 
 void cast_fp8(uint8_t* out, float* amax, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
-              cudaStream_t stream) {
-  launch_cast(out, amax, in, scale, dtype, n, stream);
+              cudaStream_t stream, Fp8CastCounts* counts) {
+  launch_cast(out, amax, in, scale, dtype, n, stream, counts);
 }
 void cast_fp8(uint8_t* out, float* amax, const float* in, const float* scale, Fp8Dtype dtype, size_t n,
-              cudaStream_t stream) {
-  launch_cast(out, amax, in, scale, dtype, n, stream);
+              cudaStream_t stream, Fp8CastCounts* counts) {
+  launch_cast(out, amax, in, scale, dtype, n, stream, counts);
+}
+
+void count_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
+                    cudaStream_t stream) {
+  launch_count(counts, in, scale, dtype, n, stream);
 }
 
 void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream) {

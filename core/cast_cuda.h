@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/fp8_stats.h"
 
 namespace fp8lm::cuda {
 
@@ -43,11 +44,14 @@ inline size_t dbias_scratch_floats(int M, int N) {
 //   dbias [N]  += column sums of in (the UNQUANTIZED values, FP32 sums)   (nullable;
 //                 needs scratch of dbias_scratch_floats(M, N) floats)
 //   *amax       = max(*amax, max |in|)      (nullable)
+//   *counts    += the cast's statistics (core/fp8_stats.h)   (nullable: a statistics step only)
 // scale: device pointer [1].
 void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const __nv_bfloat16* in,
-                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream);
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
+                        Fp8CastCounts* counts = nullptr);
 void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const float* in,
-                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream);
+                        const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
+                        Fp8CastCounts* counts = nullptr);
 
 // out [N,M] = in [M,N]^T, FP8 codes (1 byte in, 1 byte out).
 void transpose_fp8(uint8_t* out, const uint8_t* in, int M, int N, cudaStream_t stream);
@@ -56,11 +60,18 @@ void transpose_fp8(uint8_t* out, const uint8_t* in, int M, int N, cudaStream_t s
 void amax_of(float* amax, const __nv_bfloat16* in, size_t n, cudaStream_t stream);
 void amax_of(float* amax, const float* in, size_t n, cudaStream_t stream);
 
-// out [n] = fp8(in * scale); *amax = max(*amax, max |in|) when amax is not nullptr.
+// out [n] = fp8(in * scale); *amax = max(*amax, max |in|) when amax is not nullptr;
+// *counts += the cast's statistics when counts is not nullptr.
 void cast_fp8(uint8_t* out, float* amax, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
-              cudaStream_t stream);
+              cudaStream_t stream, Fp8CastCounts* counts = nullptr);
 void cast_fp8(uint8_t* out, float* amax, const float* in, const float* scale, Fp8Dtype dtype, size_t n,
-              cudaStream_t stream);
+              cudaStream_t stream, Fp8CastCounts* counts = nullptr);
+
+// *counts += the statistics of casting in [n] with *scale (core/fp8_stats.h), writing no
+// codes: for a producer whose FP8 output is exactly that cast of a BF16 tensor it also keeps
+// (attention_forward's out and out_fp8).
+void count_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
+                    cudaStream_t stream);
 
 // out [N] += column sums of in [M,N] (FP32, fixed order): the dbias of the BF16 path.
 // scratch: dbias_scratch_floats(M, N) floats.

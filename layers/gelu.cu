@@ -21,6 +21,7 @@
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/fp8_stats.cuh"
 
 namespace fp8lm::cuda {
 
@@ -62,17 +63,28 @@ __device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_in
   return make_uint2(word[0], word[1]);
 }
 
+// The FP8 cast statistics of eight values v (already bf16-rounded) cast with s into `packed`.
+__device__ __forceinline__ void tally_fp8x8(Fp8CastTally& tally, const float (&v)[8], float s, uint2 packed,
+                                            __nv_fp8_interpretation_t interp) {
+  const Fp8Dtype dtype = interp == __NV_E4M3 ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2;
+#pragma unroll
+  for (int j = 0; j < 8; j++) tally.add(v[j], v[j] * s, fp8_code_at(j < 4 ? packed.x : packed.y, j % 4), dtype);
+}
+
 // ---- forward ---------------------------------------------------------------------------
 
-template <bool kFp8>
+// kStats (with kFp8): also tallies the FP8 cast statistics into *counts.
+template <bool kFp8, bool kStats = false>
 __global__ void __launch_bounds__(kForwardThreads)
     bias_gelu_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
                              const float* __restrict__ scale, __nv_fp8_interpretation_t interp, bf16* __restrict__ pre,
-                             const bf16* __restrict__ bias, int M, int F) {
+                             const bf16* __restrict__ bias, int M, int F, Fp8CastCounts* counts) {
+  static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   const size_t chunks_per_row = static_cast<size_t>(F / 8);
   const size_t total = static_cast<size_t>(M) * chunks_per_row;
   const float s = kFp8 ? *scale : 1.0f;
   unsigned amax_local = 0u;
+  Fp8CastTally tally;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const int col = static_cast<int>(i % chunks_per_row) * 8;
@@ -91,23 +103,28 @@ __global__ void __launch_bounds__(kForwardThreads)
         g[j] = round_bf16(g[j]);
         amax_local = max(amax_local, abs_bits(g[j]));
       }
-      *reinterpret_cast<uint2*>(out_fp8 + offset) = fp8x8(g, s, interp);
+      const uint2 packed = fp8x8(g, s, interp);
+      *reinterpret_cast<uint2*>(out_fp8 + offset) = packed;
+      if constexpr (kStats) tally_fp8x8(tally, g, s, packed, interp);
     } else {
       store_bf16x8(out_bf16 + offset, g);
     }
   }
   if constexpr (kFp8) block_amax_update(amax, amax_local);
+  if constexpr (kStats) commit_fp8_tally(counts, tally, s);
 }
 
 // ---- backward --------------------------------------------------------------------------
 
 // Grid (ceil(F/64), ceil(M/64)), 256 threads. partials [gridDim.y][F].
-template <bool kFp8>
+// kStats (with kFp8): also tallies the FP8 cast statistics into *counts.
+template <bool kFp8, bool kStats = false>
 __global__ void __launch_bounds__(kTileThreads)
     gelu_backward_tile_kernel(uint8_t* dpre_fp8, uint8_t* __restrict__ dpre_t, bf16* dpre_bf16,
                               float* __restrict__ partials, float* amax, const float* __restrict__ scale,
                               __nv_fp8_interpretation_t interp, const bf16* dout, const bf16* __restrict__ pre, int M,
-                              int F) {
+                              int F, Fp8CastCounts* counts) {
+  static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   __shared__ float column_sums[32][kTile];               // [row group][tile column]
   __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];  // [tile row][tile column], FP8 only
   const int tid = threadIdx.x;
@@ -121,6 +138,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
   for (int j = 0; j < 8; j++) colsum[j] = 0.0f;
   unsigned amax_local = 0u;
+  Fp8CastTally tally;
 
 #pragma unroll
   for (int h = 0; h < 2; h++) {
@@ -142,6 +160,7 @@ __global__ void __launch_bounds__(kTileThreads)
         for (int j = 0; j < 8; j++) amax_local = max(amax_local, abs_bits(d[j]));
         packed = fp8x8(d, s, interp);
         *reinterpret_cast<uint2*>(dpre_fp8 + offset) = packed;
+        if constexpr (kStats) tally_fp8x8(tally, d, s, packed, interp);
       } else {
         store_bf16x8(dpre_bf16 + offset, d);  // same thread read this chunk of dout: in place is safe
       }
@@ -190,6 +209,7 @@ __global__ void __launch_bounds__(kTileThreads)
       }
     }
     block_amax_update(amax, amax_local);
+    if constexpr (kStats) commit_fp8_tally(counts, tally, s);
   }
 }
 
@@ -207,9 +227,9 @@ void check_shape(int M, int F, const char* what) {
   FP8LM_CHECK((M + kTile - 1) / kTile <= 65535, what, ": M too large for the tile grid, got ", M);
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kStats = false>
 void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* scale, Fp8Dtype dtype, bf16* pre,
-                    const bf16* bias, int M, int F, cudaStream_t stream) {
+                    const bf16* bias, int M, int F, cudaStream_t stream, Fp8CastCounts* counts = nullptr) {
   const char* what = kFp8 ? "bias_gelu_forward_fp8" : "bias_gelu_forward_bf16";
   check_shape(M, F, what);
   FP8LM_CHECK(pre != nullptr && bias != nullptr, what, ": null pre or bias");
@@ -226,15 +246,15 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   if (M == 0) return;
   const size_t total = static_cast<size_t>(M) * (F / 8);
   const int blocks = static_cast<int>(std::min<size_t>((total + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
-  bias_gelu_forward_kernel<kFp8><<<blocks, kForwardThreads, 0, stream>>>(out_bf16, out_fp8, amax, scale,
-                                                                         interpretation(dtype), pre, bias, M, F);
+  bias_gelu_forward_kernel<kFp8, kStats><<<blocks, kForwardThreads, 0, stream>>>(
+      out_bf16, out_fp8, amax, scale, interpretation(dtype), pre, bias, M, F, counts);
   CUDA_CHECK_LAUNCH();
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kStats = false>
 void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float* dbias, float* amax,
                      const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre, int M, int F,
-                     float* scratch, cudaStream_t stream) {
+                     float* scratch, cudaStream_t stream, Fp8CastCounts* counts = nullptr) {
   const char* what = kFp8 ? "gelu_backward_cast_transpose_dbias_fp8" : "gelu_backward_dbias_bf16";
   check_shape(M, F, what);
   FP8LM_CHECK(dbias != nullptr && dout != nullptr && pre != nullptr && scratch != nullptr, what, ": null pointer");
@@ -251,8 +271,8 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float*
   if (M == 0) return;
   const int row_tiles = (M + kTile - 1) / kTile;
   const dim3 grid((F + kTile - 1) / kTile, row_tiles);
-  gelu_backward_tile_kernel<kFp8><<<grid, kTileThreads, 0, stream>>>(dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale,
-                                                                     interpretation(dtype), dout, pre, M, F);
+  gelu_backward_tile_kernel<kFp8, kStats><<<grid, kTileThreads, 0, stream>>>(
+      dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts);
   CUDA_CHECK_LAUNCH();
   add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, nullptr, F, scratch, row_tiles, F);
   CUDA_CHECK_LAUNCH();
@@ -261,7 +281,8 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float*
 }  // namespace
 
 void bias_gelu_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, bf16* pre, const bf16* bias,
-                           int M, int F, cudaStream_t stream) {
+                           int M, int F, cudaStream_t stream, Fp8CastCounts* counts) {
+  if (counts) return launch_forward<true, true>(nullptr, out, amax, scale, dtype, pre, bias, M, F, stream, counts);
   launch_forward<true>(nullptr, out, amax, scale, dtype, pre, bias, M, F, stream);
 }
 
@@ -275,7 +296,12 @@ size_t gelu_backward_scratch_floats(int M, int F) {
 
 void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, float* dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre,
-                                            int M, int F, float* scratch, cudaStream_t stream) {
+                                            int M, int F, float* scratch, cudaStream_t stream,
+                                            Fp8CastCounts* counts) {
+  if (counts) {
+    return launch_backward<true, true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch,
+                                       stream, counts);
+  }
   launch_backward<true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch, stream);
 }
 

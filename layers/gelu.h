@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/fp8_stats.h"
 
 namespace fp8lm::cpu {
 
@@ -35,9 +36,11 @@ namespace fp8lm::cuda {
 //   pre [M,F] (in: GEMM output without bias; out: bf16(pre + bias), saved for backward)
 //   out [M,F] = fp8(bf16(gelu(bf16(pre + bias))) * *scale)   (uint8_t codes)
 // bias [F]. amax: running max of |bf16(gelu(...))| (atomicMax on the float's bits; NaN ->
-// 0x7fc00000); may be nullptr. out must not alias pre.
+// 0x7fc00000); may be nullptr. out must not alias pre. counts (nullable, statistics steps
+// only): += the cast's statistics (core/fp8_stats.h).
 void bias_gelu_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, __nv_bfloat16* pre,
-                           const __nv_bfloat16* bias, int M, int F, cudaStream_t stream);
+                           const __nv_bfloat16* bias, int M, int F, cudaStream_t stream,
+                           Fp8CastCounts* counts = nullptr);
 
 // BF16 twin: pre [M,F] += bias (rounded to bf16, saved); out [M,F] = bf16(gelu(pre)).
 // out must not alias pre.
@@ -53,12 +56,13 @@ size_t gelu_backward_scratch_floats(int M, int F);
 //   dbias  [F]  += sum over rows of bf16(dout * gelu'(pre))  (FP32, deterministic: per
 //                   64-row tile partials in scratch, then a fixed-order reduction)
 //   amax        running max of |bf16(dout * gelu'(pre))| (may be nullptr)
+//   counts     += the cast's statistics (core/fp8_stats.h)   (nullable: statistics steps only)
 // dout [M,F], pre [M,F] (bf16(pre + bias) as saved by the forward).
 // scratch: gelu_backward_scratch_floats(M, F) floats (contents need not be initialised).
 void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, float* dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const __nv_bfloat16* dout,
                                             const __nv_bfloat16* pre, int M, int F, float* scratch,
-                                            cudaStream_t stream);
+                                            cudaStream_t stream, Fp8CastCounts* counts = nullptr);
 
 // BF16 twin: dpre [M,F] = bf16(dout * gelu'(pre)) (written); dbias [F] += its column sums
 // (deterministic, as above). dpre may alias dout (in place).

@@ -27,6 +27,7 @@
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/fp8_stats.cuh"
 
 namespace fp8lm::cuda {
 
@@ -63,17 +64,20 @@ struct ResidualArgs {
 // K: chunks of 8 per lane (the row width is at most K * 32 * 8).
 // kResidual: the row is residual.in + (residual.branch + residual.branch_bias), rounded to
 // BF16 and stored to residual.out; inp is unused. Otherwise the row is inp and residual unused.
-template <int K, bool kFp8, bool kResidual>
+// kStats (with kFp8): also tallies the FP8 cast statistics into *counts.
+template <int K, bool kFp8, bool kResidual, bool kStats = false>
 __global__ void __launch_bounds__(kThreads)
     layernorm_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
                              const float* __restrict__ scale, __nv_fp8_interpretation_t interp,
                              float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ inp,
                              ResidualArgs residual, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
-                             int N, int C, float eps) {
+                             int N, int C, float eps, Fp8CastCounts* counts) {
+  static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerBlock + warp;
   const int chunks = C / 8;
   unsigned amax_local = 0u;
+  Fp8CastTally tally;
 
   if (row < N) {  // warp-uniform
     float xv[K][8];
@@ -145,6 +149,11 @@ __global__ void __launch_bounds__(kThreads)
                       (fp8x2(y[4 * h + 2] * s, y[4 * h + 3] * s, interp) << 16);
           }
           *reinterpret_cast<uint2*>(out_fp8 + offset) = make_uint2(word[0], word[1]);
+          if constexpr (kStats) {
+            const Fp8Dtype dtype = interp == __NV_E4M3 ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2;
+#pragma unroll
+            for (int j = 0; j < 8; j++) tally.add(y[j], y[j] * s, device::fp8_code_at(word[j / 4], j % 4), dtype);
+          }
         } else {
           store_bf16x8(out_bf16 + offset, y);
         }
@@ -156,6 +165,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if constexpr (kFp8) block_amax_update(amax, amax_local);
+  if constexpr (kStats) device::commit_fp8_tally(counts, tally, kFp8 ? *scale : 1.0f);
 }
 
 // ---- backward --------------------------------------------------------------------------
@@ -280,10 +290,11 @@ const char* forward_name(bool fp8, bool residual) {
   return fp8 ? "layernorm_forward_fp8" : "layernorm_forward_bf16";
 }
 
-template <bool kFp8, bool kResidual>
+template <bool kFp8, bool kResidual, bool kStats = false>
 void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* scale, Fp8Dtype dtype, float* mean,
                     float* rstd, const bf16* inp, const ResidualArgs& residual, const bf16* weight, const bf16* bias,
-                    int N, int C, float eps, cudaStream_t stream) {
+                    int N, int C, float eps, cudaStream_t stream, Fp8CastCounts* counts = nullptr) {
+  FP8LM_CHECK(!kStats || counts != nullptr, "layernorm statistics need counts");
   const char* what = forward_name(kFp8, kResidual);
   check_shape(N, C, what);
   FP8LM_CHECK(weight != nullptr && bias != nullptr, what, ": null weight or bias");
@@ -314,8 +325,8 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   const int blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const __nv_fp8_interpretation_t interp = interpretation(dtype);
 #define FP8LM_LN_FORWARD(K)                                                                               \
-  layernorm_forward_kernel<K, kFp8, kResidual><<<blocks, kThreads, 0, stream>>>(                          \
-      out_bf16, out_fp8, amax, scale, interp, mean, rstd, inp, residual, weight, bias, N, C, eps)
+  layernorm_forward_kernel<K, kFp8, kResidual, kStats><<<blocks, kThreads, 0, stream>>>(                  \
+      out_bf16, out_fp8, amax, scale, interp, mean, rstd, inp, residual, weight, bias, N, C, eps, counts)
   switch (chunks_per_lane(C)) {
     case 1: FP8LM_LN_FORWARD(1); break;
     case 2: FP8LM_LN_FORWARD(2); break;
@@ -341,7 +352,11 @@ void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp
 
 void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
                            const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, float eps,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, Fp8CastCounts* counts) {
+  if (counts) {
+    return launch_forward<true, false, true>(nullptr, out, amax, scale, dtype, mean, rstd, inp, ResidualArgs{}, weight,
+                                             bias, N, C, eps, stream, counts);
+  }
   launch_forward<true, false>(nullptr, out, amax, scale, dtype, mean, rstd, inp, ResidualArgs{}, weight, bias, N, C,
                               eps, stream);
 }
@@ -357,9 +372,14 @@ void residual_layernorm_forward_bf16(bf16* out, bf16* residual_out, float* mean,
 void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype,
                                     bf16* residual_out, float* mean, float* rstd, const bf16* residual_in,
                                     const bf16* branch, const bf16* branch_bias, const bf16* weight,
-                                    const bf16* bias, int N, int C, float eps, cudaStream_t stream) {
-  launch_forward<true, true>(nullptr, out, amax, scale, dtype, mean, rstd, nullptr,
-                             ResidualArgs{residual_out, residual_in, branch, branch_bias}, weight, bias, N, C, eps,
+                                    const bf16* bias, int N, int C, float eps, cudaStream_t stream,
+                                    Fp8CastCounts* counts) {
+  const ResidualArgs residual{residual_out, residual_in, branch, branch_bias};
+  if (counts) {
+    return launch_forward<true, true, true>(nullptr, out, amax, scale, dtype, mean, rstd, nullptr, residual, weight,
+                                            bias, N, C, eps, stream, counts);
+  }
+  launch_forward<true, true>(nullptr, out, amax, scale, dtype, mean, rstd, nullptr, residual, weight, bias, N, C, eps,
                              stream);
 }
 

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/fp8_stats.h"
 
 namespace fp8lm::cpu {
 
@@ -57,9 +58,10 @@ void layernorm_forward_bf16(__nv_bfloat16* out, float* mean, float* rstd, const 
 // i.e. exactly the codes a cast of layernorm_forward_bf16's output would give.
 // amax: running max (+= as max) of |bf16(LayerNorm(inp))| on the float's bits (atomicMax);
 // a NaN makes it 0x7fc00000. amax may be nullptr (not recorded); scale may not.
+// counts (nullable, statistics steps only): += the cast's statistics (core/fp8_stats.h).
 void layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype, float* mean, float* rstd,
                            const __nv_bfloat16* inp, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int N,
-                           int C, float eps, cudaStream_t stream);
+                           int C, float eps, cudaStream_t stream, Fp8CastCounts* counts = nullptr);
 
 // The residual add folded into the LayerNorm (see cpu::residual_layernorm_forward):
 //   residual_out [N,C] = bf16(float(residual_in) + (float(branch) + float(branch_bias)))  (one rounding)
@@ -76,13 +78,14 @@ void residual_layernorm_forward_bf16(__nv_bfloat16* out, __nv_bfloat16* residual
                                      const __nv_bfloat16* branch_bias, const __nv_bfloat16* weight,
                                      const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream);
 
-// As layernorm_forward_fp8 (out [N,C] FP8 codes, amax running max, scale [1]) on the residual
-// above.
+// As layernorm_forward_fp8 (out [N,C] FP8 codes, amax running max, scale [1], counts) on the
+// residual above.
 void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dtype dtype,
                                     __nv_bfloat16* residual_out, float* mean, float* rstd,
                                     const __nv_bfloat16* residual_in, const __nv_bfloat16* branch,
                                     const __nv_bfloat16* branch_bias, const __nv_bfloat16* weight,
-                                    const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream);
+                                    const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream,
+                                    Fp8CastCounts* counts = nullptr);
 
 // Scratch (FP32 elements) that layernorm_backward needs for N rows of width C.
 size_t layernorm_backward_scratch_floats(int N, int C);

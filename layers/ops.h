@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/fp8_stats.h"
 #include "core/scaling.h"
 #include "core/tensor.h"
 #include "optim/adamw.h"
@@ -207,6 +208,12 @@ class Ops {
   // only the discard of this step's amaxes.
   virtual void update_scales(const StepControl* control) = 0;
   virtual void discard_current_amaxes(const StepControl* control) = 0;
+  // FP8 statistics (--fp8-stats-interval, core/fp8_stats.h). counts [states] in backend
+  // memory: while set, every quantization into an FP8 operand while amaxes are recorded (the
+  // producers above, quantize, and quantize_tensors through scale_index) also adds what it did
+  // to counts[its state]. nullptr (the default): the casts run the kernels they run without
+  // statistics, and nothing is counted.
+  virtual void set_fp8_statistics(Fp8CastCounts* counts) = 0;
 
   // ---- Parallel runs --------------------------------------------------------------
   // The backend's stream (a cudaStream_t on the GPU, nullptr on the CPU): the device

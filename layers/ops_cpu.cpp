@@ -100,6 +100,7 @@ class CpuOps final : public Ops {
   void download_scaling() override {}
   void upload_scaling() override {}
   void set_amax_recording(bool record) override { recording_ = record; }
+  void set_fp8_statistics(Fp8CastCounts* counts) override { counts_ = counts; }
   void update_scales(const StepControl* control) override {
     if (control->skip) {
       scaling_->discard_current_amaxes();
@@ -133,7 +134,9 @@ class CpuOps final : public Ops {
   }
   void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
                         const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
-    cpu::quantize_tensors(codes, values, table.layout(), scales, scale_index, recorded_amax, dtype);
+    // Only the FP8 weight casts (scale_index maps tensors to scaling states) are counted.
+    cpu::quantize_tensors(codes, values, table.layout(), scales, scale_index, recorded_amax, dtype,
+                          scale_index ? counting() : nullptr);
   }
   void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
                       const float* scale_inv, Fp8Dtype dtype) override {
@@ -389,13 +392,28 @@ class CpuOps final : public Ops {
         if (amax_group_ && scaling_->needs_tensor_amax(out.scaling_state))
           amax_group_->all_reduce(&tensor_amax, &tensor_amax, 1, CommDtype::f32, ReduceOp::max);
         const float scale = scaling_->scale_for(out.scaling_state, tensor_amax);
-        cpu::quantize_fp8(destination, values, n, scale, fp8_dtype_of(out.dtype));
+        const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
+        cpu::quantize_fp8(destination, values, n, scale, dtype);
         if (record) scaling_->record_amax(out.scaling_state, tensor_amax);
+        if (record && counting()) count_cast(counting()[out.scaling_state], values, n, scale, dtype);
         break;
       }
     }
     if (out.transposed) cpu::transpose(static_cast<float*>(out.transposed), destination, int(out.rows), int(out.cols));
   }
+
+  // The statistics of casting values [n] with `scale` (the codes quantize_fp8 just wrote,
+  // encoded again: the reference counts from the codes, as the GPU kernels do).
+  static void count_cast(Fp8CastCounts& counts, const float* values, size_t n, float scale, Fp8Dtype dtype) {
+    Fp8CastTally tally;
+    for (size_t i = 0; i < n; ++i) {
+      const float scaled = values[i] * scale;
+      tally.add(values[i], scaled, fp8_encode(scaled, dtype), dtype);
+    }
+    add_tally(counts, tally, scale);
+  }
+  // The counts to add to, or nullptr: statistics off, or an evaluation pass.
+  Fp8CastCounts* counting() const { return recording_ ? counts_ : nullptr; }
 
   // 1 outside FP8; the state's scale_inv for an FP8 operand (what cuBLASLt multiplies by).
   float scale_inv(const Tensor& t) const {
@@ -418,6 +436,7 @@ class CpuOps final : public Ops {
   ScalingTable* scaling_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
+  Fp8CastCounts* counts_ = nullptr;  // [states] while a statistics step runs
   std::vector<int32_t> inputs_, targets_;
   VocabSlice batch_slice_;
   std::vector<float> scratch_, transpose_a_, transpose_b_;

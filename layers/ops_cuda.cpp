@@ -254,6 +254,7 @@ class CudaOps final : public Ops {
     upload(scale_inv_.data(), table_->scale_invs().data(), S * sizeof(float));
   }
   void set_amax_recording(bool record) override { recording_ = record; }
+  void set_fp8_statistics(Fp8CastCounts* counts) override { counts_ = counts; }
   void update_scales(const StepControl* control) override {
     const Fp8RecipeConfig& recipe = table_->config();
     cuda::update_delayed_scales(history_.data(), scale_.data(), scale_inv_.data(), format_max_.data(), table_->size(),
@@ -297,7 +298,9 @@ class CudaOps final : public Ops {
   }
   void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
                         const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
-    cuda::quantize_tensors(codes, values, device_table(table), scales, scale_index, recorded_amax, dtype, stream_);
+    // Only the FP8 weight casts (scale_index maps tensors to scaling states) are counted.
+    cuda::quantize_tensors(codes, values, device_table(table), scales, scale_index, recorded_amax, dtype, stream_,
+                           scale_index ? counting() : nullptr);
   }
   void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
                       const float* scale_inv, Fp8Dtype dtype) override {
@@ -378,11 +381,11 @@ class CudaOps final : public Ops {
         cuda::residual_layernorm_forward_fp8(u8(call.out), amax_slot(s), scale_.data() + s, dtype,
                                              bf(call.residual_out), f32(call.mean), f32(call.rstd),
                                              cbf(call.residual_in), cbf(call.branch), branch_bias, cbf(call.weight),
-                                             cbf(call.bias), N, C, call.eps, stream_);
+                                             cbf(call.bias), N, C, call.eps, stream_, counts_of(s));
       } else {
         cuda::layernorm_forward_fp8(u8(call.out), amax_slot(s), scale_.data() + s, dtype, f32(call.mean),
                                     f32(call.rstd), cbf(call.residual_in), cbf(call.weight), cbf(call.bias), N, C,
-                                    call.eps, stream_);
+                                    call.eps, stream_, counts_of(s));
       }
       return;
     }
@@ -489,7 +492,7 @@ class CudaOps final : public Ops {
     }
     const int s = out.scaling_state;
     cuda::bias_gelu_forward_fp8(u8(out), amax_slot(s), scale_.data() + s, fp8_dtype_of(out.dtype), bf(pre), cbf(bias),
-                                M, F, stream_);
+                                M, F, stream_, counts_of(s));
   }
   void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
     const int M = rows(pre), F = cols(pre);
@@ -503,7 +506,7 @@ class CudaOps final : public Ops {
     const int s = dpre.scaling_state;
     cuda::gelu_backward_cast_transpose_dbias_fp8(u8(dpre), static_cast<uint8_t*>(dpre.transposed), f32(dbias),
                                                  amax_slot(s), scale_.data() + s, fp8_dtype_of(dpre.dtype), cbf(dout),
-                                                 cbf(pre), M, F, scratch, stream_);
+                                                 cbf(pre), M, F, scratch, stream_, counts_of(s));
   }
 
   // ---- Attention
@@ -515,6 +518,10 @@ class CudaOps final : public Ops {
     cuda::attention_forward(bf(out), f32(lse), fused_cast ? u8(operand) : nullptr, fused_cast ? amax_slot(s) : nullptr,
                             fused_cast ? scale_.data() + s : nullptr, dtype, cbf(qkv), shape.B, shape.T, shape.width(),
                             shape.heads, stream_);
+    // The fused cast writes exactly fp8(out * scale) of the BF16 out it keeps: a statistics
+    // step counts that cast in a pass of its own, leaving the attention kernel as it is.
+    if (fused_cast && counts_of(s))
+      cuda::count_fp8_cast(counts_of(s), cbf(out), scale_.data() + s, dtype, size_t(out.numel()), stream_);
     if (operand.data != out.data && !fused_cast) quantize_current(operand, out.data, Tensor{}, DType::bf16);
   }
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -600,6 +607,10 @@ class CudaOps final : public Ops {
   // Where a producer records its output's amax: the state's slot in this step's row of
   // the history, or a sink while evaluating.
   float* amax_slot(int state) { return recording_ ? history_.data() + state : amax_sink_.data(); }
+  // Where a producer adds its cast's statistics: nullptr (the kernels without statistics)
+  // unless a statistics step runs and amaxes are recorded (evaluation counts nothing).
+  Fp8CastCounts* counting() const { return recording_ ? counts_ : nullptr; }
+  Fp8CastCounts* counts_of(int state) const { return counting() ? counting() + state : nullptr; }
 
   void set_operand_a(cuda::GemmDesc& desc, cuda::GemmArgs& args, const Tensor& t, const void* data) {
     desc.a_type = gemm_type_of(t.dtype);
@@ -622,9 +633,9 @@ class CudaOps final : public Ops {
     auto cast_from = [&](const auto* values) {
       if (transposed || bias_grad) {
         cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
-                                 float_scratch_.data(), stream_);
+                                 float_scratch_.data(), stream_, counts_of(s));
       } else {
-        cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_);
+        cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_, counts_of(s));
       }
     };
     if (in_dtype == DType::f32) return cast_from(static_cast<const float*>(in));
@@ -657,6 +668,7 @@ class CudaOps final : public Ops {
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
+  Fp8CastCounts* counts_ = nullptr;  // [states] device memory while a statistics step runs
   cuda::DeviceBuffer<float> history_, scale_, scale_inv_, format_max_;
   cuda::DeviceBuffer<float> amax_sink_;    // [1] where evaluation passes send amaxes
   cuda::DeviceBuffer<float> tensor_amax_;  // [1] current-scaling temporary

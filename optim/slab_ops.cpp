@@ -91,13 +91,14 @@ void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, in
 }
 
 void quantize_tensors(uint8_t* codes, const float* values, const TensorLayout& layout, const float* scales,
-                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype) {
+                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, Fp8CastCounts* counts) {
   const std::vector<Chunk> chunks = chunks_of(layout);
   if (chunks.empty()) return;
   FP8LM_CHECK(codes != nullptr && values != nullptr && scales != nullptr,
               "quantize_tensors needs codes, values and scales");
   auto slot_of = [&](int tensor) { return scale_index ? scale_index[tensor] : tensor; };
   std::vector<float> partial(chunks.size(), 0.0f);
+  std::vector<Fp8CastTally> tallies(counts ? chunks.size() : 0);
   const int64_t count = as_count(chunks.size());
 #pragma omp parallel for schedule(static) if (count > 1)
   for (int64_t c = 0; c < count; ++c) {
@@ -108,13 +109,15 @@ void quantize_tensors(uint8_t* codes, const float* values, const TensorLayout& l
     for (size_t i = chunks[c].begin; i < chunks[c].end; ++i) {
       codes[i] = fp8_encode(values[i] * scale, dtype);  // FP32 product, then RNE + saturation
       amax = max_keeping_nan(amax, std::fabs(values[i]));
+      if (counts) tallies[c].add(values[i], values[i] * scale, codes[i], dtype);
     }
     partial[c] = amax;
   }
-  if (recorded_amax == nullptr) return;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int s = slot_of(chunks[c].tensor);
-    if (s >= 0) recorded_amax[s] = max_keeping_nan(recorded_amax[s], partial[c]);
+    if (s < 0) continue;
+    if (recorded_amax) recorded_amax[s] = max_keeping_nan(recorded_amax[s], partial[c]);
+    if (counts) add_tally(counts[s], tallies[c], scales[s]);
   }
 }
 

@@ -11,6 +11,7 @@
 #include "core/check_cuda.h"
 #include "core/device_helpers.cuh"
 #include "core/error.h"
+#include "core/fp8_stats.cuh"
 #include "core/scaling.h"
 #include "optim/grad_clip.h"  // kGradNormChunk
 
@@ -115,11 +116,12 @@ __global__ void __launch_bounds__(kThreads) scales_from_amaxes_kernel(float* __r
 
 // ---- quantize_tensors ----------------------------------------------------------------------
 
-template <Fp8Dtype kDtype>
+// kStats: also tallies the FP8 cast statistics into counts[s].
+template <Fp8Dtype kDtype, bool kStats = false>
 __global__ void __launch_bounds__(kThreads)
     quantize_tensors_kernel(uint8_t* __restrict__ codes, const float* __restrict__ values, DeviceTensorTable table,
                             const float* __restrict__ scales, const int* __restrict__ scale_index,
-                            float* recorded_amax) {
+                            float* recorded_amax, Fp8CastCounts* counts) {
   const ChunkSpan span = chunk_span(table, blockIdx.x);
   const int s = scale_index ? scale_index[span.tensor] : span.tensor;
   if (s < 0) return;  // the whole block leaves: none of its threads reaches the block reduction
@@ -127,6 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   const float* x = values + span.begin;
   uint8_t* q = codes + span.begin;
   unsigned local = 0;  // amax bits; NaN stays above +inf and becomes 0x7FC00000 at the commit
+  Fp8CastTally tally;
   uint32_t scalar_from = 0;
   if (aligned(x, 16) && aligned(q, 4)) {
     const uint32_t groups = span.n / 4;
@@ -134,8 +137,15 @@ __global__ void __launch_bounds__(kThreads)
       const float4 v = reinterpret_cast<const float4*>(x)[j];
       local = max(local, max(max(device::abs_bits(v.x), device::abs_bits(v.y)),
                              max(device::abs_bits(v.z), device::abs_bits(v.w))));
-      reinterpret_cast<uint32_t*>(q)[j] = encode4<kDtype>(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale),
-                                                          __fmul_rn(v.z, scale), __fmul_rn(v.w, scale));
+      const uint32_t word = encode4<kDtype>(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale), __fmul_rn(v.z, scale),
+                                            __fmul_rn(v.w, scale));
+      reinterpret_cast<uint32_t*>(q)[j] = word;
+      if constexpr (kStats) {
+        const float four[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          tally.add(four[e], __fmul_rn(four[e], scale), device::fp8_code_at(word, e), kDtype);
+      }
     }
     scalar_from = groups * 4;
   }
@@ -143,8 +153,10 @@ __global__ void __launch_bounds__(kThreads)
     const float v = x[i];
     local = max(local, device::abs_bits(v));
     q[i] = encode<kDtype>(__fmul_rn(v, scale));
+    if constexpr (kStats) tally.add(v, __fmul_rn(v, scale), q[i], kDtype);
   }
   if (recorded_amax != nullptr) device::block_amax_update(recorded_amax + s, local);
+  if constexpr (kStats) device::commit_fp8_tally(counts + s, tally, scale);
 }
 
 // ---- sum_fp8_chunks ------------------------------------------------------------------------
@@ -263,17 +275,20 @@ void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, in
 }
 
 void quantize_tensors(uint8_t* codes, const float* values, const DeviceTensorTable& table, const float* scales,
-                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, cudaStream_t stream) {
+                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, cudaStream_t stream,
+                      Fp8CastCounts* counts) {
   if (table.num_chunks == 0) return;
   check_table(table, "quantize_tensors");
   FP8LM_CHECK(codes != nullptr && values != nullptr && scales != nullptr,
               "quantize_tensors needs codes, values and scales");
+  // Without statistics, the very kernel the casts always ran (kStats = false).
+  auto launch = [&](auto kernel) {
+    kernel<<<table.num_chunks, kThreads, 0, stream>>>(codes, values, table, scales, scale_index, recorded_amax, counts);
+  };
   if (dtype == Fp8Dtype::e4m3) {
-    quantize_tensors_kernel<Fp8Dtype::e4m3>
-        <<<table.num_chunks, kThreads, 0, stream>>>(codes, values, table, scales, scale_index, recorded_amax);
+    counts ? launch(quantize_tensors_kernel<Fp8Dtype::e4m3, true>) : launch(quantize_tensors_kernel<Fp8Dtype::e4m3>);
   } else {
-    quantize_tensors_kernel<Fp8Dtype::e5m2>
-        <<<table.num_chunks, kThreads, 0, stream>>>(codes, values, table, scales, scale_index, recorded_amax);
+    counts ? launch(quantize_tensors_kernel<Fp8Dtype::e5m2, true>) : launch(quantize_tensors_kernel<Fp8Dtype::e5m2>);
   }
   CUDA_CHECK_LAUNCH();
 }

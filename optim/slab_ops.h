@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/fp8_stats.h"
 #include "core/tensor.h"
 #include "optim/grad_clip_cuda.h"  // DeviceTensorTable
 
@@ -56,10 +57,12 @@ void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, in
 //     NaN propagates and stays (core/cast_cuda.h's amax convention): a NaN value makes the
 //     slot the quiet NaN 0x7FC00000, which no later value replaces. Several tensors may
 //     share a slot. Slots hold values >= 0 (or NaN) on entry.
+//   counts[s] += the casts' statistics (core/fp8_stats.h)                     (if non-null)
 //   codes [layout.total_elements()] FP8 bytes, values [layout.total_elements()],
-//   scales [max s + 1], scale_index [count] (nullable), recorded_amax [max s + 1] (nullable)
+//   scales [max s + 1], scale_index [count] (nullable), recorded_amax [max s + 1] (nullable),
+//   counts [max s + 1] (nullable: statistics steps only)
 void quantize_tensors(uint8_t* codes, const float* values, const TensorLayout& layout, const float* scales,
-                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype);
+                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, Fp8CastCounts* counts = nullptr);
 
 // Sum of `ranks` chunks of FP8 codes, each laid out by `layout` (offsets relative to a chunk):
 //   out[offset_k + i] = (sum over r = 0, 1, ..., ranks - 1 of
@@ -98,9 +101,11 @@ void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, in
                         float headroom, cudaStream_t stream);
 
 // codes [table.total_elements], values [table.total_elements], scales [max s + 1],
-// scale_index [table.count] (nullable), recorded_amax [max s + 1] (nullable; NaN -> 0x7FC00000).
+// scale_index [table.count] (nullable), recorded_amax [max s + 1] (nullable; NaN -> 0x7FC00000),
+// counts [max s + 1] (nullable: statistics steps only).
 void quantize_tensors(uint8_t* codes, const float* values, const DeviceTensorTable& table, const float* scales,
-                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, cudaStream_t stream);
+                      const int* scale_index, float* recorded_amax, Fp8Dtype dtype, cudaStream_t stream,
+                      Fp8CastCounts* counts = nullptr);
 
 // out [table.total_elements], chunks [(ranks - 1) * chunk_stride + table.total_elements],
 // scale_inv [table.count]. As cpu::sum_fp8_chunks, bit for bit.

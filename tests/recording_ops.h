@@ -88,6 +88,10 @@ class RecordingOps final : public Ops {
     record("update_scales");
     inner_->update_scales(control);
   }
+  void set_fp8_statistics(Fp8CastCounts* counts) override {
+    record(counts ? "fp8_statistics on" : "fp8_statistics off");
+    inner_->set_fp8_statistics(counts);
+  }
   void discard_current_amaxes(const StepControl* control) override {
     record("discard_current_amaxes");
     inner_->discard_current_amaxes(control);

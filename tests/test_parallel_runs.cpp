@@ -4,6 +4,7 @@
 // OpenMP thread per rank.
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -150,6 +151,63 @@ TEST_CASE("a checkpoint saved at TP=2 x DP=2 resumes at TP=1, TP=4 and exactly a
     REQUIRE(resumed.size() == 6);
     CHECK(largest_relative_gap(resumed, continued) < 2e-3);
   }
+}
+
+// The FP8 statistics of a parallel run: one line per operand, written by rank 0 alone, with
+// every rank's counts summed. Data parallelism: the ranks' micro-batches together are the
+// one-process run's step, so the activations' and gradients' element counts match it, and
+// each rank casts the whole (replicated) weight. Tensor parallelism: a tensor split across the
+// ranks counts once, one replicated on them counts on each (the fractions stay).
+TEST_CASE("FP8 statistics of a parallel run: rank 0 writes each operand once, counts summed over the ranks",
+          "[parallel][cpu][fp8-stats]") {
+  const testing::TempDir dir;
+  const std::string args = base_args("--fp8-hybrid --fp8-stats-interval 6");
+  auto statistics = [](const std::string& path) {
+    std::map<std::string, nlohmann::json> at_12;  // iteration 12's line per operand
+    std::ifstream file(path);
+    std::string line;
+    size_t lines = 0;
+    while (std::getline(file, line)) {
+      const auto json = nlohmann::json::parse(line);
+      if (!json.contains("fp8_stats")) continue;
+      ++lines;
+      if (json["iter"] == 12) {
+        CHECK(at_12.count(json["fp8_stats"]) == 0);  // once, from one rank
+        at_12[json["fp8_stats"]] = json;
+      }
+    }
+    CHECK(lines == 2 * at_12.size());  // iterations 6 and 12
+    return at_12;
+  };
+  REQUIRE(testing::run_fp8lm(args + " --metrics-file " + dir.file("one.jsonl")).exit_code == 0);
+  const auto one = statistics(dir.file("one.jsonl"));
+  REQUIRE(one.size() == 24);
+
+  const auto dp = run_ranks(2, args + " --metrics-file " + dir.file("dp.jsonl"));
+  INFO(dp.output);
+  REQUIRE(dp.exit_code == 0);
+  const auto dp_stats = statistics(dir.file("dp.jsonl"));
+  REQUIRE(dp_stats.size() == one.size());
+  for (const auto& [name, line] : one) {
+    INFO(name);
+    // Every data-parallel rank casts the whole weight (replicated): it counts per rank.
+    const double ranks_holding = name.ends_with(".weight") ? 2.0 : 1.0;
+    CHECK(dp_stats.at(name)["elements"].get<double>() == ranks_holding * line["elements"].get<double>());
+  }
+  // With and without statistics, the same losses under mpirun too.
+  REQUIRE(run_ranks(2, base_args("--fp8-hybrid") + " --metrics-file " + dir.file("dp_off.jsonl")).exit_code == 0);
+  CHECK(losses(dir.file("dp.jsonl")) == losses(dir.file("dp_off.jsonl")));
+
+  const auto tp = run_ranks(2, args + " --tensor-model-parallel-size 2 --metrics-file " + dir.file("tp.jsonl"));
+  INFO(tp.output);
+  REQUIRE(tp.exit_code == 0);
+  const auto tp_stats = statistics(dir.file("tp.jsonl"));
+  REQUIRE(tp_stats.size() == one.size());
+  for (const char* split : {"h.0.attn.c_attn.weight", "h.1.mlp.c_fc.weight", "h.0.attn.c_proj.input",
+                            "h.1.mlp.c_proj.input", "h.0.mlp.c_fc.grad_output"})
+    CHECK(tp_stats.at(split)["elements"] == one.at(split)["elements"]);
+  for (const char* replicated : {"h.0.attn.c_attn.input", "h.1.mlp.c_fc.input"})
+    CHECK(tp_stats.at(replicated)["elements"].get<double>() == 2 * one.at(replicated)["elements"].get<double>());
 }
 
 TEST_CASE("bad parallel input fails before any work, naming the flag", "[parallel][cpu][cli]") {

@@ -66,3 +66,42 @@ TEST_CASE("plot_loss.sh draws two runs, and names what is wrong", "[plot]") {
     CHECK(no_runs.exit_code == 2);
   }
 }
+
+TEST_CASE("plot_loss.sh reads past FP8 statistics lines, and --fp8-stat draws one of them", "[plot][fp8-stats]") {
+  testing::TempDir dir;
+  write_metrics(dir.file("run.jsonl"), 0.0);
+  {  // the lines --fp8-stats-interval adds (one has a NaN amax, written as null)
+    std::ofstream file(dir.file("run.jsonl"), std::ios::app);
+    for (int iter = 4; iter <= 20; iter += 4)
+      for (const char* name : {"h.0.attn.c_attn.input", "h.0.attn.c_attn.grad_output"})
+        file << "{\"amax\":" << (iter == 8 ? "null" : std::to_string(1.5 + iter)) << ",\"elements\":4096.0,"
+             << "\"format\":\"e4m3\",\"fp8_stats\":\"" << name << "\",\"iter\":" << iter
+             << ",\"saturated\":0.001,\"scale\":100.0,\"scale_amax\":4.48,\"subnormal\":0.01,\"underflow\":"
+             << 0.001 * iter << "}\n";
+  }
+  if (std::system("command -v gnuplot > /dev/null 2>&1") != 0) SKIP("gnuplot is not installed");
+  const auto loss = testing::run_command(kScript + " " + dir.file("run.jsonl") + " -o " + dir.file("loss.png"));
+  INFO(loss.output);
+  CHECK(loss.exit_code == 0);
+  CHECK(std::filesystem::file_size(dir.file("loss.png")) > 5000);
+
+  const auto stat = testing::run_command(kScript + " " + dir.file("run.jsonl") +
+                                         " --fp8-stat underflow --tensor 'grad_output$' -o " + dir.file("u.png"));
+  INFO(stat.output);
+  CHECK(stat.exit_code == 0);
+  CHECK_THAT(stat.output, ContainsSubstring("1 FP8 operand series"));
+  CHECK(std::filesystem::file_size(dir.file("u.png")) > 5000);
+  const auto amax = testing::run_command(kScript + " " + dir.file("run.jsonl") + " --fp8-stat amax -o " +
+                                         dir.file("a.png"));
+  CHECK(amax.exit_code == 0);
+  CHECK_THAT(amax.output, ContainsSubstring("2 FP8 operand series"));
+
+  const auto bogus = testing::run_command(kScript + " " + dir.file("run.jsonl") + " --fp8-stat loss -o " +
+                                          dir.file("x.png"));
+  CHECK(bogus.exit_code == 2);
+  CHECK_THAT(bogus.output, ContainsSubstring("--fp8-stat loss is not a statistic"));
+  const auto none = testing::run_command(kScript + " " + dir.file("run.jsonl") + " --fp8-stat scale --tensor nothing -o " +
+                                         dir.file("x.png"));
+  CHECK(none.exit_code == 2);
+  CHECK_THAT(none.output, ContainsSubstring("HINT: train with --fp8-stats-interval"));
+}
