@@ -104,7 +104,7 @@ TEST_CASE("the switching rule: strictly above a threshold, block operands only, 
   CHECK(blocks_to_switch(statistics, {.saturation = 1.0, .underflow = 1.0}).empty());
 }
 
-TEST_CASE("--fp8-auto-precision with thresholds of 1 changes no number and switches nothing", "[auto-precision][cpu]") {
+TEST_CASE("auto precision with thresholds of 1 changes no number and switches nothing", "[auto-precision][cpu]") {
   const TempDir dir;
   REQUIRE(run(kRun + "--metrics-file " + dir.file("off.jsonl")).exit_code == 0);
   const auto on = run(kRun + "--log-level info --fp8-auto-precision --fp8-auto-precision-saturation 1 "
@@ -118,7 +118,7 @@ TEST_CASE("--fp8-auto-precision with thresholds of 1 changes no number and switc
   CHECK(statistics_lines(dir.file("on.jsonl")) == 0);  // the calibration statistics are not reported
 }
 
-TEST_CASE("--fp8-auto-precision switches the blocks over its thresholds, logs why, and checkpoints the set",
+TEST_CASE("auto precision switches the blocks over its thresholds, logs why, and checkpoints the set",
           "[auto-precision][cpu]") {
   const TempDir dir;
   // Three blocks, block 0 BF16 by --bf16-blocks. The first step of a delayed-scaling run takes
@@ -200,7 +200,7 @@ TEST_CASE("a run checkpointed right after a switch resumes bit-exactly; eval rep
   CHECK(evaluated == logged[0]);
 }
 
-TEST_CASE("--fp8-auto-precision and --bf16-blocks are validated before any work", "[auto-precision][cli]") {
+TEST_CASE("auto precision: --fp8-auto-precision and --bf16-blocks are validated before any work", "[auto-precision][cli]") {
   struct Case {
     std::string flags, expected;
   };

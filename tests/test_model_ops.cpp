@@ -231,7 +231,7 @@ TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are 
   CHECK(log == expected);
 }
 
-TEST_CASE("--bf16-blocks: the named blocks' GEMMs run BF16 beside the first and last layers, the others FP8",
+TEST_CASE("BF16 blocks by number: the named blocks' GEMMs run BF16 beside the first and last layers, the others FP8",
           "[model][cpu][auto-precision]") {
   GptConfig config = two_layers();
   config.n_layer = 5;
@@ -263,7 +263,7 @@ TEST_CASE("--bf16-blocks: the named blocks' GEMMs run BF16 beside the first and 
   CHECK(log == expected_sequence({fp8, bf16, fp8, fp8, bf16}, "bf16", "quantize", "quantize"));
 }
 
-TEST_CASE("--bf16-blocks in the step: the named block's weights are cast to BF16, the others to FP8",
+TEST_CASE("BF16 blocks by number in the step: the named block's weights are cast to BF16, the others to FP8",
           "[model][cpu][auto-precision]") {
   const RunSetup setup = resolve_run_setup(
       parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",

@@ -236,7 +236,7 @@ TEST_CASE("bad parallel input fails before any work, naming the flag", "[paralle
   }
 }
 
-TEST_CASE("--fp8-auto-precision under mpirun: every rank switches the same blocks, rank 0 logs them once",
+TEST_CASE("auto precision under mpirun: every rank switches the same blocks, rank 0 logs them once",
           "[parallel][cpu][auto-precision]") {
   const testing::TempDir dir;
   // A saturation threshold of 0 switches blocks 1 and 2 after the first step (current scaling
