@@ -123,6 +123,11 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"first_last_layers_bf16", o.first_last_layers_bf16},
           {"num_layers_at_start_in_bf16", o.num_layers_at_start_in_bf16},
           {"num_layers_at_end_in_bf16", o.num_layers_at_end_in_bf16},
+          {"bf16_blocks", o.bf16_blocks},
+          {"fp8_auto_precision", o.fp8_auto_precision},
+          {"fp8_auto_precision_saturation", o.fp8_auto_precision_saturation},
+          {"fp8_auto_precision_underflow", o.fp8_auto_precision_underflow},
+          {"fp8_auto_precision_steps", o.fp8_auto_precision_steps},
           {"optimizer_state_precision", std::string(to_string(o.optimizer_state))},
           {"micro_batch_size", o.micro_batch_size},
           {"global_batch_size", o.global_batch_size},
@@ -315,8 +320,26 @@ std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, c
   stored.scale_inv = read_as_float(expect_tensor(file, "scale_inv", SafetensorsDtype::F32, {S}));
   stored.initialized = meta.at("initialized") == "1";
   if (stored.names == expected.names && stored.dtypes == expected.dtypes) return stored;
+  int64_t matched = 0;
+  ScalingSnapshot state = match_scaling_by_name(stored, expected, &matched);
+  const int64_t R = int64_t(expected.names.size());
+  if (matched == 0) {
+    spdlog::warn("{}: FP8 scaling state is for other operands or formats; starting it afresh", file.path());
+    return std::nullopt;
+  }
+  spdlog::warn("{}: {} of this run's {} FP8 scaling states resume by name ({} stored); the operands differ "
+               "(--first-last-layers-bf16, --bf16-blocks, --fp8-lm-head or --fp8-format changed){}",
+               file.path(), matched, R, S,
+               state.initialized ? "" : ": those without one start empty, and the first step takes current scaling");
+  return state;
+}
 
+}  // namespace
+
+ScalingSnapshot match_scaling_by_name(const ScalingSnapshot& stored, const ScalingSnapshot& expected,
+                                      int64_t* matched_count) {
   // Match by name, as Transformer Engine matches a module's FP8 metadata to its module.
+  const int64_t S = int64_t(stored.names.size());
   std::map<std::string, int64_t> index_of;
   for (int64_t j = 0; j < S; ++j) index_of.emplace(stored.names[size_t(j)], j);
   const int64_t R = int64_t(expected.names.size());
@@ -335,19 +358,14 @@ std::optional<ScalingSnapshot> read_scaling_state(const SafetensorsFile& file, c
     state.scale_inv[size_t(i)] = stored.scale_inv[size_t(j)];
     ++matched;
   }
-  if (matched == 0) {
-    spdlog::warn("{}: FP8 scaling state is for other operands or formats; starting it afresh", file.path());
-    return std::nullopt;
-  }
   // Delayed scales are used as a table (all initialized or none): with an operand new to the
   // table, every operand takes current scaling until the first update.
   state.initialized = stored.initialized && matched == R;
-  spdlog::warn("{}: {} of this run's {} FP8 scaling states resume by name ({} stored); the operands differ "
-               "(--first-last-layers-bf16, --fp8-lm-head or --fp8-format changed){}",
-               file.path(), matched, R, S,
-               state.initialized ? "" : ": those without one start empty, and the first step takes current scaling");
+  if (matched_count) *matched_count = matched;
   return state;
 }
+
+namespace {
 
 // ---- Hugging Face model files
 
@@ -450,6 +468,16 @@ std::optional<CheckpointManifest::Fp8Settings> saved_fp8_settings(const nlohmann
     fp8.first_last_layers_bf16 = flag.get<bool>();
     fp8.num_layers_at_start_in_bf16 = count("num_layers_at_start_in_bf16");
     fp8.num_layers_at_end_in_bf16 = count("num_layers_at_end_in_bf16");
+  }
+  if (state.contains(nlohmann::json::json_pointer("/args/bf16_blocks"))) {
+    const nlohmann::json& blocks = manifest_field(state, state_path, "/args/bf16_blocks");
+    const bool valid = blocks.is_array() && std::all_of(blocks.begin(), blocks.end(), [](const nlohmann::json& b) {
+                         return b.is_number_integer() && b.get<int64_t>() >= 0 &&
+                                b.get<int64_t>() <= std::numeric_limits<int>::max();
+                       });
+    FP8LM_INPUT_CHECK(valid, state_path, ": key \"args/bf16_blocks\" must be a list of block numbers, not ",
+                      blocks.dump());
+    for (const nlohmann::json& block : blocks) fp8.bf16_blocks.insert(block.get<int>());
   }
   return fp8;
 }
@@ -795,6 +823,12 @@ void adopt_resume_checkpoint(TrainOptions& options) {
     options.num_layers_at_start_in_bf16 = saved.num_layers_at_start_in_bf16;
     options.num_layers_at_end_in_bf16 = saved.num_layers_at_end_in_bf16;
   }
+  // The blocks --bf16-blocks named and --fp8-auto-precision switched: a switched block stays BF16.
+  if (!options.given("--bf16-blocks") && options.bf16_blocks != saved.bf16_blocks) {
+    spdlog::info("--bf16-blocks not given: resuming with the checkpoint's BF16 blocks ({})",
+                 saved.bf16_blocks.empty() ? std::string("none") : block_list_text(saved.bf16_blocks));
+    options.bf16_blocks = saved.bf16_blocks;
+  }
 }
 
 std::optional<GptConfig> stored_model_config(const std::string& path, std::optional<int64_t> step) {
@@ -889,6 +923,32 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   spdlog::info("saved checkpoint {} (iteration {})", final_dir.string(), progress.iteration);
   world.barrier();
   return final_dir.string();
+}
+
+TrainingStateSnapshot snapshot_training_state(TrainingEngine& engine, bool fp8) {
+  TrainingStateSnapshot state;
+  state.parameters = engine.parameters();
+  state.optimizer = engine.optimizer_state();
+  if (fp8) state.scaling = engine.scaling_state();
+  state.skipped_steps = engine.skip_status().total;
+  return state;
+}
+
+void restore_training_state(TrainingEngine& engine, const TrainingStateSnapshot& state) {
+  // load_into_engine's order: parameters, optimizer, scaling, skips.
+  std::optional<ScalingSnapshot> scaling;
+  if (state.scaling) {
+    const ScalingSnapshot expected = engine.scaling_state();
+    if (state.scaling->names == expected.names && state.scaling->dtypes == expected.dtypes) {
+      scaling = state.scaling;
+    } else if (!expected.names.empty()) {
+      scaling = match_scaling_by_name(*state.scaling, expected);
+    }
+  }
+  engine.set_parameters(state.parameters);
+  engine.set_optimizer_state(state.optimizer);
+  if (scaling) engine.set_scaling_state(*scaling);
+  engine.set_total_skips(state.skipped_steps);
 }
 
 InferenceWeights read_inference_weights(const std::string& path, std::optional<int64_t> step,

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,7 @@ struct CheckpointManifest {
     bool first_last_layers_bf16 = false;  // absent before the flag existed: off
     int num_layers_at_start_in_bf16 = 1;
     int num_layers_at_end_in_bf16 = 1;
+    std::set<int> bf16_blocks;  // --bf16-blocks with what --fp8-auto-precision switched; absent before: none
   };
   std::optional<Fp8Settings> fp8;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)
@@ -122,6 +124,29 @@ enum class CheckpointUse {
 // length, and otherwise starts empty (the first step then uses current scaling).
 LoadedState load_into_engine(const std::string& path, std::optional<int64_t> step, const RunSetup& setup,
                              TrainingEngine& engine, CheckpointUse use);
+
+// `stored`'s scaling states laid out for `expected`'s operands (same history length): each
+// operand takes the stored state of its name and format, the others start empty (history 0,
+// scale 1), and the table counts as initialized only when every operand found its state.
+// `matched` (optional) receives how many did.
+ScalingSnapshot match_scaling_by_name(const ScalingSnapshot& stored, const ScalingSnapshot& expected,
+                                      int64_t* matched = nullptr);
+
+// The training state of an engine, on the host, as a checkpoint holds it: the master weights,
+// the optimizer state, the FP8 scaling states (FP8 runs) and the skip count. Every rank takes
+// it together (the snapshots gather).
+struct TrainingStateSnapshot {
+  std::vector<float> parameters;
+  OptimizerSnapshot optimizer;
+  std::optional<ScalingSnapshot> scaling;
+  int64_t skipped_steps = 0;
+};
+TrainingStateSnapshot snapshot_training_state(TrainingEngine& engine, bool fp8);
+// Restores it into a newly built engine whose precision may differ in which blocks run BF16
+// (--fp8-auto-precision's switch), exactly as a resume from a checkpoint of that state would:
+// the same calls in the same order, the scaling states matched by name (the switched blocks'
+// states dropped, the others kept as they were).
+void restore_training_state(TrainingEngine& engine, const TrainingStateSnapshot& state);
 
 // What decoding needs of a checkpoint or Hugging Face model: the weights, and an fp8lm
 // checkpoint's FP8 scaling state when `expected_scaling` (the decoding model's operands and

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -58,6 +59,28 @@ uint64_t parse_unsigned_flag(const std::string& flag, const std::string& text) {
 
 }  // namespace
 
+std::set<int> parse_block_list(const std::string& flag, const std::string& text) {
+  std::set<int> blocks;
+  size_t begin = 0;
+  while (begin <= text.size() && !text.empty()) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, comma - begin);
+    int block = 0;
+    const auto [stop, error] = std::from_chars(item.data(), item.data() + item.size(), block);
+    if (item.empty() || error != std::errc() || stop != item.data() + item.size() || block < 0)
+      bad_flag(flag + " takes block numbers separated by commas, such as 0,5,11 (got \"" + text + "\")");
+    blocks.insert(block);
+    begin = comma + 1;
+  }
+  return blocks;
+}
+
+std::string block_list_text(const std::set<int>& blocks) {
+  std::string text;
+  for (int block : blocks) text += (text.empty() ? "" : ",") + std::to_string(block);
+  return text;
+}
+
 std::vector<RealFlag> real_flags(const TrainOptions& o) {
   constexpr double kUnbounded = std::numeric_limits<double>::max();
   return {
@@ -70,6 +93,10 @@ std::vector<RealFlag> real_flags(const TrainOptions& o) {
       {"--clip-grad", &o.clip_grad, 0.0, true, kUnbounded, true, "0 disables clipping"},
       {"--distributed-timeout-minutes", &o.distributed_timeout_minutes, 0.0, false, kMaxTimeoutMinutes, true,
        "at most a week"},
+      {"--fp8-auto-precision-saturation", &o.fp8_auto_precision_saturation, 0.0, true, 1.0, true,
+       "a fraction of the operand's elements; 1 never switches"},
+      {"--fp8-auto-precision-underflow", &o.fp8_auto_precision_underflow, 0.0, true, 1.0, true,
+       "a fraction of the operand's elements; 1 never switches"},
   };
 }
 
@@ -158,6 +185,16 @@ void validate_options(const TrainOptions& o) {
     require(o.num_layers_at_end_in_bf16 >= 0,
             "--num-layers-at-end-in-bf16 must be >= 0 (got " + num(o.num_layers_at_end_in_bf16) + ")");
   }
+  // Block numbers are checked against the model's layers once the config is known (resolve_run_setup).
+  require(o.bf16_blocks.empty() || o.fp8_enabled(),
+          "--bf16-blocks needs --fp8-format: without FP8 GEMMs every block already runs in BF16 (or FP32)");
+  require(!o.fp8_auto_precision || o.fp8_enabled(),
+          "--fp8-auto-precision needs --fp8-format: it moves blocks from FP8 GEMMs to BF16 ones");
+  for (const char* flag : {"--fp8-auto-precision-saturation", "--fp8-auto-precision-underflow",
+                           "--fp8-auto-precision-steps"})
+    require(!o.given(flag) || o.fp8_auto_precision, std::string(flag) + " needs --fp8-auto-precision");
+  require(o.fp8_auto_precision_steps >= 0,
+          "--fp8-auto-precision-steps must be >= 0 (got " + num(o.fp8_auto_precision_steps) + ")");
   require(o.fp8.interval >= 1, "--fp8-interval must be >= 1 (got " + num(o.fp8.interval) + ")");
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,
@@ -244,6 +281,24 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(precision);
   app.add_option("--num-layers-at-end-in-bf16", o.num_layers_at_end_in_bf16,
                  "With --first-last-layers-bf16: how many blocks at the end run in BF16")
+      ->group(precision);
+  std::string bf16_blocks;
+  app.add_option("--bf16-blocks", bf16_blocks,
+                 "Under FP8, run these blocks' Linear GEMMs in BF16: block numbers from 0, comma-separated (0,5,11)")
+      ->group(precision);
+  app.add_flag("--fp8-auto-precision", o.fp8_auto_precision,
+               "Under FP8, switch a block to BF16 GEMMs for good when an FP8 operand of it saturates or underflows "
+               "beyond the thresholds below (checked every step of the calibration window, then at each "
+               "--fp8-stats-interval)")
+      ->group(precision);
+  app.add_option("--fp8-auto-precision-saturation", o.fp8_auto_precision_saturation,
+                 "With --fp8-auto-precision: switch above this fraction of an operand's elements saturated")
+      ->group(precision);
+  app.add_option("--fp8-auto-precision-underflow", o.fp8_auto_precision_underflow,
+                 "With --fp8-auto-precision: switch above this fraction of an operand's elements flushed to zero")
+      ->group(precision);
+  app.add_option("--fp8-auto-precision-steps", o.fp8_auto_precision_steps,
+                 "With --fp8-auto-precision: the calibration window, the first N steps, checked every step")
       ->group(precision);
   app.add_option("--optimizer-state-precision", state_precision,
                  "AdamW moments: fp8-fp16 (E4M3 m, FP16 v, FP8-LLM) or fp32")
@@ -387,6 +442,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   }
 
   o.seed = parse_unsigned_flag("--seed", seed_text);
+  o.bf16_blocks = parse_block_list("--bf16-blocks", bf16_blocks);
   for (const CLI::Option* option : app.get_options())
     if (option->count() > 0) o.given_flags.insert(option->get_name());
 

@@ -2,6 +2,7 @@
 // before any work starts.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,11 @@ struct ParsedCommandLine {
 // Parses the `train` flags (argv without the program name and subcommand).
 // Throws InputError with a one-line message naming the flag on any bad input.
 ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args);
+
+// "0,5,11" -> {0, 5, 11} (--bf16-blocks); "" is no block. InputError naming `flag` otherwise.
+std::set<int> parse_block_list(const std::string& flag, const std::string& text);
+// {0, 5, 11} -> "0,5,11".
+std::string block_list_text(const std::set<int>& blocks);
 
 // Checks ranges and contradictions that do not need the model config.
 void validate_options(const TrainOptions& options);

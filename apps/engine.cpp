@@ -161,6 +161,8 @@ struct TrainingEngine::State {
   // FP8 statistics (--fp8-stats-interval): the counts [states] the casts add to while a step
   // that collects them runs, and their copy on the host after it.
   int64_t fp8_stats_interval = 0;
+  // --fp8-auto-precision's calibration window: steps [0, N) collect them too (0 without it).
+  int64_t fp8_calibration_steps = 0;
   std::unique_ptr<Allocation> fp8_counts;
   std::unique_ptr<HostReadback> fp8_counts_readback;
   int64_t counting_step = -1;  // the step the casts count for now; -1: nothing is counted
@@ -227,7 +229,8 @@ struct TrainingEngine::State {
   void publish_parameters();
   void cast_weights_of(int layer);
   bool collects_fp8_statistics(int64_t step) const {
-    return fp8_counts && fp8_stats_interval > 0 && step >= 0 && (step + 1) % fp8_stats_interval == 0;
+    if (!fp8_counts || step < 0) return false;
+    return (fp8_stats_interval > 0 && (step + 1) % fp8_stats_interval == 0) || step < fp8_calibration_steps;
   }
   // Zeroes the counts and has the casts add to them from now on (in stream order).
   void start_fp8_statistics(int64_t step) {
@@ -380,7 +383,8 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   }
 
   s.fp8_stats_interval = o.fp8_stats_interval;
-  if (s.fp8 && o.fp8_stats_interval > 0 && model.scaling().size() > 0) {
+  s.fp8_calibration_steps = o.fp8_auto_precision ? o.fp8_auto_precision_steps : 0;
+  if (s.fp8 && (o.fp8_stats_interval > 0 || s.fp8_calibration_steps > 0) && model.scaling().size() > 0) {
     const size_t bytes = size_t(model.scaling().size()) * sizeof(Fp8CastCounts);
     s.fp8_counts = device.allocate(bytes);
     s.fp8_counts_readback = device.make_readback(bytes);

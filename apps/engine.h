@@ -102,7 +102,8 @@ class TrainingEngine {
   StepMetrics step_metrics();
 
   // FP8 statistics (--fp8-stats-interval N; apps/fp8_statistics.h): step `step` collects
-  // them when N > 0, the GEMMs are FP8 and step + 1 (the iteration) is a multiple of N. Such a
+  // them when the GEMMs are FP8 and N > 0 with step + 1 (the iteration) a multiple of N, or
+  // under --fp8-auto-precision when step is in its calibration window. Such a
   // step counts every FP8 cast of the operands its GEMMs multiply: the activations and
   // gradients of all its micro-batches, and the weight operands (cast at the end of the step
   // before, or, under --overlap-param-gather, in the step's forward; the first step of a run

@@ -54,6 +54,7 @@ const std::vector<ForwardedFlag> kPrecisionFlags = {
     {"--first-last-layers-bf16", false, "The first and last blocks' GEMMs in BF16 under FP8 (counts below)"},
     {"--num-layers-at-start-in-bf16", true, "With --first-last-layers-bf16: blocks at the start in BF16"},
     {"--num-layers-at-end-in-bf16", true, "With --first-last-layers-bf16: blocks at the end in BF16"},
+    {"--bf16-blocks", true, "These blocks' GEMMs in BF16 under FP8, such as 0,5,11 (default: the checkpoint's)"},
 };
 
 ForwardedFlags::ForwardedFlags(CLI::App& app, std::vector<ForwardedFlag> flags) : app_(app), flags_(std::move(flags)) {
@@ -154,6 +155,14 @@ std::vector<std::string> checkpoint_run_flags(const std::string& path, std::opti
         flags.push_back("--first-last-layers-bf16");
         add("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16");
         add("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16");
+      }
+      // The blocks --bf16-blocks named and --fp8-auto-precision switched in the saving run.
+      const nlohmann::json blocks = args.value("bf16_blocks", nlohmann::json::array());
+      if (!given.count("--bf16-blocks") && blocks.is_array() && !blocks.empty()) {
+        std::string list;
+        for (const nlohmann::json& block : blocks) list += (list.empty() ? "" : ",") + block.dump();
+        flags.push_back("--bf16-blocks");
+        flags.push_back(list);
       }
     }
   }

@@ -1,6 +1,8 @@
 #include "apps/fp8_statistics.h"
 
 #include <algorithm>
+#include <charconv>
+#include <map>
 #include <cmath>
 #include <cstdio>
 
@@ -70,6 +72,50 @@ std::string fp8_statistics_summary(const std::vector<Fp8TensorStatistics>& stati
   return "fp8 stats: " + std::to_string(statistics.size()) + " tensors | saturated: " +
          worst_by(statistics, &Fp8TensorStatistics::saturated, worst) +
          " | underflow: " + worst_by(statistics, &Fp8TensorStatistics::underflow, worst);
+}
+
+namespace {
+
+// The block of a block operand's name ("h.12.attn.c_proj.input" -> 12), or -1.
+int block_of(const std::string& name) {
+  if (name.rfind("h.", 0) != 0) return -1;
+  int block = 0;
+  const char* begin = name.data() + 2;
+  const char* end = name.data() + name.size();
+  const auto [stop, error] = std::from_chars(begin, end, block);
+  if (error != std::errc() || stop == begin || stop == end || *stop != '.') return -1;
+  return block;
+}
+
+std::string percent(double fraction) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g%%", 100.0 * fraction);
+  return text;
+}
+
+}  // namespace
+
+std::vector<BlockSwitch> blocks_to_switch(const std::vector<Fp8TensorStatistics>& statistics,
+                                          const AutoPrecisionThresholds& thresholds) {
+  std::map<int, BlockSwitch> first_reason;
+  for (const Fp8TensorStatistics& s : statistics) {
+    const int block = block_of(s.name);
+    if (block < 0 || first_reason.count(block)) continue;
+    // Strictly above: a threshold of 1 can never be exceeded.
+    if (s.saturated > thresholds.saturation) {
+      first_reason[block] = BlockSwitch{block, s.name, "saturated", s.saturated, thresholds.saturation};
+    } else if (s.underflow > thresholds.underflow) {
+      first_reason[block] = BlockSwitch{block, s.name, "underflow", s.underflow, thresholds.underflow};
+    }
+  }
+  std::vector<BlockSwitch> switches;
+  for (auto& [block, change] : first_reason) switches.push_back(std::move(change));
+  return switches;
+}
+
+std::string describe_block_switch(const BlockSwitch& change) {
+  return "block " + std::to_string(change.block) + " -> BF16 GEMMs: " + change.operand + " " + change.measure + " " +
+         percent(change.fraction) + " > threshold " + percent(change.threshold);
 }
 
 }  // namespace fp8lm

@@ -44,4 +44,31 @@ nlohmann::json fp8_statistics_line(int64_t iteration, const Fp8TensorStatistics&
 //   "fp8 stats: 36 tensors | saturated: h.1.mlp.c_fc.grad_output 0.0123%, ... | underflow: ..."
 std::string fp8_statistics_summary(const std::vector<Fp8TensorStatistics>& statistics, int worst = 3);
 
+// --fp8-auto-precision's rule: a block is switched to BF16 GEMMs when one of its FP8 operands
+// has more than `saturation` of its elements saturated, or more than `underflow` of them
+// flushed to zero, over a step.
+struct AutoPrecisionThresholds {
+  double saturation = 1e-4;
+  double underflow = 0.01;
+};
+
+// Why a block switched: the first of its operands (in scaling-table order) over a threshold.
+struct BlockSwitch {
+  int block = -1;
+  std::string operand;    // "h.3.mlp.c_fc.grad_output"
+  std::string measure;    // "saturated" or "underflow"
+  double fraction = 0.0;  // the measured fraction
+  double threshold = 0.0;
+};
+
+// The blocks to switch, in block order, one entry each. Only block operands ("h.N.*") count;
+// the LM head's are left alone. The statistics are summed over every rank, so every rank
+// decides the same.
+std::vector<BlockSwitch> blocks_to_switch(const std::vector<Fp8TensorStatistics>& statistics,
+                                          const AutoPrecisionThresholds& thresholds);
+
+// The log line for one switch:
+//   "block 3 -> BF16 GEMMs: h.3.mlp.c_fc.grad_output saturated 0.0123% > threshold 0.01%"
+std::string describe_block_switch(const BlockSwitch& change);
+
 }  // namespace fp8lm

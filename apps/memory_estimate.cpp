@@ -136,11 +136,10 @@ uint64_t tensor_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DTyp
   return with_transpose ? mul(one, 2) : one;
 }
 
-// The blocks' GEMM precisions with how many blocks take each: one entry, or two under
-// --first-last-layers-bf16 (counted, not looped: the estimate also sizes absurd layer counts).
+// The blocks' GEMM precisions with how many blocks take each: one entry, or two when some
+// blocks run BF16 under fp8 (counted, not looped: the estimate also sizes absurd layer counts).
 std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x, const GptPrecision& precision) {
-  const uint64_t bf16 = std::min<uint64_t>(x.L, uint64_t(precision.bf16_layers_at_start) +
-                                                    uint64_t(precision.bf16_layers_at_end));
+  const uint64_t bf16 = uint64_t(precision.bf16_block_count(int64_t(x.L)));
   if (precision.gemm != GemmPrecision::fp8 || bf16 == 0) return {{precision.gemm, x.L}};
   std::vector<std::pair<GemmPrecision, uint64_t>> blocks = {{GemmPrecision::bf16, bf16}};
   if (x.L > bf16) blocks.push_back({GemmPrecision::fp8, x.L - bf16});
@@ -223,8 +222,8 @@ uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act,
 int fp8_scaling_states(const RunSetup& s) {
   if (!s.options.fp8_enabled()) return 0;
   // Three per FP8 Linear (input, weight, output gradient): four per FP8 block, and the head's.
-  const int fp8_blocks = s.model.n_layer - s.options.bf16_layers_at_start() - s.options.bf16_layers_at_end();
-  return 3 * (4 * std::max(fp8_blocks, 0) + (s.options.fp8_lm_head ? 1 : 0));
+  const int64_t fp8_blocks = s.model.n_layer - model_precision(s.options).bf16_block_count(s.model.n_layer);
+  return int(3 * (4 * std::max<int64_t>(fp8_blocks, 0) + (s.options.fp8_lm_head ? 1 : 0)));
 }
 
 // The CUDA backend's workspaces (layers/ops_cuda.cpp plan_workspace), from the kernels' own

@@ -51,6 +51,18 @@ struct TrainOptions {
   bool first_last_layers_bf16 = false;
   int num_layers_at_start_in_bf16 = 1;
   int num_layers_at_end_in_bf16 = 1;
+  // --bf16-blocks 0,5,11: under FP8, these blocks run their four Linear GEMMs in BF16 (fp8lm's
+  // own flag; Megatron has none). --fp8-auto-precision adds the blocks it switches, and
+  // checkpoints record the set, so a resume, `fp8lm eval` and `fp8lm sample` use it.
+  std::set<int> bf16_blocks;
+  // --fp8-auto-precision (docs/NUMERICS.md): during the first --fp8-auto-precision-steps steps,
+  // and at each --fp8-stats-interval report, a block one of whose FP8 operands has more than
+  // the saturation fraction of its elements saturated, or more than the underflow fraction
+  // flushed to zero, joins bf16_blocks for the rest of the run.
+  bool fp8_auto_precision = false;
+  double fp8_auto_precision_saturation = 1e-4;  // --fp8-auto-precision-saturation
+  double fp8_auto_precision_underflow = 0.01;   // --fp8-auto-precision-underflow
+  int64_t fp8_auto_precision_steps = 20;        // --fp8-auto-precision-steps
   OptimizerStatePrecision optimizer_state = OptimizerStatePrecision::fp8_fp16;  // --optimizer-state-precision
 
   // Batch

@@ -65,6 +65,18 @@ GptConfig model_config_from(const TrainOptions& o) {
   return config;
 }
 
+// --fp8-auto-precision's rule, for the startup table.
+std::string auto_precision_description(const TrainOptions& o) {
+  if (!o.fp8_auto_precision) return "off";
+  std::string when;
+  if (o.fp8_auto_precision_steps > 0) when = "iterations 1-" + std::to_string(o.fp8_auto_precision_steps);
+  if (o.fp8_stats_interval > 0)
+    when += (when.empty() ? "" : " and ") + std::string("every ") + std::to_string(o.fp8_stats_interval);
+  return "a block to BF16 above " + format_double(o.fp8_auto_precision_saturation) + " saturated or " +
+         format_double(o.fp8_auto_precision_underflow) + " underflowed, checked at " +
+         (when.empty() ? std::string("no step") : when);
+}
+
 // Which blocks run BF16 GEMMs under --first-last-layers-bf16, for the startup table.
 std::string bf16_blocks_description(const TrainOptions& o, int n_layer) {
   if (!o.first_last_layers_bf16) return "off";
@@ -114,6 +126,11 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                            ") exceed the model's " + std::to_string(m.n_layer) + " layers",
                        "the two counts may cover each block once at most (--bf16 runs every block in BF16)");
   }
+
+  if (!o.bf16_blocks.empty() && *o.bf16_blocks.rbegin() >= m.n_layer)
+    throw InputError("--bf16-blocks names block " + std::to_string(*o.bf16_blocks.rbegin()) + " but the model has " +
+                         std::to_string(m.n_layer) + " blocks",
+                     "blocks are numbered from 0 to n_layer - 1");
 
   setup.seq_length = options.seq_length > 0 ? options.seq_length : setup.model.n_positions;
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
@@ -170,6 +187,7 @@ GptPrecision model_precision(const TrainOptions& o) {
                       .fp8_lm_head = o.fp8_lm_head,
                       .bf16_layers_at_start = o.bf16_layers_at_start(),
                       .bf16_layers_at_end = o.bf16_layers_at_end(),
+                      .bf16_blocks = o.fp8_enabled() ? o.bf16_blocks : std::set<int>{},
                       .fp8 = o.fp8};
 }
 
@@ -207,6 +225,8 @@ SettingsTable settings_table(const RunSetup& s) {
       {"fp8-interval", fp8 ? str(o.fp8.interval) : "(fp8 off)"},
       {"fp8-lm-head", fp8 ? (o.fp8_lm_head ? "fp8" : "bf16") : "(fp8 off)"},
       {"first-last-layers-bf16", !fp8 ? "(fp8 off)" : bf16_blocks_description(o, m.n_layer)},
+      {"bf16-blocks", !fp8 ? "(fp8 off)" : o.bf16_blocks.empty() ? "none" : block_list_text(o.bf16_blocks)},
+      {"fp8-auto-precision", !fp8 ? "(fp8 off)" : auto_precision_description(o)},
       {"optimizer-state-precision", std::string(to_string(o.optimizer_state))},
       {"micro-batch-size", str(o.micro_batch_size)},
       {"global-batch-size", str(s.global_batch_size)},

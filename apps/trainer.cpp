@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/checkpointing.h"
+#include "apps/cli.h"
 #include "apps/engine.h"
 #include "apps/signals.h"
 #include "core/error.h"
@@ -278,7 +279,10 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
 
 }  // namespace
 
-TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
+TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) {
+  // The run's set-up; --fp8-auto-precision adds to its BF16 blocks as the run goes, and the
+  // engines built after a switch and the checkpoints take it from here.
+  RunSetup setup = initial_setup;
   const TrainOptions& o = setup.options;
   // The outputs first: an unusable --save or --metrics-file fails before any work. The first
   // rank writes both.
@@ -307,10 +311,17 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
       if (watchdog)
         for (ncclComm_t comm : comms) watchdog->unwatch(comm);
     }
-  } watched{watchdog, engine->nccl_comms()};
-  if (watchdog)
-    for (ncclComm_t comm : watched.comms) watchdog->watch(comm);
-  Communicator& world = engine->host_groups().world();
+    void watch(std::vector<ncclComm_t> new_comms) {
+      if (watchdog) {
+        for (ncclComm_t comm : comms) watchdog->unwatch(comm);
+        for (ncclComm_t comm : new_comms) watchdog->watch(comm);
+      }
+      comms = std::move(new_comms);
+    }
+  } watched{watchdog, {}};
+  watched.watch(engine->nccl_comms());
+  // The host groups belong to the engine, which a switch to BF16 blocks rebuilds.
+  auto world = [&engine]() -> Communicator& { return engine->host_groups().world(); };
   log_settings_table("memory and optimizer state (rank " + std::to_string(setup.parallel.world_rank) + ")",
                      engine->describe());
 
@@ -390,12 +401,22 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
                            "lower --lr, raise --fp8-margin, or check the data; --max-skipped-steps sets the limit");
     }
 
+    // Blocks --fp8-auto-precision switches to BF16 after this step (the engine is rebuilt
+    // once this step's metrics are logged).
+    std::vector<BlockSwitch> switches;
     if (engine->collects_fp8_statistics(step)) {
       // Every rank takes part (the counts are summed over the ranks); the first one reports.
+      // Only here, after the step, are they read back: no other step waits for the device.
       const std::vector<Fp8TensorStatistics> statistics = engine->fp8_statistics();
-      if (first_rank) {
+      const bool report = o.fp8_stats_interval > 0 && iteration % o.fp8_stats_interval == 0;
+      if (first_rank && report) {
         for (const Fp8TensorStatistics& tensor : statistics) metrics_file.write(fp8_statistics_line(iteration, tensor));
         spdlog::info("iter {:6d} | {}", iteration, fp8_statistics_summary(statistics));
+      }
+      if (o.fp8_auto_precision) {
+        // Every rank has the same sums, so every rank switches the same blocks.
+        switches = blocks_to_switch(statistics, {.saturation = o.fp8_auto_precision_saturation,
+                                                 .underflow = o.fp8_auto_precision_underflow});
       }
     }
 
@@ -427,13 +448,31 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog) {
       interval_start = Clock::now();
       interval_steps = 0;
     }
+    if (!switches.empty()) {
+      for (const BlockSwitch& change : switches) {
+        if (first_rank) spdlog::info("iter {:6d} | fp8-auto-precision: {}", iteration, describe_block_switch(change));
+        setup.options.bf16_blocks.insert(change.block);
+      }
+      // The new precision is fixed when the model is built: the training state moves to an
+      // engine built for it, as a resume from a checkpoint taken here would (the data position
+      // and the learning-rate schedule live in this loop and are untouched).
+      const TrainingStateSnapshot state = snapshot_training_state(*engine, o.fp8_enabled());
+      watched.watch({});
+      engine.reset();
+      engine = make_engine(setup, setup.parallel);
+      watched.watch(engine->nccl_comms());
+      restore_training_state(*engine, state);
+      if (first_rank)
+        spdlog::info("iter {:6d} | fp8-auto-precision: BF16 blocks now {}", iteration,
+                     block_list_text(setup.options.bf16_blocks));
+    }
     if (data.valid && o.eval_interval > 0 && o.eval_iters > 0 && iteration % o.eval_interval == 0)
       summary.last_val_loss = evaluate(iteration);
     summary.steps = iteration;
 
     // Every rank stops at the same iteration: a signal seen by any rank stops all of them.
     float stop = float(pending_stop_signal());
-    if (world.size() > 1) world.all_reduce(&stop, &stop, 1, CommDtype::f32, ReduceOp::max);
+    if (world().size() > 1) world().all_reduce(&stop, &stop, 1, CommDtype::f32, ReduceOp::max);
     const int signal_number = int(stop);
     const bool periodic = o.save_interval > 0 && iteration % o.save_interval == 0;
     const bool exit_now = o.exit_interval > 0 && iteration % o.exit_interval == 0;

@@ -15,9 +15,11 @@
 // bias in one pass (docs/MODEL.md).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -85,17 +87,31 @@ void init_gpt_parameters(float* params, const TensorLayout& layout, const GptCon
 struct GptPrecision {
   GemmPrecision gemm = GemmPrecision::fp32;  // the transformer blocks' Linear layers
   bool fp8_lm_head = false;                  // the tied LM head in FP8 too (else BF16 under fp8)
-  // Under fp8, the first and last blocks whose Linear layers run in BF16 instead
-  // (--first-last-layers-bf16): blocks [0, bf16_layers_at_start) and
-  // [n_layer - bf16_layers_at_end, n_layer). They have no FP8 scaling states.
+  // Under fp8, the blocks whose four Linear layers run in BF16 instead. They have no FP8
+  // scaling states. The first and last blocks (--first-last-layers-bf16) are ranges,
+  // [0, bf16_layers_at_start) and [n_layer - bf16_layers_at_end, n_layer), so that a huge
+  // layer count costs nothing to describe; bf16_blocks adds single blocks (--bf16-blocks,
+  // and those --fp8-auto-precision switched). A block may be in both.
   int bf16_layers_at_start = 0;
   int bf16_layers_at_end = 0;
+  std::set<int> bf16_blocks;
   Fp8RecipeConfig fp8;
+  bool runs_block_in_bf16(int layer, int n_layer) const {
+    return layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end || bf16_blocks.count(layer) > 0;
+  }
   // Block `layer`'s GEMM precision, of `n_layer` blocks.
   GemmPrecision block(int layer, int n_layer) const {
     if (gemm != GemmPrecision::fp8) return gemm;
-    const bool bf16 = layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end;
-    return bf16 ? GemmPrecision::bf16 : GemmPrecision::fp8;
+    return runs_block_in_bf16(layer, n_layer) ? GemmPrecision::bf16 : GemmPrecision::fp8;
+  }
+  // How many of `n_layer` blocks run BF16 under fp8 (the ranges and the set, each block once).
+  int64_t bf16_block_count(int64_t n_layer) const {
+    const int64_t start = std::min<int64_t>(n_layer, bf16_layers_at_start);
+    const int64_t end = std::min<int64_t>(n_layer - start, bf16_layers_at_end);
+    int64_t count = start + end;
+    for (int layer : bf16_blocks)
+      if (layer >= start && layer < n_layer - end) ++count;
+    return count;
   }
   // The LM head's GEMM precision: FP8 only when asked, BF16 under fp8 otherwise.
   GemmPrecision lm_head() const {

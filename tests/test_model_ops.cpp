@@ -230,3 +230,58 @@ TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are 
     for (int i = 0; i < 4; ++i) expected.push_back(std::string("quantize -> ") + block);
   CHECK(log == expected);
 }
+
+TEST_CASE("BF16 blocks by number: the named blocks' GEMMs run BF16 beside the first and last layers, the others FP8",
+          "[model][cpu][auto-precision]") {
+  GptConfig config = two_layers();
+  config.n_layer = 5;
+  std::vector<std::string> log;
+  auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+  GptPrecision precision;
+  precision.gemm = GemmPrecision::fp8;
+  precision.bf16_layers_at_end = 1;  // block 4
+  precision.bf16_blocks = {1, 4};    // block 4 twice: counted once
+  CHECK(precision.bf16_block_count(config.n_layer) == 2);
+  const int B = 2, T = 8;
+  GptModel model(config, B, T, precision, *ops);
+  init_gpt_parameters(static_cast<float*>(model.working()), model.layout(), model.config(), 1);
+  model.refresh_weight_operands();
+  REQUIRE(model.scaling().size() == 3 * 12);  // blocks 0, 2 and 3
+  for (int i = 0; i < model.scaling().size(); ++i) {
+    const std::string name = model.scaling().name(i);
+    CHECK((name.rfind("h.0.", 0) == 0 || name.rfind("h.2.", 0) == 0 || name.rfind("h.3.", 0) == 0));
+  }
+  float loss_sum = 0.0f;
+  Tensor loss;
+  loss.data = &loss_sum;
+  loss.rows = loss.cols = 1;
+  const auto x = tokens(B * T, 1), y = tokens(B * T, 2);
+  const TokenBatch batch = ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice());
+  log.clear();
+  model.forward_backward(batch, 1.0f / (B * T), loss);
+  const BlockDtypes bf16{"bf16", "bf16"}, fp8{"e4m3", "e5m2"};
+  CHECK(log == expected_sequence({fp8, bf16, fp8, fp8, bf16}, "bf16", "quantize", "quantize"));
+}
+
+TEST_CASE("BF16 blocks by number in the step: the named block's weights are cast to BF16, the others to FP8",
+          "[model][cpu][auto-precision]") {
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
+                                "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--num-layers", "3",
+                                "--bf16-blocks", "1"})
+          .options);
+  std::vector<std::string> log;
+  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  const auto x = tokens(32, 3), y = tokens(32, 4);
+  AdamWHyperparams hp;
+  hp.lr = 1e-3f;
+  engine.begin_step();
+  engine.forward_backward(x.data(), y.data(), 1.0f / 32);
+  log.clear();
+  engine.end_step(hp, 1.0, 0);
+  std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_moment_amaxes", "adamw_apply",
+                                       "update_scales", "quantize -> bf16"};  // ... and the LM head's BF16 copy
+  for (const char* block : {"e4m3", "bf16", "e4m3"})
+    for (int i = 0; i < 4; ++i) expected.push_back(std::string("quantize -> ") + block);
+  CHECK(log == expected);
+}

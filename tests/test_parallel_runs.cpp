@@ -235,3 +235,30 @@ TEST_CASE("bad parallel input fails before any work, naming the flag", "[paralle
     CHECK_THAT(run.output, !ContainsSubstring("iter "));  // no step ran
   }
 }
+
+TEST_CASE("auto precision under mpirun: every rank switches the same blocks, rank 0 logs them once",
+          "[parallel][cpu][auto-precision]") {
+  const testing::TempDir dir;
+  // A saturation threshold of 0 switches blocks 1 and 2 after the first step (current scaling
+  // puts each operand's amax on the format's max), from counts summed over both ranks.
+  const std::string args = base_args("--fp8-hybrid --num-layers 3 --bf16-blocks 0 --log-level info --fp8-auto-precision "
+                                     "--fp8-auto-precision-saturation 0 --fp8-auto-precision-steps 1");
+  const auto one = testing::run_fp8lm(args + " --metrics-file " + dir.file("one.jsonl"));
+  REQUIRE(one.exit_code == 0);
+  const auto dp = run_ranks(2, args + " --save " + dir.file("ck") + " --metrics-file " + dir.file("dp.jsonl"));
+  INFO(dp.output);
+  REQUIRE(dp.exit_code == 0);
+  auto occurrences = [](const std::string& text, const std::string& what) {
+    size_t count = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++count;
+    return count;
+  };
+  CHECK(occurrences(dp.output, "fp8-auto-precision: block 1 -> BF16 GEMMs") == 1);
+  CHECK(occurrences(dp.output, "fp8-auto-precision: block 2 -> BF16 GEMMs") == 1);
+  CHECK(occurrences(dp.output, "fp8-auto-precision: BF16 blocks now 0,1,2") == 1);
+  const auto one_losses = losses(dir.file("one.jsonl")), dp_losses = losses(dir.file("dp.jsonl"));
+  REQUIRE(dp_losses.size() == 12);
+  CHECK(largest_relative_gap(dp_losses, one_losses) < 2e-3);
+  std::ifstream state(dir.file("ck/iter_0000012/state.json"));
+  CHECK(nlohmann::json::parse(state)["args"]["bf16_blocks"] == nlohmann::json::array({0, 1, 2}));
+}
