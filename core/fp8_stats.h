@@ -4,9 +4,10 @@
 // element is the pair (x, code), x the value before scaling and code = fp8(x * scale), the
 // very code the cast writes.
 //
-//   saturated  |x * scale| >= fp8_max: the value was clipped to +-max (or hit max exactly;
-//              infinities count). Under current scaling the element equal to the amax maps
-//              onto fp8_max itself, so about one element per tensor counts there.
+//   saturated  |x * scale| > fp8_max: the value lay beyond the format's range and was clipped
+//              to +-max (infinities count). A value landing on fp8_max exactly is not clipped:
+//              under current scaling the amax element maps there in every tensor, and counting
+//              it would report saturation where there is none.
 //   underflow  x != 0 but the code is +-0: the value was lost.
 //   subnormal  the code is a nonzero subnormal (exponent field 0): fewer mantissa bits.
 //
@@ -70,7 +71,7 @@ struct Fp8CastTally {
   FP8LM_HOST_DEVICE void add(float x, float scaled, uint8_t code, Fp8Dtype dtype) {
     const float format_max = fp8_max(dtype);
     elements += 1;
-    saturated += (scaled >= format_max || scaled <= -format_max) ? 1u : 0u;
+    saturated += (scaled > format_max || scaled < -format_max) ? 1u : 0u;
     underflow += (fp8_code_is_zero(code) && x != 0.0f) ? 1u : 0u;
     subnormal += fp8_code_is_subnormal(code, dtype) ? 1u : 0u;
     const uint32_t bits = fp8_stats_amax_bits(x);

@@ -55,7 +55,8 @@ HandMade e4m3_case() {
   return {Fp8Dtype::e4m3,
           1.0f,
           {
-              448.0f, 1000.0f, -500.0f,            // saturated: |x s| >= 448 (448 itself counts)
+              1000.0f, -500.0f, 449.0f,            // saturated: |x s| > 448, clipped to 448
+              448.0f,                              // exactly the max: representable, not clipped
               447.0f, 440.0f,                      // round up to 448 but were not clipped: normal
               1e-4f, -0.0009765625f, 1e-30f,       // underflow: below half of 2^-9 (the tie rounds to even, 0)
               0.0f, -0.0f,                         // true zeros: not underflow
@@ -71,7 +72,8 @@ HandMade e5m2_case() {
   return {Fp8Dtype::e5m2,
           0.0625f,
           {
-              917504.0f, 1e7f, -1e6f,              // saturated: x s = 57344, 625000, -62500
+              1e7f, -1e6f, 918000.0f,              // saturated: x s = 625000, -62500, 57375 > 57344
+              917504.0f,                           // x s = 57344, the max itself: not clipped
               912000.0f,                           // x s = 57000 rounds to 57344, not clipped
               0.0001220703125f, 1e-6f,             // underflow: x s = 2^-17 (tie, to 0) and 6.25e-8
               0.0f,                                // true zero
@@ -151,7 +153,8 @@ TEST_CASE("hand-made tensors: saturated, underflowed and subnormal elements coun
     }
     CHECK(zeros == c.underflow);
     CHECK(subnormals == c.subnormal);
-    CHECK(at_max == c.saturated + (c.dtype == Fp8Dtype::e4m3 ? 2 : 1));  // plus those rounded up to max
+    // plus the value at the max itself and those rounded up to it
+    CHECK(at_max == c.saturated + (c.dtype == Fp8Dtype::e4m3 ? 3 : 2));
 
     // A second cast adds to the same record.
     bench.cast(c.values);
@@ -174,13 +177,13 @@ TEST_CASE("infinities saturate and NaN counts as an element only, with a NaN ama
   CHECK(std::isnan(fp8_stats_amax(bench.counts[0].amax_bits)));
 }
 
-TEST_CASE("current scaling: the scale maps the tensor's amax onto fp8_max, which counts as saturated",
+TEST_CASE("current scaling: the scale maps the tensor's amax onto fp8_max, which is not saturation",
           "[fp8-stats]") {
   CastBench bench(Fp8Dtype::e4m3, 1.0f, ScalingRecipe::tensorwise);
   bench.cast({2.0f, -1.0f, 0.5f, 1e-6f});  // scale 448 / 2 = 224: 2 -> 448 exactly
   const Fp8CastCounts& counts = bench.counts[0];
   CHECK(counts.scale == 224.0f);
-  CHECK(counts.saturated == 1);
+  CHECK(counts.saturated == 0);  // 2 -> 448 exactly: in range
   CHECK(counts.underflow == 1);  // 1e-6 x 224 = 2.2e-4, below 2^-10
   CHECK(fp8_stats_amax(counts.amax_bits) == 2.0f);
   const Fp8TensorStatistics report =
