@@ -52,8 +52,8 @@ eval_line=$(build/fp8lm eval --load "$run/checkpoint" --valid-data-path "$corpus
             --log-level warn | tail -1)
 loss=$(echo "$eval_line" | sed -E 's/.*"loss":([0-9.eE+-]+).*/\1/')
 say "validation loss $(printf '%.3f' "$loss") nats/token against a unigram entropy of $entropy (word frequencies alone)"
-awk -v l="$loss" -v h="$entropy" 'BEGIN { exit !(l < h - 1.0) }' ||
-  say "WARNING: the loss is not 1 nat below the unigram entropy; the model has learned little beyond frequencies"
+awk -v l="$loss" -v h="$entropy" 'BEGIN { exit !(l < h - 0.5) }' ||
+  say "WARNING: the loss is not half a nat below the unigram entropy: the model learned little beyond word frequencies"
 
 say "a sample from $run/checkpoint:"
 build/fp8lm sample --load "$run/checkpoint" --vocab-file data/tokenizer/encoder.json \
