@@ -9,6 +9,9 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace fp8lm::testing {
 
@@ -37,5 +40,17 @@ inline CommandResult run_command(const std::string& command_line) {
 inline CommandResult run_fp8lm(const std::string& arguments) { return run_command(std::string(FP8LM_BINARY) + " " + arguments); }
 
 inline std::string source_path(const std::string& relative) { return std::string(FP8LM_SOURCE_DIR) + "/" + relative; }
+
+// The training losses a run wrote to its metrics file (JSONL), in order.
+inline std::vector<double> metrics_losses(const std::string& metrics_file) {
+  std::vector<double> values;
+  std::ifstream file(metrics_file);
+  std::string line;
+  while (std::getline(file, line)) {
+    const auto json = nlohmann::json::parse(line);
+    if (json.contains("loss")) values.push_back(json["loss"].get<double>());
+  }
+  return values;
+}
 
 }  // namespace fp8lm::testing

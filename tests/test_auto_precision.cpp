@@ -37,16 +37,7 @@ testing::CommandResult run(const std::string& args) {
   return result;
 }
 
-std::vector<double> losses(const std::string& metrics_file) {
-  std::vector<double> values;
-  std::ifstream file(metrics_file);
-  std::string line;
-  while (std::getline(file, line)) {
-    const auto json = nlohmann::json::parse(line);
-    if (json.contains("loss")) values.push_back(json["loss"].get<double>());
-  }
-  return values;
-}
+std::vector<double> losses(const std::string& metrics_file) { return testing::metrics_losses(metrics_file); }
 
 size_t statistics_lines(const std::string& metrics_file) {
   size_t count = 0;

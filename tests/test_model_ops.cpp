@@ -208,13 +208,20 @@ TEST_CASE("BF16 first and last layers: the named blocks' GEMMs run BF16, the oth
   CHECK(loss_sum > 0.0f);
 }
 
-TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are cast to BF16, the others to FP8",
-          "[model][cpu]") {
-  const RunSetup setup = resolve_run_setup(
-      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
-                                "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--num-layers", "3",
-                                "--first-last-layers-bf16"})
-          .options);
+namespace {
+
+// The ops of one optimizer step's end (norm, AdamW, scale update, weight casts) in a 3-block
+// FP8 run with `precision_flags`, checked against the blocks' weights cast to `block_dtypes`.
+void check_step_weight_casts(const std::vector<std::string>& precision_flags,
+                             const std::vector<const char*>& block_dtypes) {
+  std::vector<std::string> args = {"--config",       testing::source_path("configs/tiny.json"),
+                                   "--mock-data",    "--device",
+                                   "cpu",            "--seq-length",
+                                   "16",             "--micro-batch-size",
+                                   "2",              "--fp8-hybrid",
+                                   "--num-layers",   "3"};
+  args.insert(args.end(), precision_flags.begin(), precision_flags.end());
+  const RunSetup setup = resolve_run_setup(parse_train_command_line(args).options);
   std::vector<std::string> log;
   TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
   const auto x = tokens(32, 3), y = tokens(32, 4);
@@ -226,9 +233,16 @@ TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are 
   engine.end_step(hp, 1.0, 0);
   std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_moment_amaxes", "adamw_apply",
                                        "update_scales", "quantize -> bf16"};  // ... and the LM head's BF16 copy
-  for (const char* block : {"bf16", "e4m3", "bf16"})
+  for (const char* block : block_dtypes)
     for (int i = 0; i < 4; ++i) expected.push_back(std::string("quantize -> ") + block);
   CHECK(log == expected);
+}
+
+}  // namespace
+
+TEST_CASE("BF16 first and last layers in the step: the BF16 blocks' weights are cast to BF16, the others to FP8",
+          "[model][cpu]") {
+  check_step_weight_casts({"--first-last-layers-bf16"}, {"bf16", "e4m3", "bf16"});
 }
 
 TEST_CASE("BF16 blocks by number: the named blocks' GEMMs run BF16 beside the first and last layers, the others FP8",
@@ -265,23 +279,5 @@ TEST_CASE("BF16 blocks by number: the named blocks' GEMMs run BF16 beside the fi
 
 TEST_CASE("BF16 blocks by number in the step: the named block's weights are cast to BF16, the others to FP8",
           "[model][cpu][auto-precision]") {
-  const RunSetup setup = resolve_run_setup(
-      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
-                                "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--num-layers", "3",
-                                "--bf16-blocks", "1"})
-          .options);
-  std::vector<std::string> log;
-  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
-  const auto x = tokens(32, 3), y = tokens(32, 4);
-  AdamWHyperparams hp;
-  hp.lr = 1e-3f;
-  engine.begin_step();
-  engine.forward_backward(x.data(), y.data(), 1.0f / 32);
-  log.clear();
-  engine.end_step(hp, 1.0, 0);
-  std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_moment_amaxes", "adamw_apply",
-                                       "update_scales", "quantize -> bf16"};  // ... and the LM head's BF16 copy
-  for (const char* block : {"e4m3", "bf16", "e4m3"})
-    for (int i = 0; i < 4; ++i) expected.push_back(std::string("quantize -> ") + block);
-  CHECK(log == expected);
+  check_step_weight_casts({"--bf16-blocks", "1"}, {"e4m3", "bf16", "e4m3"});
 }

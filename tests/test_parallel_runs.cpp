@@ -36,16 +36,7 @@ testing::CommandResult run_ranks(int ranks, const std::string& arguments) {
                               FP8LM_BINARY + " " + arguments);
 }
 
-std::vector<double> losses(const std::string& metrics_file) {
-  std::vector<double> values;
-  std::ifstream file(metrics_file);
-  std::string line;
-  while (std::getline(file, line)) {
-    const auto json = nlohmann::json::parse(line);
-    if (json.contains("loss")) values.push_back(json["loss"].get<double>());
-  }
-  return values;
-}
+std::vector<double> losses(const std::string& metrics_file) { return testing::metrics_losses(metrics_file); }
 
 double largest_relative_gap(const std::vector<double>& a, const std::vector<double>& b) {
   double gap = 0.0;
