@@ -264,7 +264,8 @@ TEST_CASE("the fused producers count their FP8 outputs: LayerNorm, and the weigh
   CHECK(bench.counts[1].subnormal == 2 * c.subnormal);
   CHECK(bench.counts[1].scale == 1.0f);
   const uint64_t before = bench.counts[0].elements + bench.counts[1].elements;
-  bench.ops->quantize_tensors(codes.data(), slab.data(), *table, scales.data(), nullptr, nullptr, c.dtype);
+  const std::vector<float> per_tensor_scales = {4.0f, 1.0f, 1.0f};  // without scale_index: one per tensor
+  bench.ops->quantize_tensors(codes.data(), slab.data(), *table, per_tensor_scales.data(), nullptr, nullptr, c.dtype);
   CHECK(bench.counts[0].elements + bench.counts[1].elements == before);
 }
 

@@ -89,7 +89,7 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
   }
 }
 
-TEST_CASE("BF16 first and last layers under --fp8-param-gather: the BF16 blocks' weights travel in the working dtype",
+TEST_CASE("BF16 first and last layers under mpirun with --fp8-param-gather: their weights travel in the working dtype",
           "[parallel][cpu]") {
   // Block 1 is FP8 (its weights gathered as FP8 codes), blocks 0 and 2 BF16 (gathered as the
   // working copy): the run matches the one-process run as every layout does.
@@ -149,7 +149,7 @@ TEST_CASE("a checkpoint saved at TP=2 x DP=2 resumes at TP=1, TP=4 and exactly a
 // one-process run's step, so the activations' and gradients' element counts match it, and
 // each rank casts the whole (replicated) weight. Tensor parallelism: a tensor split across the
 // ranks counts once, one replicated on them counts on each (the fractions stay).
-TEST_CASE("FP8 statistics of a parallel run: rank 0 writes each operand once, counts summed over the ranks",
+TEST_CASE("FP8 statistics under mpirun: rank 0 writes each operand once, counts summed over the ranks",
           "[parallel][cpu][fp8-stats]") {
   const testing::TempDir dir;
   const std::string args = base_args("--fp8-hybrid --fp8-stats-interval 6");
