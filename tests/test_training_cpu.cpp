@@ -283,16 +283,7 @@ TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp3
 namespace {
 
 // Every logged step's loss of a metrics file, in order.
-std::vector<double> logged_losses(const std::string& metrics_file) {
-  std::vector<double> losses;
-  std::ifstream file(metrics_file);
-  std::string line;
-  while (std::getline(file, line)) {
-    const auto json = nlohmann::json::parse(line);
-    if (json.contains("loss")) losses.push_back(json["loss"].get<double>());
-  }
-  return losses;
-}
+std::vector<double> logged_losses(const std::string& metrics_file) { return testing::metrics_losses(metrics_file); }
 
 }  // namespace
 
