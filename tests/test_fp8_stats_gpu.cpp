@@ -468,14 +468,14 @@ TEST_CASE("GPU training: statistics change no loss, and describe the operands as
     CAPTURE(recipe);
     const std::vector<std::string> flags = {"--fp8-recipe", recipe, "--fp8-lm-head"};
     std::vector<std::string> with_stats = flags;
-    with_stats.insert(with_stats.end(), {"--fp8-stats-interval", "2"});
+    with_stats.insert(with_stats.end(), {"--fp8-stats-interval", "1"});
     const Run off = train_steps("cuda", flags, 4);
     const Run on = train_steps("cuda", with_stats, 4);
     CHECK(on.losses == off.losses);  // bit-identical: the counting kernels write the same codes
     const Run cpu = train_steps("cpu", with_stats, 4);
-    REQUIRE(on.statistics.size() == 2);
-    REQUIRE(cpu.statistics.size() == 2);
-    for (size_t r = 0; r < 2; ++r) {
+    REQUIRE(on.statistics.size() == 4);
+    REQUIRE(cpu.statistics.size() == 4);
+    for (size_t r = 0; r < 4; ++r) {
       REQUIRE(on.statistics[r].size() == cpu.statistics[r].size());
       REQUIRE(on.statistics[r].size() == 2 * 12 + 3);  // 2 blocks x 4 Linears x 3, and the LM head's
       for (size_t k = 0; k < cpu.statistics[r].size(); ++k) {
@@ -486,7 +486,13 @@ TEST_CASE("GPU training: statistics change no loss, and describe the operands as
                     << " sub " << c.subnormal);
         CHECK(g.name == c.name);
         CHECK(g.elements == c.elements);
-        // The GPU quantizes BF16 activations where the CPU quantizes FP32 ones: close, not equal.
+        for (const double fraction : {g.saturated, g.underflow, g.subnormal}) CHECK((fraction >= 0.0 && fraction <= 1.0));
+        // The values are compared on the first step only, where both runs start from the same
+        // weights: the GPU quantizes BF16 activations where the CPU quantizes FP32 ones, so they
+        // are close, not equal. After updates the two trajectories part (BF16 against FP32
+        // training), and a gradient's amax differed by 5.7% at step 4 on an H100: what that
+        // compares is the trajectories, not the statistics.
+        if (r > 0) continue;
         CHECK(std::fabs(g.amax - c.amax) <= 0.05 * c.amax);
         CHECK(std::fabs(g.scale - c.scale) <= 0.05 * c.scale);
         CHECK(std::fabs(g.saturated - c.saturated) <= 0.01);
