@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decoding speed on one GPU, in one call so that the ratios are comparable: fp8lm sample
 # in BF16, FP8 GEMMs, and FP8 GEMMs + FP8 KV cache, beside Hugging Face transformers'
-# generate in BF16, at batch 1 and 32 with a 1,024-token prompt (docs/INFERENCE.md).
+# generate in BF16, at batch 1 and 32 with a long prompt (docs/INFERENCE.md): GPT-2's context
+# is 1,024 tokens, so the prompt is 1,024 minus the new tokens (896 + 128 by default).
 # Random weights (the speed does not depend on them); greedy decoding, no early stop.
 #   scripts/bench_decode.sh [CONFIG] [NEW_TOKENS]     (defaults: configs/gpt2-1558m.json 128)
 # Writes one JSON line per run to $OUT/decode.jsonl when OUT is set (device runs), and a table.
@@ -10,7 +11,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 config=${1:-configs/gpt2-1558m.json}
 new_tokens=${2:-128}
-prompt=1024
+prompt=$(( 1024 - new_tokens ))
 out=${OUT:-/tmp}/decode.jsonl
 : > "$out"
 
