@@ -199,6 +199,7 @@ void validate_options(const TrainOptions& o) {
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,
           "--train-iters must exceed --benchmark-warmup under --benchmark");
+  require(!o.profile_ops || o.benchmark, "--profile-ops needs --benchmark (it times synchronised steps)");
   require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty() || !o.data_path.empty(),
           "--train-data-path or --data-path is required (or --mock-data for a synthetic token stream)");
   if (!o.data_path.empty()) {
@@ -429,6 +430,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "Time every step (synchronised) and report the median step, tokens/s, MFU and peak memory")
       ->group(system);
   app.add_option("--benchmark-warmup", o.benchmark_warmup, "Steps left out of the benchmark timing")->group(system);
+  app.add_flag("--profile-ops", o.profile_ops,
+               "With --benchmark: time every op class of the timed steps (GEMMs by precision and pass, LayerNorm, "
+               "attention, GELU, casts, loss, optimizer) against its floor")
+      ->group(system);
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
   try {

@@ -111,6 +111,7 @@ std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
 struct TrainingEngine::State {
   ParallelLayout parallel;
   std::unique_ptr<Ops> ops;
+  OpProfiler* op_profiler = nullptr;  // --profile-ops: observes `ops`, which owns it
   std::unique_ptr<ProcessGroups> groups;       // over the backend's memory
   std::unique_ptr<ProcessGroups> host;         // over host memory (MPI)
   std::unique_ptr<TensorParallelMappings> tp;
@@ -268,6 +269,11 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   const TrainOptions& o = setup.options;
   s.parallel = layout;
   s.ops = std::move(ops);
+  if (o.profile_ops) {
+    auto profiler = std::make_unique<OpProfiler>();
+    s.op_profiler = profiler.get();
+    s.ops = make_observed_ops(std::move(s.ops), std::move(profiler));
+  }
   s.memory_estimate = setup.memory;
   s.host = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
   if (s.ops->stream_handle() != nullptr) {
@@ -927,6 +933,8 @@ void TrainingEngine::set_total_skips(int64_t total) {
   s.ops->synchronize();
   s.last_seen = control;
 }
+
+OpProfiler* TrainingEngine::op_profiler() { return state_->op_profiler; }
 
 BenchmarkMemory TrainingEngine::benchmark_memory() const {
   const State& s = *state_;

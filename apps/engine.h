@@ -21,6 +21,7 @@
 #include "core/fp8.h"
 #include "core/logging.h"
 #include "core/tensor.h"
+#include "layers/op_profiler.h"
 #include "layers/ops.h"
 #include "optim/adamw.h"
 #include "parallel/process_groups.h"
@@ -142,6 +143,8 @@ class TrainingEngine {
   void set_total_skips(int64_t total);
 
   BenchmarkMemory benchmark_memory() const;
+  // --profile-ops: the profiler observing every op (layers/op_profiler.h); nullptr without.
+  OpProfiler* op_profiler();
   // Rows for the startup table: memory per tensor class, optimizer bytes per parameter.
   SettingsTable describe() const;
 

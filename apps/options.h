@@ -130,6 +130,7 @@ struct TrainOptions {
   // Benchmark
   bool benchmark = false;              // --benchmark: time steps (synchronised), report median, MFU
   int benchmark_warmup = 5;            // --benchmark-warmup: steps left out of the timing
+  bool profile_ops = false;            // --profile-ops: time every op class of the timed steps
 
   // The flags the command line gave ("--fp8-amax-history-len", ...): a resumed run takes the
   // checkpoint's FP8 recipe for those it left out (adopt_resume_checkpoint, apps/checkpointing.h).

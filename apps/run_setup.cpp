@@ -274,7 +274,9 @@ SettingsTable settings_table(const RunSetup& s) {
                                                  (o.overlap_param_gather ? "on" : "off")},
       {"distributed-timeout-minutes", format_double(o.distributed_timeout_minutes)},
       {"log-level", o.log_level},
-      {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps)" : "off"},
+      {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps" +
+                                     (o.profile_ops ? ", every op class profiled)" : ")")
+                               : "off"},
   };
   for (auto& row : memory_estimate_rows(s.memory, s.use_cuda)) rows.push_back(std::move(row));
   return rows;

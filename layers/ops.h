@@ -242,6 +242,11 @@ class Ops {
   // Marks everything queued on `lane` so far; what `lane` runs next waits for a mark.
   virtual void record(LaneEvent& event, Lane lane) = 0;
   virtual void wait(LaneEvent& event, Lane lane) = 0;
+  // Marks that also say when their lane reached them (--profile-ops, layers/op_profiler.h):
+  // elapsed_ms waits for `end` and returns the milliseconds from `start` to it (the GPU's
+  // clock on CUDA, the wall clock on the CPU, whose ops finish before they return).
+  virtual std::unique_ptr<LaneEvent> make_timing_event() = 0;
+  virtual double elapsed_ms(LaneEvent& start, LaneEvent& end) = 0;
 
   // ---- Slabs of the parameter layout (optim/slab_ops.h) ----------------------------
   virtual void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) = 0;

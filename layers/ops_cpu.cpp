@@ -1,6 +1,7 @@
 #include "layers/ops_cpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -57,6 +58,11 @@ class HostTable final : public TensorTable {
 
  private:
   TensorLayout layout_;
+};
+
+// The CPU's ops finish before they return: a mark's time is the wall clock at record().
+struct TimingEvent final : Ops::LaneEvent {
+  std::chrono::steady_clock::time_point reached;
 };
 
 float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
@@ -121,8 +127,16 @@ class CpuOps final : public Ops {
   // ---- Lanes: one, in program order.
   void* side_stream_handle() override { return nullptr; }
   std::unique_ptr<LaneEvent> make_event() override { return std::make_unique<LaneEvent>(); }
-  void record(LaneEvent&, Lane) override {}
+  void record(LaneEvent& event, Lane) override {
+    if (auto* timing = dynamic_cast<TimingEvent*>(&event)) timing->reached = std::chrono::steady_clock::now();
+  }
   void wait(LaneEvent&, Lane) override {}
+  std::unique_ptr<LaneEvent> make_timing_event() override { return std::make_unique<TimingEvent>(); }
+  double elapsed_ms(LaneEvent& start, LaneEvent& end) override {
+    return std::chrono::duration<double, std::milli>(dynamic_cast<TimingEvent&>(end).reached -
+                                                     dynamic_cast<TimingEvent&>(start).reached)
+        .count();
+  }
 
   // ---- Slabs
   void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {

@@ -275,12 +275,22 @@ class CudaOps final : public Ops {
   // ---- Lanes
   class CudaLaneEvent final : public LaneEvent {
    public:
-    CudaLaneEvent() { CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+    explicit CudaLaneEvent(bool timing) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+    }
     ~CudaLaneEvent() override { cudaEventDestroy(event); }
     cudaEvent_t event = nullptr;
   };
   void* side_stream_handle() override { return side_stream_; }
-  std::unique_ptr<LaneEvent> make_event() override { return std::make_unique<CudaLaneEvent>(); }
+  std::unique_ptr<LaneEvent> make_event() override { return std::make_unique<CudaLaneEvent>(/*timing=*/false); }
+  std::unique_ptr<LaneEvent> make_timing_event() override { return std::make_unique<CudaLaneEvent>(/*timing=*/true); }
+  double elapsed_ms(LaneEvent& start, LaneEvent& end) override {
+    const cudaEvent_t end_event = static_cast<CudaLaneEvent&>(end).event;
+    CUDA_CHECK(cudaEventSynchronize(end_event));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<CudaLaneEvent&>(start).event, end_event));
+    return ms;
+  }
   void record(LaneEvent& event, Lane lane) override {
     CUDA_CHECK(cudaEventRecord(static_cast<CudaLaneEvent&>(event).event, lane == Lane::main ? stream_ : side_stream_));
   }

@@ -116,7 +116,7 @@ TEST_CASE("the model calls the ops in the order it states, for every precision",
                        Case{GemmPrecision::fp32, "f32", "f32", "f32", "view", "view"}}) {
     INFO(to_string(c.precision));
     std::vector<std::string> log;
-    auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+    auto ops = testing::make_recording_ops(make_cpu_ops(), log);
     GptPrecision precision;
     precision.gemm = c.precision;
     const int B = 2, T = 8;
@@ -151,7 +151,7 @@ TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts,
                                 "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid", "--fp8-interval", "2"})
           .options);
   std::vector<std::string> log;
-  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  TrainingEngine engine(setup, ParallelLayout{}, testing::make_recording_ops(make_cpu_ops(), log));
   const auto x = tokens(32, 3), y = tokens(32, 4);
   AdamWHyperparams hp;
   hp.lr = 1e-3f;
@@ -176,7 +176,7 @@ TEST_CASE("BF16 first and last layers: the named blocks' GEMMs run BF16, the oth
   GptConfig config = two_layers();
   config.n_layer = 4;
   std::vector<std::string> log;
-  auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+  auto ops = testing::make_recording_ops(make_cpu_ops(), log);
   GptPrecision precision;
   precision.gemm = GemmPrecision::fp8;
   precision.bf16_layers_at_start = 1;
@@ -223,7 +223,7 @@ void check_step_weight_casts(const std::vector<std::string>& precision_flags,
   args.insert(args.end(), precision_flags.begin(), precision_flags.end());
   const RunSetup setup = resolve_run_setup(parse_train_command_line(args).options);
   std::vector<std::string> log;
-  TrainingEngine engine(setup, ParallelLayout{}, std::make_unique<testing::RecordingOps>(make_cpu_ops(), log));
+  TrainingEngine engine(setup, ParallelLayout{}, testing::make_recording_ops(make_cpu_ops(), log));
   const auto x = tokens(32, 3), y = tokens(32, 4);
   AdamWHyperparams hp;
   hp.lr = 1e-3f;
@@ -250,7 +250,7 @@ TEST_CASE("BF16 blocks by number: the named blocks' GEMMs run BF16 beside the fi
   GptConfig config = two_layers();
   config.n_layer = 5;
   std::vector<std::string> log;
-  auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+  auto ops = testing::make_recording_ops(make_cpu_ops(), log);
   GptPrecision precision;
   precision.gemm = GemmPrecision::fp8;
   precision.bf16_layers_at_end = 1;  // block 4

@@ -113,7 +113,7 @@ TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model s
     INFO("sequence parallel: " << sequence_parallel);
     std::vector<std::string> log;
     RecordingCommunicator recorded_tp(groups.tp(), log);
-    auto ops = std::make_unique<testing::RecordingOps>(make_cpu_ops(), log);
+    auto ops = testing::make_recording_ops(make_cpu_ops(), log);
     TensorParallelMappings tp(&recorded_tp, sequence_parallel, *ops);
     GptPrecision precision;
     precision.gemm = GemmPrecision::fp8;

@@ -1,0 +1,119 @@
+// --profile-ops: every op of a step is timed in its class, with FLOPs and bytes counted
+// from the operands, and the binary reports the profile of the timed steps.
+#include <cmath>
+#include <map>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
+
+#include "apps/cli.h"
+#include "apps/engine.h"
+#include "apps/run_setup.h"
+#include "cli_testing.h"
+#include "layers/op_profiler.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+const std::string kTiny = testing::source_path("configs/tiny.json");
+
+std::map<std::string, OpClassProfile> by_class(const OpProfiler& profiler) {
+  std::map<std::string, OpClassProfile> rows;
+  for (const OpClassProfile& row : profiler.totals()) rows[row.op_class] = row;
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("the op profiler times every op class of a step and counts its FLOPs", "[profile]") {
+  const int B = 4, T = 32;
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--config", kTiny, "--mock-data", "--device", "cpu", "--fp8-hybrid", "--benchmark",
+                                "--profile-ops", "--micro-batch-size", std::to_string(B), "--seq-length",
+                                std::to_string(T)})
+          .options);
+  const auto engine = make_engine(setup);
+  OpProfiler* profiler = engine->op_profiler();
+  REQUIRE(profiler != nullptr);
+  std::vector<int32_t> tokens(size_t(B) * T);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7 % 200);
+  AdamWHyperparams hyperparams;
+  hyperparams.lr = 1e-3f;
+  const int steps = 3;
+  for (int step = 0; step < steps; ++step) {
+    engine->begin_step(step);
+    engine->forward_backward(tokens.data(), tokens.data(), 1.0f / (B * T));
+    engine->end_step(hyperparams, 1.0, step);
+    engine->step_metrics();
+    profiler->finish_step();
+    if (step == 0) profiler->reset();  // the warm-up step leaves no trace
+  }
+  CHECK(profiler->steps() == steps - 1);
+  const auto rows = by_class(*profiler);
+  const GptConfig& m = setup.model;
+  const double L = m.n_layer, C = m.n_embd, F = m.n_inner, BT = double(B) * T;
+  const double per_step = profiler->steps();
+
+  // The block GEMMs run in FP8, the tied LM head in BF16: 4 Linears a block, one each pass.
+  for (const char* pass : {"forward", "dgrad", "wgrad"}) {
+    INFO(pass);
+    const OpClassProfile& fp8 = rows.at(std::string("gemm fp8 ") + pass);
+    CHECK(fp8.calls == 4 * L * per_step);
+    // c_attn 3C x C, c_proj C x C, c_fc F x C, mlp.c_proj C x F: 2 FLOPs per multiply-add.
+    CHECK(fp8.flops == 2.0 * BT * (3 * C * C + C * C + F * C + C * F) * L * per_step);
+    CHECK(fp8.ms > 0.0);
+    const OpClassProfile& bf16 = rows.at(std::string("gemm bf16 ") + pass);
+    CHECK(bf16.calls == per_step);
+    CHECK(bf16.flops == 2.0 * BT * double(m.padded_vocab_size()) * C * per_step);
+  }
+  // Causal attention: Q K^T and P V over half the scores; the backward counts 2.5 times that.
+  const double attention_flops = 2.0 * 2.0 * B * double(T) * T * C / 2.0 * L;
+  CHECK(rows.at("attention forward").flops == attention_flops * per_step);
+  CHECK(rows.at("attention backward").flops == 2.5 * attention_flops * per_step);
+  CHECK(rows.at("attention forward").calls == L * per_step);
+  // Every class the step runs is there, and each moved bytes.
+  for (const char* op_class : {"layernorm forward", "layernorm backward", "gelu forward", "gelu backward", "cast",
+                               "embedding", "loss", "optimizer", "scaling"}) {
+    INFO(op_class);
+    REQUIRE(rows.count(op_class) == 1);
+    CHECK(rows.at(op_class).calls > 0);
+  }
+  CHECK(rows.at("optimizer").bytes > 0);
+  CHECK(rows.at("layernorm forward").calls == (2 * L + 1) * per_step);
+}
+
+TEST_CASE("the floor of an op class is its FLOPs at the ceiling or its bytes at the bandwidth", "[profile]") {
+  const OpFloorModel model{.fp8_gemm_flops_per_s = 1000e12,
+                           .bf16_gemm_flops_per_s = 500e12,
+                           .attention_flops_per_s = 400e12,
+                           .bytes_per_s = 2e12,
+                           .source = "test"};
+  // 1e12 FLOPs at 1000 TFLOP/s: 1 ms; 1e9 bytes at 2 TB/s: 0.5 ms.
+  CHECK(std::fabs(model.floor_ms({.op_class = "gemm fp8 forward", .flops = 1e12, .bytes = 1e9}) - 1.0) < 1e-12);
+  CHECK(std::fabs(model.floor_ms({.op_class = "gemm bf16 wgrad", .flops = 1e12, .bytes = 1e9}) - 2.0) < 1e-12);
+  CHECK(std::fabs(model.floor_ms({.op_class = "attention backward", .flops = 4e11}) - 1.0) < 1e-12);
+  // Memory-bound classes: bytes only.
+  CHECK(std::fabs(model.floor_ms({.op_class = "layernorm forward", .bytes = 6e9}) - 3.0) < 1e-12);
+}
+
+TEST_CASE("the binary reports the op profile of the timed steps", "[profile][cli]") {
+  const auto run = testing::run_fp8lm("--config " + kTiny +
+                                      " --mock-data --device cpu --train-iters 4 --benchmark --benchmark-warmup 2 "
+                                      "--profile-ops --eval-interval 0 --eval-iters 0 --fp8-hybrid");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("op profile per step (2 timed steps)"));
+  const size_t at = run.output.find("{\"floor_ms\"");
+  REQUIRE(at != std::string::npos);
+  const auto line = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
+  CHECK(line["steps"] == 2);
+  CHECK(line["op_profile"].size() >= 10);
+  CHECK(double(line["ops_ms"]) > 0.0);
+
+  const auto refused = testing::run_fp8lm("--config " + kTiny + " --mock-data --device cpu --profile-ops");
+  CHECK(refused.exit_code == 2);
+  CHECK_THAT(refused.output, ContainsSubstring("--profile-ops needs --benchmark"));
+}
