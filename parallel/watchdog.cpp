@@ -8,7 +8,6 @@
 
 #include <mpi.h>
 
-#include "core/check_cuda.h"
 #include "core/error.h"
 
 namespace fp8lm {
@@ -57,12 +56,6 @@ int64_t Watchdog::now_ns() noexcept {
 }
 
 void Watchdog::heartbeat() noexcept { last_heartbeat_ns_.store(now_ns(), std::memory_order_relaxed); }
-
-void CUDART_CB Watchdog::heartbeat_callback(void* watchdog) { static_cast<Watchdog*>(watchdog)->heartbeat(); }
-
-void Watchdog::heartbeat_on_stream(cudaStream_t stream) {
-  CUDA_CHECK(cudaLaunchHostFunc(stream, &Watchdog::heartbeat_callback, this));
-}
 
 void Watchdog::pause() noexcept { pause_depth_.fetch_add(1); }
 

@@ -29,7 +29,6 @@
 #include <thread>
 #include <vector>
 
-#include <cuda_runtime.h>
 #include <nccl.h>
 
 namespace fp8lm {
@@ -51,12 +50,8 @@ class Watchdog {
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  // One atomic store of a timestamp: callable from any thread and from a CUDA host callback.
+  // One atomic store of a timestamp: callable from any thread.
   void heartbeat() noexcept;
-  // Heartbeats when the stream reaches this point (cudaLaunchHostFunc), so that a GPU stuck in a
-  // collective stops the heartbeats even while the host runs ahead enqueueing. The Watchdog must
-  // outlive the stream's pending work.
-  void heartbeat_on_stream(cudaStream_t stream);
 
   void pause() noexcept;
   void resume() noexcept;  // counts as a heartbeat when the last pause ends
@@ -83,7 +78,6 @@ class Watchdog {
 
  private:
   static int64_t now_ns() noexcept;
-  static void CUDART_CB heartbeat_callback(void* watchdog);
   void run();
   void abort_watched_comms();
   [[noreturn]] void end_job();
