@@ -21,6 +21,7 @@
 #   fp8-te           --fp8-hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
 #   tensorwise       --fp8-hybrid --fp8-recipe tensorwise
 #   fp8-bf16-ends    --fp8-hybrid --first-last-layers-bf16
+#   fp8-lm-head      --fp8-hybrid --fp8-lm-head (the tied LM head's GEMMs in FP8 too)
 #   blockwise        --fp8-hybrid --fp8-recipe blockwise
 # scripts/paired_gaps.py DIR summarises the gaps (mean, standard error) against bf16.
 set -uo pipefail
@@ -65,6 +66,7 @@ flags_of() {
     fp8-te) echo "--fp8-hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" ;;
     tensorwise) echo "--fp8-hybrid --fp8-recipe tensorwise" ;;
     fp8-bf16-ends) echo "--fp8-hybrid --first-last-layers-bf16" ;;
+    fp8-lm-head) echo "--fp8-hybrid --fp8-lm-head" ;;
     blockwise) echo "--fp8-hybrid --fp8-recipe blockwise" ;;
     *) return 1 ;;
   esac
