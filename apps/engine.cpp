@@ -958,16 +958,9 @@ SettingsTable TrainingEngine::describe() const {
   rows.push_back({"estimated peak memory (this rank)", format_mib(s.allocated_bytes())});
   // The start-up estimate beside what was measured once everything is allocated.
   const bool device = s.ops->stream_handle() != nullptr;
-  const uint64_t allocated = s.allocated_bytes();
-  rows.push_back({"engine allocations: measured / estimated",
-                  format_bytes(allocated) + " / " + format_bytes(s.memory_estimate.engine_bytes(device))});
-  const MeasuredMemory host = measure_host_memory();
-  rows.push_back({"host memory: resident now, peak (VmRSS, VmHWM) / estimated",
-                  format_bytes(host.host_current_bytes) + ", " + format_bytes(host.host_peak_bytes) + " / " +
-                      format_bytes(s.memory_estimate.host_bytes())});
-  if (device)
-    rows.push_back({"GPU memory: in use (cudaMemGetInfo) / estimated",
-                    format_bytes(s.ops->device_memory_in_use()) + " / " + format_bytes(s.memory_estimate.device_bytes())});
+  for (auto& row : measured_memory_rows(s.memory_estimate, "engine allocations", s.allocated_bytes(), device,
+                                        device ? s.ops->device_memory_in_use() : 0))
+    rows.push_back(std::move(row));
   return rows;
 }
 

@@ -84,12 +84,16 @@ int run_eval_command(const std::vector<std::string>& args) {
   } catch (const InputError& e) {
     throw InputError(std::string("fp8lm eval: ") + e.what(), kHelpHint);
   }
+  options.command = RunCommand::eval;
 
   MpiSession mpi;
   const ParallelLayout layout = detect_parallel_layout(options.tensor_model_parallel_size);
   init_logging(options.log_level, layout.world_rank);
+  // Checks, last, that the engine's estimated memory fits, before anything is allocated.
   const RunSetup setup = resolve_run_setup(options, layout);
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
+  log_settings_table("fp8lm eval memory (the training engine: weights, gradients, optimizer state, activations)",
+                     memory_estimate_rows(setup.memory, setup.use_cuda));
   const std::string data = options.data_path.empty()
                               ? options.valid_data_path
                               : "the valid split (" + options.split + ") of --data-path";
@@ -97,6 +101,8 @@ int run_eval_command(const std::vector<std::string>& args) {
                options.eval_iters, options.micro_batch_size, setup.seq_length, describe_precision(options),
                setup.device_description);
   const EvaluationResult result = run_evaluation(setup);
+  spdlog::info("memory: host peak {} (VmHWM), estimated {} before allocation",
+               format_bytes(measure_host_memory().host_peak_bytes), format_bytes(setup.memory.host_bytes()));
   if (layout.world_rank != 0) return kExitOk;
   // exp() of a diverged model's loss overflows: the JSON line stays valid (null is not a number).
   const double perplexity = std::exp(std::min(result.loss, 700.0));

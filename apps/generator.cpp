@@ -14,10 +14,19 @@
 
 namespace fp8lm {
 
+InferenceShape decoding_model_shape(const GeneratorShape& shape) {
+  // The prompt's last token runs as the first decoding step.
+  return InferenceShape{.batch = shape.batch,
+                        .max_prompt = std::max(1, shape.max_prompt - 1),
+                        .capacity = shape.capacity,
+                        .fp8_kv_cache = shape.fp8_kv_cache};
+}
+
 struct Generator::State {
   GptConfig config;
   GeneratorShape shape;
   bool fp8 = false;
+  MemoryEstimate memory_estimate;  // made before anything was allocated (fp8lm sample)
   std::unique_ptr<Ops> ops;
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
@@ -49,13 +58,8 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   } else {
     s.ops = make_cpu_ops();
   }
-  s.model = std::make_unique<GptModel>(setup.model,
-                                       // the prompt's last token runs as the first decoding step
-                                       InferenceShape{.batch = shape.batch,
-                                                      .max_prompt = std::max(1, shape.max_prompt - 1),
-                                                      .capacity = shape.capacity,
-                                                      .fp8_kv_cache = shape.fp8_kv_cache},
-                                       model_precision(o), *s.ops);
+  s.memory_estimate = setup.memory;
+  s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), model_precision(o), *s.ops);
   s.canonical = make_gpt_layout(setup.model);
 }
 
@@ -78,7 +82,14 @@ void Generator::set_parameters(const std::vector<float>& canonical) {
   working.rows = 1;
   working.cols = int64_t(local.size());
   s.ops->upload_values(working, local.data());
-  // The FP8 weights are cast from the FP32 values: one rounding, as in training.
+  if (s.model->fp8_weight_operands().empty()) {
+    // No FP8 weights: the operands (BF16 copies on the CPU) come from the working copy.
+    s.model->refresh_weight_operands();
+    s.ops->synchronize();
+    return;
+  }
+  // The FP8 weights are cast from the FP32 values: one rounding, as in training. The FP32
+  // copy lives in the backend's memory only while they are cast.
   const std::unique_ptr<Allocation> fp32_values = s.ops->allocate(local.size() * sizeof(float));
   s.ops->upload(fp32_values->data(), local.data(), local.size() * sizeof(float));
   s.model->set_fp8_cast_source(static_cast<const float*>(fp32_values->data()));
@@ -162,6 +173,17 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   return result;
 }
 
-SettingsTable Generator::describe() const { return state_->model->memory_table(); }
+size_t Generator::allocated_bytes() const { return state_->model->allocated_bytes() + state_->ops->workspace_bytes(); }
+
+SettingsTable Generator::describe() const {
+  const State& s = *state_;
+  SettingsTable rows = s.model->memory_table();
+  rows.push_back({"backend workspaces", format_mib(s.ops->workspace_bytes())});
+  const bool device = s.ops->stream_handle() != nullptr;
+  for (auto& row : measured_memory_rows(s.memory_estimate, "decoder allocations", allocated_bytes(), device,
+                                        device ? s.ops->device_memory_in_use() : 0))
+    rows.push_back(std::move(row));
+  return rows;
+}
 
 }  // namespace fp8lm

@@ -22,6 +22,7 @@
 namespace fp8lm {
 
 struct RunSetup;
+struct InferenceShape;
 
 struct GeneratorShape {
   int batch = 1;         // sequences decoded together, each continuing the same prompt
@@ -29,6 +30,11 @@ struct GeneratorShape {
   int capacity = 1;      // prompt + new tokens, at most n_positions
   bool fp8_kv_cache = false;
 };
+
+// The model a generator of `shape` builds (layers/gpt.h): its prompt pass takes all but the
+// prompt's last token, which runs as the first decoding step. The memory estimate
+// (apps/memory_estimate.h) sizes this model.
+InferenceShape decoding_model_shape(const GeneratorShape& shape);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt;  // non-empty, shorter than the capacity
@@ -64,7 +70,11 @@ class Generator {
 
   GenerationResult generate(const GenerationRequest& request);
 
-  // Rows for the startup table: memory per class.
+  // Bytes of every slab the decoder allocated (the model's and the backend's workspaces), the
+  // figure the memory estimate's decoder slabs predict (MemoryEstimate::engine_bytes).
+  size_t allocated_bytes() const;
+  // Rows for the startup table: memory per class, and the measured memory beside the
+  // estimate made before anything was allocated (RunSetup::memory).
   SettingsTable describe() const;
 
  private:

@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "apps/generator.h"
 #include "apps/run_setup.h"
 #include "core/cast_cuda.h"
 #include "core/device.h"
@@ -261,9 +262,12 @@ uint64_t MemoryEstimate::host_bytes() const {
 }
 
 uint64_t MemoryEstimate::device_bytes() const {
-  uint64_t total = 0;
-  for (const MemoryConsumer& c : consumers) total = add(total, c.device_bytes);
-  return total;
+  uint64_t held = 0, transient = 0;
+  for (const MemoryConsumer& c : consumers) {
+    if (c.transient) transient = std::max(transient, c.device_bytes);
+    else held = add(held, c.device_bytes);
+  }
+  return add(held, transient);
 }
 
 MemoryEstimate estimate_memory(const RunSetup& s) {
@@ -291,8 +295,14 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
     c.engine_slab = engine_slab;
     estimate.consumers.push_back(std::move(c));
   };
-  const std::string more_tp = "raise --tensor-model-parallel-size";
-  const std::string zero = "shard it with the distributed optimizer over more data-parallel ranks";
+  // fp8lm eval builds this engine too, with fewer flags: its remedies name its own.
+  const bool eval = o.command == RunCommand::eval;
+  const std::string more_tp = eval ? "fp8lm eval keeps the whole model on each rank: evaluate on a machine with more "
+                                     "memory"
+                                   : "raise --tensor-model-parallel-size";
+  const std::string zero = eval ? "fp8lm eval builds the training engine, optimizer state included: evaluate over "
+                                  "several data-parallel ranks (mpirun -np N) to shard it"
+                                : "shard it with the distributed optimizer over more data-parallel ranks";
 
   uint64_t weights = mul(n, eb(act));
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
@@ -308,8 +318,9 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   backend(std::string("optimizer: FP32 master + AdamW state (") + std::string(to_string(o.optimizer_state)) + ")" +
               (sharded ? ", 1/" + number(x.dp) + " shard" : ""),
           optimizer,
-          o.optimizer_state == OptimizerStatePrecision::fp32 ? "pass --optimizer-state-precision fp8-fp16, or " + zero
-                                                               : zero);
+          o.optimizer_state == OptimizerStatePrecision::fp32 && !eval
+              ? "pass --optimizer-state-precision fp8-fp16, or " + zero
+              : zero);
 
   uint64_t communication = 0;
   if (sharded) communication = add(communication, add(mul(S, 4), mul(S, eb(act))));
@@ -323,7 +334,9 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   backend("activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) +
               " layers)",
           activation_bytes(x, eb, act, precision),
-          "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
+          eval ? "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)"
+               : "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " +
+                     more_tp);
 
   if (cuda) {
     backend("GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x), "lower --micro-batch-size");
@@ -408,6 +421,170 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
               std::max(sum({mul(n, x.tp, 4), mul(n, 4), mul(S, 4)}), mul(canonical, std::max<uint64_t>(4, state_bytes_per_element))));
       checkpoint.remedy = more_tp;
       estimate.consumers.push_back(checkpoint);
+    }
+  }
+  return estimate;
+}
+
+namespace {
+
+// The decoder's model (GptModel's inference constructor): one rank, its whole model, a batch
+// of `batch` sequences whose prompt pass takes `max_prompt` tokens each.
+Shape decoding_shape_of(const RunSetup& s, const InferenceShape& inference) {
+  RunSetup one_rank = s;
+  one_rank.options.tensor_model_parallel_size = 1;
+  one_rank.options.sequence_parallel = false;
+  one_rank.options.micro_batch_size = std::max(0, inference.batch);
+  one_rank.seq_length = std::max(0, inference.max_prompt);
+  one_rank.data_parallel_size = 1;
+  return shape_of(one_rank);
+}
+
+// The inference model's activation slab (GptModel::plan_memory without training): one
+// block's buffers, shared by every block, each GEMM operand at the activation dtype's size
+// (the blocks re-stamp them with their own dtypes); the head's input; one row of logits per
+// sequence. The Carver's slack of 256 bytes at the end included.
+uint64_t decoding_activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+  const DType head_input = forward_operand_dtype(precision.lm_head());
+  return sum({
+      tensor_bytes(eb, x.BT, x.C, DType::f32),                   // token embeddings
+      tensor_bytes(eb, x.N, x.C, act),                           // encoded: every block's residual stream
+      tensor_bytes(eb, x.BT, x.C, act),                          // ln1
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),              // ln1 mean, rstd
+      tensor_bytes(eb, x.BT, 3 * x.C, act),                      // qkv
+      mul(2, tensor_bytes(eb, x.BT, x.C, act)),                  // attention output, and c_proj's operand
+      tensor_bytes(eb, mul(x.B, x.NH), x.T, DType::f32),         // log-sum-exp of the prompt's attention
+      tensor_bytes(eb, x.N, x.C, act),                           // residual_mid
+      tensor_bytes(eb, x.BT, x.C, act),                          // ln2
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),              // ln2 mean, rstd
+      mul(2, tensor_bytes(eb, x.BT, x.F, act)),                  // fc_pre, gelu
+      tensor_bytes(eb, x.BT, x.C, act),                          // branch
+      tensor_bytes(eb, x.N, x.C, act),                           // residual_final
+      tensor_bytes(eb, x.BT, x.C, head_input),                   // ln_f's output, the head's operand
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),              // ln_f mean, rstd
+      tensor_bytes(eb, x.B, x.Vs, act),                          // logits [B, V]
+      256,
+  });
+}
+
+}  // namespace
+
+MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape& generator) {
+  const TrainOptions& o = s.options;
+  const InferenceShape inference = decoding_model_shape(generator);
+  const Shape x = decoding_shape_of(s, inference);
+  const bool cuda = s.use_cuda;
+  const ElementBytes eb{cuda};
+  const DType act = cuda ? DType::bf16 : DType::f32;
+  const GptPrecision precision = model_precision(o);
+  const uint64_t n = slab_of(x).elements;            // the parameter slab (make_gpt_shard_layout, one rank)
+  const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
+  const uint64_t capacity = uint64_t(std::max(0, inference.capacity));
+  const uint64_t new_tokens = capacity + 1 - std::min<uint64_t>(capacity, uint64_t(std::max(1, generator.max_prompt)));
+  const bool fp8_block_weights =
+      o.fp8_enabled() && precision.bf16_block_count(int64_t(x.L)) < int64_t(x.L);
+  const bool reads_weights = !o.load_dir.empty() || !o.init_from.empty();
+
+  MemoryEstimate estimate;
+  auto backend = [&](std::string name, uint64_t bytes, std::string remedy, bool engine_slab = true) {
+    MemoryConsumer c;
+    c.name = std::move(name);
+    (cuda ? c.device_bytes : c.host_bytes) = bytes;
+    c.remedy = std::move(remedy);
+    c.engine_slab = engine_slab;
+    estimate.consumers.push_back(std::move(c));
+  };
+  // The CPU stores every dtype as FP32: an FP8 cache or BF16 GEMMs save nothing there.
+  const std::string smaller_cache =
+      "lower --batch-size or --max-new-tokens (or shorten the prompt)" +
+      std::string(cuda && !generator.fp8_kv_cache ? ", or pass --kv-cache-dtype fp8 (half the bytes)" : "");
+
+  const uint64_t operands = weight_operand_bytes(x, eb, act, precision);
+  backend("parameters (" + std::string(to_string(act)) + " working copy" +
+              (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
+          sum({mul(n, eb(act)), operands, operands ? 256 : 0}),
+          cuda && o.fp8_enabled()
+              ? "fp8lm sample holds the whole model on one GPU: BF16 GEMMs (--bf16) need no FP8 weight copies"
+              : "fp8lm sample holds the whole model in one process: use a machine with more memory");
+
+  const DType cache_dtype = generator.fp8_kv_cache ? DType::e4m3 : act;
+  backend("key/value cache (" + std::string(generator.fp8_kv_cache ? "FP8 E4M3" : to_string(act)) + ": batch " +
+              number(x.B) + " x capacity " + number(capacity) + " x " + number(x.L) + " layers x keys and values x " +
+              number(x.C) + ")",
+          sum({tensor_bytes(eb, mul(2, x.L), 1, DType::f32),  // the per-layer scales
+               mul(x.L, 2, tensor_bytes(eb, mul(x.B, capacity), x.C, cache_dtype)), 256}),
+          smaller_cache);
+
+  backend("activations (prompt pass: batch " + number(x.B) + " x " + number(x.T) +
+              " tokens, one block's buffers shared by " + number(x.L) + " layers; logits of " + number(x.B) +
+              " sequences)",
+          decoding_activation_bytes(x, eb, act, precision), "lower --batch-size or shorten the prompt");
+
+  if (cuda) {
+    backend("GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
+            "lower --batch-size or shorten the prompt");
+  } else {
+    // CpuOps' scratch vector: a normalised or activated block of the prompt pass.
+    backend("CPU backend scratch (a normalised or activated block)", mul(x.BT, std::max(x.C, x.F), 4),
+            "lower --batch-size or shorten the prompt", /*engine_slab=*/false);
+  }
+
+  if (const int states = fp8_scaling_states(s); states > 0) {
+    const uint64_t history = mul(uint64_t(states), uint64_t(o.fp8.amax_history_len), 4);
+    MemoryConsumer c;
+    c.name = "FP8 amax histories (" + number(uint64_t(states)) + " scaling states x history " +
+             number(uint64_t(o.fp8.amax_history_len)) + ")";
+    c.host_bytes = mul(history, 2);
+    c.device_bytes = cuda ? history : 0;
+    c.remedy = "lower --fp8-amax-history-len";
+    estimate.consumers.push_back(std::move(c));
+  }
+
+  {  // The generation loop's host buffers (Generator::generate) and the backend's token copies.
+    MemoryConsumer c;
+    c.name = "host: prompt, logits and new tokens";
+    c.host_bytes = sum({mul(x.BT, 4, 3),           // the prompt pass's tokens, and the backend's inputs and targets
+                        mul(x.B, x.Vs, 4),         // the logits of a step, downloaded
+                        mul(x.B, new_tokens, 4),   // the generated tokens
+                        mul(x.B, 64),              // each sequence's random stream and state
+                        cuda ? mul(4, add(mul(5, x.BT), 1), 4) : 0});  // pinned staging slots
+    c.remedy = "lower --batch-size or --max-new-tokens";
+    estimate.consumers.push_back(std::move(c));
+  }
+  {
+    MemoryConsumer c;
+    c.name = "host: this process before allocating (VmRSS)";
+    c.host_bytes = measure_host_memory().host_current_bytes;
+    estimate.consumers.push_back(std::move(c));
+  }
+  if (cuda) {
+    MemoryConsumer c;
+    c.name = "host: CUDA context and libraries (allowance)";
+    c.host_bytes = kCudaHostAllowance;
+    estimate.consumers.push_back(std::move(c));
+  }
+
+  {  // The weights on their way in (Generator::load / set_parameters; sample_command.cpp).
+    // Setting them holds the canonical FP32 values, this process's slab of them and the
+    // upload's copy (BF16 bits on the GPU; on the CPU the FP32 copy the FP8 weights are cast
+    // from). Reading a file first holds the canonical values, the mapped file (FP32 at most)
+    // and one tensor converted to FP32.
+    const uint64_t setting = sum({mul(canonical, 4), mul(n, 4), cuda ? mul(n, 2) : fp8_block_weights ? mul(n, 4) : 0});
+    const uint64_t reading = sum({mul(canonical, 8), mul(std::max(mul(x.V, x.C), mul(x.F, x.C)), 4)});
+    MemoryConsumer c;
+    c.name = reads_weights ? "host: weights staging (the file read to FP32, then set)"
+                           : "host: weights staging (random initialisation in FP32, then set)";
+    c.transient = true;
+    c.host_bytes = reads_weights ? std::max(setting, reading) : setting;
+    c.remedy = "the host holds the whole model in FP32 while the weights are set: free host memory";
+    estimate.consumers.push_back(c);
+    if (cuda && fp8_block_weights) {
+      MemoryConsumer cast;
+      cast.name = "GPU: FP32 weights the FP8 weights are cast from (while loading)";
+      cast.transient = true;
+      cast.device_bytes = mul(n, 4);
+      cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
+      estimate.consumers.push_back(cast);
     }
   }
   return estimate;
@@ -549,11 +726,33 @@ SettingsTable memory_estimate_rows(const MemoryEstimate& estimate, bool use_cuda
     std::string value;
     if (c.device_bytes) value = format_bytes(c.device_bytes) + " GPU";
     if (c.host_bytes) value += (value.empty() ? "" : " + ") + format_bytes(c.host_bytes) + " host";
-    if (c.transient) value += " (at start-up / checkpoints)";
+    if (c.transient) value += " (at start-up / checkpoints / loading)";
     rows.push_back({"memory estimate: " + c.name, value.empty() ? "0" : value});
   }
   rows.push_back({"memory estimate: host total (per rank)", format_bytes(estimate.host_bytes())});
   if (use_cuda) rows.push_back({"memory estimate: GPU total (per rank)", format_bytes(estimate.device_bytes())});
+  return rows;
+}
+
+SettingsTable measured_memory_rows(const MemoryEstimate& estimate, const std::string& allocations_label,
+                                   uint64_t allocated, bool device, uint64_t device_in_use) {
+  SettingsTable rows;
+  rows.push_back({allocations_label + ": measured / estimated",
+                  format_bytes(allocated) + " / " + format_bytes(estimate.engine_bytes(device))});
+  const MeasuredMemory host = measure_host_memory();
+  rows.push_back({"host memory: resident now, peak (VmRSS, VmHWM) / estimated",
+                  format_bytes(host.host_current_bytes) + ", " + format_bytes(host.host_peak_bytes) + " / " +
+                      format_bytes(estimate.host_bytes())});
+  if (device) {
+    // A transient (the FP32 weights a decoder casts its FP8 weights from) is freed by now:
+    // the estimate without it is what is still held.
+    uint64_t held = 0;
+    for (const MemoryConsumer& c : estimate.consumers)
+      if (!c.transient) held = add(held, c.device_bytes);
+    rows.push_back({"GPU memory: in use (cudaMemGetInfo) / estimated",
+                    format_bytes(device_in_use) + " / " + format_bytes(estimate.device_bytes()) +
+                        (held != estimate.device_bytes() ? " at its peak, " + format_bytes(held) + " held" : "")});
+  }
   return rows;
 }
 

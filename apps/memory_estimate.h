@@ -3,12 +3,18 @@
 // fit is refused at start-up, naming its largest consumers, instead of growing until the
 // kernel kills it or ending in a bare std::bad_alloc.
 //
-// The estimate follows what the engine allocates (apps/engine.cpp: master weights, optimizer
-// state, communication buffers; layers/gpt.cpp: the working copy, gradients, weight operands
-// and the activation slab; the backends' workspaces; the FP8 amax histories) for this rank's
-// share under tensor and data parallelism and the distributed optimizer, plus the host
-// staging of initialisation and checkpoints. Every size is computed in 64 bits and saturates
-// instead of wrapping, so an absurd shape compares above any real memory.
+// Training (fp8lm train, and fp8lm eval, which builds the same engine): the estimate follows
+// what the engine allocates (apps/engine.cpp: master weights, optimizer state, communication
+// buffers; layers/gpt.cpp: the working copy, gradients, weight operands and the activation
+// slab; the backends' workspaces; the FP8 amax histories) for this rank's share under tensor
+// and data parallelism and the distributed optimizer, plus the host staging of initialisation
+// and checkpoints.
+// Decoding (fp8lm sample): what the generator allocates (apps/generator.cpp; layers/gpt.cpp's
+// inference model): the working copy and weight operands, the key/value cache, one block's
+// activations for the prompt pass shared by every block, one row of logits per sequence, the
+// backend's workspaces, and the host staging of the weights.
+// Every size is computed in 64 bits and saturates instead of wrapping, so an absurd shape
+// compares above any real memory.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +26,7 @@
 namespace fp8lm {
 
 struct RunSetup;
+struct GeneratorShape;
 
 struct MemoryConsumer {
   std::string name;           // "activations (micro-batch 4 x seq-length 1024, 12 layers)"
@@ -27,19 +34,29 @@ struct MemoryConsumer {
   uint64_t device_bytes = 0;  // this rank's (0 on a CPU run)
   std::string remedy;         // what shrinks it ("lower --micro-batch-size or --seq-length")
   bool transient = false;     // start-up or checkpoint staging: counted at its peak, not held
-  bool engine_slab = false;   // one of the engine's allocations (TrainingEngine::benchmark_memory)
+  // One of the engine's allocations (TrainingEngine::benchmark_memory), or the decoder's
+  // (Generator::allocated_bytes).
+  bool engine_slab = false;
 };
 
 struct MemoryEstimate {
   std::vector<MemoryConsumer> consumers;
-  uint64_t host_bytes() const;    // held + the largest transient (saturating)
-  uint64_t device_bytes() const;  // (saturating)
-  // What the engine's slabs add up to (parameters, gradients, optimizer, activations,
-  // communication buffers, workspaces), the part its benchmark_memory() reports.
+  // Held + the largest transient, on the host and on the device (saturating): the peak.
+  uint64_t host_bytes() const;
+  uint64_t device_bytes() const;
+  // What the engine's (or the decoder's) slabs add up to (parameters, gradients, optimizer,
+  // activations, key/value cache, communication buffers, workspaces), the part its
+  // benchmark_memory() (allocated_bytes()) reports.
   uint64_t engine_bytes(bool device) const;
 };
 
+// fp8lm train, or fp8lm eval (setup.options.command): the training engine. Eval's remedies
+// name eval's flags.
 MemoryEstimate estimate_memory(const RunSetup& setup);
+
+// fp8lm sample: the generator of `shape` over setup's backend, precision and model, with its
+// weights read from --load / --init-from or drawn at random.
+MemoryEstimate estimate_decoding_memory(const RunSetup& setup, const GeneratorShape& shape);
 
 // What this machine offers one run.
 struct MemoryAvailability {
@@ -71,5 +88,11 @@ std::string format_bytes(uint64_t bytes);
 
 // Startup-table rows: the estimate per consumer and the totals.
 SettingsTable memory_estimate_rows(const MemoryEstimate& estimate, bool use_cuda);
+
+// Startup-table rows once everything is allocated: the measured memory beside the estimate.
+// `allocations_label` names the slabs `allocated` counts ("engine allocations"); `device`:
+// a GPU run, whose memory in use (cudaMemGetInfo) is `device_in_use`.
+SettingsTable measured_memory_rows(const MemoryEstimate& estimate, const std::string& allocations_label,
+                                   uint64_t allocated, bool device, uint64_t device_in_use);
 
 }  // namespace fp8lm

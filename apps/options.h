@@ -26,6 +26,11 @@ std::string_view to_string(GradReduceAlgorithm algorithm);
 
 std::string_view to_string(DeviceKind device);
 
+// The command a run set-up is resolved for (not a flag): what it allocates, so what its memory
+// estimate counts and which flags its remedies name. fp8lm eval builds train's engine;
+// fp8lm sample builds the decoder (apps/generator.h), whose estimate needs the prompt's length.
+enum class RunCommand : uint8_t { train, eval, sample };
+
 struct ModelOverrides {  // Megatron's model-shape flags; each overrides --config
   std::optional<int> num_layers;               // --num-layers
   std::optional<int> hidden_size;              // --hidden-size
@@ -36,6 +41,8 @@ struct ModelOverrides {  // Megatron's model-shape flags; each overrides --confi
 };
 
 struct TrainOptions {
+  RunCommand command = RunCommand::train;  // not a flag: set by fp8lm eval and fp8lm sample
+
   // Model
   std::string config_path;  // --config
   ModelOverrides model;
@@ -88,7 +95,6 @@ struct TrainOptions {
   uint64_t seed = 1234;              // --seed
   std::string train_data_path;       // --train-data-path (file or glob of shards)
   std::string valid_data_path;       // --valid-data-path
-  bool inference_only = false;       // not a flag: fp8lm sample, which needs no training memory
   bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
   TokenFileFormat data_format = TokenFileFormat::llmc;  // --data-format: llmc or raw-uint16
   // --data-path: Megatron indexed datasets, PREFIX or weight/prefix pairs (core/indexed_dataset.h)

@@ -136,9 +136,10 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
                     ") exceeds the model's n_positions (", setup.model.n_positions, ")");
 
-  // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits.
+  // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits. fp8lm
+  // sample's batch is its --batch-size sequences of prompt and new tokens: it checks them itself.
   const int64_t tokens_per_micro_batch = int64_t{options.micro_batch_size} * setup.seq_length;
-  if (tokens_per_micro_batch > INT_MAX)
+  if (tokens_per_micro_batch > INT_MAX && options.command != RunCommand::sample)
     throw InputError("--micro-batch-size x --seq-length (" + std::to_string(options.micro_batch_size) + " x " +
                          std::to_string(setup.seq_length) + " = " + std::to_string(tokens_per_micro_batch) +
                          " tokens) exceeds 2^31 - 1: the kernels index a micro-batch's tokens in 32 bits",
@@ -174,12 +175,18 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   setup.device_description = setup.use_cuda ? "cuda: " + cuda.name : "cpu (no GPU: " + (cuda.reason.empty() ? std::string("--device cpu") : cuda.reason) + ")";
   if (!setup.use_cuda && options.device == DeviceKind::cpu) setup.device_description = "cpu (--device cpu)";
 
+  // fp8lm sample's decoder is sized by its prompt, which is read later: it estimates and
+  // checks its memory itself (estimate_decoding_memory), before allocating anything.
+  if (options.command == RunCommand::sample) return setup;
   // Last, because it needs every size above; before anything is allocated.
   setup.memory = estimate_memory(setup);
-  if (options.inference_only) return setup;  // the estimate is a training run's (optimizer, gradients)
-  check_memory_fits(setup.memory, query_memory_availability(setup.use_cuda, parallel.local_rank),
-                    parallel.local_size);
+  check_run_memory(setup);
   return setup;
+}
+
+void check_run_memory(const RunSetup& setup) {
+  check_memory_fits(setup.memory, query_memory_availability(setup.use_cuda, setup.parallel.local_rank),
+                    setup.parallel.local_size);
 }
 
 GptPrecision model_precision(const TrainOptions& o) {

@@ -23,13 +23,20 @@ struct RunSetup {
   int global_batch_size = 0;
   bool use_cuda = false;
   std::string device_description;
-  MemoryEstimate memory;  // this rank's host and device memory, estimated before anything is allocated
+  // This rank's host and device memory, estimated before anything is allocated (for fp8lm
+  // sample, by the command once it knows the prompt: estimate_decoding_memory).
+  MemoryEstimate memory;
 };
 
 // Throws InputError naming the flag or file at the first problem: every check that needs the
 // model config and the parallel layout (sizes that must divide each other) is here, the last
-// being that the run's estimated memory fits the host (and the GPU).
+// being that the run's estimated memory fits the host (and the GPU). fp8lm sample
+// (options.command) makes that last check itself, once it knows the prompt's length.
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel = {});
+
+// Throws InputError when setup.memory, the estimate, does not fit this machine's host memory
+// (shared by the node's ranks) or its GPU's free memory (check_memory_fits).
+void check_run_memory(const RunSetup& setup);
 
 // How the flags' precision maps onto the model's GEMMs (the training and decoding models).
 GptPrecision model_precision(const TrainOptions& options);

@@ -6,6 +6,7 @@
 // checkpoint run's precision. The prompt is text (--prompt, --prompt-file), tokenized with
 // GPT-2's BPE files; --random-prompt N draws N token ids instead (speed measurements,
 // with --random-weights when there is no checkpoint).
+#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -149,21 +150,24 @@ int run_sample_command(const std::vector<std::string>& args) {
   } catch (const InputError& e) {
     fail(e.what());
   }
-  options.inference_only = true;
+  options.command = RunCommand::sample;
 
   MpiSession mpi;
   const ParallelLayout layout = detect_parallel_layout(1);
   init_logging(options.log_level, layout.world_rank);
   RunSetup setup = resolve_run_setup(options, layout);
   const GptConfig& model = setup.model;
+  // The prompt's length is checked before a random prompt is drawn: nothing grows first.
+  const int64_t prompt_length = text_prompt ? int64_t(prompt.size()) : int64_t{o.random_prompt};
+  if (prompt_length + o.max_new_tokens - 1 > model.n_positions)
+    fail("the prompt (" + std::to_string(prompt_length) + " tokens) and --max-new-tokens " +
+         std::to_string(o.max_new_tokens) + " exceed the model's context of " + std::to_string(model.n_positions) +
+         " tokens");
+  const int P = int(prompt_length);
   if (!text_prompt) {
     Random random(o.seed);
     for (int i = 0; i < o.random_prompt; ++i) prompt.push_back(int32_t(random.next_u64() % uint64_t(model.vocab_size)));
   }
-  const int P = int(prompt.size());
-  if (P + o.max_new_tokens - 1 > model.n_positions)
-    fail("the prompt (" + std::to_string(P) + " tokens) and --max-new-tokens " + std::to_string(o.max_new_tokens) +
-         " exceed the model's context of " + std::to_string(model.n_positions) + " tokens");
   if (tokenizer && tokenizer->vocab_size() > model.vocab_size)
     fail("--vocab-file has " + std::to_string(tokenizer->vocab_size()) + " tokens, more than the model's vocab_size " +
          std::to_string(model.vocab_size));
@@ -172,6 +176,20 @@ int run_sample_command(const std::vector<std::string>& args) {
                              .max_prompt = P,
                              .capacity = P + o.max_new_tokens - 1,
                              .fp8_kv_cache = o.kv_cache_dtype == "fp8"};
+  // The kernels index the cache's rows (sequence x position) and the prompt pass's tokens in
+  // 32 bits.
+  const int64_t cache_rows = int64_t{shape.batch} * shape.capacity;
+  if (cache_rows > INT_MAX)
+    throw InputError("fp8lm sample: --batch-size x (the prompt + --max-new-tokens - 1) (" +
+                         std::to_string(shape.batch) + " x " + std::to_string(shape.capacity) + " = " +
+                         std::to_string(cache_rows) + " key/value cache rows) exceeds 2^31 - 1: the kernels index "
+                         "them in 32 bits",
+                     "lower --batch-size or --max-new-tokens");
+  // The last check before anything is allocated: the decoder's memory fits this machine.
+  setup.memory = estimate_decoding_memory(setup, shape);
+  check_run_memory(setup);
+  log_settings_table("fp8lm sample memory", memory_estimate_rows(setup.memory, setup.use_cuda));
+
   Generator generator(setup, shape);
   std::string source = "random weights (seed " + std::to_string(o.seed) + ")";
   if (weights) {
@@ -184,7 +202,7 @@ int run_sample_command(const std::vector<std::string>& args) {
   }
   spdlog::info("sampling {} x {} new tokens after a {}-token prompt from {}: {}, {} KV cache, {}", o.batch_size,
                o.max_new_tokens, P, source, describe_precision(options), o.kv_cache_dtype, setup.device_description);
-  for (const auto& [name, value] : generator.describe()) spdlog::debug("{}: {}", name, value);
+  log_settings_table("memory once the weights are set", generator.describe());
 
   GenerationRequest request;
   request.prompt = prompt;
@@ -228,6 +246,9 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+  spdlog::info("memory: host peak {} (VmHWM), estimated {} before allocation",
+               format_bytes(measure_host_memory().host_peak_bytes), format_bytes(setup.memory.host_bytes()));
   return kExitOk;
 }
 

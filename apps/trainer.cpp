@@ -564,6 +564,8 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   // --load restores the FP8 scaling state too, so the loss is the one the run logged.
   load_into_engine(checkpoint, o.ckpt_step, setup, *engine,
                    o.load_dir.empty() ? CheckpointUse::weights_only : CheckpointUse::resume);
+  log_settings_table("memory once the weights are loaded (rank " + std::to_string(setup.parallel.world_rank) + ")",
+                     engine->describe());
   EvaluationResult result;
   result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
   result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
