@@ -199,7 +199,9 @@ void validate_options(const TrainOptions& o) {
   require(o.benchmark_warmup >= 0, "--benchmark-warmup must be >= 0 (got " + num(o.benchmark_warmup) + ")");
   require(!o.benchmark || o.train_iters > o.benchmark_warmup,
           "--train-iters must exceed --benchmark-warmup under --benchmark");
-  require(!o.profile_ops || o.benchmark, "--profile-ops needs --benchmark (it times synchronised steps)");
+  // fp8lm sample times its decode steps, which wait for the device anyway.
+  require(!o.profile_ops || o.benchmark || o.command == RunCommand::sample,
+          "--profile-ops needs --benchmark (it times synchronised steps)");
   require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty() || !o.data_path.empty(),
           "--train-data-path or --data-path is required (or --mock-data for a synthetic token stream)");
   if (!o.data_path.empty()) {

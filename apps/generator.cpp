@@ -9,6 +9,7 @@
 #include "apps/run_setup.h"
 #include "core/error.h"
 #include "layers/gpt.h"
+#include "layers/op_profiler.h"
 #include "layers/ops_cpu.h"
 #include "layers/ops_cuda.h"
 
@@ -28,6 +29,7 @@ struct Generator::State {
   bool fp8 = false;
   MemoryEstimate memory_estimate;  // made before anything was allocated (fp8lm sample)
   std::unique_ptr<Ops> ops;
+  OpProfiler* op_profiler = nullptr;  // --profile-ops: observes `ops`, which owns it
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
 
@@ -57,6 +59,11 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
     s.ops = make_cuda_ops(0);
   } else {
     s.ops = make_cpu_ops();
+  }
+  if (o.profile_ops) {
+    auto profiler = std::make_unique<OpProfiler>();
+    s.op_profiler = profiler.get();
+    s.ops = make_observed_ops(std::move(s.ops), std::move(profiler));
   }
   s.memory_estimate = setup.memory;
   s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), model_precision(o), *s.ops);
@@ -146,6 +153,7 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   }
   s.ops->synchronize();
   result.prefill_ms = ms_since(prefill_start);
+  if (s.op_profiler) s.op_profiler->reset();  // the profile is the decode steps'
 
   const Clock::time_point decode_start = Clock::now();
   std::vector<int32_t> current(size_t(B), request.prompt.back());
@@ -155,6 +163,7 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
     const TokenBatch batch = s.ops->load_batch(current.data(), current.data(), B, 1, slice);
     s.model->forward_cached(batch, P - 1 + step);
     s.ops->download_values(logits.data(), s.model->next_token_logits());
+    if (s.op_profiler) s.op_profiler->finish_step();  // the download waited for the step
     std::vector<int32_t> drawn(size_t(B), -1);
     for (int b = 0; b < B; ++b) {
       if (ended[size_t(b)]) continue;  // keeps its last token as input: the batch keeps its shape
@@ -172,6 +181,8 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   result.decode_ms = ms_since(decode_start);
   return result;
 }
+
+const OpProfiler* Generator::op_profiler() const { return state_->op_profiler; }
 
 size_t Generator::allocated_bytes() const { return state_->model->allocated_bytes() + state_->ops->workspace_bytes(); }
 

@@ -22,6 +22,7 @@
 namespace fp8lm {
 
 struct RunSetup;
+class OpProfiler;
 struct InferenceShape;
 
 struct GeneratorShape {
@@ -69,6 +70,9 @@ class Generator {
   void set_parameters(const std::vector<float>& canonical);
 
   GenerationResult generate(const GenerationRequest& request);
+  // With the run set-up's --profile-ops: the ops of the last generate()'s decode steps, per
+  // class (layers/op_profiler.h); nullptr without.
+  const OpProfiler* op_profiler() const;
 
   // Bytes of every slab the decoder allocated (the model's and the backend's workspaces), the
   // figure the memory estimate's decoder slabs predict (MemoryEstimate::engine_bytes).

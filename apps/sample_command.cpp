@@ -19,6 +19,7 @@
 #include "apps/commands.h"
 #include "apps/forwarded_flags.h"
 #include "apps/generator.h"
+#include "layers/op_profiler.h"
 #include "apps/run_setup.h"
 #include "core/device.h"
 #include "core/error.h"
@@ -50,6 +51,7 @@ struct SampleOptions {
   std::string kv_cache_dtype = "bf16";
   bool ignore_eos = false;
   bool quiet = false;
+  bool profile_ops = false;
 };
 
 std::vector<ForwardedFlag> sample_flags() {
@@ -92,6 +94,8 @@ int run_sample_command(const std::vector<std::string>& args) {
   app.add_option("--kv-cache-dtype", o.kv_cache_dtype, "bf16 (the activation dtype) or fp8 (E4M3, per-layer scales)");
   app.add_flag("--ignore-eos", o.ignore_eos, "Do not stop a sequence at <|endoftext|>");
   app.add_flag("--quiet", o.quiet, "Print only the JSON summary line");
+  app.add_flag("--profile-ops", o.profile_ops,
+               "Time every op class of the decode steps (GEMMs, attention, LayerNorm, casts...) against the whole step");
   if (!parse_subcommand_arguments(app, args, "sample")) return kExitOk;
   flags.collect();
 
@@ -151,6 +155,7 @@ int run_sample_command(const std::vector<std::string>& args) {
     fail(e.what());
   }
   options.command = RunCommand::sample;
+  options.profile_ops = o.profile_ops;
 
   MpiSession mpi;
   const ParallelLayout layout = detect_parallel_layout(1);
@@ -246,6 +251,8 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());
+  if (const OpProfiler* profiler = generator.op_profiler(); profiler && result.decode_steps > 0)
+    log_op_profile(*profiler, result.decode_ms / double(result.decode_steps), "decode step", setup.use_cuda);
   std::fflush(stdout);
   spdlog::info("memory: host peak {} (VmHWM), estimated {} before allocation",
                format_bytes(measure_host_memory().host_peak_bytes), format_bytes(setup.memory.host_bytes()));

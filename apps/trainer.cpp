@@ -211,44 +211,6 @@ void check_save_directory_writable(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
-// --profile-ops: per op class, its time per step against the step and against its floor,
-// as a table and one JSON line ({"op_profile": [...]}).
-void report_op_profile(const OpProfiler& profiler, double median_step_ms, bool gpu) {
-  const double steps = std::max(1, profiler.steps());
-  const OpFloorModel floor = h100_floor_model();
-  std::vector<OpClassProfile> rows = profiler.totals();
-  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
-  auto fixed = [](double v, int digits) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.*f", digits, v);
-    return std::string(text);
-  };
-  SettingsTable table;
-  nlohmann::json classes = nlohmann::json::array();
-  double total_ms = 0.0, total_floor_ms = 0.0;
-  for (const OpClassProfile& row : rows) {
-    const double ms = row.ms / steps, flops = row.flops / steps, bytes = row.bytes / steps;
-    const double floor_ms = floor.floor_ms(row) / steps;
-    total_ms += ms;
-    total_floor_ms += floor_ms;
-    std::string cells = fixed(ms, 3) + " ms, " + fixed(100.0 * ms / median_step_ms, 1) + "% of the step, " +
-                        fixed(row.calls / steps, 0) + " calls";
-    if (flops > 0) cells += ", " + fixed(flops / (ms * 1e-3) / 1e12, 1) + " TFLOP/s";
-    cells += ", " + fixed(bytes / (ms * 1e-3) / 1e9, 0) + " GB/s";
-    if (gpu) cells += ", floor " + fixed(floor_ms, 3) + " ms (" + fixed(ms / std::max(floor_ms, 1e-9), 2) + "x)";
-    table.push_back({row.op_class, cells});
-    classes.push_back({{"class", row.op_class}, {"calls", row.calls / steps}, {"ms", ms}, {"flops", flops},
-                       {"bytes", bytes}, {"floor_ms", floor_ms}});
-  }
-  table.push_back({"ops, all classes", fixed(total_ms, 3) + " ms of a " + fixed(median_step_ms, 3) +
-                                           " ms step" + (gpu ? ", floor " + fixed(total_floor_ms, 3) + " ms" : "")});
-  if (gpu) table.push_back({"floor model", floor.source});
-  log_settings_table("op profile per step (" + std::to_string(profiler.steps()) + " timed steps)", table);
-  const nlohmann::json line = {{"op_profile", classes}, {"steps", profiler.steps()}, {"step_ms", median_step_ms},
-                               {"ops_ms", total_ms}, {"floor_ms", gpu ? total_floor_ms : 0.0}};
-  std::printf("%s\n", line.dump().c_str());
-}
-
 // The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
 // 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
 // memory, as a table and one JSON line.
@@ -312,7 +274,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
                                {"bytes_per_step", bytes_per_step},
                                {"loss", loss}};
   std::printf("%s\n", line.dump().c_str());
-  if (const OpProfiler* profiler = engine.op_profiler()) report_op_profile(*profiler, median_ms, setup.use_cuda);
+  if (const OpProfiler* profiler = engine.op_profiler()) log_op_profile(*profiler, median_ms, "step", setup.use_cuda);
   std::fflush(stdout);
 }
 

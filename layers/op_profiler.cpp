@@ -1,9 +1,13 @@
 #include "layers/op_profiler.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <string_view>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "core/logging.h"
 
 namespace fp8lm {
 
@@ -67,6 +71,43 @@ OpFloorModel h100_floor_model() {
                       .attention_flops_per_s = 400e12,
                       .bytes_per_s = 3.0e12,
                       .source = "H100 SXM: cuBLASLt 8192^3 FP8 1469 / BF16 729 TFLOP/s, attention 400 TFLOP/s, 3.0 TB/s"};
+}
+
+void log_op_profile(const OpProfiler& profiler, double median_step_ms, const std::string& step_name, bool gpu) {
+  const double steps = std::max(1, profiler.steps());
+  const OpFloorModel floor = h100_floor_model();
+  std::vector<OpClassProfile> rows = profiler.totals();
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
+  auto fixed = [](double v, int digits) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.*f", digits, v);
+    return std::string(text);
+  };
+  SettingsTable table;
+  nlohmann::json classes = nlohmann::json::array();
+  double total_ms = 0.0, total_floor_ms = 0.0;
+  for (const OpClassProfile& row : rows) {
+    if (row.calls == 0) continue;  // ran only before the profiled steps
+    const double ms = row.ms / steps, flops = row.flops / steps, bytes = row.bytes / steps;
+    const double floor_ms = floor.floor_ms(row) / steps;
+    total_ms += ms;
+    total_floor_ms += floor_ms;
+    std::string cells = fixed(ms, 3) + " ms, " + fixed(100.0 * ms / median_step_ms, 1) + "% of the " + step_name + ", " +
+                        fixed(row.calls / steps, 0) + " calls";
+    if (flops > 0) cells += ", " + fixed(flops / (ms * 1e-3) / 1e12, 1) + " TFLOP/s";
+    cells += ", " + fixed(bytes / (ms * 1e-3) / 1e9, 0) + " GB/s";
+    if (gpu) cells += ", floor " + fixed(floor_ms, 3) + " ms (" + fixed(ms / std::max(floor_ms, 1e-9), 2) + "x)";
+    table.push_back({row.op_class, cells});
+    classes.push_back({{"class", row.op_class}, {"calls", row.calls / steps}, {"ms", ms}, {"flops", flops},
+                       {"bytes", bytes}, {"floor_ms", floor_ms}});
+  }
+  table.push_back({"ops, all classes", fixed(total_ms, 3) + " ms of a " + fixed(median_step_ms, 3) +
+                                           " ms " + step_name + (gpu ? ", floor " + fixed(total_floor_ms, 3) + " ms" : "")});
+  if (gpu) table.push_back({"floor model", floor.source});
+  log_settings_table("op profile per " + step_name + " (" + std::to_string(profiler.steps()) + " timed)", table);
+  const nlohmann::json line = {{"op_profile", classes}, {"steps", profiler.steps()}, {"step", step_name}, {"step_ms", median_step_ms},
+                               {"ops_ms", total_ms}, {"floor_ms", gpu ? total_floor_ms : 0.0}};
+  std::printf("%s\n", line.dump().c_str());
 }
 
 }  // namespace fp8lm

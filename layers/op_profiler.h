@@ -72,4 +72,9 @@ struct OpFloorModel {
 // class on Hopper), device memory at 3.0 TB/s (a device-to-device copy, read + write).
 OpFloorModel h100_floor_model();
 
+// Logs the profile per op class, per `step_name` ("step", "decode step") of `step_ms`: time,
+// share of the step, calls, TFLOP/s, GB/s and (on the GPU) the floor, sorted by time; and
+// prints it as one JSON line ({"op_profile": [...], ...}) on stdout.
+void log_op_profile(const OpProfiler& profiler, double step_ms, const std::string& step_name, bool gpu);
+
 }  // namespace fp8lm

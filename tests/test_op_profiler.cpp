@@ -105,7 +105,7 @@ TEST_CASE("the binary reports the op profile of the timed steps", "[profile][cli
                                       "--profile-ops --eval-interval 0 --eval-iters 0 --fp8-hybrid");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
-  CHECK_THAT(run.output, ContainsSubstring("op profile per step (2 timed steps)"));
+  CHECK_THAT(run.output, ContainsSubstring("op profile per step (2 timed)"));
   const size_t at = run.output.find("{\"floor_ms\"");
   REQUIRE(at != std::string::npos);
   const auto line = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
@@ -116,4 +116,23 @@ TEST_CASE("the binary reports the op profile of the timed steps", "[profile][cli
   const auto refused = testing::run_fp8lm("--config " + kTiny + " --mock-data --device cpu --profile-ops");
   CHECK(refused.exit_code == 2);
   CHECK_THAT(refused.output, ContainsSubstring("--profile-ops needs --benchmark"));
+}
+
+TEST_CASE("fp8lm sample profiles its decode steps", "[profile][cli]") {
+  const auto run = testing::run_fp8lm("sample --config " + kTiny +
+                                      " --random-weights --random-prompt 8 --max-new-tokens 4 --temperature 0 "
+                                      "--ignore-eos --device cpu --quiet --profile-ops");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("op profile per decode step (4 timed)"));
+  const size_t at = run.output.find("{\"floor_ms\"");
+  REQUIRE(at != std::string::npos);
+  const auto line = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
+  CHECK(line["step"] == "decode step");
+  // A decode step: the blocks' GEMMs and attention over the cache, no backward, no prompt pass.
+  std::map<std::string, double> calls;
+  for (const auto& row : line["op_profile"]) calls[row["class"]] = row["calls"];
+  CHECK(calls.count("attention decode") == 1);
+  CHECK(calls.count("attention forward") == 0);
+  CHECK(calls.count("layernorm backward") == 0);
 }
