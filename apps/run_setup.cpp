@@ -137,12 +137,12 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
                     ") exceeds the model's n_positions (", setup.model.n_positions, ")");
 
-  // --fp8-recipe blockwise: whole 1x128 tiles and 128x128 blocks in every FP8 GEMM.
+  // --fp8-recipe blockwise: every FP8 GEMM dimension a multiple of 16 (ragged tiles and blocks are fine).
   if (const std::string problem =
           blockwise_shape_problem(setup.model, options.micro_batch_size, setup.seq_length, model_precision(o), tp);
       !problem.empty())
-    throw InputError(problem, "use a config whose widths are multiples of 128 (configs/tiny-128.json on the CPU), "
-                              "with --micro-batch-size x --seq-length a multiple of 128; or --fp8-recipe tensorwise");
+    throw InputError(problem, "use model widths and a --micro-batch-size x --seq-length that are multiples of 16, or "
+                              "--fp8-recipe tensorwise");
 
   // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits.
   const int64_t tokens_per_micro_batch = int64_t{options.micro_batch_size} * setup.seq_length;

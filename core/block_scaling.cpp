@@ -15,9 +15,9 @@ std::string block_scaling_shape_problem(BlockScaling scaling, int64_t rows, int6
   auto shape = [&] { return what + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]"; };
   if (scaling == BlockScaling::none) return "";
   if (rows <= 0 || cols <= 0) return shape() + " is empty";
-  if (cols % kScaleBlock != 0) return shape() + ": its columns are not a multiple of 128";
-  if (scaling == BlockScaling::blocks_128x128 && rows % kScaleBlock != 0)
-    return shape() + ": its rows are not a multiple of 128";
+  if (cols % kBlockAlignment != 0) return shape() + ": its columns are not a multiple of 16";
+  if (scaling == BlockScaling::blocks_128x128 && rows % kBlockAlignment != 0)
+    return shape() + ": its rows are not a multiple of 16";
   return "";
 }
 
@@ -47,14 +47,15 @@ float tile_amax(const float* x, int64_t count, int64_t stride) {
 void quantize_tiles_1x128(float* out, float* scale_inv, const float* in, int64_t rows, int64_t cols, Fp8Dtype dtype,
                           int margin) {
   check_shape(BlockScaling::tiles_1x128, rows, cols);
-  const int64_t tiles = cols / kScaleBlock;
+  const int64_t tiles = scale_tiles(cols);
   const float format_max = fp8_max(dtype);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const size_t first = size_t(r) * size_t(cols) + size_t(tile) * kScaleBlock;
-      const float scale = block_scale(tile_amax(in + first, kScaleBlock, 1), format_max, margin);
-      for (int c = 0; c < kScaleBlock; ++c) out[first + c] = fp8_round(in[first + c] * scale, dtype);
+      const int64_t width = scale_tile_width(tile, cols);
+      const float scale = block_scale(tile_amax(in + first, width, 1), format_max, margin);
+      for (int64_t c = 0; c < width; ++c) out[first + c] = fp8_round(in[first + c] * scale, dtype);
       scale_inv[tile_scale_index(r, tile, rows)] = 1.0f / scale;
     }
   }
@@ -63,15 +64,16 @@ void quantize_tiles_1x128(float* out, float* scale_inv, const float* in, int64_t
 void quantize_blocks_128x128(float* out, float* scale_inv, const float* in, int64_t rows, int64_t cols,
                              Fp8Dtype dtype, int margin) {
   check_shape(BlockScaling::blocks_128x128, rows, cols);
-  const int64_t row_blocks = rows / kScaleBlock, col_blocks = cols / kScaleBlock;
+  const int64_t row_blocks = scale_tiles(rows), col_blocks = scale_tiles(cols);
   const float format_max = fp8_max(dtype);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
       const size_t corner = size_t(rb) * kScaleBlock * size_t(cols) + size_t(cb) * kScaleBlock;
+      const int64_t height = scale_tile_width(rb, rows), width = scale_tile_width(cb, cols);
       float amax = 0.0f;
-      for (int r = 0; r < kScaleBlock; ++r) {
-        const float row_amax = tile_amax(in + corner + size_t(r) * size_t(cols), kScaleBlock, 1);
+      for (int64_t r = 0; r < height; ++r) {
+        const float row_amax = tile_amax(in + corner + size_t(r) * size_t(cols), width, 1);
         if (std::isnan(row_amax) || std::isnan(amax)) {
           amax = NAN;
         } else {
@@ -79,8 +81,8 @@ void quantize_blocks_128x128(float* out, float* scale_inv, const float* in, int6
         }
       }
       const float scale = block_scale(amax, format_max, margin);
-      for (int r = 0; r < kScaleBlock; ++r)
-        for (int c = 0; c < kScaleBlock; ++c) {
+      for (int64_t r = 0; r < height; ++r)
+        for (int64_t c = 0; c < width; ++c) {
           const size_t at = corner + size_t(r) * size_t(cols) + c;
           out[at] = fp8_round(in[at] * scale, dtype);
         }
@@ -91,8 +93,8 @@ void quantize_blocks_128x128(float* out, float* scale_inv, const float* in, int6
 
 void transpose_block_scales(float* scale_inv_t, const float* scale_inv, int64_t rows, int64_t cols) {
   check_shape(BlockScaling::blocks_128x128, rows, cols);
-  for (int64_t rb = 0; rb < rows / kScaleBlock; ++rb)
-    for (int64_t cb = 0; cb < cols / kScaleBlock; ++cb)
+  for (int64_t rb = 0; rb < scale_tiles(rows); ++rb)
+    for (int64_t cb = 0; cb < scale_tiles(cols); ++cb)
       scale_inv_t[block_scale_index(cb, rb, rows)] = scale_inv[block_scale_index(rb, cb, cols)];
 }
 
@@ -104,12 +106,12 @@ float scale_of(const float* scale_inv, BlockScaling scaling, int64_t row, int64_
   return scale_inv[block_scale_index(row / kScaleBlock, kb, K)];
 }
 
-// Columns [kb * 128, kb * 128 + 128) of X [rows, K], contiguous.
-void copy_k_block(float* out, const float* X, int64_t rows, int64_t K, int64_t kb) {
+// Columns [kb * 128, kb * 128 + width) of X [rows, K], contiguous [rows, width].
+void copy_k_block(float* out, const float* X, int64_t rows, int64_t K, int64_t kb, int64_t width) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r)
     std::copy(X + size_t(r) * size_t(K) + size_t(kb) * kScaleBlock,
-              X + size_t(r) * size_t(K) + size_t(kb + 1) * kScaleBlock, out + size_t(r) * kScaleBlock);
+              X + size_t(r) * size_t(K) + size_t(kb) * kScaleBlock + size_t(width), out + size_t(r) * size_t(width));
 }
 
 }  // namespace
@@ -125,13 +127,14 @@ void gemm_block_scaled(float* C, const float* A, const float* a_scale_inv, Block
               "128x128 and 128x128 x 1x128 are)");
   check_shape(a_scaling, M, K);
   check_shape(b_scaling, N, K);
-  const int64_t blocks = K / kScaleBlock;
+  const int64_t blocks = scale_tiles(K);
   std::vector<float> a_block(size_t(M) * kScaleBlock), b_block(size_t(N) * kScaleBlock), partial(size_t(M) * N),
       sum(size_t(M) * N, 0.0f);
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    copy_k_block(a_block.data(), A, M, K, kb);
-    copy_k_block(b_block.data(), B, N, K, kb);
-    gemm_nt(partial.data(), a_block.data(), b_block.data(), M, N, kScaleBlock, 1.0f, false);
+    const int64_t width = scale_tile_width(kb, K);
+    copy_k_block(a_block.data(), A, M, K, kb, width);
+    copy_k_block(b_block.data(), B, N, K, kb, width);
+    gemm_nt(partial.data(), a_block.data(), b_block.data(), M, N, int(width), 1.0f, false);
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < M; ++i) {
       const float sa = scale_of(a_scale_inv, a_scaling, i, kb, M, K);

@@ -57,7 +57,9 @@ __device__ __forceinline__ void load4(float (&x)[4], const __nv_bfloat16* p) {
 }
 
 // ---- 1x128 tiles along the rows: out [M,N] ---------------------------------------------
-// One warp per (row, tile): lane l holds columns 4l..4l+3 of the tile. grid (N / 128, ceil(M / 8)).
+// One warp per (row, tile): lane l holds columns 4l..4l+3 of the tile. A ragged last tile
+// (N not a multiple of 128; N a multiple of 16) leaves its upper lanes idle: they read and
+// write nothing and add 0 to the amax. grid (ceil(N / 128), ceil(M / 8)).
 template <typename T, Fp8Dtype kDtype>
 __global__ void __launch_bounds__(kThreads)
     tiles_rowwise_kernel(uint8_t* __restrict__ out, float* __restrict__ scale_inv, const T* __restrict__ in, int M,
@@ -66,21 +68,24 @@ __global__ void __launch_bounds__(kThreads)
   const int r = blockIdx.y * kWarps + warp;
   if (r >= M) return;  // the whole warp leaves together
   const int tile = blockIdx.x;
+  const bool active = 4 * lane < scale_tile_width(tile, N);
   const size_t at = static_cast<size_t>(r) * N + static_cast<size_t>(tile) * kScaleBlock + 4 * lane;
-  float x[4];
-  load4(x, in + at);
+  float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (active) load4(x, in + at);
   int bits = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) bits = max(bits, amax_bits(x[j]));
   const float scale = block_scale(__int_as_float(warp_max(bits)), fp8_max(kDtype), margin);
-  *reinterpret_cast<uint32_t*>(out + at) = codes4<kDtype>(x, scale);
+  if (active) *reinterpret_cast<uint32_t*>(out + at) = codes4<kDtype>(x, scale);
   if (lane == 0) scale_inv[tile_scale_index(r, tile, M)] = 1.0f / scale;
 }
 
 // ---- 1x128 tiles along the columns, written transposed: out_t [N,M] ---------------------
 // One block per 128 rows x 32 columns of in, staged in shared memory; warp w then quantizes
 // columns 4w..4w+3, lane l holding rows 4l..4l+3, and writes each column's 128 codes as one
-// row run of out_t. grid (N / 32, M / 128).
+// row run of out_t. A ragged last row tile (M not a multiple of 128) or column slab (N not a
+// multiple of 32) stages zeros outside the tensor and writes nothing there (M and N are
+// multiples of 16, so 4 rows or 4 columns are in or out together). grid (ceil(N / 32), ceil(M / 128)).
 constexpr int kSlabColumns = 32;
 
 template <typename T, Fp8Dtype kDtype>
@@ -92,12 +97,13 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kThreadsPerRow = kSlabColumns / kVec;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
   const int row0 = blockIdx.y * kScaleBlock, col0 = blockIdx.x * kSlabColumns;
+  const int rows_here = min(kScaleBlock, M - row0), columns_here = min(kSlabColumns, N - col0);
 #pragma unroll
   for (int pass = 0; pass < kScaleBlock / kRowsPerPass; ++pass) {
     const int r = pass * kRowsPerPass + threadIdx.x / kThreadsPerRow;
     const int c = (threadIdx.x % kThreadsPerRow) * kVec;
-    float x[4];
-    load4(x, in + static_cast<size_t>(row0 + r) * N + col0 + c);
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < rows_here && c < columns_here) load4(x, in + static_cast<size_t>(row0 + r) * N + col0 + c);
 #pragma unroll
     for (int j = 0; j < 4; ++j) slab[r][c + j] = x[j];
   }
@@ -106,6 +112,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kSlabColumns / kWarps; ++i) {
     const int c = warp * (kSlabColumns / kWarps) + i;
+    if (c >= columns_here) break;  // the same for the whole warp
     float x[4];
     int bits = 0;
 #pragma unroll
@@ -114,7 +121,9 @@ __global__ void __launch_bounds__(kThreads)
       bits = max(bits, amax_bits(x[j]));
     }
     const float scale = block_scale(__int_as_float(warp_max(bits)), fp8_max(kDtype), margin);
-    *reinterpret_cast<uint32_t*>(out_t + static_cast<size_t>(col0 + c) * M + row0 + 4 * lane) = codes4<kDtype>(x, scale);
+    if (4 * lane < rows_here)
+      *reinterpret_cast<uint32_t*>(out_t + static_cast<size_t>(col0 + c) * M + row0 + 4 * lane) =
+          codes4<kDtype>(x, scale);
     if (lane == 0) scale_inv_t[tile_scale_index(col0 + c, blockIdx.y, N)] = 1.0f / scale;
   }
 }
@@ -122,7 +131,9 @@ __global__ void __launch_bounds__(kThreads)
 // ---- 128x128 blocks: out [M,N], out_t [N,M] ------------------------------------------------
 // One block of threads per 128x128 block. Thread t holds rows t/32 + 8p (p < 16), columns
 // 4(t%32)..+3: 64 values in registers. The block's amax sets the one scale; the codes go to
-// out row by row and, through shared memory, to out_t column by column. grid (N / 128, M / 128).
+// out row by row and, through shared memory, to out_t column by column. A ragged block (M or
+// N not a multiple of 128, both multiples of 16) holds zeros outside the tensor and writes
+// nothing there. grid (ceil(N / 128), ceil(M / 128)).
 template <typename T, Fp8Dtype kDtype>
 __global__ void __launch_bounds__(kThreads)
     blocks_kernel(uint8_t* __restrict__ out, float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
@@ -132,12 +143,17 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t codes[kScaleBlock][kScaleBlock / 4 + 1];  // [row][4-column group], padded
   __shared__ int warp_amax[kWarps];
   const int row0 = blockIdx.y * kScaleBlock, col0 = blockIdx.x * kScaleBlock;
+  const int height = min(kScaleBlock, M - row0), width = min(kScaleBlock, N - col0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool column_in = 4 * lane < width;
   float x[kPasses][4];
   int bits = 0;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
-    load4(x[p], in + static_cast<size_t>(row0 + warp + kRowStep * p) * N + col0 + 4 * lane);
+    const int r = warp + kRowStep * p;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[p][j] = 0.0f;
+    if (r < height && column_in) load4(x[p], in + static_cast<size_t>(row0 + r) * N + col0 + 4 * lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j) bits = max(bits, amax_bits(x[p][j]));
   }
@@ -152,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int p = 0; p < kPasses; ++p) {
     const int r = warp + kRowStep * p;
     const uint32_t word = codes4<kDtype>(x[p], scale);
-    *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row0 + r) * N + col0 + 4 * lane) = word;
+    if (r < height && column_in) *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(row0 + r) * N + col0 + 4 * lane) = word;
     codes[r][lane] = word;
   }
   if (threadIdx.x == 0) {
@@ -161,8 +177,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (out_t == nullptr) return;
   __syncthreads();
-  // Thread t writes column c = t / 2 of the block, rows 64 (t % 2) .. +63, as 16 words.
+  // Thread t writes column c = t / 2 of the block, rows 64 (t % 2) .. +63, as 4 runs of 16
+  // bytes (height is a multiple of 16: a run is in or out whole).
   const int c = threadIdx.x / 2, half = threadIdx.x % 2;
+  if (c >= width) return;
   uint32_t run[16];
 #pragma unroll
   for (int w = 0; w < 16; ++w) {
@@ -177,7 +195,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   uint4* target = reinterpret_cast<uint4*>(out_t + static_cast<size_t>(col0 + c) * M + row0 + 64 * half);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) target[q] = make_uint4(run[4 * q], run[4 * q + 1], run[4 * q + 2], run[4 * q + 3]);
+  for (int q = 0; q < 4; ++q)
+    if (64 * half + 16 * q < height) target[q] = make_uint4(run[4 * q], run[4 * q + 1], run[4 * q + 2], run[4 * q + 3]);
 }
 
 // ---- launchers ---------------------------------------------------------------------------
@@ -187,14 +206,14 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <typename T>
 void launch_tiles(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t, const T* in, int M, int N,
                   Fp8Dtype dtype, int margin, cudaStream_t stream) {
-  FP8LM_CHECK(M > 0 && N > 0 && N % kScaleBlock == 0 && M % 4 == 0, "quantize_tiles_1x128: shape [", M, ",", N,
-              "] (N a multiple of 128, M of 4)");
+  FP8LM_CHECK(M > 0 && N > 0 && N % kBlockAlignment == 0, "quantize_tiles_1x128: shape [", M, ",", N,
+              "] (N a multiple of 16)");
   FP8LM_CHECK((out_t == nullptr) == (scale_inv_t == nullptr), "quantize_tiles_1x128: out_t and scale_inv_t go together");
-  FP8LM_CHECK(out_t == nullptr || M % kScaleBlock == 0, "quantize_tiles_1x128: a transposed copy needs M (", M,
-              ") a multiple of 128");
+  FP8LM_CHECK(out_t == nullptr || M % kBlockAlignment == 0, "quantize_tiles_1x128: a transposed copy needs M (", M,
+              ") a multiple of 16");
   FP8LM_CHECK(aligned16(in) && aligned16(out) && (out_t == nullptr || aligned16(out_t)),
               "quantize_tiles_1x128: 16-byte-aligned tensors");
-  const dim3 rows_grid(N / kScaleBlock, (M + kWarps - 1) / kWarps);
+  const dim3 rows_grid(unsigned(scale_tiles(N)), (M + kWarps - 1) / kWarps);
   FP8LM_CHECK(rows_grid.y <= 65535u, "quantize_tiles_1x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
     tiles_rowwise_kernel<T, Fp8Dtype::e4m3><<<rows_grid, kThreads, 0, stream>>>(out, scale_inv, in, M, N, margin);
@@ -203,7 +222,7 @@ void launch_tiles(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_i
   }
   CUDA_CHECK(cudaGetLastError());
   if (out_t == nullptr) return;
-  const dim3 columns_grid(N / kSlabColumns, M / kScaleBlock);
+  const dim3 columns_grid((N + kSlabColumns - 1) / kSlabColumns, unsigned(scale_tiles(M)));
   FP8LM_CHECK(columns_grid.y <= 65535u, "quantize_tiles_1x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
     tiles_columnwise_kernel<T, Fp8Dtype::e4m3><<<columns_grid, kThreads, 0, stream>>>(out_t, scale_inv_t, in, M, N,
@@ -218,13 +237,13 @@ void launch_tiles(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_i
 template <typename T>
 void launch_blocks(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t, const T* in, int M, int N,
                    Fp8Dtype dtype, int margin, cudaStream_t stream) {
-  FP8LM_CHECK(M > 0 && N > 0 && M % kScaleBlock == 0 && N % kScaleBlock == 0, "quantize_blocks_128x128: shape [", M,
-              ",", N, "] (multiples of 128)");
+  FP8LM_CHECK(M > 0 && N > 0 && M % kBlockAlignment == 0 && N % kBlockAlignment == 0,
+              "quantize_blocks_128x128: shape [", M, ",", N, "] (multiples of 16)");
   FP8LM_CHECK((out_t == nullptr) == (scale_inv_t == nullptr),
               "quantize_blocks_128x128: out_t and scale_inv_t go together");
   FP8LM_CHECK(aligned16(in) && aligned16(out) && (out_t == nullptr || aligned16(out_t)),
               "quantize_blocks_128x128: 16-byte-aligned tensors");
-  const dim3 grid(N / kScaleBlock, M / kScaleBlock);
+  const dim3 grid(unsigned(scale_tiles(N)), unsigned(scale_tiles(M)));
   FP8LM_CHECK(grid.y <= 65535u, "quantize_blocks_128x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
     blocks_kernel<T, Fp8Dtype::e4m3><<<grid, kThreads, 0, stream>>>(out, scale_inv, out_t, scale_inv_t, in, M, N,

@@ -16,9 +16,10 @@
 // cleared. Powers of two make s and scale_inv exact reciprocals and the GEMM's rescaling of
 // each block's partial sum exact; the cost is up to one binade of the format's range.
 //
-// The scale arrays are FP32 in the layout cuBLASLt reads (K-major operands, as fp8lm's are):
-//   1x128 tiles of X [R, C]:    scale_inv[(c / 128) * round_up4(R) + r]          (C / 128 x round_up4(R))
-//   128x128 blocks of W [R, C]: scale_inv[(r / 128) * round_up4(C / 128) + c / 128]  (R / 128 x round_up4(C / 128))
+// The scale arrays are FP32 in the layout cuBLASLt reads (K-major operands, as fp8lm's are),
+// with tiles(n) = ceil(n / 128):
+//   1x128 tiles of X [R, C]:    scale_inv[(c / 128) * round_up4(R) + r]            (tiles(C) x round_up4(R))
+//   128x128 blocks of W [R, C]: scale_inv[(r / 128) * round_up4(tiles(C)) + c / 128]  (tiles(R) x round_up4(tiles(C)))
 // i.e. column-major over (row, column tile) for tiles, row-major over (row block, column
 // block) for blocks, the inner dimension padded to a multiple of 4 floats (16 bytes). The
 // padding entries are never read.
@@ -31,8 +32,12 @@
 // high-precision values with its own tiles, along the other dimension: its codes are not
 // the transpose of X's. A weight's transposed copy is W's codes transposed.
 //
-// Shapes: every tiled dimension must be a multiple of 128 (a start-up refusal names the
-// model dimension otherwise); the untiled rows of a 1x128 operand may be any count.
+// Ragged edges: a dimension need not be a multiple of 128. The last tile of a row (the last
+// row or column of blocks) is then shorter, and its scale comes from the values it holds, as
+// Transformer Engine's quantizer and cuBLASLt treat it (gpt2-1558m's n_embd is 1600 = 12.5 x 128).
+// Every dimension of a GEMM operand must be a multiple of 16, cuBLASLt's FP8 alignment (and
+// the vector width of the casts); the rows of a 1x128 operand without a transposed copy may
+// be any count. A start-up refusal names the model dimension otherwise.
 #pragma once
 
 #include <cmath>
@@ -46,7 +51,8 @@
 
 namespace fp8lm {
 
-inline constexpr int kScaleBlock = 128;  // elements along a tile, and a block's side
+inline constexpr int kScaleBlock = 128;     // elements along a tile, and a block's side
+inline constexpr int kBlockAlignment = 16;  // every dimension of a block-scaled operand is a multiple of this
 
 FP8LM_HOST_DEVICE constexpr int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
 
@@ -56,13 +62,21 @@ FP8LM_HOST_DEVICE constexpr int64_t tile_scale_index(int64_t r, int64_t tile, in
 }
 // Index of the scale of block (row_block, col_block) of a 128x128-blocked [*, cols].
 FP8LM_HOST_DEVICE constexpr int64_t block_scale_index(int64_t row_block, int64_t col_block, int64_t cols) {
-  return row_block * round_up4(cols / kScaleBlock) + col_block;
+  return row_block * round_up4((cols + kScaleBlock - 1) / kScaleBlock) + col_block;
 }
 
-// Floats of the scale array of a [rows, cols] operand (cols, and rows for blocks, multiples of 128).
-constexpr int64_t tile_scale_count(int64_t rows, int64_t cols) { return cols / kScaleBlock * round_up4(rows); }
+// Tiles (blocks) along a dimension of n elements, the last one partial when n is not a multiple of 128.
+FP8LM_HOST_DEVICE constexpr int64_t scale_tiles(int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; }
+
+// Elements of tile (block) `index` along a dimension of n: 128, or fewer for the last.
+FP8LM_HOST_DEVICE constexpr int64_t scale_tile_width(int64_t index, int64_t n) {
+  return n - index * kScaleBlock < kScaleBlock ? n - index * kScaleBlock : kScaleBlock;
+}
+
+// Floats of the scale array of a [rows, cols] operand.
+constexpr int64_t tile_scale_count(int64_t rows, int64_t cols) { return scale_tiles(cols) * round_up4(rows); }
 constexpr int64_t block_scale_count(int64_t rows, int64_t cols) {
-  return rows / kScaleBlock * round_up4(cols / kScaleBlock);
+  return scale_tiles(rows) * round_up4(scale_tiles(cols));
 }
 inline int64_t scale_count(BlockScaling scaling, int64_t rows, int64_t cols) {
   switch (scaling) {
@@ -101,12 +115,12 @@ std::string block_scaling_shape_problem(BlockScaling scaling, int64_t rows, int6
 namespace cpu {
 
 // out [rows, cols] = fp8(in * s) with s the scale of each 1x128 tile of in (along cols);
-// scale_inv [tile_scale_count(rows, cols)] = 1 / s. cols a multiple of 128.
+// scale_inv [tile_scale_count(rows, cols)] = 1 / s. cols a multiple of 16.
 void quantize_tiles_1x128(float* out, float* scale_inv, const float* in, int64_t rows, int64_t cols, Fp8Dtype dtype,
                           int margin);
 
 // out [rows, cols] = fp8(in * s) with s the scale of each 128x128 block of in;
-// scale_inv [block_scale_count(rows, cols)] = 1 / s. rows and cols multiples of 128.
+// scale_inv [block_scale_count(rows, cols)] = 1 / s. rows and cols multiples of 16.
 void quantize_blocks_128x128(float* out, float* scale_inv, const float* in, int64_t rows, int64_t cols,
                              Fp8Dtype dtype, int margin);
 
@@ -116,9 +130,10 @@ void transpose_block_scales(float* scale_inv_t, const float* scale_inv, int64_t 
 
 // C [M,N] = alpha * sum over K blocks kb of (A_kb . B_kb^T) * a_scale_inv(., kb) * b_scale_inv(., kb)
 // (+ C when accumulate), A [M,K] and B [N,K] holding FP8 values (as FP32), each with its scale
-// layout (1x128 tiles or 128x128 blocks; K a multiple of 128). The order is fixed: each block's
-// products summed as cpu::gemm_nt sums a K of 128, that sum times A's scale then B's, added to
-// an FP32 accumulator in block order, then alpha and C.
+// layout (1x128 tiles or 128x128 blocks; K a multiple of 16, its last block partial when not of
+// 128). The order is fixed: each block's products summed as cpu::gemm_nt sums a K of 128 (or the
+// last block's width), that sum times A's scale then B's, added to an FP32 accumulator in block
+// order, then alpha and C.
 void gemm_block_scaled(float* C, const float* A, const float* a_scale_inv, BlockScaling a_scaling, const float* B,
                        const float* b_scale_inv, BlockScaling b_scaling, int M, int N, int K, float alpha,
                        bool accumulate);

@@ -14,16 +14,16 @@
 
 namespace fp8lm::cuda {
 
-// An activation or gradient operand from in [M,N] (N a multiple of 128, M a multiple of 4):
+// An activation or gradient operand from in [M,N] (N a multiple of 16; ragged last tiles):
 //   out       [M,N] = fp8(in * s), s per 1x128 tile along N;  scale_inv   [tile_scale_count(M, N)]
-//   out_t     [N,M] = fp8(in^T * s'), s' per 1x128 tile along M (M a multiple of 128);
+//   out_t     [N,M] = fp8(in^T * s'), s' per 1x128 tile along M (M a multiple of 16);
 //                     scale_inv_t [tile_scale_count(N, M)]   (nullable, both or neither)
 void quantize_tiles_1x128(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t,
                           const __nv_bfloat16* in, int M, int N, Fp8Dtype dtype, int margin, cudaStream_t stream);
 void quantize_tiles_1x128(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t, const float* in, int M,
                           int N, Fp8Dtype dtype, int margin, cudaStream_t stream);
 
-// A weight operand from in [M,N] (both multiples of 128):
+// A weight operand from in [M,N] (both multiples of 16; ragged last blocks):
 //   out [M,N] = fp8(in * s), s per 128x128 block;  scale_inv [block_scale_count(M, N)]
 //   out_t [N,M] = out^T;  scale_inv_t [block_scale_count(N, M)] the blocks transposed (nullable, both or neither)
 void quantize_blocks_128x128(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t,

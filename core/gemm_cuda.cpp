@@ -121,7 +121,8 @@ void check_block_scaling(const GemmEngine::Key& key) {
   if (key.fast_accum)
     refuse("fast accumulation is not supported with block scaling", "set GemmDesc::fast_accum = false");
   if (!key.has_a_scale || !key.has_b_scale) refuse("block scaling needs both scale arrays", "");
-  if (key.K % 128 != 0) refuse("K must be a multiple of 128 (whole 1x128 tiles)", "pad the model dimensions to 128");
+  if (key.K % 16 != 0) refuse("K must be a multiple of 16 (a ragged last 128-wide block is fine)",
+                              "pad the model dimensions to 16");
   if (key.M % 8 != 0 || key.N % 8 != 0) refuse("M and N must be multiples of 8 under block scaling", "");
 }
 

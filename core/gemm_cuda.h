@@ -25,7 +25,8 @@
 // (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F), a_scale_inv / b_scale_inv point at the
 // operand's scale array in core/block_scaling.h's layout (16-byte aligned). cuBLASLt 13 on
 // Hopper takes 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128, with FP8 operands, fast
-// accumulation off, K a multiple of 128 (fp8lm's rule: whole tiles) and M, N multiples of 8;
+// accumulation off, K a multiple of 16 (the last 128-wide block may be partial) and M, N
+// multiples of 8;
 // anything else (2D x 2D, a block mode beside a per-tensor one, fast accumulation) is a
 // RuntimeError naming the combination, never a fallback.
 //

@@ -187,9 +187,9 @@ std::string blockwise_shape_problem(const GptConfig& config, int micro_batch_siz
                               std::to_string(seq_length) + ")",
                           int64_t(micro_batch_size) * seq_length});
   for (const auto& [what, value] : dimensions)
-    if (value % kScaleBlock != 0)
-      return "--fp8-recipe blockwise quantizes FP8 GEMM operands in 1x128 tiles and 128x128 blocks, so every GEMM "
-             "dimension must be a multiple of 128: " +
+    if (value % kBlockAlignment != 0)
+      return "--fp8-recipe blockwise needs every FP8 GEMM dimension to be a multiple of 16 (cuBLASLt's FP8 "
+             "alignment; a ragged last 1x128 tile or 128x128 block is fine): " +
              what + " is " + std::to_string(value);
   return "";
 }
@@ -351,8 +351,8 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   }
   if (const std::string problem = blockwise_shape_problem(config, micro_batch_size, seq_length, precision, tp_->size());
       !problem.empty())
-    throw InputError(problem, "use a config whose widths are multiples of 128 (e.g. configs/tiny-128.json), or "
-                              "--fp8-recipe tensorwise");
+    throw InputError(problem, "use model widths and a token count (micro-batch x sequence) that are multiples of "
+                              "16, or --fp8-recipe tensorwise");
   FP8LM_INPUT_CHECK(precision.fp8.recipe != ScalingRecipe::blockwise || precision.gemm != GemmPrecision::fp8 ||
                         !is_inference(),
                     "--fp8-recipe blockwise is for training and evaluation: decoding multiplies one row per "

@@ -120,8 +120,9 @@ struct GptPrecision {
   }
 };
 
-// --fp8-recipe blockwise tiles every FP8 GEMM operand in 128s (core/block_scaling.h): "" when
-// this model's FP8 GEMMs fit, else the first dimension that does not, in one line. The
+// --fp8-recipe blockwise: every FP8 GEMM dimension a multiple of 16 (core/block_scaling.h; the
+// 1x128 tiles and 128x128 blocks may be ragged): "" when this model's FP8 GEMMs fit, else the
+// first dimension that does not, in one line. The
 // dimensions: n_embd, n_inner, the micro-batch's tokens (micro_batch_size x seq_length: the
 // wgrad GEMMs' K) and, with --fp8-lm-head, the padded vocabulary, each this tensor-parallel
 // rank's part.

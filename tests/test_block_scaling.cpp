@@ -156,17 +156,44 @@ TEST_CASE("128x128 blocks: one scale per block, the transposed operand's scales 
   CHECK(scale_inv_t[2] == kUnwritten);  // W^T [384, 256]: 2 blocks per row, padded to 4
 }
 
-TEST_CASE("ragged shapes are refused: whole 1x128 tiles and 128x128 blocks only", "[block-scaling]") {
-  std::vector<float> in(200 * 256, 1.0f), out(in.size()), scales(1024);
+TEST_CASE("ragged edges: a partial last tile or block is scaled from the values it holds; 16 is the unit",
+          "[block-scaling]") {
+  // X [2, 208]: tile 1 of each row is 80 wide. W [144, 208]: blocks of 128x128, 128x80, 16x128, 16x80.
+  CHECK(scale_tiles(208) == 2);
+  CHECK(scale_tile_width(1, 208) == 80);
+  CHECK(tile_scale_count(2, 208) == 2 * 4);
+  CHECK(block_scale_count(144, 208) == 2 * 4);
+  CHECK(block_scale_index(1, 1, 208) == 1 * 4 + 1);
+  std::vector<float> x(2 * 208, 0.25f);
+  x[1 * 208 + 150] = 3.0f;  // row 1's partial tile: amax 3 -> scale 128
+  std::vector<float> qx(x.size()), sx(size_t(tile_scale_count(2, 208)), kUnwritten);
+  cpu::quantize_tiles_1x128(qx.data(), sx.data(), x.data(), 2, 208, Fp8Dtype::e4m3, 0);
+  CHECK(sx[tile_scale_index(0, 1, 2)] == 1.0f / 1024.0f);  // 0.25: 1792 -> 1024
+  CHECK(sx[tile_scale_index(1, 1, 2)] == 1.0f / 128.0f);
+  CHECK(qx[1 * 208 + 150] == 384.0f);
+  std::vector<float> w(144 * 208, 0.5f), qw(w.size()), sw(size_t(block_scale_count(144, 208)), kUnwritten);
+  w[140 * 208 + 200] = -7.0f;  // block (1, 1), 16 x 80: amax 7 -> scale 64
+  cpu::quantize_blocks_128x128(qw.data(), sw.data(), w.data(), 144, 208, Fp8Dtype::e4m3, 0);
+  CHECK(sw[block_scale_index(0, 0, 208)] == 1.0f / 512.0f);  // 0.5: 896 -> 512
+  CHECK(sw[block_scale_index(1, 1, 208)] == 1.0f / 64.0f);
+  CHECK(sw[block_scale_index(1, 0, 208)] == 1.0f / 512.0f);
+  CHECK(sw[2] == kUnwritten);  // row block 0's padding
+  std::vector<float> sw_t(size_t(block_scale_count(208, 144)), kUnwritten);
+  cpu::transpose_block_scales(sw_t.data(), sw.data(), 144, 208);
+  CHECK(sw_t[block_scale_index(1, 1, 144)] == 1.0f / 64.0f);
+  CHECK(sw_t[block_scale_index(1, 0, 144)] == sw[block_scale_index(0, 1, 208)]);
+  // Not a multiple of 16: refused (cuBLASLt's FP8 alignment).
+  std::vector<float> out(200 * 256), scales(1024);
+  const std::vector<float> in(200 * 256, 1.0f);
   CHECK_THROWS_WITH(cpu::quantize_tiles_1x128(out.data(), scales.data(), in.data(), 256, 200, Fp8Dtype::e4m3, 0),
-                    Catch::Matchers::ContainsSubstring("not a multiple of 128"));
+                    Catch::Matchers::ContainsSubstring("columns are not a multiple of 16"));
   CHECK_THROWS_WITH(cpu::quantize_blocks_128x128(out.data(), scales.data(), in.data(), 200, 256, Fp8Dtype::e4m3, 0),
-                    Catch::Matchers::ContainsSubstring("rows are not a multiple of 128"));
-  // Any row count is fine for tiles (the layout pads to 4).
+                    Catch::Matchers::ContainsSubstring("rows are not a multiple of 16"));
+  // Any row count for tiles (the layout pads it to 4); a transposed copy is a tiling of [cols, rows].
   CHECK_NOTHROW(cpu::quantize_tiles_1x128(out.data(), scales.data(), in.data(), 5, 256, Fp8Dtype::e4m3, 0));
   CHECK(block_scaling_shape_problem(BlockScaling::tiles_1x128, 7, 384, "x").empty());
   CHECK(block_scaling_shape_problem(BlockScaling::blocks_128x128, 7, 384, "w") == "w [7, 384]: its rows are not a "
-                                                                                   "multiple of 128");
+                                                                                   "multiple of 16");
 }
 
 namespace {
@@ -203,7 +230,8 @@ TEST_CASE("block-scaled GEMM: within FP32 summation error of a float64 reference
   // significant bits per value. With 1x128-tiled A that holds whatever the row's magnitude
   // (rows here span 2^-12 to 2^12); a 128x128 block shares one scale among 128 rows, so there
   // the rows keep one magnitude (24 binades in one block would flush the small rows to zero).
-  const int M = 128, N = 256, K = 384;
+  // K = 336: two whole 128-wide blocks and one of 80; N = 272: a ragged row of weight blocks.
+  const int M = 128, N = 272, K = 336;
   const std::vector<float> a_plain = random_values(size_t(M) * K, 11);
   const std::vector<float> b_in = random_values(size_t(N) * K, 12, 0.05f);
   std::vector<float> a_rows = a_plain;
@@ -267,5 +295,5 @@ TEST_CASE("block-scaled GEMM refuses what cuBLASLt on Hopper refuses", "[block-s
                     Catch::Matchers::ContainsSubstring("both operands"));
   CHECK_THROWS_WITH(cpu::gemm_block_scaled(c.data(), a.data(), s.data(), BlockScaling::tiles_1x128, a.data(), s.data(),
                                            BlockScaling::tiles_1x128, 256, 256, 200, 1.0f, false),
-                    Catch::Matchers::ContainsSubstring("not a multiple of 128"));
+                    Catch::Matchers::ContainsSubstring("not a multiple of 16"));
 }

@@ -142,6 +142,10 @@ TEST_CASE("GPU 1x128 block cast: codes and tile scales bit-identical to the CPU,
     check_tile_cast<float>(256, 384, dtype, true, 0);
     check_tile_cast<__nv_bfloat16>(44, 256, dtype, false, 0);  // rows a multiple of 4, not of 8 or 128
     check_tile_cast<__nv_bfloat16>(1024, 768, dtype, true, 2);
+    // Ragged: the last tile of a row 80 wide, of a column 64 (and a 16-column slab).
+    check_tile_cast<__nv_bfloat16>(320, 336, dtype, true, 0);
+    check_tile_cast<float>(48, 208, dtype, true, 0);
+    check_tile_cast<__nv_bfloat16>(2048, 1600, dtype, true, 0);  // gpt2-1558m's n_embd
   }
 }
 
@@ -151,6 +155,10 @@ TEST_CASE("GPU 128x128 block cast: codes, W^T and block scales bit-identical to 
     check_block_cast<float>(256, 384, dtype, true);
     check_block_cast<__nv_bfloat16>(384, 256, dtype, true);
     check_block_cast<float>(768, 3072, dtype, false);
+    // Ragged blocks: 80 and 16 rows, 80 columns; gpt2-1558m's c_attn weight [4800, 1600].
+    check_block_cast<float>(208, 336, dtype, true);
+    check_block_cast<__nv_bfloat16>(144, 208, dtype, true);
+    check_block_cast<float>(4800, 1600, dtype, true);
   }
 }
 
@@ -224,6 +232,16 @@ const BlockGemmCase kBlockGemmCases[] = {
      Fp8Dtype::e5m2, Fp8Dtype::e4m3, GemmType::fp32, false, CMode::accumulate, kFp32OutBound},
     {"wgrad gpt2-124m c_fc", 3072, 768, 2048, BlockScaling::tiles_1x128, BlockScaling::tiles_1x128, Fp8Dtype::e5m2,
      Fp8Dtype::e4m3, GemmType::fp32, false, CMode::accumulate, kFp32OutBound},
+    // Ragged: gpt2-1558m's n_embd 1600 = 12.5 x 128 and c_attn's 4800 = 37.5 x 128, as K and
+    // as N: the last K block is 64 wide, the last row of weight blocks 64 high.
+    {"forward ragged (gpt2-1558m c_attn)", 256, 4800, 1600, BlockScaling::tiles_1x128, BlockScaling::blocks_128x128,
+     Fp8Dtype::e4m3, Fp8Dtype::e4m3, GemmType::bf16, true, CMode::none, kBf16OutBound},
+    {"dgrad ragged (gpt2-1558m c_attn)", 256, 1600, 4800, BlockScaling::tiles_1x128, BlockScaling::blocks_128x128,
+     Fp8Dtype::e5m2, Fp8Dtype::e4m3, GemmType::bf16, false, CMode::none, kBf16OutBound},
+    {"wgrad ragged (gpt2-1558m c_attn)", 4800, 1600, 256, BlockScaling::tiles_1x128, BlockScaling::tiles_1x128,
+     Fp8Dtype::e5m2, Fp8Dtype::e4m3, GemmType::fp32, false, CMode::accumulate, kFp32OutBound},
+    {"small ragged, residual", 320, 336, 208, BlockScaling::tiles_1x128, BlockScaling::blocks_128x128,
+     Fp8Dtype::e4m3, Fp8Dtype::e4m3, GemmType::bf16, true, CMode::residual, kBf16OutBound},
     // 128x128 x 1x128 (the mirrored pairing cuBLASLt also takes)
     {"128x128 x 1x128 -> fp32", 256, 384, 256, BlockScaling::blocks_128x128, BlockScaling::tiles_1x128,
      Fp8Dtype::e4m3, Fp8Dtype::e4m3, GemmType::fp32, false, CMode::none, kFp32OutBound},
@@ -359,8 +377,8 @@ TEST_CASE("cuBLASLt block scaling: unsupported combinations are errors naming th
                     ContainsSubstring("fast accumulation"));
   CHECK_THROWS_WITH(attempt(GemmScaling::tiles_1x128, GemmScaling::tensor, false, K, scales.data()),
                     ContainsSubstring("block-scaled partner"));
-  CHECK_THROWS_WITH(attempt(GemmScaling::tiles_1x128, GemmScaling::blocks_128x128, false, 192, scales.data()),
-                    ContainsSubstring("multiple of 128"));
+  CHECK_THROWS_WITH(attempt(GemmScaling::tiles_1x128, GemmScaling::blocks_128x128, false, 200, scales.data()),
+                    ContainsSubstring("multiple of 16"));
   CHECK_THROWS_WITH(attempt(GemmScaling::tiles_1x128, GemmScaling::blocks_128x128, false, K, scales.data() + 1),
                     ContainsSubstring("16-byte aligned"));
   // And the supported pairing runs (zeros in, zeros out).

@@ -59,7 +59,7 @@ testing::CommandResult run(const std::string& args) {
 
 }  // namespace
 
-TEST_CASE("--fp8-recipe blockwise parses, and start-up refuses what it cannot serve, in one line",
+TEST_CASE("the blockwise recipe: the flag parses, and start-up refuses what it cannot serve, in one line",
           "[blockwise][cli]") {
   CHECK(parse({"--mock-data", "--fp8-hybrid", "--fp8-recipe", "blockwise"}).fp8.recipe == ScalingRecipe::blockwise);
   CHECK(to_string(ScalingRecipe::blockwise) == "blockwise");
@@ -71,14 +71,18 @@ TEST_CASE("--fp8-recipe blockwise parses, and start-up refuses what it cannot se
     args.insert(args.end(), extra.begin(), extra.end());
     return input_error(args);
   };
-  // Shapes: whole 1x128 tiles and 128x128 blocks in every FP8 GEMM.
-  CHECK_THAT(with({"--config", testing::source_path("configs/tiny.json")}),
-             ContainsSubstring("every GEMM dimension must be a multiple of 128: n_embd is 64"));
-  CHECK_THAT(with({"--micro-batch-size", "1"}),
-             ContainsSubstring("--micro-batch-size x --seq-length (1 x 64) is 64"));
-  CHECK_THAT(with({"--ffn-hidden-size", "448"}), ContainsSubstring("n_inner (MLP width) is 448"));
-  // ... unless the block runs in BF16, and the BF16 LM head is no FP8 GEMM.
-  CHECK(with({"--ffn-hidden-size", "448", "--bf16-blocks", "0,1"}).find("n_inner") == std::string::npos);
+  // Shapes: every FP8 GEMM dimension a multiple of 16; ragged tiles and blocks are fine (tiny.json's
+  // 64-wide model has one partial tile per row).
+  CHECK(with({"--config", testing::source_path("configs/tiny.json")}) == "(accepted)");
+  // (A config already keeps n_embd and n_inner multiples of 16; a tensor-parallel rank's part
+  // of them need not be: tests/test_parallel_runs.cpp.) The micro-batch's token count is the
+  // wgrad GEMMs' K:
+  CHECK_THAT(with({"--micro-batch-size", "1", "--seq-length", "40"}),
+             ContainsSubstring("every FP8 GEMM dimension to be a multiple of 16 (cuBLASLt's FP8 alignment; a ragged "
+                               "last 1x128 tile or 128x128 block is fine): --micro-batch-size x --seq-length (1 x 40) "
+                               "is 40"));
+  // ... unless no GEMM runs in FP8: the blocks in BF16, and the LM head BF16 by default.
+  CHECK(with({"--micro-batch-size", "1", "--seq-length", "40", "--bf16-blocks", "0,1"}) == "(accepted)");
   // Options that move or count one scale per tensor.
   CHECK_THAT(with({"--fp8-stats-interval", "5"}), ContainsSubstring("--fp8-stats-interval is not supported with "
                                                                      "--fp8-recipe blockwise"));
@@ -109,12 +113,16 @@ TEST_CASE("blockwise: the startup table names the recipe; fp8lm sample refuses i
             .exit_code == 0);
 }
 
-TEST_CASE("blockwise gradients stay near FP32's on the tiny model", "[blockwise][training][cpu]") {
-  // One micro-batch of 2 x 64 tokens through tiny-128 (n_embd 128, n_inner 512), from the same
-  // weights: FP32 GEMMs against block-scaled FP8 (hybrid: E4M3 forward, E5M2 gradients; and
-  // E4M3 everywhere). Stated bounds: the loss within 1%, the whole gradient within 15%
-  // relative (L2), every Linear weight's within 25% (measured on the dev machine: see the INFO).
-  GptConfig config = load_gpt_config(kTiny128);
+TEST_CASE("blockwise gradients stay near FP32's on the tiny models", "[blockwise][training][cpu]") {
+  // One micro-batch of 2 x 64 tokens, from the same weights: FP32 GEMMs against block-scaled
+  // FP8 (hybrid: E4M3 forward, E5M2 gradients; and E4M3 everywhere), on tiny-128 (n_embd 128,
+  // n_inner 512: whole tiles and blocks) and tiny (n_embd 64, n_inner 256: every tile and
+  // block of the 64-wide dimension ragged). Stated bounds: the loss within 1%, the whole
+  // gradient within 15% relative (L2), every Linear weight's within 25% (measured on the dev
+  // machine, tiny-128: 8.9% and at most 12.8% hybrid, 6.9% and 10.5% e4m3).
+  for (const std::string& config_file : {kTiny128, testing::source_path("configs/tiny.json")}) {
+  INFO(config_file);
+  GptConfig config = load_gpt_config(config_file);
   const int B = 2, T = 64;
   const auto inputs = random_tokens(B * T, config.vocab_size, 1), targets = random_tokens(B * T, config.vocab_size, 2);
   auto run_model = [&](const GptPrecision& precision, std::vector<float>& grads) {
@@ -157,6 +165,7 @@ TEST_CASE("blockwise gradients stay near FP32's on the tiny model", "[blockwise]
       INFO(t.name << " relative error " << relative(t.offset, t.offset + t.numel));
       CHECK(relative(t.offset, t.offset + t.numel) < 0.25);
     }
+  }
   }
 }
 

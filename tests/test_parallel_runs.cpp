@@ -89,7 +89,7 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
   }
 }
 
-TEST_CASE("--fp8-recipe blockwise under mpirun: tensor and data parallel runs match the one-process run",
+TEST_CASE("blockwise under mpirun: tensor and data parallel runs match the one-process run",
           "[parallel][cpu][blockwise]") {
   // tiny-128 widened to n_embd 256 so that each tensor-parallel rank's widths stay multiples of
   // 128 (a rank's 128x128 weight blocks are then blocks of the whole weight, and its 1x128
@@ -117,12 +117,13 @@ TEST_CASE("--fp8-recipe blockwise under mpirun: tensor and data parallel runs ma
     // on the dev machine), so its bound is 2e-2; the other layouts only reorder sums.
     CHECK(largest_relative_gap(parallel, reference) < (std::string(flags) == "--fp8-grad-comm" ? 2e-2 : 2e-3));
   }
-  // At tensor-parallel size 2 tiny-128's own n_embd would leave 64 columns per rank: refused.
+  // n_embd 144 at tensor-parallel size 2 leaves 72 columns per rank, not a multiple of 16: refused.
   const auto refused = run_ranks(2, "--config " + testing::source_path("configs/tiny-128.json") +
-                                        " --mock-data --device cpu --seq-length 64 --micro-batch-size 2 "
-                                        "--fp8-hybrid --fp8-recipe blockwise --tensor-model-parallel-size 2");
+                                        " --hidden-size 144 --mock-data --device cpu --seq-length 64 "
+                                        "--micro-batch-size 2 --fp8-hybrid --fp8-recipe blockwise "
+                                        "--tensor-model-parallel-size 2");
   CHECK(refused.exit_code == 2);
-  CHECK_THAT(refused.output, ContainsSubstring("n_embd / tensor-parallel size 2 is 64"));
+  CHECK_THAT(refused.output, ContainsSubstring("n_embd / tensor-parallel size 2 is 72"));
 }
 
 TEST_CASE("BF16 first and last layers under mpirun with --fp8-param-gather: their weights travel in the working dtype",
