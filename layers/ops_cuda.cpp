@@ -7,7 +7,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "core/block_scaling.h"
 #include "core/block_scaling_cuda.h"
 #include "core/cast_cuda.h"
 #include "core/check_cuda.h"
@@ -375,7 +374,7 @@ class CudaOps final : public Ops {
     const bool fused_add = static_cast<bool>(call.branch);
     const bf16* branch_bias = call.branch_bias ? cbf(call.branch_bias) : nullptr;
     // Delayed FP8 (or BF16 output): one kernel. Current scaling: BF16 first, then the cast
-    // with the scale of the result's own amax.
+    // with the scale of the result's own amax. Block scaling: BF16 first, then the block cast.
     if (is_fp8(call.out.dtype) && !block_scaled(call.out) && !table_->uses_current_scaling()) {
       const int s = call.out.scaling_state;
       const Fp8Dtype dtype = fp8_dtype_of(call.out.dtype);
