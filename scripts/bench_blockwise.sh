@@ -2,10 +2,11 @@
 # --fp8-recipe blockwise against tensorwise (and delayed, the default) on one GPU, in one call
 # so the step times are comparable: gpt2-124m at micro-batch 16 and gpt2-1558m at micro-batch 8,
 # T = 1024, mock data, the median step after 5 warm-up steps (fp8lm --benchmark). The recipes
-# run interleaved, twice, and the table keeps each one's faster median: a second pass evens out
-# clock and thermal drift between runs.
+# run interleaved, twice (PASSES), and the table keeps each one's faster median: a second pass
+# evens out clock and thermal drift between runs.
 #   scripts/bench_blockwise.sh              # expects build-gpu/fp8lm (scripts/gpu_test.sh builds it)
 #   FP8LM=build/fp8lm scripts/bench_blockwise.sh
+#   PASSES=1 scripts/bench_blockwise.sh     # one pass (half the device time)
 # Writes one JSON line per run to $OUT/blockwise.jsonl when OUT is set (device runs), else
 # build-gpu/logs/blockwise.jsonl, then a table: step ms per recipe and blockwise / tensorwise.
 set -euo pipefail
@@ -18,7 +19,7 @@ out=$logs/blockwise.jsonl
 : > "$out"
 [ -x "$binary" ] || { echo "bench_blockwise: $binary not built. HINT: scripts/gpu_test.sh --bench-only builds build-gpu/" >&2; exit 1; }
 
-for pass in 1 2; do
+for pass in $(seq 1 "${PASSES:-2}"); do
   for model in "gpt2-124m 16" "gpt2-1558m 8"; do
     read -r config batch <<< "$model"
     for recipe in delayed tensorwise blockwise; do
