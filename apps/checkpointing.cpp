@@ -479,6 +479,14 @@ std::optional<CheckpointManifest::Fp8Settings> saved_fp8_settings(const nlohmann
                       blocks.dump());
     for (const nlohmann::json& block : blocks) fp8.bf16_blocks.insert(block.get<int>());
   }
+  if (state.contains(nlohmann::json::json_pointer("/args/fp8_recipe"))) {
+    const std::string recipe = manifest_string(state, state_path, "/args/fp8_recipe");
+    for (ScalingRecipe known : {ScalingRecipe::delayed, ScalingRecipe::tensorwise, ScalingRecipe::blockwise})
+      if (recipe == to_string(known)) fp8.recipe = known;
+    FP8LM_INPUT_CHECK(fp8.recipe.has_value(), state_path,
+                      ": key \"args/fp8_recipe\" must be \"delayed\", \"tensorwise\" or \"blockwise\", not \"",
+                      recipe, "\"");
+  }
   return fp8;
 }
 
@@ -807,6 +815,8 @@ void adopt_resume_checkpoint(TrainOptions& options) {
   };
   auto number = [](int value) { return std::to_string(value); };
   auto algo_name = [](AmaxComputeAlgo algo) { return std::string(to_string(algo)); };
+  auto recipe_name = [](ScalingRecipe recipe) { return std::string(to_string(recipe)); };
+  if (saved.recipe) adopt("--fp8-recipe", options.fp8.recipe, *saved.recipe, recipe_name);
   adopt("--fp8-amax-history-len", options.fp8.amax_history_len, saved.amax_history_len, number);
   adopt("--fp8-amax-compute-algo", options.fp8.amax_compute_algo, saved.amax_compute_algo, algo_name);
   // The three BF16-layer flags go together: they decide which blocks have FP8 scaling states.

@@ -82,6 +82,7 @@ struct CheckpointManifest {
     int num_layers_at_start_in_bf16 = 1;
     int num_layers_at_end_in_bf16 = 1;
     std::set<int> bf16_blocks;  // --bf16-blocks with what --fp8-auto-precision switched; absent before: none
+    std::optional<ScalingRecipe> recipe;  // --fp8-recipe; absent in hand-made manifests
   };
   std::optional<Fp8Settings> fp8;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)

@@ -170,6 +170,17 @@ void validate_options(const TrainOptions& o) {
   require(!o.fp8_param_gather || o.fp8.recipe == ScalingRecipe::delayed,
           "--fp8-param-gather needs --fp8-recipe delayed: the owning rank casts each weight with the scale every "
           "rank agreed on the step before");
+  // What --fp8-recipe blockwise does not serve: its operands carry per-tile scales that these
+  // paths (written for one scale per tensor) do not move or count. Refused, never downgraded.
+  if (o.fp8_enabled() && o.fp8.recipe == ScalingRecipe::blockwise) {
+    const std::string blockwise = "--fp8-recipe blockwise";
+    require(!o.sequence_parallel, "--sequence-parallel is not supported with " + blockwise +
+                                      ": its FP8 all-gather moves one scale per tensor, not per-tile scales");
+    require(o.fp8_stats_interval == 0, "--fp8-stats-interval is not supported with " + blockwise +
+                                           ": the statistics describe one scale per tensor");
+    require(!o.fp8_auto_precision, "--fp8-auto-precision is not supported with " + blockwise +
+                                       ": it decides from the per-tensor FP8 statistics");
+  }
   // Delayed scaling reacts to the window's maximum: a window of more than 65,536 steps is
   // longer than most runs, and the histories (states x length floats, host and GPU) grow with it.
   require(o.fp8.amax_history_len >= 1 && o.fp8.amax_history_len <= kMaxAmaxHistoryLen,
@@ -264,8 +275,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(precision);
   app.add_flag("--fp8-hybrid", fp8_hybrid, "Old spelling of --fp8-format hybrid")->group(precision);
   app.add_flag("--fp8-e4m3", fp8_e4m3, "Old spelling of --fp8-format e4m3")->group(precision);
-  app.add_option("--fp8-recipe", fp8_recipe, "FP8 scaling: delayed (amax history) or tensorwise (current)")
-      ->check(CLI::IsMember({"delayed", "tensorwise"}))
+  app.add_option("--fp8-recipe", fp8_recipe,
+                 "FP8 scaling: delayed (amax history), tensorwise (current, per tensor) or blockwise (current, per "
+                 "1x128 tile of activations and gradients and 128x128 block of weights)")
+      ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise"}))
       ->group(precision);
   app.add_option("--fp8-margin", o.fp8.margin, "Scale = fp8_max / amax / 2^margin")->group(precision);
   app.add_option("--fp8-interval", o.fp8.interval, "Update delayed scales every N steps")->group(precision);
@@ -470,7 +483,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     o.precision = fp32 ? GemmPrecision::fp32 : GemmPrecision::bf16;
   }
   if (o.fp8_lm_head && !o.fp8_enabled()) bad_flag("--fp8-lm-head needs --fp8-format");
-  o.fp8.recipe = fp8_recipe == "delayed" ? ScalingRecipe::delayed : ScalingRecipe::tensorwise;
+  o.fp8.recipe = lookup<ScalingRecipe>({{"delayed", ScalingRecipe::delayed},
+                                        {"tensorwise", ScalingRecipe::tensorwise},
+                                        {"blockwise", ScalingRecipe::blockwise}},
+                                       fp8_recipe);
   o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
   o.optimizer_state =
       state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;

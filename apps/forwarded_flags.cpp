@@ -45,7 +45,9 @@ const std::vector<ForwardedFlag> kPrecisionFlags = {
     {"--fp8-format", true, "FP8 GEMMs: e4m3 or hybrid"},
     {"--fp8-hybrid", false, "Old spelling of --fp8-format hybrid"},
     {"--fp8-e4m3", false, "Old spelling of --fp8-format e4m3"},
-    {"--fp8-recipe", true, "delayed (the checkpoint's amax history) or tensorwise (current scaling)"},
+    {"--fp8-recipe", true,
+     "delayed (the checkpoint's amax history), tensorwise (current scaling) or blockwise (per-tile current "
+     "scaling; not for sample)"},
     {"--fp8-margin", true, "Scale = fp8_max / amax / 2^margin"},
     {"--fp8-interval", true, "Delayed scaling's update interval"},
     {"--fp8-amax-history-len", true, "Amax history window (delayed scaling)"},

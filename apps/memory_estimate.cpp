@@ -9,6 +9,7 @@
 
 #include "apps/generator.h"
 #include "apps/run_setup.h"
+#include "core/block_scaling.h"
 #include "core/cast_cuda.h"
 #include "core/device.h"
 #include "core/gemm_cuda.h"
@@ -137,6 +138,18 @@ uint64_t tensor_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DTyp
   return with_transpose ? mul(one, 2) : one;
 }
 
+// An FP8 GEMM operand as the carver takes it: its data, the transposed copy when it keeps one,
+// and under --fp8-recipe blockwise its scale arrays (FP32, for the data and the copy).
+uint64_t operand_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DType dtype, bool with_transpose,
+                       BlockScaling block) {
+  uint64_t bytes = tensor_bytes(eb, rows, cols, dtype, with_transpose);
+  if (block == BlockScaling::none || !is_fp8(dtype) || rows > uint64_t(INT64_MAX) || cols > uint64_t(INT64_MAX))
+    return bytes;
+  bytes = add(bytes, round_up(mul(uint64_t(scale_count(block, int64_t(rows), int64_t(cols))), 4), 256));
+  if (with_transpose) bytes = add(bytes, round_up(mul(uint64_t(scale_count(block, int64_t(cols), int64_t(rows))), 4), 256));
+  return bytes;
+}
+
 // The blocks' GEMM precisions with how many blocks take each: one entry, or two when some
 // blocks run BF16 under fp8 (counted, not looped: the estimate also sizes absurd layer counts).
 std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x, const GptPrecision& precision) {
@@ -150,6 +163,12 @@ std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x,
 uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
   const DType head_input = forward_operand_dtype(precision.lm_head());
   const DType head_grad = gradient_operand_dtype(precision.lm_head(), precision.fp8.format);
+  // Under --fp8-recipe blockwise an FP8 input operand keeps its own transposed copy and tile scales.
+  const bool blockwise = precision.fp8.recipe == ScalingRecipe::blockwise;
+  const BlockScaling tiles = blockwise ? BlockScaling::tiles_1x128 : BlockScaling::none;
+  auto input_operand = [&](uint64_t rows, uint64_t cols, DType dtype) {
+    return operand_bytes(eb, rows, cols, dtype, blockwise && is_fp8(dtype), tiles);
+  };
   // Each block's saved activations, with its own GEMM operand dtype (BF16 blocks under
   // --first-last-layers-bf16), and one gradient operand buffer per dtype the blocks use.
   uint64_t layers = 0;
@@ -161,24 +180,24 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       grad_dtypes.push_back(block_grad);
     const uint64_t per_layer = sum({
         tensor_bytes(eb, x.N, x.C, act),               // residual (the first layer's is the encoder output)
-        tensor_bytes(eb, x.BT, x.C, block_input),      // ln1
+        input_operand(x.BT, x.C, block_input),         // ln1
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
         tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
         tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
-        block_input == act ? 0 : tensor_bytes(eb, x.BT, x.Cl, block_input),
+        block_input == act ? 0 : input_operand(x.BT, x.Cl, block_input),
         tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
         tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
-        tensor_bytes(eb, x.BT, x.C, block_input),             // ln2
+        input_operand(x.BT, x.C, block_input),                // ln2
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
         tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
-        tensor_bytes(eb, x.BT, x.Fl, block_input),  // gelu
+        input_operand(x.BT, x.Fl, block_input),     // gelu
     });
     layers = add(layers, mul(count, per_layer));
   }
   uint64_t grad_operands = 0;
   for (DType grad_dtype : grad_dtypes)
-    grad_operands = add(grad_operands, tensor_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
-                                                    is_fp8(grad_dtype)));
+    grad_operands = add(grad_operands, operand_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
+                                                     is_fp8(grad_dtype), tiles));
   const bool sp = x.sequence_parallel;
   const uint64_t once = sum({
       tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
@@ -186,10 +205,10 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       tensor_bytes(eb, x.BT, x.C, act),  // branch
       sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
       tensor_bytes(eb, x.N, x.C, act),  // residual_final
-      tensor_bytes(eb, x.BT, x.C, head_input),
+      input_operand(x.BT, x.C, head_input),
       mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
       tensor_bytes(eb, x.BT, x.Vs, act),  // logits
-      head_grad == act ? 0 : tensor_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad)),
+      head_grad == act ? 0 : operand_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad), tiles),
       tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
       tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
       x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
@@ -208,15 +227,17 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
 // Weight operands that are not views of the working copy (FP8 codes and their transposes;
 // BF16 copies on the CPU, whose working copy is FP32).
 uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+  const BlockScaling blocks =
+      precision.fp8.recipe == ScalingRecipe::blockwise ? BlockScaling::blocks_128x128 : BlockScaling::none;
   uint64_t bytes = 0;
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
     const DType block = forward_operand_dtype(gemm);
     if (block == act) continue;
     for (const auto& [rows, cols] : {std::pair{3 * x.C / x.tp, x.C}, {x.C, x.Cl}, {x.Fl, x.C}, {x.C, x.Fl}})
-      bytes = add(bytes, mul(count, tensor_bytes(eb, rows, cols, block, is_fp8(block))));
+      bytes = add(bytes, mul(count, operand_bytes(eb, rows, cols, block, is_fp8(block), blocks)));
   }
   const DType head = forward_operand_dtype(precision.lm_head());
-  if (head != act) bytes = add(bytes, tensor_bytes(eb, x.Vs, x.C, head, is_fp8(head)));
+  if (head != act) bytes = add(bytes, operand_bytes(eb, x.Vs, x.C, head, is_fp8(head), blocks));
   return bytes;
 }
 

@@ -101,6 +101,7 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   RunSetup setup;
   setup.options = options;
   adopt_resume_checkpoint(setup.options);  // --load must be a complete checkpoint; its seed wins
+  validate_options(setup.options);         // again: a recipe taken from the checkpoint has its own refusals
   setup.model = model_config_from(options);
   setup.parallel = parallel;
   const int tp = options.tensor_model_parallel_size;
@@ -135,6 +136,13 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   setup.seq_length = options.seq_length > 0 ? options.seq_length : setup.model.n_positions;
   FP8LM_INPUT_CHECK(setup.seq_length <= setup.model.n_positions, "--seq-length (", setup.seq_length,
                     ") exceeds the model's n_positions (", setup.model.n_positions, ")");
+
+  // --fp8-recipe blockwise: every FP8 GEMM dimension a multiple of 16 (ragged tiles and blocks are fine).
+  if (const std::string problem =
+          blockwise_shape_problem(setup.model, options.micro_batch_size, setup.seq_length, model_precision(o), tp);
+      !problem.empty())
+    throw InputError(problem, "use model widths and a --micro-batch-size x --seq-length that are multiples of 16, or "
+                              "--fp8-recipe tensorwise");
 
   // The kernels index a micro-batch's tokens (and a step's sequences) in 32 bits. fp8lm
   // sample's batch is its --batch-size sequences of prompt and new tokens: it checks them itself.
@@ -225,7 +233,11 @@ SettingsTable settings_table(const RunSetup& s) {
       {"parameters", str(m.num_parameters_unpadded())},
       {"transformer-impl", o.transformer_impl + " (fp8lm's own kernels)"},
       {"precision", precision},
-      {"fp8-recipe", fp8 ? std::string(to_string(o.fp8.recipe)) : "(fp8 off)"},
+      {"fp8-recipe", !fp8 ? std::string("(fp8 off)")
+                     : o.fp8.recipe == ScalingRecipe::blockwise
+                         ? "blockwise (1x128 tiles: activations, gradients; 128x128 blocks: weights; power-of-two "
+                           "scales)"
+                         : std::string(to_string(o.fp8.recipe))},
       {"fp8-amax-history-len", fp8 ? str(o.fp8.amax_history_len) : "(fp8 off)"},
       {"fp8-amax-compute-algo", fp8 ? std::string(to_string(o.fp8.amax_compute_algo)) : "(fp8 off)"},
       {"fp8-margin", fp8 ? str(o.fp8.margin) : "(fp8 off)"},

@@ -156,6 +156,11 @@ int run_sample_command(const std::vector<std::string>& args) {
   }
   options.command = RunCommand::sample;
   options.profile_ops = o.profile_ops;
+  // Decoding multiplies one row per sequence; cuBLASLt's block-scaled GEMMs take rows in
+  // multiples of 8, and the decoder lays out no block scales (nor an FP8 cache beside them).
+  if (options.fp8_enabled() && options.fp8.recipe == ScalingRecipe::blockwise)
+    fail("--fp8-recipe blockwise is for training and evaluation, not decoding (the checkpoint's recipe unless "
+         "given): pass --fp8-recipe tensorwise, or --bf16");
 
   MpiSession mpi;
   const ParallelLayout layout = detect_parallel_layout(1);

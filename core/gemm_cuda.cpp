@@ -38,7 +38,28 @@ std::string_view to_string(GemmType type) {
   return "?";
 }
 
+std::string_view to_string(GemmScaling scaling) {
+  switch (scaling) {
+    case GemmScaling::tensor: return "per-tensor";
+    case GemmScaling::tiles_1x128: return "1x128 tiles";
+    case GemmScaling::blocks_128x128: return "128x128 blocks";
+  }
+  return "?";
+}
+
 namespace {
+
+constexpr bool is_block(GemmScaling scaling) { return scaling != GemmScaling::tensor; }
+
+// cuBLASLt's scale mode (CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE takes an int32_t).
+int32_t scale_mode(GemmScaling scaling) {
+  switch (scaling) {
+    case GemmScaling::tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case GemmScaling::tiles_1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case GemmScaling::blocks_128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
 
 cudaDataType_t cuda_type(GemmType type) {
   switch (type) {
@@ -67,6 +88,8 @@ std::string describe(const GemmEngine::Key& key) {
   if (key.c_mode == 1) s += ", C == D";
   if (key.c_mode == 2) s += ", C != D";
   if (key.fast_accum) s += ", fast accumulation";
+  if (is_block(key.a_scaling) || is_block(key.b_scaling))
+    s += ", scales A " + std::string(to_string(key.a_scaling)) + " B " + std::string(to_string(key.b_scaling));
   s += ", pointer alignments A " + std::to_string(key.align_a) + " B " + std::to_string(key.align_b) + " C " +
        std::to_string(key.align_c) + " D " + std::to_string(key.align_d);
   if (key.has_bias) s += " bias " + std::to_string(key.align_bias);
@@ -78,6 +101,29 @@ std::string alignment_hint(const GemmEngine::Key& key) {
     return "cuBLASLt's FP8 kernels need K and N multiples of 16 and 16-byte-aligned A, B, C, D and bias pointers "
            "(pad the model dimensions, e.g. the vocabulary, to a multiple of 16)";
   return "cuBLASLt's BF16 kernels want K and N multiples of 8 and 16-byte-aligned pointers";
+}
+
+// Block scaling's combinations (gemm_cuda.h), checked before cuBLASLt sees them: the
+// heuristic's answer to an unsupported one is a bare NOT_SUPPORTED, and a silent fallback to
+// another scaling would change the numerics.
+void check_block_scaling(const GemmEngine::Key& key) {
+  auto refuse = [&](const std::string& why, const std::string& hint) {
+    throw RuntimeError(describe(key) + ": " + why, hint);
+  };
+  if (!is_block(key.a_scaling) || !is_block(key.b_scaling))
+    refuse("a block-scaled operand needs a block-scaled partner (cuBLASLt has no block x per-tensor mode)",
+           "quantize both operands with --fp8-recipe blockwise's casts");
+  if (!is_fp8(key.a_type) || !is_fp8(key.b_type)) refuse("block scaling is for FP8 operands", "");
+  if (key.a_scaling == GemmScaling::blocks_128x128 && key.b_scaling == GemmScaling::blocks_128x128)
+    refuse("128x128 blocks x 128x128 blocks is not supported on Hopper (1x128 x 1x128, 1x128 x 128x128 and "
+           "128x128 x 1x128 are)",
+           "give one operand 1x128 tiles");
+  if (key.fast_accum)
+    refuse("fast accumulation is not supported with block scaling", "set GemmDesc::fast_accum = false");
+  if (!key.has_a_scale || !key.has_b_scale) refuse("block scaling needs both scale arrays", "");
+  if (key.K % 16 != 0) refuse("K must be a multiple of 16 (a ragged last 128-wide block is fine)",
+                              "pad the model dimensions to 16");
+  if (key.M % 8 != 0 || key.N % 8 != 0) refuse("M and N must be multiples of 8 under block scaling", "");
 }
 
 template <typename T>
@@ -150,6 +196,12 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, key.b_transposed ? CUBLAS_OP_N : CUBLAS_OP_T);
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, key.a_transposed ? CUBLAS_OP_T : CUBLAS_OP_N);
   if (is_fp8(key.a_type)) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(key.fast_accum ? 1 : 0));
+  // Block scaling: the modes of the swapped operands (cuBLASLt's A is our B). Per-tensor plans
+  // leave the attribute at its default, as before block scaling existed.
+  if (is_block(key.a_scaling) || is_block(key.b_scaling)) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(key.b_scaling));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(key.a_scaling));
+  }
   // The heuristic reads these pointers' values (alignment, presence), so the plan is made
   // with the first call's pointers; later calls overwrite them (same alignment: it is in the key).
   if (key.has_a_scale) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
@@ -234,6 +286,8 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
                        "cast a transposed FP8 copy with cast_transpose_fp8 / transpose_fp8");
   key.has_a_scale = args.a_scale_inv != nullptr;
   key.has_b_scale = args.b_scale_inv != nullptr;
+  key.a_scaling = desc.a_scaling;
+  key.b_scaling = desc.b_scaling;
   key.c_mode = args.C == nullptr ? 0 : args.C == args.D ? 1 : 2;
   key.align_a = alignment_of(args.A);
   key.align_b = alignment_of(args.B);
@@ -277,6 +331,13 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
                          "align every tensor carved out of a slab to 16 bytes (or 256)");
   }
 
+  if (is_block(desc.a_scaling) || is_block(desc.b_scaling)) {
+    check_block_scaling(key);
+    if (reinterpret_cast<uintptr_t>(args.a_scale_inv) % 16 != 0 || reinterpret_cast<uintptr_t>(args.b_scale_inv) % 16 != 0)
+      throw RuntimeError(describe(key) + ": block scale arrays must be 16-byte aligned",
+                         "carve them 256-byte aligned, as the model does");
+  }
+
   // cuBLASLt 13.1's FP8 kernels return NOT_SUPPORTED for a scale pointer that is not
   // 16-byte aligned (seen on H100; the heuristic does not catch it), and a scaling table
   // keeps scale_inv [S] contiguous. Such a pointer's value is first copied, on the stream,
@@ -284,11 +345,11 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   // the slot valid for this GEMM and refills it for the next). Aligned pointers are used
   // directly.
   GemmArgs call = args;
-  if (call.a_scale_inv && reinterpret_cast<uintptr_t>(call.a_scale_inv) % 16 != 0) {
+  if (call.a_scale_inv && !is_block(key.a_scaling) && reinterpret_cast<uintptr_t>(call.a_scale_inv) % 16 != 0) {
     CUDA_CHECK(cudaMemcpyAsync(scale_staging_, call.a_scale_inv, sizeof(float), cudaMemcpyDeviceToDevice, stream));
     call.a_scale_inv = scale_staging_;
   }
-  if (call.b_scale_inv && reinterpret_cast<uintptr_t>(call.b_scale_inv) % 16 != 0) {
+  if (call.b_scale_inv && !is_block(key.b_scaling) && reinterpret_cast<uintptr_t>(call.b_scale_inv) % 16 != 0) {
     CUDA_CHECK(cudaMemcpyAsync(scale_staging_ + 4, call.b_scale_inv, sizeof(float), cudaMemcpyDeviceToDevice, stream));
     call.b_scale_inv = scale_staging_ + 4;
   }

@@ -20,6 +20,16 @@
 // 4-byte device copy on the stream); a scaling table whose scale_inv entries sit 16 bytes
 // apart avoids that copy.
 //
+// Block scaling (--fp8-recipe blockwise, core/block_scaling.h): with a_scaling / b_scaling
+// tiles_1x128 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) or blocks_128x128
+// (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F), a_scale_inv / b_scale_inv point at the
+// operand's scale array in core/block_scaling.h's layout (16-byte aligned). cuBLASLt 13 on
+// Hopper takes 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128, with FP8 operands, fast
+// accumulation off, K a multiple of 16 (the last 128-wide block may be partial) and M, N
+// multiples of 8;
+// anything else (2D x 2D, a block mode beside a per-tensor one, fast accumulation) is a
+// RuntimeError naming the combination, never a fallback.
+//
 // C may be nullptr (beta must be 0; C is not read), equal to D (accumulate in place, e.g.
 // the wgrad GEMM adding into the FP32 gradient slab with beta = 1), or another buffer of
 // D's type and shape (residual add: D = GEMM + bias + residual with beta = 1).
@@ -48,6 +58,11 @@ constexpr size_t gemm_type_bytes(GemmType type) {
   return type == GemmType::fp32 ? 4 : type == GemmType::bf16 ? 2 : 1;
 }
 
+// How an operand's scale_inv pointer is read: one float (per-tensor scaling), or an array of
+// block scales (core/block_scaling.h). Mirrors BlockScaling (core/tensor.h).
+enum class GemmScaling : uint8_t { tensor, tiles_1x128, blocks_128x128 };
+std::string_view to_string(GemmScaling scaling);
+
 // What the GEMM is: shape, types and flags. Together with which optional pointers are
 // present and the pointers' alignments, this is the engine's cache key.
 struct GemmDesc {
@@ -64,6 +79,9 @@ struct GemmDesc {
   // FP8 tensor cores take K-contiguous operands only).
   bool a_transposed = false;
   bool b_transposed = false;
+  // FP8 only: how a_scale_inv / b_scale_inv are laid out (both tensor, or both block modes).
+  GemmScaling a_scaling = GemmScaling::tensor;
+  GemmScaling b_scaling = GemmScaling::tensor;
 };
 
 // The pointers and scalars of one call; they may change from call to call at no cost.
@@ -73,8 +91,8 @@ struct GemmArgs {
   const void* B = nullptr;               // [N,K] b_type
   const void* C = nullptr;               // [M,N] d_type: nullptr, D itself, or another buffer
   const void* bias = nullptr;            // [N] bias_type, nullptr: no bias
-  const float* a_scale_inv = nullptr;    // device, [1]; FP8 A only; nullptr: 1
-  const float* b_scale_inv = nullptr;    // device, [1]; FP8 B only; nullptr: 1
+  const float* a_scale_inv = nullptr;    // device, [1] (or A's block scales); FP8 A only; nullptr: 1
+  const float* b_scale_inv = nullptr;    // device, [1] (or B's block scales); FP8 B only; nullptr: 1
   float alpha = 1.0f;                    // host value
   float beta = 0.0f;                     // host value; must be 0 when C is nullptr
 };
@@ -109,6 +127,7 @@ class GemmEngine {
     int M, N, K;
     GemmType a_type, b_type, d_type, bias_type;
     bool has_bias, fast_accum, has_a_scale, has_b_scale, a_transposed, b_transposed;
+    GemmScaling a_scaling, b_scaling;
     uint8_t c_mode;  // 0: no C, 1: C == D, 2: C is another buffer
     uint16_t align_a, align_b, align_c, align_d, align_bias;  // bytes, capped at 256
     auto operator<=>(const Key&) const = default;

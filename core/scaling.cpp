@@ -7,7 +7,12 @@
 namespace fp8lm {
 
 std::string_view to_string(ScalingRecipe recipe) {
-  return recipe == ScalingRecipe::delayed ? "delayed" : "tensorwise";
+  switch (recipe) {
+    case ScalingRecipe::delayed: return "delayed";
+    case ScalingRecipe::tensorwise: return "tensorwise";
+    case ScalingRecipe::blockwise: return "blockwise";
+  }
+  return "?";
 }
 std::string_view to_string(AmaxComputeAlgo algo) {
   return algo == AmaxComputeAlgo::max ? "max" : "most_recent";

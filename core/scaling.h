@@ -13,6 +13,11 @@
 //                (or its newest entry) and the window rolls. No extra pass over the
 //                tensor before the GEMM, which is why it is the default.
 //   tensorwise - "current scaling": the amax of the tensor being quantized, now.
+//   blockwise  - current scaling per block (DeepSeek-V3's recipe, Transformer Engine's
+//                Float8BlockScaling): one scale per 1x128 tile of an activation or gradient
+//                and per 128x128 block of a weight, from the values at hand, as powers of
+//                two. The scales live with the operand (Tensor::block_scale_inv), not in
+//                this table: its states only name the operands. core/block_scaling.h.
 // A state that has never been updated (a fresh run, or one started from a BF16
 // checkpoint) quantizes with current scaling until its first update, so step 0 never
 // uses scale 1.
@@ -39,7 +44,7 @@
 
 namespace fp8lm {
 
-enum class ScalingRecipe : uint8_t { delayed, tensorwise };
+enum class ScalingRecipe : uint8_t { delayed, tensorwise, blockwise };
 enum class AmaxComputeAlgo : uint8_t { max, most_recent };
 
 std::string_view to_string(ScalingRecipe recipe);
@@ -58,7 +63,7 @@ struct Fp8RecipeConfig {
 };
 
 // The delayed recipe recomputes its scales at the end of optimizer step `step` (0-based)
-// when this holds: every --fp8-interval steps. The tensorwise recipe never does.
+// when this holds: every --fp8-interval steps. The tensorwise and blockwise recipes never do.
 inline bool is_scale_update_step(const Fp8RecipeConfig& config, int64_t step) {
   return config.recipe == ScalingRecipe::delayed && (step + 1) % config.interval == 0;
 }

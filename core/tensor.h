@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error.h"
 #include "core/fp8.h"
 
 namespace fp8lm {
@@ -26,6 +27,15 @@ constexpr bool is_fp8(DType dtype) { return dtype == DType::e4m3 || dtype == DTy
 constexpr DType dtype_of(Fp8Dtype fp8) { return fp8 == Fp8Dtype::e4m3 ? DType::e4m3 : DType::e5m2; }
 constexpr Fp8Dtype fp8_dtype_of(DType dtype) { return dtype == DType::e4m3 ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2; }
 
+// How an FP8 GEMM operand's scales are laid out (core/block_scaling.h):
+//   none           - one scale for the whole tensor, its scaling state's (delayed, tensorwise)
+//   tiles_1x128    - --fp8-recipe blockwise, activations and gradients: one scale per row and
+//                    128 consecutive columns (the GEMM's K); the transposed copy is quantized
+//                    from the high-precision values with its own 1x128 tiles
+//   blocks_128x128 - --fp8-recipe blockwise, weights: one scale per 128x128 block; the
+//                    transposed copy holds the same codes, its scales the blocks transposed
+enum class BlockScaling : uint8_t { none, tiles_1x128, blocks_128x128 };
+
 // The handle every op takes (Transformer Engine's tensor, reduced to what fp8lm needs):
 // where the data is, what it is, its 2-D shape, and for an FP8 GEMM operand its scaling
 // state (scale, scale_inv and amax slot: core/scaling.h) and, where a GEMM needs one, a
@@ -38,13 +48,25 @@ struct Tensor {
   int64_t cols = 0;
   void* transposed = nullptr;  // [cols, rows] copy of the same values (FP8 GEMM operands)
   int scaling_state = -1;      // FP8: index into the scaling state; -1 otherwise
+  // Block-scaled FP8 operands only: the scale_inv of every tile (or block) of data and of the
+  // transposed copy, FP32 in backend memory, laid out as cuBLASLt reads them
+  // (core/block_scaling.h; sized for the buffer's largest shape).
+  BlockScaling block_scaling = BlockScaling::none;
+  float* block_scale_inv = nullptr;
+  float* transposed_block_scale_inv = nullptr;
 
   int64_t numel() const { return rows * cols; }
   explicit operator bool() const { return data != nullptr; }
   template <typename T>
   T* as() const { return static_cast<T*>(data); }
-  // Rows [begin, begin + count) of this tensor (same dtype; no transposed copy).
+  // Rows [begin, begin + count) of this tensor (same dtype; no transposed copy). A
+  // block-scaled operand's scale layout depends on its whole shape: its only slice is itself.
   Tensor row_slice(int64_t begin, int64_t count, size_t element_bytes) const {
+    if (block_scaling != BlockScaling::none) {
+      FP8LM_CHECK(begin == 0 && count == rows, "a block-scaled FP8 operand cannot be sliced into rows [", begin, ", ",
+                  begin + count, ") of ", rows);
+      return *this;
+    }
     Tensor view = *this;
     view.data = static_cast<char*>(data) + size_t(begin) * size_t(cols) * element_bytes;
     view.rows = count;

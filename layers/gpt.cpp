@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "core/block_scaling.h"
 #include "core/error.h"
 #include "core/random.h"
 #include "parallel/mappings.h"
@@ -167,6 +168,32 @@ DType forward_operand_dtype(GemmPrecision precision) {
   return DType::f32;
 }
 
+std::string blockwise_shape_problem(const GptConfig& config, int micro_batch_size, int seq_length,
+                                    const GptPrecision& precision, int tensor_parallel_size) {
+  if (precision.gemm != GemmPrecision::fp8 || precision.fp8.recipe != ScalingRecipe::blockwise) return "";
+  const int64_t tp = tensor_parallel_size;
+  std::vector<std::pair<std::string, int64_t>> dimensions;
+  if (precision.bf16_block_count(config.n_layer) < config.n_layer) {
+    const std::string per_rank = tp > 1 ? " / tensor-parallel size " + std::to_string(tp) : "";
+    dimensions = {{"n_embd", config.n_embd}, {"n_inner (MLP width)" + per_rank, config.n_inner / tp}};
+    if (tp > 1) dimensions.push_back({"n_embd" + per_rank, config.n_embd / tp});
+  }
+  if (precision.lm_head() == GemmPrecision::fp8)
+    dimensions.push_back({"the padded vocabulary" + std::string(tp > 1 ? " / tensor-parallel size" : "") +
+                              " (--fp8-lm-head)",
+                          config.padded_vocab_size() / tp});
+  if (!dimensions.empty())
+    dimensions.push_back({"--micro-batch-size x --seq-length (" + std::to_string(micro_batch_size) + " x " +
+                              std::to_string(seq_length) + ")",
+                          int64_t(micro_batch_size) * seq_length});
+  for (const auto& [what, value] : dimensions)
+    if (value % kBlockAlignment != 0)
+      return "--fp8-recipe blockwise needs every FP8 GEMM dimension to be a multiple of 16 (cuBLASLt's FP8 "
+             "alignment; a ragged last 1x128 tile or 128x128 block is fine): " +
+             what + " is " + std::to_string(value);
+  return "";
+}
+
 DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format) {
   return precision == GemmPrecision::fp8 ? dtype_of(gradient_dtype(format)) : forward_operand_dtype(precision);
 }
@@ -249,7 +276,10 @@ namespace {
 class Carver {
  public:
   Carver(const Ops& ops, void* base) : ops_(ops), base_(static_cast<char*>(base)) {}
-  Tensor take(int64_t rows, int64_t cols, DType dtype, int scaling_state = -1, bool with_transpose = false) {
+  // A block-scaled FP8 operand (block != none) also gets its scale arrays, FP32, for its data
+  // and for its transposed copy.
+  Tensor take(int64_t rows, int64_t cols, DType dtype, int scaling_state = -1, bool with_transpose = false,
+              BlockScaling block = BlockScaling::none) {
     Tensor t;
     t.dtype = dtype;
     t.rows = rows;
@@ -257,6 +287,13 @@ class Carver {
     t.scaling_state = scaling_state;
     t.data = reserve(size_t(rows) * size_t(cols) * ops_.element_bytes(dtype));
     if (with_transpose) t.transposed = reserve(size_t(rows) * size_t(cols) * ops_.element_bytes(dtype));
+    if (block != BlockScaling::none && is_fp8(dtype)) {
+      t.block_scaling = block;
+      t.block_scale_inv = static_cast<float*>(reserve(size_t(scale_count(block, rows, cols)) * sizeof(float)));
+      if (with_transpose)
+        t.transposed_block_scale_inv =
+            static_cast<float*>(reserve(size_t(scale_count(block, cols, rows)) * sizeof(float)));
+    }
     return t;
   }
   size_t size() const { return offset_ + 256; }
@@ -312,6 +349,14 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     single_rank_ = std::make_unique<TensorParallelMappings>(nullptr, false, ops);
     tp_ = single_rank_.get();
   }
+  if (const std::string problem = blockwise_shape_problem(config, micro_batch_size, seq_length, precision, tp_->size());
+      !problem.empty())
+    throw InputError(problem, "use model widths and a token count (micro-batch x sequence) that are multiples of "
+                              "16, or --fp8-recipe tensorwise");
+  FP8LM_INPUT_CHECK(precision.fp8.recipe != ScalingRecipe::blockwise || precision.gemm != GemmPrecision::fp8 ||
+                        !is_inference(),
+                    "--fp8-recipe blockwise is for training and evaluation: decoding multiplies one row per "
+                    "sequence, and cuBLASLt's block-scaled GEMMs take rows in multiples of 8");
   layout_ = make_gpt_shard_layout(config, tp_->size(), parallelism.data_parallel_size, &buckets_);
   const size_t n = layout_.total_elements();
   const size_t act_bytes = ops.element_bytes(activation_dtype_);
@@ -381,13 +426,16 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     for (LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2})
       if (linear->owns_operand) owned.push_back(linear);
   if (lm_head_->owns_operand) owned.push_back(lm_head_.get());
+  // Under --fp8-recipe blockwise an FP8 weight takes 128x128 block scales, for W and W^T.
+  const BlockScaling weight_blocks = precision.fp8.recipe == ScalingRecipe::blockwise ? BlockScaling::blocks_128x128
+                                                                                       : BlockScaling::none;
   auto carve_operands = [&](void* base) {
     Carver carver(ops_, base);
     for (LinearParams* linear : owned) {
       const Tensor& w = linear->weight;
       const int state = linear->weight_operand.scaling_state;
       linear->weight_operand = carver.take(w.rows, w.cols, linear->weight_operand.dtype, state,
-                                           is_fp8(linear->weight_operand.dtype));
+                                           is_fp8(linear->weight_operand.dtype), weight_blocks);
     }
     return carver.size();
   };
@@ -425,10 +473,16 @@ void GptModel::plan_memory() {
     t.scaling_state = state;
     return t;
   };
+  // Under --fp8-recipe blockwise every FP8 activation and gradient operand takes 1x128 tile
+  // scales and a transposed copy quantized with its own tiles (the wgrad GEMM's operand: FP8
+  // codes cannot be transposed into another tiling).
+  const bool blockwise = scaling_.config().recipe == ScalingRecipe::blockwise;
+  const BlockScaling tiles = blockwise ? BlockScaling::tiles_1x128 : BlockScaling::none;
   auto carve = [&](void* base) {
     Carver c(ops_, base);
     auto operand = [&](int64_t rows, int64_t cols, DType dtype, int state) {
-      return training ? c.take(rows, cols, dtype, state) : stamped(c.take(rows, cols, act), dtype, state);
+      if (!training) return stamped(c.take(rows, cols, act), dtype, state);
+      return c.take(rows, cols, dtype, state, blockwise && is_fp8(dtype), tiles);
     };
     Scratch s;
     s.token_embeddings = c.take(BT, C, DType::f32);
@@ -458,7 +512,7 @@ void GptModel::plan_memory() {
       if (!training) shared_atty_operand = c.take(BT, Cl, act);
       a.atty_operand = w.proj.input_dtype == act
                            ? a.atty
-                           : (training ? c.take(BT, Cl, w.proj.input_dtype, w.proj.input_state)
+                           : (training ? operand(BT, Cl, w.proj.input_dtype, w.proj.input_state)
                                        : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
@@ -471,7 +525,8 @@ void GptModel::plan_memory() {
     s.branch = c.take(BT, C, act);
     s.branch_rows = sp ? c.take(N, C, act) : s.branch;
     s.residual_final = c.take(N, C, act);
-    s.lnf = c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
+    s.lnf = training ? operand(BT, C, lm_head_->input_dtype, lm_head_->input_state)
+                     : c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
     s.lnf_mean = c.take(N, 1, DType::f32);
     s.lnf_rstd = c.take(N, 1, DType::f32);
     if (!training) {
@@ -481,9 +536,9 @@ void GptModel::plan_memory() {
       return c.size();
     }
     s.logits = c.take(BT, Vs, act);
-    s.logits_grad = lm_head_->grad_dtype == act
-                        ? s.logits
-                        : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state, is_fp8(lm_head_->grad_dtype));
+    s.logits_grad = lm_head_->grad_dtype == act ? s.logits
+                                                : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state,
+                                                         is_fp8(lm_head_->grad_dtype), tiles);
     s.losses = c.take(BT, 1, DType::f32);
     s.ce_partials = c.take(BT, 3, DType::f32);
     s.ce_all = tp > 1 ? c.take(tp * BT, 3, DType::f32) : s.ce_partials;
@@ -498,8 +553,10 @@ void GptModel::plan_memory() {
     for (const BlockParams& block : blocks_)
       if (std::find(grad_dtypes.begin(), grad_dtypes.end(), block.fc.grad_dtype) == grad_dtypes.end())
         grad_dtypes.push_back(block.fc.grad_dtype);
+    // Block scales sized for the widest gradient (BT rows either way): an operand's layout
+    // follows its own shape, and the widest needs the most floats.
     for (DType grad_dtype : grad_dtypes)
-      s.grad_operands.push_back(c.take(BT, std::max({F, 3 * Cl, C}), grad_dtype, -1, is_fp8(grad_dtype)));
+      s.grad_operands.push_back(c.take(BT, std::max({F, 3 * Cl, C}), grad_dtype, -1, is_fp8(grad_dtype), tiles));
     scratch_ = std::make_unique<Scratch>(s);
     return c.size();
   };

@@ -120,6 +120,15 @@ struct GptPrecision {
   }
 };
 
+// --fp8-recipe blockwise: every FP8 GEMM dimension a multiple of 16 (core/block_scaling.h; the
+// 1x128 tiles and 128x128 blocks may be ragged): "" when this model's FP8 GEMMs fit, else the
+// first dimension that does not, in one line. The
+// dimensions: n_embd, n_inner, the micro-batch's tokens (micro_batch_size x seq_length: the
+// wgrad GEMMs' K) and, with --fp8-lm-head, the padded vocabulary, each this tensor-parallel
+// rank's part.
+std::string blockwise_shape_problem(const GptConfig& config, int micro_batch_size, int seq_length,
+                                    const GptPrecision& precision, int tensor_parallel_size);
+
 // The dtype of a GEMM's forward operands (inputs, weights) and of its output gradient.
 DType forward_operand_dtype(GemmPrecision precision);
 DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format);

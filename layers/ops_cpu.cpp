@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/block_scaling.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/gemm.h"
@@ -219,6 +220,7 @@ class CpuOps final : public Ops {
 
   // ---- GEMM and casts
   void gemm(const GemmCall& call) override {
+    if (block_scaled(call.input) || block_scaled(call.weight) || block_scaled(call.grad)) return gemm_blockwise(call);
     switch (call.pass) {
       case GemmPass::forward: {
         // out [M,N] = input [M,K] . weight [N,K]^T (+ bias) (+ residual), both added to the
@@ -230,18 +232,7 @@ class CpuOps final : public Ops {
                     "forward GEMM residual: [M,N], not aliasing the output");
         cpu::gemm_nt(f32(call.out), f32(call.input), f32(call.weight), M, N, K,
                      scale_inv(call.input) * scale_inv(call.weight), false);
-        if (call.bias || call.residual) {
-          const float* bias = call.bias ? f32(call.bias) : nullptr;
-          const float* residual = call.residual ? f32(call.residual) : nullptr;
-          float* out = f32(call.out);
-#pragma omp parallel for schedule(static)
-          for (int i = 0; i < M; ++i)
-            for (int j = 0; j < N; ++j) {
-              const size_t at = size_t(i) * N + j;
-              if (residual) out[at] += residual[at];
-              if (bias) out[at] += bias[j];
-            }
-        }
+        add_epilogue(call, M, N);
         break;
       }
       case GemmPass::dgrad: {
@@ -260,6 +251,54 @@ class CpuOps final : public Ops {
         const float* grad_t = transposed(call.grad, transpose_a_);
         const float* input_t = transposed(call.input, transpose_b_);
         cpu::gemm_nt(f32(call.out), grad_t, input_t, N, K, M, scale_inv(call.grad) * scale_inv(call.input), true);
+        break;
+      }
+    }
+  }
+
+  // The block-scaled GEMMs (core/block_scaling.h): each operand with its own tile or block
+  // scales; the transposed copies the producers wrote serve dgrad and wgrad.
+  void gemm_blockwise(const GemmCall& call) {
+    auto require = [](const Tensor& t, bool transposed, const char* what) {
+      FP8LM_CHECK(block_scaled(t) && (!transposed || (t.transposed && t.transposed_block_scale_inv)),
+                  "block-scaled GEMM: the ", what, " is not a block-scaled FP8 operand",
+                  transposed ? " with its transposed copy" : "");
+    };
+    switch (call.pass) {
+      case GemmPass::forward: {  // out [M,N] = input [M,K] . weight [N,K]^T
+        const int M = int(call.input.rows), K = int(call.input.cols), N = int(call.weight.rows);
+        FP8LM_CHECK(call.weight.cols == K && call.out.rows == M && call.out.cols == N, "forward GEMM shapes");
+        FP8LM_CHECK(!call.residual || (call.residual.rows == M && call.residual.cols == N &&
+                                       call.residual.data != call.out.data),
+                    "forward GEMM residual: [M,N], not aliasing the output");
+        require(call.input, false, "input");
+        require(call.weight, false, "weight");
+        cpu::gemm_block_scaled(f32(call.out), f32(call.input), call.input.block_scale_inv, call.input.block_scaling,
+                               f32(call.weight), call.weight.block_scale_inv, call.weight.block_scaling, M, N, K,
+                               1.0f, false);
+        add_epilogue(call, M, N);
+        break;
+      }
+      case GemmPass::dgrad: {  // out [M,K] = grad [M,N] . (weight^T [K,N])^T
+        const int M = int(call.grad.rows), N = int(call.grad.cols), K = int(call.weight.cols);
+        FP8LM_CHECK(call.weight.rows == N && call.out.rows == M && call.out.cols == K, "dgrad GEMM shapes");
+        require(call.grad, false, "output gradient");
+        require(call.weight, true, "weight");
+        cpu::gemm_block_scaled(f32(call.out), f32(call.grad), call.grad.block_scale_inv, call.grad.block_scaling,
+                               static_cast<const float*>(call.weight.transposed),
+                               call.weight.transposed_block_scale_inv, call.weight.block_scaling, M, K, N, 1.0f,
+                               false);
+        break;
+      }
+      case GemmPass::wgrad: {  // out [N,K] += grad^T [N,M] . (input^T [K,M])^T
+        const int M = int(call.grad.rows), N = int(call.grad.cols), K = int(call.input.cols);
+        FP8LM_CHECK(call.input.rows == M && call.out.rows == N && call.out.cols == K, "wgrad GEMM shapes");
+        require(call.grad, true, "output gradient");
+        require(call.input, true, "input");
+        cpu::gemm_block_scaled(f32(call.out), static_cast<const float*>(call.grad.transposed),
+                               call.grad.transposed_block_scale_inv, call.grad.block_scaling,
+                               static_cast<const float*>(call.input.transposed),
+                               call.input.transposed_block_scale_inv, call.input.block_scaling, N, K, M, 1.0f, true);
         break;
       }
     }
@@ -400,6 +439,10 @@ class CpuOps final : public Ops {
         break;
       case DType::e4m3:
       case DType::e5m2: {
+        if (block_scaled(out)) {
+          store_block_scaled(out, values);
+          return;
+        }
         FP8LM_CHECK(out.scaling_state >= 0, "an FP8 tensor without a scaling state");
         float tensor_amax = cpu::amax(values, n);
         // A tensor shared by several ranks takes one scale: the amax of all their parts.
@@ -415,6 +458,49 @@ class CpuOps final : public Ops {
     }
     if (out.transposed) cpu::transpose(static_cast<float*>(out.transposed), destination, int(out.rows), int(out.cols));
   }
+
+  // A block-scaled operand (core/block_scaling.h): its codes and tile (block) scales, and
+  // its transposed copy. An activation's or gradient's transpose is quantized from the FP32
+  // values with its own 1x128 tiles; a weight's holds the same codes, its blocks transposed.
+  // No amax is recorded: the recipe keeps no history.
+  void store_block_scaled(const Tensor& out, const float* values) {
+    const int64_t rows = out.rows, cols = out.cols;
+    const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
+    const int margin = scaling_->config().margin;
+    float* transposed = static_cast<float*>(out.transposed);
+    FP8LM_CHECK(out.block_scale_inv && (!transposed || out.transposed_block_scale_inv),
+                "a block-scaled FP8 tensor without its scale arrays");
+    if (out.block_scaling == BlockScaling::tiles_1x128) {
+      cpu::quantize_tiles_1x128(f32(out), out.block_scale_inv, values, rows, cols, dtype, margin);
+      if (!transposed) return;
+      transpose_b_.resize(size_t(rows) * size_t(cols));
+      cpu::transpose(transpose_b_.data(), values, int(rows), int(cols));
+      cpu::quantize_tiles_1x128(transposed, out.transposed_block_scale_inv, transpose_b_.data(), cols, rows, dtype,
+                                margin);
+      return;
+    }
+    cpu::quantize_blocks_128x128(f32(out), out.block_scale_inv, values, rows, cols, dtype, margin);
+    if (!transposed) return;
+    cpu::transpose(transposed, f32(out), int(rows), int(cols));
+    cpu::transpose_block_scales(out.transposed_block_scale_inv, out.block_scale_inv, rows, cols);
+  }
+
+  // The forward GEMM's epilogue: out [M,N] += residual, then + bias, in the GPU's order.
+  static void add_epilogue(const GemmCall& call, int M, int N) {
+    if (!call.bias && !call.residual) return;
+    const float* bias = call.bias ? f32(call.bias) : nullptr;
+    const float* residual = call.residual ? f32(call.residual) : nullptr;
+    float* out = f32(call.out);
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) {
+        const size_t at = size_t(i) * N + j;
+        if (residual) out[at] += residual[at];
+        if (bias) out[at] += bias[j];
+      }
+  }
+
+  static bool block_scaled(const Tensor& t) { return t.block_scaling != BlockScaling::none; }
 
   // The statistics of casting values [n] with `scale` (the codes quantize_fp8 just wrote,
   // encoded again: the reference counts from the codes, as the GPU kernels do).

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/block_scaling_cuda.h"
 #include "core/cast_cuda.h"
 #include "core/check_cuda.h"
 #include "core/device_memory_cuda.h"
@@ -383,8 +384,8 @@ class CudaOps final : public Ops {
     const bool fused_add = static_cast<bool>(call.branch);
     const bf16* branch_bias = call.branch_bias ? cbf(call.branch_bias) : nullptr;
     // Delayed FP8 (or BF16 output): one kernel. Current scaling: BF16 first, then the cast
-    // with the scale of the result's own amax.
-    if (is_fp8(call.out.dtype) && !table_->uses_current_scaling()) {
+    // with the scale of the result's own amax. Block scaling: BF16 first, then the block cast.
+    if (is_fp8(call.out.dtype) && !block_scaled(call.out) && !table_->uses_current_scaling()) {
       const int s = call.out.scaling_state;
       const Fp8Dtype dtype = fp8_dtype_of(call.out.dtype);
       if (fused_add) {
@@ -408,6 +409,7 @@ class CudaOps final : public Ops {
       cuda::layernorm_forward_bf16(out, f32(call.mean), f32(call.rstd), cbf(call.residual_in), cbf(call.weight),
                                    cbf(call.bias), N, C, call.eps, stream_);
     }
+    if (is_fp8(call.out.dtype) && block_scaled(call.out)) return cast_blockwise(call.out, out, DType::bf16);
     if (is_fp8(call.out.dtype)) quantize_current(call.out, out, Tensor{});
   }
   void layernorm_backward(const LayerNormBackward& call) override {
@@ -429,7 +431,9 @@ class CudaOps final : public Ops {
         desc.K = cols(call.input);
         set_operand_a(desc, args, call.input, call.input.data);
         set_operand_b(desc, args, call.weight, call.weight.data);
-        desc.fast_accum = true;  // Transformer Engine: fast accumulation in forward only
+        // Transformer Engine: fast accumulation in forward only, and never with block scaling
+        // (its Float8BlockScaling requires split accumulation; cuBLASLt refuses it).
+        desc.fast_accum = !block_scaled(call.input);
         if (call.bias) {
           args.bias = call.bias.data;
           desc.bias_type = gemm_type_of(call.bias.dtype);
@@ -462,6 +466,8 @@ class CudaOps final : public Ops {
           FP8LM_CHECK(call.grad.transposed != nullptr, "an FP8 gradient needs its transposed copy for wgrad");
           set_operand_a(desc, args, call.grad, call.grad.transposed);
           const void* input_t = call.input.transposed;
+          FP8LM_CHECK(input_t != nullptr || !block_scaled(call.input),
+                      "a block-scaled FP8 input needs its transposed copy (quantized with its own tiles) for wgrad");
           if (input_t == nullptr) {
             cuda::transpose_fp8(transposed_input_.data(), u8(call.input), rows(call.input), cols(call.input), stream_);
             input_t = transposed_input_.data();
@@ -487,6 +493,13 @@ class CudaOps final : public Ops {
       return;
     }
     FP8LM_CHECK(is_fp8(out.dtype), "quantize: the GPU casts to FP8 only, not to ", to_string(out.dtype));
+    if (block_scaled(out)) {
+      if (dbias) {
+        FP8LM_CHECK(in.dtype == DType::bf16, "quantize: dbias from a BF16 gradient");
+        cuda::column_sum(f32(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
+      }
+      return cast_blockwise(out, in.data, in.dtype);
+    }
     if (table_->uses_current_scaling()) return quantize_current(out, in.data, dbias, in.dtype);
     const int s = out.scaling_state;
     cast(out, amax_slot(s), in.data, in.dtype, dbias);
@@ -496,8 +509,9 @@ class CudaOps final : public Ops {
   void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) override {
     const int M = rows(pre), F = cols(pre);
     if (!is_fp8(out.dtype)) return cuda::bias_gelu_forward_bf16(bf(out), bf(pre), cbf(bias), M, F, stream_);
-    if (table_->uses_current_scaling()) {
+    if (block_scaled(out) || table_->uses_current_scaling()) {
       cuda::bias_gelu_forward_bf16(staging_.data(), bf(pre), cbf(bias), M, F, stream_);
+      if (block_scaled(out)) return cast_blockwise(out, staging_.data(), DType::bf16);
       return quantize_current(out, staging_.data(), Tensor{});
     }
     const int s = out.scaling_state;
@@ -509,8 +523,9 @@ class CudaOps final : public Ops {
     float* scratch = float_scratch_.data();
     if (!is_fp8(dpre.dtype))
       return cuda::gelu_backward_dbias_bf16(bf(dpre), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
-    if (table_->uses_current_scaling()) {
+    if (block_scaled(dpre) || table_->uses_current_scaling()) {
       cuda::gelu_backward_dbias_bf16(staging_.data(), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
+      if (block_scaled(dpre)) return cast_blockwise(dpre, staging_.data(), DType::bf16);
       return quantize_current(dpre, staging_.data(), Tensor{});
     }
     const int s = dpre.scaling_state;
@@ -522,7 +537,7 @@ class CudaOps final : public Ops {
   // ---- Attention
   void attention_forward(const Tensor& out, const Tensor& operand, const Tensor& lse, const Tensor& qkv,
                          const AttentionShape& shape) override {
-    const bool fused_cast = operand.data != out.data && !table_->uses_current_scaling();
+    const bool fused_cast = operand.data != out.data && !block_scaled(operand) && !table_->uses_current_scaling();
     const int s = operand.scaling_state;
     const Fp8Dtype dtype = is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3;
     cuda::attention_forward(bf(out), f32(lse), fused_cast ? u8(operand) : nullptr, fused_cast ? amax_slot(s) : nullptr,
@@ -532,6 +547,7 @@ class CudaOps final : public Ops {
     // step counts that cast in a pass of its own, leaving the attention kernel as it is.
     if (fused_cast && counts_of(s))
       cuda::count_fp8_cast(counts_of(s), cbf(out), scale_.data() + s, dtype, size_t(out.numel()), stream_);
+    if (operand.data != out.data && block_scaled(operand)) return cast_blockwise(operand, out.data, DType::bf16);
     if (operand.data != out.data && !fused_cast) quantize_current(operand, out.data, Tensor{}, DType::bf16);
   }
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -622,15 +638,58 @@ class CudaOps final : public Ops {
   Fp8CastCounts* counting() const { return recording_ ? counts_ : nullptr; }
   Fp8CastCounts* counts_of(int state) const { return counting() ? counting() + state : nullptr; }
 
+  // An operand's data (t.data or its transposed copy) and the scales that go with it: the
+  // scaling state's scale_inv, or the block scales of that copy.
   void set_operand_a(cuda::GemmDesc& desc, cuda::GemmArgs& args, const Tensor& t, const void* data) {
     desc.a_type = gemm_type_of(t.dtype);
     args.A = data;
-    if (is_fp8(t.dtype)) args.a_scale_inv = scale_inv_.data() + t.scaling_state;
+    if (is_fp8(t.dtype)) args.a_scale_inv = operand_scale_inv(t, data, desc.a_scaling);
   }
   void set_operand_b(cuda::GemmDesc& desc, cuda::GemmArgs& args, const Tensor& t, const void* data) {
     desc.b_type = gemm_type_of(t.dtype);
     args.B = data;
-    if (is_fp8(t.dtype)) args.b_scale_inv = scale_inv_.data() + t.scaling_state;
+    if (is_fp8(t.dtype)) args.b_scale_inv = operand_scale_inv(t, data, desc.b_scaling);
+  }
+  const float* operand_scale_inv(const Tensor& t, const void* data, cuda::GemmScaling& scaling) {
+    switch (t.block_scaling) {
+      case BlockScaling::none:
+        scaling = cuda::GemmScaling::tensor;
+        return scale_inv_.data() + t.scaling_state;
+      case BlockScaling::tiles_1x128: scaling = cuda::GemmScaling::tiles_1x128; break;
+      case BlockScaling::blocks_128x128: scaling = cuda::GemmScaling::blocks_128x128; break;
+    }
+    const bool transposed = data != t.data;
+    FP8LM_CHECK(!transposed || data == t.transposed, "a block-scaled operand's GEMM data is its own or its transposed copy");
+    const float* scales = transposed ? t.transposed_block_scale_inv : t.block_scale_inv;
+    FP8LM_CHECK(scales != nullptr, "a block-scaled FP8 operand without the scale array of its ",
+                transposed ? "transposed copy" : "data");
+    return scales;
+  }
+
+  static bool block_scaled(const Tensor& t) { return t.block_scaling != BlockScaling::none; }
+
+  // A block-scaled operand (core/block_scaling.h) from `in` [M,N] (BF16 or FP32): its codes
+  // and scales, and its transposed copy when it has one. No amax is recorded (no history).
+  void cast_blockwise(const Tensor& out, const void* in, DType in_dtype) {
+    const int M = rows(out), N = cols(out);
+    const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
+    const int margin = table_->config().margin;
+    uint8_t* transposed = static_cast<uint8_t*>(out.transposed);
+    float* transposed_scales = transposed ? out.transposed_block_scale_inv : nullptr;
+    FP8LM_CHECK(out.block_scale_inv && (!transposed || transposed_scales),
+                "a block-scaled FP8 tensor without its scale arrays");
+    FP8LM_CHECK(in_dtype == DType::bf16 || in_dtype == DType::f32, "block cast from ", to_string(in_dtype));
+    auto cast_from = [&](const auto* values) {
+      if (out.block_scaling == BlockScaling::tiles_1x128) {
+        cuda::quantize_tiles_1x128(u8(out), out.block_scale_inv, transposed, transposed_scales, values, M, N, dtype,
+                                   margin, stream_);
+      } else {
+        cuda::quantize_blocks_128x128(u8(out), out.block_scale_inv, transposed, transposed_scales, values, M, N,
+                                      dtype, margin, stream_);
+      }
+    };
+    if (in_dtype == DType::f32) return cast_from(static_cast<const float*>(in));
+    cast_from(static_cast<const bf16*>(in));
   }
 
   // The FP8 cast of `in` [M,N] (BF16 or FP32) into `out` with out's stored scale, its
