@@ -211,22 +211,29 @@ void check_save_directory_writable(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
+// The benchmark's timing of the steps after warm-up. Without --profile-ops the window is
+// timed whole, with one wait for the device at each end, as the PyTorch peer times its steps:
+// the host prepares step n + 1 (data, token index) while the device runs step n, as in
+// training. --profile-ops waits after every step to collect its profile, so there the median
+// of the synchronised steps is reported, the host's work between them included.
+struct BenchmarkTiming {
+  double step_ms = 0.0;
+  int64_t steps = 0;
+  std::string method;  // "mean over the window" or "median of synchronised steps"
+};
+
 // The median step after warm-up, tokens/s, MFU (PaLM / nanoGPT / llm.c's FLOP count:
 // 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
 // memory, as a table and one JSON line.
-void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector<double> step_ms, double loss,
+void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const BenchmarkTiming& timing, double loss,
                       int64_t steps_run) {
   const TrainOptions& o = setup.options;
   // Every step sends the same bytes: the counters over the run, per step, for this rank.
   nlohmann::json bytes_per_step = nlohmann::json::object();
   for (const auto& [group, traffic] : engine.traffic())
     bytes_per_step[group] = double(traffic.total_bytes_sent()) / double(std::max<int64_t>(steps_run, 1));
-  // The step's slowest rank sets the pace: every rank's median, the largest.
-  double local_median = 0.0;
-  step_ms.erase(step_ms.begin(), step_ms.begin() + std::min<size_t>(o.benchmark_warmup, step_ms.size()));
-  std::sort(step_ms.begin(), step_ms.end());
-  local_median = step_ms[step_ms.size() / 2];
-  double median_ms = local_median;
+  // The step's slowest rank sets the pace: every rank's time, the largest.
+  double median_ms = timing.step_ms;
   Communicator& world = engine.host_groups().world();
   world.all_reduce(&median_ms, &median_ms, 1, CommDtype::f64, ReduceOp::max);
   double peak = double(engine.benchmark_memory().allocated_bytes), device_used = double(engine.benchmark_memory().device_used_bytes);
@@ -243,7 +250,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
   log_settings_table("benchmark", {{"mode", mode},
                                    {"model", m.name},
                                    {"micro-batch x seq-length", std::to_string(o.micro_batch_size) + " x " + std::to_string(setup.seq_length)},
-                                   {"timed steps (median)", std::to_string(step_ms.size())},
+                                   {"timed steps", std::to_string(timing.steps) + " (" + timing.method + ")"},
                                    {"median step", std::to_string(median_ms) + " ms"},
                                    {"ranks (tp x dp)", std::to_string(setup.parallel.tp_size) + " x " + std::to_string(setup.parallel.dp_size)},
                                    {"tokens/s (all ranks)", std::to_string(tokens_per_s)},
@@ -265,6 +272,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, std::vector
                                {"distributed_optimizer", setup.parallel.dp_size > 1 && o.use_distributed_optimizer.value_or(true)},
                                {"overlap", o.overlap_grad_reduce || o.overlap_param_gather},
                                {"step_ms", median_ms},
+                               {"timing", timing.method},
                                {"tok_s", tokens_per_s},
                                {"tok_s_per_gpu", tokens_per_s / gpus},
                                {"tflops", flops_per_token * tokens_per_s / 1e12},
@@ -369,7 +377,11 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
     return val_loss;
   };
 
+  // --benchmark: without --profile-ops the steps after warm-up are timed as one window,
+  // with --profile-ops each step is (BenchmarkTiming).
   std::vector<double> benchmark_step_ms;
+  std::optional<std::chrono::steady_clock::time_point> window_start;
+  BenchmarkTiming benchmark;
   using Clock = std::chrono::steady_clock;
   const Clock::time_point loop_start = Clock::now();
   Clock::time_point interval_start = loop_start;
@@ -385,12 +397,26 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
     }
     engine->end_step(hyperparams_at(o, lr), o.clip_grad, step);
     if (o.benchmark) {
-      engine->step_metrics();  // waits for the device: each step is timed whole
-      benchmark_step_ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - step_start).count());
+      const int64_t steps_done = step - start_step + 1;
       if (OpProfiler* profiler = engine->op_profiler()) {
+        engine->step_metrics();  // waits for the device: each step is timed whole
+        benchmark_step_ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - step_start).count());
         profiler->finish_step();
         // The profile covers the timed steps only, as the median does.
-        if (int64_t(benchmark_step_ms.size()) == o.benchmark_warmup) profiler->reset();
+        if (steps_done == o.benchmark_warmup) profiler->reset();
+      } else {
+        if (steps_done == o.benchmark_warmup || (o.benchmark_warmup == 0 && steps_done == 1 && !window_start)) {
+          // The window opens once the warm-up steps are done (with none: at the first step's start).
+          if (o.benchmark_warmup > 0) engine->step_metrics();
+          window_start = o.benchmark_warmup > 0 ? Clock::now() : step_start;
+        }
+        if (step + 1 == o.train_iters && window_start) {
+          engine->step_metrics();
+          benchmark.steps = steps_done - o.benchmark_warmup;
+          benchmark.step_ms = 1e3 * std::chrono::duration<double>(Clock::now() - *window_start).count() /
+                              double(std::max<int64_t>(benchmark.steps, 1));
+          benchmark.method = "mean over the window";
+        }
       }
     }
     ++interval_steps;
@@ -507,7 +533,16 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
     summary.last_val_loss = evaluate(o.train_iters);
   summary.skipped_steps = engine->skip_status().total;
-  if (o.benchmark) report_benchmark(setup, *engine, benchmark_step_ms, summary.last_loss, summary.steps - start_step);
+  if (o.benchmark && engine->op_profiler()) {
+    benchmark_step_ms.erase(benchmark_step_ms.begin(),
+                            benchmark_step_ms.begin() + std::min<size_t>(o.benchmark_warmup, benchmark_step_ms.size()));
+    std::sort(benchmark_step_ms.begin(), benchmark_step_ms.end());
+    benchmark = BenchmarkTiming{.step_ms = benchmark_step_ms.empty() ? 0.0 : benchmark_step_ms[benchmark_step_ms.size() / 2],
+                                .steps = int64_t(benchmark_step_ms.size()),
+                                .method = "median of synchronised steps"};
+  }
+  if (o.benchmark && benchmark.steps > 0)
+    report_benchmark(setup, *engine, benchmark, summary.last_loss, summary.steps - start_step);
   metrics_file.close();
   return summary;
 }

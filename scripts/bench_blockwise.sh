@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --fp8-recipe blockwise against tensorwise (and delayed, the default) on one GPU, in one call
 # so the step times are comparable: gpt2-124m at micro-batch 16 and gpt2-1558m at micro-batch 8,
-# T = 1024, mock data, the median step after 5 warm-up steps (fp8lm --benchmark). The recipes
+# T = 1024, mock data, the mean step over the timed window after 5 warm-up steps (fp8lm --benchmark). The recipes
 # run interleaved, twice (PASSES), and the table keeps each one's faster median: a second pass
 # evens out clock and thermal drift between runs.
 #   scripts/bench_blockwise.sh              # expects build-gpu/fp8lm (scripts/gpu_test.sh builds it)

@@ -199,10 +199,11 @@ TEST_CASE("layernorm fp8 amax is a running max and shows NaN", "[gpu][layernorm]
 
 TEST_CASE("layernorm backward matches the CPU reference and is deterministic", "[gpu][layernorm]") {
   FP8LM_REQUIRE_GPU();
-  const int N = 77;
   const float eps = 1e-5f;
-  for (int C : {64, 768}) {
-    CAPTURE(C);
+  // The widths of gpt2-124m, -774m and -1558m; rows enough for several row splits of the
+  // weight and bias gradients.
+  for (const auto [N, C] : {std::pair{77, 64}, std::pair{77, 768}, std::pair{333, 1280}, std::pair{1000, 1600}}) {
+    CAPTURE(N, C);
     const size_t n = static_cast<size_t>(N) * C;
     const LayerNormInputs in = layernorm_inputs(N, C, 200 + C);
     const std::vector<float> dout = bf16_rounded(random_floats(n, 300 + C));

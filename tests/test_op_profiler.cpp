@@ -136,3 +136,25 @@ TEST_CASE("fp8lm sample profiles its decode steps", "[profile][cli]") {
   CHECK(calls.count("attention forward") == 0);
   CHECK(calls.count("layernorm backward") == 0);
 }
+
+TEST_CASE("the benchmark times the steps after warm-up as one window, or each step when profiling", "[profile][cli]") {
+  auto benchmark_line = [](const std::string& output) {
+    const size_t at = output.find("{\"B\":");
+    REQUIRE(at != std::string::npos);
+    return nlohmann::json::parse(output.substr(at, output.find('\n', at) - at));
+  };
+  const std::string run = "--config " + kTiny + " --mock-data --device cpu --train-iters 6 --benchmark "
+                          "--benchmark-warmup 2 --eval-interval 0 --eval-iters 0";
+  const auto window = testing::run_fp8lm(run);
+  INFO(window.output);
+  REQUIRE(window.exit_code == 0);
+  const auto windowed = benchmark_line(window.output);
+  CHECK(windowed["timing"] == "mean over the window");
+  CHECK(double(windowed["step_ms"]) > 0.0);
+  CHECK_THAT(window.output, ContainsSubstring("4 (mean over the window)"));
+
+  const auto profiled = testing::run_fp8lm(run + " --profile-ops");
+  REQUIRE(profiled.exit_code == 0);
+  CHECK(benchmark_line(profiled.output)["timing"] == "median of synchronised steps");
+  CHECK_THAT(profiled.output, ContainsSubstring("4 (median of synchronised steps)"));
+}
