@@ -4,11 +4,14 @@
 //
 // Data parallelism with the distributed optimizer (ZeRO-1, Megatron's layout): every
 // bucket of the parameter slab (layers/gpt.h) is cut into data-parallel-size equal parts;
-// this rank owns part dp_rank of every bucket. Its FP32 master weights, optimizer state and
-// reduced gradients cover those parts only, laid one after the other in the "shard". A
-// step reduce-scatters each bucket's gradients into the shard, updates it, and all-gathers
-// each bucket's weights back. Without the distributed optimizer the shard is the whole
-// slab and the gradients are all-reduced.
+// this rank owns part dp_rank of every bucket. Its FP32 master weights and optimizer state
+// cover those parts only, laid one after the other in the "shard". A step reduce-scatters
+// each bucket's gradients in place (the reduced part stays where it was in the model's
+// gradient slab), updates the shard from them, writes the new working values beside them
+// in the model's working slab, and all-gathers each bucket there, in place. So the only
+// shard-sized memory is the master and the state: per-rank memory falls with the number
+// of ranks. Without the distributed optimizer the shard is the whole slab and the
+// gradients are all-reduced in place.
 #include "apps/engine.h"
 
 #include <algorithm>
@@ -43,12 +46,20 @@ struct ShardPlan {
     size_t size = 0;          // elements of one part
     size_t shard_offset = 0;  // where the part sits in the shard buffers
     bool linear_weights = false;
+    size_t first_tensor = 0, end_tensor = 0;  // the bucket's tensors: [first, end) of the slab layout
   };
   std::vector<Part> parts;  // one per bucket, in bucket order
   size_t size = 0;          // shard elements
-  TensorLayout layout;      // every tensor of the slab: offset in the shard, numel of its piece here (0: none)
-  TensorLayout norm_layout; // the same, counting tensors replicated across tensor-parallel ranks on rank 0 only
-  std::vector<TensorLayout> part_layouts;  // per bucket: offsets relative to the part
+  // Every tensor of the slab, the numel of its piece here (0: none), at its offset in the
+  // shard (the master and the optimizer state) ...
+  TensorLayout layout;
+  // ... and at its offset in the model's slabs, where the gradients are reduce-scattered and
+  // the working copy is gathered, in place.
+  TensorLayout slab_layout;
+  TensorLayout norm_layout;  // slab_layout, counting tensors replicated across tensor-parallel ranks on rank 0 only
+  // Per bucket, its tensors only (tensor k of the bucket is first_tensor + k of the slab):
+  std::vector<TensorLayout> bucket_layouts;  // whole, offsets relative to the bucket
+  std::vector<TensorLayout> part_layouts;    // this rank's pieces, offsets relative to the part
 };
 
 ShardPlan plan_shard(const TensorLayout& slab, const std::vector<ParameterBucket>& buckets, int parts, int part,
@@ -64,27 +75,38 @@ ShardPlan plan_shard(const TensorLayout& slab, const std::vector<ParameterBucket
     plan.size += p.size;
     plan.parts.push_back(p);
   }
+  plan.bucket_layouts.resize(buckets.size());
   plan.part_layouts.resize(buckets.size());
-  for (const TensorInfo& t : slab.tensors()) {
-    // The tensor's piece in the shard and in each bucket's part; offset and numel 0: none there.
-    TensorInfo piece = t;
-    piece.offset = 0;
-    piece.numel = 0;
-    std::vector<TensorInfo> in_part(plan.parts.size(), piece);
-    for (size_t b = 0; b < plan.parts.size(); ++b) {
-      const ShardPlan::Part& p = plan.parts[b];
-      const size_t begin = std::max(t.offset, p.part_begin), end = std::min(t.offset + t.numel, p.part_begin + p.size);
-      if (begin >= end) continue;
-      piece.offset = p.shard_offset + (begin - p.part_begin);
-      piece.numel = end - begin;
-      in_part[b].offset = begin - p.part_begin;
-      in_part[b].numel = end - begin;
-      break;
+  const auto& tensors = slab.tensors();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const TensorInfo& t = tensors[k];
+    // The bucket holding the tensor (a bucket holds whole tensors, in slab order).
+    size_t b = 0;
+    while (b < buckets.size() && !(t.offset >= buckets[b].begin && t.offset + t.numel <= buckets[b].end)) ++b;
+    FP8LM_CHECK(b < buckets.size(), "tensor ", t.name, " lies in no bucket");
+    ShardPlan::Part& p = plan.parts[b];
+    if (plan.bucket_layouts[b].tensors().empty()) p.first_tensor = k;
+    FP8LM_CHECK(k == p.first_tensor + plan.bucket_layouts[b].tensors().size(), "bucket tensors out of slab order");
+    p.end_tensor = k + 1;
+    TensorInfo whole = t;
+    whole.offset = t.offset - p.bucket_begin;
+    plan.bucket_layouts[b].add_at(whole);
+    // This rank's piece of it, in the shard, in the slab and in the part; numel 0: none here.
+    TensorInfo in_shard = t, in_slab = t, in_part = t;
+    in_shard.offset = in_slab.offset = in_part.offset = 0;
+    in_shard.numel = in_slab.numel = in_part.numel = 0;
+    const size_t begin = std::max(t.offset, p.part_begin), end = std::min(t.offset + t.numel, p.part_begin + p.size);
+    if (begin < end) {
+      in_shard.offset = p.shard_offset + (begin - p.part_begin);
+      in_slab.offset = begin;
+      in_part.offset = begin - p.part_begin;
+      in_shard.numel = in_slab.numel = in_part.numel = end - begin;
     }
-    for (size_t b = 0; b < plan.parts.size(); ++b) plan.part_layouts[b].add_at(in_part[b]);
-    TensorInfo norm_piece = piece;
+    plan.part_layouts[b].add_at(in_part);
+    plan.layout.add_at(in_shard);
+    plan.slab_layout.add_at(in_slab);
+    TensorInfo norm_piece = in_slab;
     if (t.split == TensorSplit::replicated && tp_rank != 0) norm_piece.numel = 0;
-    plan.layout.add_at(piece);
     plan.norm_layout.add_at(norm_piece);
   }
   return plan;
@@ -118,8 +140,20 @@ struct TrainingEngine::State {
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
   ShardPlan shard;
-  std::unique_ptr<TensorTable> full_table, shard_table, norm_table;
-  std::vector<std::unique_ptr<TensorTable>> part_tables;  // FP8 gradient communication
+  // The shard's layout (master, optimizer state), this rank's pieces at their slab positions
+  // (gradients, working copy) and for the norm; per bucket, its tensors whole and this rank's
+  // pieces of them (FP8 gradients and weights travel bucket by bucket).
+  std::unique_ptr<TensorTable> shard_table, slab_table, norm_table;
+  std::vector<std::unique_ptr<TensorTable>> bucket_tables, part_tables;
+  // An overlapped weight gather runs AdamW in two calls: the embedding bucket's tensors, then
+  // the others, so that the embedding's gather (the next forward's first need) runs on the
+  // side lane while AdamW updates the rest. AdamW works tensor by tensor: the same numbers.
+  struct UpdateGroup {
+    std::unique_ptr<TensorTable> shard, slab;  // the group's tensors only, offsets as in the shard and slab tables
+    size_t first_tensor = 0;                   // of the slab layout
+    std::unique_ptr<Allocation> scratch;       // AdamW's, for the group's tensors
+  };
+  std::vector<UpdateGroup> update_groups;  // empty: one call over the whole shard
   OptimizerStatePrecision state_precision;
   Fp8RecipeConfig recipe;
   bool fp8 = false;
@@ -135,24 +169,31 @@ struct TrainingEngine::State {
   bool last_micro_batch = true;
   std::vector<std::vector<size_t>> buckets_of_layer;  // [layer + 1]: -1 the embedding .. n_layer the head
   std::vector<bool> bucket_reduced;                   // this step
-  bool side_lane_busy = false;                        // reductions were queued on the side lane
+  bool side_lane_busy = false;                        // this step's reductions were queued on the side lane
   std::vector<bool> refresh_pending;                  // [layer + 1]: gathered weights not cast yet
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
-  // The master weights, gradients and working-copy values this rank updates.
-  std::unique_ptr<Allocation> master_storage, grads_shard_storage, working_shard_storage;
+  // The master weights of this rank's pieces, packed in the shard. Their gradients and
+  // working-copy values stay in the model's slabs (shard.slab_layout): the reduce-scatter
+  // leaves each bucket's reduced part in place there, AdamW reads it and writes the working
+  // values beside it, and the all-gather sends them from there, in place. So ZeRO-1 needs no
+  // shard-sized gradient or working buffers.
+  std::unique_ptr<Allocation> master_storage;
   float* master = nullptr;
-  float* grads_shard = nullptr;
-  void* working_shard = nullptr;  // nullptr: the master itself (FP32 activations, one part)
+  void* working_update = nullptr;  // what AdamW rewrites: the working slab, or nullptr when it is the master
 
   std::unique_ptr<Allocation> m_codes, v_bits, m_scales, v_scales, m32, v32;
   std::unique_ptr<Allocation> scalars;  // one StepScalars
   std::unique_ptr<Allocation> adamw_scratch;
   // Communication buffers.
-  std::unique_ptr<Allocation> bf16_full, bf16_shard;          // --grad-reduce-in-bf16
-  std::unique_ptr<Allocation> codes_full, codes_received;     // FP8 gradients; FP8 weights
-  std::unique_ptr<Allocation> codes_shard;                    // --fp8-param-gather
+  // One bucket of gradients as they travel (BF16 bits under --grad-reduce-in-bf16, FP8 codes
+  // under --fp8-grad-comm), reduced in place in it and converted back into the gradient slab:
+  // reused by every bucket, in the order of the one lane that carries a step's reductions
+  // (reduce_bucket joins the lanes before another takes it).
+  std::unique_ptr<Allocation> grad_staging;
+  std::unique_ptr<Allocation> codes_received;  // every rank's codes for this rank's part of a bucket (all-to-all)
+  std::unique_ptr<Allocation> weight_codes;    // --fp8-param-gather: the slab's FP8 codes, gathered in place
   std::unique_ptr<Allocation> tensor_amax, tensor_scale, tensor_scale_inv;  // [tensors]
   std::unique_ptr<Allocation> weight_state_of_tensor;        // [tensors] int: the FP8 weight's state, -1
   std::unique_ptr<HostReadback> control_readback;
@@ -205,8 +246,7 @@ struct TrainingEngine::State {
   }
   size_t communication_bytes() const {
     size_t bytes = 0;
-    for (const auto* a : {&grads_shard_storage, &working_shard_storage, &bf16_full, &bf16_shard, &codes_full,
-                          &codes_received, &codes_shard})
+    for (const auto* a : {&grad_staging, &codes_received, &weight_codes})
       if (*a) bytes += (*a)->bytes();
     return bytes;
   }
@@ -225,9 +265,18 @@ struct TrainingEngine::State {
 
   const std::vector<size_t>& buckets_of(int layer) const { return buckets_of_layer[size_t(layer + 1)]; }
   void reduce_bucket(size_t bucket, bool overlapped);
+  void reduce_fp8_bucket(size_t bucket, Communicator& comm, Ops::Lane lane);
   void reduce_gradients();
-  void reduce_fp8_gradients();
-  void publish_parameters();
+  // Orders the main lane after everything queued on the side lane so far.
+  void join_side_lane();
+  // The AdamW call over `table` (the shard's, or an update group's whose first tensor is
+  // first_tensor); the pointers of the per-tensor arrays start at the table's first tensor.
+  AdamWCall adamw_call(const TensorTable& table, const TensorTable* slab, size_t first_tensor, float* scratch,
+                       const AdamWHyperparams& hyperparams);
+  // Bucket b's weights on every rank (all-gather in place), on `lane`.
+  void gather_bucket(size_t b, Communicator& comm, Ops::Lane lane);
+  // The gathers of buckets [first_bucket, end) after the update.
+  void publish_parameters(size_t first_bucket = 0);
   void cast_weights_of(int layer);
   bool collects_fp8_statistics(int64_t step) const {
     if (!fp8_counts || step < 0) return false;
@@ -300,7 +349,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.fp8_grad_reduce = o.fp8_grad_reduce;
   s.fp8_param_gather = o.fp8_param_gather;
   s.grad_comm_dtype = gradient_dtype(o.fp8.format);
-  s.overlap_grad_reduce = o.overlap_grad_reduce && layout.dp_size > 1 && !s.fp8_grad_comm;
+  s.overlap_grad_reduce = o.overlap_grad_reduce && layout.dp_size > 1;
   s.overlap_param_gather = o.overlap_param_gather && s.sharded;
   s.grad_accum_steps = setup.grad_accum_steps;
   GptModel& model = *s.model;
@@ -325,28 +374,40 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   const int parts = s.sharded ? layout.dp_size : 1;
   s.shard = plan_shard(model.layout(), model.buckets(), parts, s.sharded ? layout.dp_rank : 0, layout.tp_rank);
   const size_t S = s.shard.size, total = model.layout().total_elements(), count = s.tensor_count();
-  const size_t act_bytes = device.element_bytes(s.activation_dtype());
   if (!s.sharded && s.activation_dtype() == DType::f32) {
     s.master = static_cast<float*>(model.working());  // the CPU's FP32 working copy is the master
   } else {
     s.master_storage = device.allocate(S * sizeof(float));
     s.master = static_cast<float*>(s.master_storage->data());
   }
-  if (s.sharded) {
-    s.grads_shard_storage = device.allocate(S * sizeof(float));
-    s.grads_shard = static_cast<float*>(s.grads_shard_storage->data());
-    s.working_shard_storage = device.allocate(S * act_bytes);
-    s.working_shard = s.working_shard_storage->data();
-  } else {
-    s.grads_shard = model.gradients();
-    s.working_shard = s.master == model.working() ? nullptr : model.working();
+  s.working_update = s.master == model.working() ? nullptr : model.working();
+  if (!s.sharded) {
     // One part: the master is the whole slab, in the model's layout.
     FP8LM_CHECK(S == total, "an unsharded optimizer holds the whole parameter slab");
     if (s.master != model.working()) model.set_fp8_cast_source(s.master);
   }
-  s.full_table = device.make_table(model.layout());
   s.shard_table = device.make_table(s.shard.layout);
+  if (s.sharded) s.slab_table = device.make_table(s.shard.slab_layout);
   s.norm_table = device.make_table(s.shard.norm_layout);
+  if (s.sharded && s.overlap_param_gather && s.shard.parts.size() > 1) {
+    // The early gather casts nothing: the first bucket's weights travel in the working dtype.
+    FP8LM_CHECK(model.buckets().front().name == "embedding" && !s.shard.parts.front().linear_weights,
+                "the first bucket is the embedding");
+    const size_t after_embedding = s.shard.parts.front().end_tensor;
+    for (const auto& [first, end] : {std::pair<size_t, size_t>{0, after_embedding}, {after_embedding, count}}) {
+      TensorLayout shard_part, slab_part;
+      for (size_t k = first; k < end; ++k) {
+        shard_part.add_at(s.shard.layout.tensors()[k]);
+        slab_part.add_at(s.shard.slab_layout.tensors()[k]);
+      }
+      State::UpdateGroup group;
+      group.shard = device.make_table(shard_part);
+      group.slab = device.make_table(slab_part);
+      group.first_tensor = first;
+      group.scratch = device.allocate(adamw_scratch_floats(end - first) * sizeof(float));
+      s.update_groups.push_back(std::move(group));
+    }
+  }
 
   if (s.state_precision == OptimizerStatePrecision::fp8_fp16) {
     s.m_codes = device.allocate(S * sizeof(uint8_t));
@@ -363,25 +424,26 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.scalars = device.allocate(sizeof(StepScalars));
   s.adamw_scratch = device.allocate(adamw_scratch_floats(count) * sizeof(float));
 
-  if (layout.dp_size > 1 && s.grad_reduce_in_bf16 && !s.fp8_grad_comm) {
-    s.bf16_full = device.allocate(total * sizeof(uint16_t));
-    if (s.sharded) s.bf16_shard = device.allocate(S * sizeof(uint16_t));
-  }
-  size_t largest_part = 0;
-  for (const ShardPlan::Part& p : s.shard.parts) largest_part = std::max(largest_part, p.size);
+  size_t largest_bucket = 0;
+  for (const ParameterBucket& bucket : model.buckets()) largest_bucket = std::max(largest_bucket, bucket.end - bucket.begin);
+  if (layout.dp_size > 1 && s.grad_reduce_in_bf16 && !s.fp8_grad_comm)
+    s.grad_staging = device.allocate(largest_bucket * sizeof(uint16_t));
   if (s.fp8_grad_comm) {
-    s.codes_full = device.allocate(total);
-    s.codes_received = device.allocate(size_t(layout.dp_size) * largest_part);
-    for (const TensorLayout& part_layout : s.shard.part_layouts) s.part_tables.push_back(device.make_table(part_layout));
-  }
-  if (s.fp8_grad_comm || s.fp8_param_gather) {
+    s.grad_staging = device.allocate(largest_bucket);
+    // The all-to-all exchanges codes out of place: every rank's codes of this rank's part.
+    if (s.fp8_grad_reduce == GradReduceAlgorithm::all_to_all) s.codes_received = device.allocate(largest_bucket);
     s.tensor_amax = device.allocate(count * sizeof(float));
     s.tensor_scale = device.allocate(count * sizeof(float));
     s.tensor_scale_inv = device.allocate(count * sizeof(float));
   }
+  if (s.fp8_grad_comm || s.fp8_param_gather) {
+    for (size_t b = 0; b < model.buckets().size(); ++b) {
+      s.bucket_tables.push_back(device.make_table(s.shard.bucket_layouts[b]));
+      s.part_tables.push_back(device.make_table(s.shard.part_layouts[b]));
+    }
+  }
   if (s.fp8_param_gather) {
-    if (!s.codes_full) s.codes_full = device.allocate(total);
-    s.codes_shard = device.allocate(S);
+    s.weight_codes = device.allocate(total);
     std::vector<int32_t> state_of(count, -1);
     for (const WeightOperand& w : model.fp8_weight_operands()) state_of[w.tensor] = w.operand.scaling_state;
     s.weight_state_of_tensor = device.allocate(count * sizeof(int32_t));
@@ -460,35 +522,85 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   ++s.micro_batches;
 }
 
-// Bucket b's gradients complete across ranks: the sequence-parallel partial sums, then
-// the data-parallel reduction (on the side lane when overlapped with the backward). FP8
-// gradients travel for the whole slab at the end of the step (reduce_fp8_gradients).
+// Bucket b's gradients complete across ranks: the sequence-parallel partial sums, then the
+// data-parallel reduction, on the side lane when overlapped with the backward. Every form
+// works in place: the reduced part of the bucket (this rank's with the distributed
+// optimizer, else the whole bucket) ends where its gradients were, in the model's gradient
+// slab; what travels in BF16 or FP8 is cast into the one-bucket staging buffer, reduced in
+// place there, and cast back.
 void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
   const ParameterBucket& bucket = model->buckets()[b];
   float* grads = model->gradients();
   for (const auto& [begin, end] : model->partial_gradient_ranges())
     if (begin >= bucket.begin && end <= bucket.end) tp->sum_partial_gradients(grads + begin, end - begin);
   bucket_reduced[b] = true;
-  if (parallel.dp_size == 1 || fp8_grad_comm) return;
-  const size_t length = bucket.end - bucket.begin;
+  if (parallel.dp_size == 1) return;
+  const ShardPlan::Part& p = shard.parts[b];
+  const Ops::Lane lane = overlapped ? Ops::Lane::side : Ops::Lane::main;
   Communicator& comm = overlapped ? groups->dp_background() : dp();
+  if (fp8_grad_comm) {
+    // The bucket's amaxes start from zero: cleared on the main lane, before the side lane is
+    // told to go on (no other bucket's reduction touches these entries).
+    ops->zero(static_cast<float*>(tensor_amax->data()) + p.first_tensor,
+              (p.end_tensor - p.first_tensor) * sizeof(float));
+  }
   if (overlapped) {
     ops->record(*main_mark, Ops::Lane::main);
     ops->wait(*main_mark, Ops::Lane::side);
     side_lane_busy = true;
+  } else if (side_lane_busy) {
+    join_side_lane();  // the staging buffer was last used there
   }
-  uint16_t* bf16 = grad_reduce_in_bf16 ? static_cast<uint16_t*>(bf16_full->data()) + bucket.begin : nullptr;
-  if (bf16) ops->to_bf16_bits(bf16, grads + bucket.begin, length, overlapped ? Ops::Lane::side : Ops::Lane::main);
-  if (!sharded) {  // a replicated optimizer: every rank's whole bucket summed
-    if (bf16) return comm.all_reduce(bf16, bf16, length, CommDtype::bf16, ReduceOp::sum);
-    return comm.all_reduce(grads + bucket.begin, grads + bucket.begin, length, CommDtype::f32, ReduceOp::sum);
+  if (fp8_grad_comm) return reduce_fp8_bucket(b, comm, lane);
+
+  const size_t length = bucket.end - bucket.begin;
+  float* bucket_grads = grads + bucket.begin;
+  if (!grad_reduce_in_bf16) {
+    if (sharded) return comm.reduce_scatter(bucket_grads, grads + p.part_begin, p.size, CommDtype::f32, ReduceOp::sum);
+    return comm.all_reduce(bucket_grads, bucket_grads, length, CommDtype::f32, ReduceOp::sum);
   }
+  auto* staging = static_cast<uint16_t*>(grad_staging->data());
+  ops->to_bf16_bits(staging, bucket_grads, length, lane);
+  if (sharded) {
+    uint16_t* own = staging + (p.part_begin - bucket.begin);
+    comm.reduce_scatter(staging, own, p.size, CommDtype::bf16, ReduceOp::sum);
+    ops->from_bf16_bits(grads + p.part_begin, own, p.size, lane);
+  } else {  // a replicated optimizer: every rank's whole bucket summed
+    comm.all_reduce(staging, staging, length, CommDtype::bf16, ReduceOp::sum);
+    ops->from_bf16_bits(bucket_grads, staging, length, lane);
+  }
+}
+
+// FP8-LM's automatic scaling, one bucket at a time: one scale per tensor from the MAX of every
+// rank's amax (a small all-reduce of the bucket's tensors), with 1/ranks folded in so that
+// the sum of all ranks' values stays in range; the codes then travel and are summed in FP32
+// (all-to-all) or by the collective (reduce-scatter), and scaled back into this rank's part.
+// A tensor lies in one bucket, so its scale, codes and sum do not depend on which lane, or in
+// which order, the buckets are reduced: overlapped or not, the numbers are the same.
+void TrainingEngine::State::reduce_fp8_bucket(size_t b, Communicator& comm, Ops::Lane lane) {
   const ShardPlan::Part& p = shard.parts[b];
-  if (bf16) {
-    comm.reduce_scatter(bf16, static_cast<uint16_t*>(bf16_shard->data()) + p.shard_offset, p.size, CommDtype::bf16,
-                        ReduceOp::sum);
+  const size_t first = p.first_tensor, count = p.end_tensor - p.first_tensor;
+  const int ranks = parallel.dp_size;
+  float* grads = model->gradients();
+  const float* bucket_grads = grads + p.bucket_begin;
+  float* amax = static_cast<float*>(tensor_amax->data()) + first;
+  float* scale = static_cast<float*>(tensor_scale->data()) + first;
+  float* scale_inv = static_cast<float*>(tensor_scale_inv->data()) + first;
+  ops->tensor_amaxes(amax, bucket_grads, *bucket_tables[b], lane);
+  comm.all_reduce(amax, amax, count, CommDtype::f32, ReduceOp::max);
+  ops->scales_from_amaxes(scale, scale_inv, amax, int(count), fp8_max(grad_comm_dtype), float(ranks), lane);
+  auto* codes = static_cast<uint8_t*>(grad_staging->data());
+  ops->quantize_tensors(codes, bucket_grads, *bucket_tables[b], scale, nullptr, nullptr, grad_comm_dtype, lane);
+  if (fp8_grad_reduce == GradReduceAlgorithm::all_to_all) {
+    auto* received = static_cast<uint8_t*>(codes_received->data());
+    comm.all_to_all(codes, received, p.size, CommDtype::u8);
+    ops->sum_fp8_chunks(grads + p.part_begin, received, ranks, p.size, *part_tables[b], scale_inv, grad_comm_dtype,
+                        lane);
   } else {
-    comm.reduce_scatter(grads + bucket.begin, grads_shard + p.shard_offset, p.size, CommDtype::f32, ReduceOp::sum);
+    const CommDtype wire = grad_comm_dtype == Fp8Dtype::e4m3 ? CommDtype::e4m3 : CommDtype::e5m2;
+    uint8_t* own = codes + (p.part_begin - p.bucket_begin);
+    comm.reduce_scatter(codes, own, p.size, wire, ReduceOp::sum);
+    ops->sum_fp8_chunks(grads + p.part_begin, own, 1, p.size, *part_tables[b], scale_inv, grad_comm_dtype, lane);
   }
 }
 
@@ -496,91 +608,79 @@ void TrainingEngine::State::reduce_gradients() {
   for (size_t b = 0; b < bucket_reduced.size(); ++b)
     if (!bucket_reduced[b]) reduce_bucket(b, /*overlapped=*/false);
   std::fill(bucket_reduced.begin(), bucket_reduced.end(), false);
-  if (side_lane_busy) {
-    ops->record(*side_mark, Ops::Lane::side);
-    ops->wait(*side_mark, Ops::Lane::main);
-    side_lane_busy = false;
-  }
-  if (parallel.dp_size == 1) return;
-  if (fp8_grad_comm) return reduce_fp8_gradients();
-  if (!grad_reduce_in_bf16) return;
-  if (sharded) {
-    ops->from_bf16_bits(grads_shard, static_cast<const uint16_t*>(bf16_shard->data()), shard.size);
+  if (side_lane_busy) join_side_lane();
+}
+
+void TrainingEngine::State::join_side_lane() {
+  ops->record(*side_mark, Ops::Lane::side);
+  ops->wait(*side_mark, Ops::Lane::main);
+  side_lane_busy = false;
+}
+
+// Every rank's updated weights on every rank, gathered in place in the working slab (BF16 on
+// the GPU), or, under --fp8-param-gather, the Linear weights as FP8 codes, which each owner
+// casts from its master part with the scale every rank agreed on, into its place among the
+// codes. With an overlapped gather the casts and the gathers run on the side lane, bucket by
+// bucket in slab order (the embedding first, which the next forward needs first; end_step
+// may have started it already), and the weight operands are cast layer by layer as the next
+// forward reaches them; otherwise now.
+void TrainingEngine::State::publish_parameters(size_t first_bucket) {
+  Ops& device = *ops;
+  std::fill(refresh_pending.begin(), refresh_pending.end(), true);
+  if (!sharded) {  // the master is the whole slab: nothing travels
+    if (fp8_param_gather)
+      device.quantize_tensors(static_cast<uint8_t*>(weight_codes->data()), master, *shard_table, device.scales(),
+                              static_cast<const int*>(weight_state_of_tensor->data()), device.amax_history_row(),
+                              forward_dtype(recipe.format));
   } else {
-    ops->from_bf16_bits(model->gradients(), static_cast<const uint16_t*>(bf16_full->data()),
-                        model->layout().total_elements());
-  }
-}
-
-void TrainingEngine::State::reduce_fp8_gradients() {
-  Ops& device = *ops;
-  float* grads = model->gradients();
-  const int ranks = parallel.dp_size;
-  // FP8-LM's automatic scaling: one scale per tensor, from the MAX of every rank's amax,
-  // with 1/ranks folded in so that the sum of all ranks' values stays in range.
-  float* amax = static_cast<float*>(tensor_amax->data());
-  float* scale = static_cast<float*>(tensor_scale->data());
-  float* scale_inv = static_cast<float*>(tensor_scale_inv->data());
-  const int count = int(tensor_count());
-  device.zero(amax, count * sizeof(float));
-  device.tensor_amaxes(amax, grads, *full_table);
-  dp().all_reduce(amax, amax, count, CommDtype::f32, ReduceOp::max);
-  device.scales_from_amaxes(scale, scale_inv, amax, count, fp8_max(grad_comm_dtype), float(ranks));
-  uint8_t* codes = static_cast<uint8_t*>(codes_full->data());
-  device.quantize_tensors(codes, grads, *full_table, scale, nullptr, nullptr, grad_comm_dtype);
-  uint8_t* received = static_cast<uint8_t*>(codes_received->data());
-  const CommDtype wire = grad_comm_dtype == Fp8Dtype::e4m3 ? CommDtype::e4m3 : CommDtype::e5m2;
-  for (size_t b = 0; b < shard.parts.size(); ++b) {
-    const ShardPlan::Part& p = shard.parts[b];
-    if (fp8_grad_reduce == GradReduceAlgorithm::all_to_all) {
-      dp().all_to_all(codes + p.bucket_begin, received, p.size, CommDtype::u8);
-      device.sum_fp8_chunks(grads_shard + p.shard_offset, received, ranks, p.size, *part_tables[b], scale_inv,
-                            grad_comm_dtype);
-    } else {
-      dp().reduce_scatter(codes + p.bucket_begin, received, p.size, wire, ReduceOp::sum);
-      device.sum_fp8_chunks(grads_shard + p.shard_offset, received, 1, p.size, *part_tables[b], scale_inv,
-                            grad_comm_dtype);
-    }
-  }
-}
-
-// Every rank's updated weights on every rank: the working copy's parts all-gathered (BF16
-// on the GPU), or, under --fp8-param-gather, the Linear weights as FP8 codes cast by their
-// owner with the scale every rank agreed on. Then the weight operands are cast, now or,
-// with an overlapped gather, layer by layer as the next forward reaches them.
-void TrainingEngine::State::publish_parameters() {
-  Ops& device = *ops;
-  if (fp8_param_gather) {
-    device.quantize_tensors(static_cast<uint8_t*>(codes_shard->data()), master, *shard_table, device.scales(),
-                            static_cast<const int*>(weight_state_of_tensor->data()), device.amax_history_row(),
-                            forward_dtype(recipe.format));
-  }
-  if (sharded) {
+    const Ops::Lane lane = overlap_param_gather ? Ops::Lane::side : Ops::Lane::main;
     Communicator& comm = overlap_param_gather ? groups->dp_background() : dp();
     if (overlap_param_gather) {
       ops->record(*main_mark, Ops::Lane::main);
       ops->wait(*main_mark, Ops::Lane::side);
     }
-    const CommDtype working_dtype = storage_dtype(device, activation_dtype());
-    const size_t act_bytes = device.element_bytes(activation_dtype());
-    char* working = static_cast<char*>(model->working());
-    const char* working_part = static_cast<const char*>(working_shard);
-    const uint8_t* codes_part = fp8_param_gather ? static_cast<const uint8_t*>(codes_shard->data()) : nullptr;
-    for (size_t b = 0; b < shard.parts.size(); ++b) {
-      const ShardPlan::Part& p = shard.parts[b];
-      if (fp8_param_gather && p.linear_weights) {
-        comm.all_gather(codes_part + p.shard_offset, static_cast<uint8_t*>(codes_full->data()) + p.bucket_begin, p.size,
-                        CommDtype::u8);
-      } else {
-        comm.all_gather(working_part + p.shard_offset * act_bytes, working + p.bucket_begin * act_bytes, p.size,
-                        working_dtype);
-      }
-      if (overlap_param_gather) ops->record(*gathered[b], Ops::Lane::side);
-    }
+    for (size_t b = first_bucket; b < shard.parts.size(); ++b) gather_bucket(b, comm, lane);
   }
-  std::fill(refresh_pending.begin(), refresh_pending.end(), true);
   if (!overlap_param_gather)
     for (int layer = -1; layer <= model->config().n_layer; ++layer) cast_weights_of(layer);
+}
+
+void TrainingEngine::State::gather_bucket(size_t b, Communicator& comm, Ops::Lane lane) {
+  Ops& device = *ops;
+  const ShardPlan::Part& p = shard.parts[b];
+  if (fp8_param_gather && p.linear_weights) {
+    auto* codes = static_cast<uint8_t*>(weight_codes->data());
+    const auto* state_of = static_cast<const int*>(weight_state_of_tensor->data());
+    device.quantize_tensors(codes + p.part_begin, master + p.shard_offset, *part_tables[b], device.scales(),
+                            state_of + p.first_tensor, device.amax_history_row(), forward_dtype(recipe.format), lane);
+    comm.all_gather(codes + p.part_begin, codes + p.bucket_begin, p.size, CommDtype::u8);
+  } else {
+    const size_t act_bytes = device.element_bytes(activation_dtype());
+    char* working = static_cast<char*>(model->working());
+    comm.all_gather(working + p.part_begin * act_bytes, working + p.bucket_begin * act_bytes, p.size,
+                    storage_dtype(device, activation_dtype()));
+  }
+  if (lane == Ops::Lane::side) ops->record(*gathered[b], Ops::Lane::side);
+}
+
+AdamWCall TrainingEngine::State::adamw_call(const TensorTable& table, const TensorTable* slab, size_t first_tensor,
+                                            float* scratch, const AdamWHyperparams& hyperparams) {
+  AdamWCall update;
+  update.table = &table;
+  update.slab_table = slab;  // sharded: the gradients and working values stay in the slabs
+  update.master = master;
+  update.working = working_update;
+  update.grads = model->gradients();
+  update.precision = state_precision;
+  update.state = optimizer_slabs();
+  if (update.state.m_scales) {
+    update.state.m_scales += first_tensor;
+    update.state.v_scales += first_tensor;
+  }
+  update.hyperparams = hyperparams;
+  update.control = control();
+  update.scratch = scratch;
+  return update;
 }
 
 // The layer's gathered weights in use: wait for their buckets, cast the weight operands.
@@ -591,8 +691,7 @@ void TrainingEngine::State::cast_weights_of(int layer) {
     for (size_t b : buckets_of(layer)) ops->wait(*gathered[b], Ops::Lane::main);
   model->refresh_weight_operands(layer, /*fp8_linear_weights=*/!fp8_param_gather);
   if (!fp8_param_gather) return;
-  // With one part this rank's codes are every code (the shard is the slab).
-  const uint8_t* codes = static_cast<const uint8_t*>(sharded ? codes_full->data() : codes_shard->data());
+  const auto* codes = static_cast<const uint8_t*>(weight_codes->data());
   for (const WeightOperand& w : model->fp8_weight_operands())
     if (w.layer == layer) ops->fp8_weight_from_codes(w.operand, codes + model->layout().tensors()[w.tensor].offset);
 }
@@ -607,28 +706,39 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   // The global norm over every rank's share (tensors replicated across tensor-parallel
   // ranks counted once), and the step's loss over the data-parallel ranks: every rank
   // takes the same decision.
-  ops.grad_sum_of_squares(&scalars->sum_of_squares, s.grads_shard, *s.norm_table);
+  ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
   if (s.world().size() > 1)
     s.world().all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
   if (s.dp().size() > 1) s.dp().all_reduce(&scalars->loss_sum, &scalars->loss_sum, 1, CommDtype::f32, ReduceOp::sum);
   ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum,
                     s.tokens_per_micro_batch * float(std::max(s.micro_batches, 1)), clip_grad);
 
-  AdamWCall update;
-  update.table = s.shard_table.get();
-  update.master = s.master;
-  update.working = s.working_shard;
-  update.grads = s.grads_shard;
-  update.precision = s.state_precision;
-  update.state = s.optimizer_slabs();
-  update.hyperparams = hyperparams;
-  update.control = s.control();
-  update.scratch = static_cast<float*>(s.adamw_scratch->data());
-  ops.adamw_moment_amaxes(update);
+  std::vector<AdamWCall> updates;
+  if (s.update_groups.empty()) {
+    updates.push_back(s.adamw_call(*s.shard_table, s.slab_table.get(), 0, static_cast<float*>(s.adamw_scratch->data()),
+                                   hyperparams));
+  } else {
+    for (const State::UpdateGroup& group : s.update_groups)
+      updates.push_back(s.adamw_call(*group.shard, group.slab.get(), group.first_tensor,
+                                     static_cast<float*>(group.scratch->data()), hyperparams));
+  }
+  for (const AdamWCall& update : updates) ops.adamw_moment_amaxes(update);
   // A tensor split across ranks gets one moment scale: the MAX of every part's amax.
-  if (s.world().size() > 1 && s.state_precision == OptimizerStatePrecision::fp8_fp16)
-    s.world().all_reduce(update.scratch, update.scratch, 2 * s.tensor_count(), CommDtype::f32, ReduceOp::max);
-  ops.adamw_apply(update);
+  if (s.world().size() > 1 && s.state_precision == OptimizerStatePrecision::fp8_fp16) {
+    for (const AdamWCall& update : updates) {
+      const size_t tensors = update.table->layout().tensors().size();
+      s.world().all_reduce(update.scratch, update.scratch, 2 * tensors, CommDtype::f32, ReduceOp::max);
+    }
+  }
+  for (size_t i = 0; i < updates.size(); ++i) {
+    ops.adamw_apply(updates[i]);
+    if (i > 0 || updates.size() == 1) continue;
+    // The embedding's part is updated: its gather starts on the side lane now, while AdamW
+    // updates the rest on the main lane (other parts of the working slab).
+    ops.record(*s.main_mark, Ops::Lane::main);
+    ops.wait(*s.main_mark, Ops::Lane::side);
+    s.gather_bucket(0, s.groups->dp_background(), Ops::Lane::side);
+  }
 
   // The FP8 scale update: THE place scales change (core/scaling.h). Every rank's amaxes of
   // the step first become one row (the MAX), so every rank computes the same scales. A
@@ -650,7 +760,7 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
   s.weights_from_refresh = false;
   s.next_step = step + 1;
-  s.publish_parameters();
+  s.publish_parameters(/*first_bucket=*/s.update_groups.empty() ? 0 : 1);
   s.control_readback->capture(s.control());
 }
 
@@ -884,6 +994,9 @@ void TrainingEngine::set_optimizer_state(const OptimizerSnapshot& snapshot) {
 ScalingSnapshot TrainingEngine::scaling_state() {
   State& s = *state_;
   ScalingTable& table = s.model->scaling();
+  // An overlapped FP8 weight gather casts on the side lane, recording the weights' amaxes
+  // into this row: the all-reduce below must come after it.
+  s.join_side_lane();
   // The amaxes recorded since the last update (the weights') are this rank's parts: the
   // row every rank would agree on at the next step is what is saved.
   if (s.world().size() > 1 && table.size() > 0)
@@ -941,6 +1054,8 @@ BenchmarkMemory TrainingEngine::benchmark_memory() const {
   BenchmarkMemory memory;
   memory.allocated_bytes = s.allocated_bytes();
   memory.device_used_bytes = s.ops->device_memory_in_use();
+  memory.optimizer_bytes = s.optimizer_bytes();
+  memory.communication_bytes = s.communication_bytes();
   return memory;
 }
 

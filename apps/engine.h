@@ -31,8 +31,10 @@ namespace fp8lm {
 struct RunSetup;
 
 struct BenchmarkMemory {
-  size_t allocated_bytes = 0;    // every slab the engine allocated
-  size_t device_used_bytes = 0;  // the device's own count (context and library pools included)
+  size_t allocated_bytes = 0;      // every slab the engine allocated
+  size_t device_used_bytes = 0;    // the device's own count (context and library pools included)
+  size_t optimizer_bytes = 0;      // of allocated_bytes: the FP32 master and the optimizer state (this rank's shard)
+  size_t communication_bytes = 0;  // of allocated_bytes: the data-parallel communication buffers
 };
 
 // The optimizer state in its stored precision, on the host (checkpoints).
@@ -130,7 +132,8 @@ class TrainingEngine {
   std::vector<float> parameters();
   void set_parameters(const std::vector<float>& values);
   // The FP32 gradients of the last micro-batches before any reduction, this rank's part,
-  // in the canonical layout (tests; with one rank: the step's gradients).
+  // in the canonical layout (tests; with one rank: the step's gradients). After end_step
+  // with several data-parallel ranks, the slab has been reduced in place: not meaningful.
   std::vector<float> gradients();
 
   // Checkpoint state. Setting it replaces the engine's state wholesale; the caller has

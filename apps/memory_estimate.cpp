@@ -343,13 +343,16 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
               ? "pass --optimizer-state-precision fp8-fp16, or " + zero
               : zero);
 
+  // The data-parallel collectives work in place in the gradient and working slabs (the engine's
+  // ZeRO-1): what they need besides is one bucket of gradients as they travel (BF16 bits, or
+  // FP8 codes and, for the all-to-all, every rank's codes of this rank's part), and under
+  // --fp8-param-gather the FP8 codes of the whole slab, gathered in place.
   uint64_t communication = 0;
-  if (sharded) communication = add(communication, add(mul(S, 4), mul(S, eb(act))));
   const bool fp8_grad_comm = o.fp8_grad_comm && x.dp > 1;
-  if (x.dp > 1 && o.grad_reduce_in_bf16 && !fp8_grad_comm) communication = sum({communication, mul(n, 2), sharded ? mul(S, 2) : 0});
-  // FP8 codes of the whole slab, and every rank's part of the largest bucket as received.
-  if (fp8_grad_comm) communication = sum({communication, n, slab.largest_bucket});
-  if (o.fp8_param_gather) communication = sum({communication, fp8_grad_comm ? 0 : n, S});
+  if (x.dp > 1 && o.grad_reduce_in_bf16 && !fp8_grad_comm) communication = mul(slab.largest_bucket, 2);
+  if (fp8_grad_comm)
+    communication = mul(slab.largest_bucket, o.fp8_grad_reduce == GradReduceAlgorithm::all_to_all ? 2 : 1);
+  if (o.fp8_param_gather) communication = add(communication, n);
   if (communication) backend("communication buffers (data-parallel)", communication, more_tp);
 
   backend("activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) +

@@ -68,31 +68,32 @@ class ObservedOps final : public Ops {
   double elapsed_ms(LaneEvent& start, LaneEvent& end) override { return inner_->elapsed_ms(start, end); }
 
   // ---- Slabs of the parameter layout
-  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
-    observed(per_element("optimizer", "tensor_amaxes", table, 4.0), [&] { inner_->tensor_amaxes(amaxes, values, table); });
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table, Lane lane) override {
+    observed(per_element("optimizer", "tensor_amaxes", table, 4.0, lane),
+             [&] { inner_->tensor_amaxes(amaxes, values, table, lane); });
   }
   void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
-                          float headroom) override {
-    observed(named("optimizer", "scales_from_amaxes"),
-             [&] { inner_->scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom); });
+                          float headroom, Lane lane) override {
+    observed(named("optimizer", "scales_from_amaxes", lane),
+             [&] { inner_->scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom, lane); });
   }
   void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
-                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
-    observed(per_element("cast", "quantize_tensors", table, 4.0 + 1.0),
-             [&] { inner_->quantize_tensors(codes, values, table, scales, scale_index, recorded_amax, dtype); });
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype, Lane lane) override {
+    observed(per_element("cast", "quantize_tensors", table, 4.0 + 1.0, lane),
+             [&] { inner_->quantize_tensors(codes, values, table, scales, scale_index, recorded_amax, dtype, lane); });
   }
   void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
-                      const float* scale_inv, Fp8Dtype dtype) override {
-    observed(per_element("cast", "sum_fp8_chunks", table, ranks + 4.0),
-             [&] { inner_->sum_fp8_chunks(out, chunks, ranks, chunk_stride, table, scale_inv, dtype); });
+                      const float* scale_inv, Fp8Dtype dtype, Lane lane) override {
+    observed(per_element("cast", "sum_fp8_chunks", table, ranks + 4.0, lane),
+             [&] { inner_->sum_fp8_chunks(out, chunks, ranks, chunk_stride, table, scale_inv, dtype, lane); });
   }
   void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
     observed({"cast", lane, [] { return std::string("to_bf16_bits"); }, [&] { return OpCost{0, 6.0 * n}; }},
              [&] { inner_->to_bf16_bits(out, in, n, lane); });
   }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
-    observed({"cast", Lane::main, [] { return std::string("from_bf16_bits"); }, [&] { return OpCost{0, 6.0 * n}; }},
-             [&] { inner_->from_bf16_bits(out, in, n); });
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane) override {
+    observed({"cast", lane, [] { return std::string("from_bf16_bits"); }, [&] { return OpCost{0, 6.0 * n}; }},
+             [&] { inner_->from_bf16_bits(out, in, n, lane); });
   }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     observed({"cast", Lane::main, [] { return std::string("fp8_weight_from_codes"); },
@@ -262,6 +263,7 @@ class ObservedOps final : public Ops {
     const char* op_name;
     double elements;
     double bytes_per_element;
+    Lane lane = Lane::main;
   };
 
   void observed(const OpEvent& event, FunctionRef<void()> work) {
@@ -270,7 +272,7 @@ class ObservedOps final : public Ops {
     observer_->after(event);
   }
   void observed(const PerElement& op, FunctionRef<void()> work) {
-    observed({op.op_class, Lane::main, [&] { return std::string(op.op_name); },
+    observed({op.op_class, op.lane, [&] { return std::string(op.op_name); },
               [&] { return OpCost{0, op.elements * op.bytes_per_element}; }},
              work);
   }
@@ -283,10 +285,14 @@ class ObservedOps final : public Ops {
     observer_->before(event);
     observer_->after(event);
   }
-  static PerElement named(const char* op_class, const char* op_name) { return {op_class, op_name, 0.0, 0.0}; }
+  static PerElement named(const char* op_class, const char* op_name, Lane lane = Lane::main) {
+    return {op_class, op_name, 0.0, 0.0, lane};
+  }
+  // Over the table's tensors, not its extent: a table of this rank's pieces at their slab
+  // positions (the distributed optimizer's) spans the whole slab but covers a shard of it.
   static PerElement per_element(const char* op_class, const char* op_name, const TensorTable& table,
-                                double bytes_per_element) {
-    return {op_class, op_name, double(table.layout().total_elements()), bytes_per_element};
+                                double bytes_per_element, Lane lane = Lane::main) {
+    return {op_class, op_name, double(table.layout().count_parameters()), bytes_per_element, lane};
   }
 
   double bytes(const Tensor& t) const { return t ? double(t.numel()) * double(element_bytes(t.dtype)) : 0.0; }

@@ -160,6 +160,13 @@ struct AdamWCall {
   float* master = nullptr;        // FP32 master weights, updated
   void* working = nullptr;        // the working copy (activation dtype), rewritten; null when it is the master
   const float* grads = nullptr;   // unscaled; control->grad_scale applies the clip
+  // Where each tensor's gradient (in `grads`) and working value (in `working`) sit, when
+  // not at table's offsets: nullptr means at them. The distributed optimizer packs the
+  // master and the state of this rank's pieces in its shard, while their gradients stay where
+  // the in-place reduce-scatter leaves them in the model's gradient slab and their working
+  // values go where the in-place all-gather reads them in the working slab. Same tensors and
+  // numels as table.
+  const TensorTable* slab_table = nullptr;
   OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
   AdamWStateSlabs state;
   AdamWHyperparams hyperparams;
@@ -249,17 +256,21 @@ class Ops {
   virtual double elapsed_ms(LaneEvent& start, LaneEvent& end) = 0;
 
   // ---- Slabs of the parameter layout (optim/slab_ops.h) ----------------------------
-  virtual void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) = 0;
+  // Each runs on `lane`: the overlapped data-parallel traffic casts, scales and sums its
+  // buckets on the side lane, off the backward's critical path (and the weight casts of the
+  // FP8 weight gather, off the next forward's).
+  virtual void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table, Lane lane = Lane::main) = 0;
   virtual void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
-                                  float headroom) = 0;
+                                  float headroom, Lane lane = Lane::main) = 0;
   virtual void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
-                                const int* scale_index, float* recorded_amax, Fp8Dtype dtype) = 0;
+                                const int* scale_index, float* recorded_amax, Fp8Dtype dtype,
+                                Lane lane = Lane::main) = 0;
   virtual void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
-                              const TensorTable& table, const float* scale_inv, Fp8Dtype dtype) = 0;
-  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements. The
-  // overlapped reduction casts on the side lane, off the backward's critical path.
+                              const TensorTable& table, const float* scale_inv, Fp8Dtype dtype,
+                              Lane lane = Lane::main) = 0;
+  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements.
   virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane = Lane::main) = 0;
-  virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n) = 0;
+  virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane = Lane::main) = 0;
   // An FP8 weight operand [N,K] (and its transposed copy) from gathered FP8 codes [N,K].
   virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;
 

@@ -140,25 +140,28 @@ class CpuOps final : public Ops {
   }
 
   // ---- Slabs
-  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
+  // The CPU runs both lanes in program order: the lane arguments change nothing here.
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table, Lane) override {
     cpu::tensor_amaxes(amaxes, values, table.layout());
   }
   void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
-                          float headroom) override {
+                          float headroom, Lane) override {
     cpu::scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom);
   }
   void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
-                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype, Lane) override {
     // Only the FP8 weight casts (scale_index maps tensors to scaling states) are counted.
     cpu::quantize_tensors(codes, values, table.layout(), scales, scale_index, recorded_amax, dtype,
                           scale_index ? counting() : nullptr);
   }
   void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
-                      const float* scale_inv, Fp8Dtype dtype) override {
+                      const float* scale_inv, Fp8Dtype dtype, Lane) override {
     cpu::sum_fp8_chunks(out, chunks, ranks, chunk_stride, table.layout(), scale_inv, dtype);
   }
   void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane) override { cpu::convert_f32_to_bf16(out, in, n); }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override { cpu::convert_bf16_to_f32(out, in, n); }
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane) override {
+    cpu::convert_bf16_to_f32(out, in, n);
+  }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     cpu::decode_fp8(f32(operand), codes, size_t(operand.numel()), fp8_dtype_of(operand.dtype));
     if (operand.transposed)
@@ -408,22 +411,28 @@ class CpuOps final : public Ops {
     const size_t count = call.table->layout().tensors().size();
     std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
     cpu::adamw_moment_amaxes(call.table->layout(), call.grads, call.state, call.hyperparams, call.control->step_count,
-                             call.control->grad_scale, call.scratch);
+                             call.control->grad_scale, call.scratch, slab_layout(call));
   }
   void adamw_apply(const AdamWCall& call) override {
     check_adamw_hyperparams(call.hyperparams);
     if (call.control->skip) return;
     const TensorLayout& layout = call.table->layout();
     cpu::adamw_apply(layout, call.precision, call.master, call.grads, call.state, call.hyperparams,
-                     call.control->step_count, call.control->grad_scale, call.scratch);
+                     call.control->step_count, call.control->grad_scale, call.scratch, slab_layout(call));
     if (call.working == nullptr || call.working == call.master) return;
-    // A separate working copy (sharded state): this rank's values, as they will be gathered.
+    // A separate working copy (sharded state): this rank's values, where they will be gathered.
     float* working = static_cast<float*>(call.working);
-    for (const TensorInfo& t : layout.tensors())
-      std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + t.offset);
+    const TensorLayout& working_layout = call.slab_table ? call.slab_table->layout() : layout;
+    for (size_t k = 0; k < layout.tensors().size(); ++k) {
+      const TensorInfo& t = layout.tensors()[k];
+      std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + working_layout.tensors()[k].offset);
+    }
   }
 
  private:
+  static const TensorLayout* slab_layout(const AdamWCall& call) {
+    return call.slab_table ? &call.slab_table->layout() : nullptr;
+  }
   // Writes FP32 values into `out` in its dtype: FP8 with its scaling state (current
   // scaling takes the values' amax now; the amax is recorded for the delayed window when
   // `record`), and its transposed copy when it has one.

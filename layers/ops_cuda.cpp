@@ -293,35 +293,35 @@ class CudaOps final : public Ops {
     return ms;
   }
   void record(LaneEvent& event, Lane lane) override {
-    CUDA_CHECK(cudaEventRecord(static_cast<CudaLaneEvent&>(event).event, lane == Lane::main ? stream_ : side_stream_));
+    CUDA_CHECK(cudaEventRecord(static_cast<CudaLaneEvent&>(event).event, stream_of(lane)));
   }
   void wait(LaneEvent& event, Lane lane) override {
-    CUDA_CHECK(cudaStreamWaitEvent(lane == Lane::main ? stream_ : side_stream_, static_cast<CudaLaneEvent&>(event).event, 0));
+    CUDA_CHECK(cudaStreamWaitEvent(stream_of(lane), static_cast<CudaLaneEvent&>(event).event, 0));
   }
 
   // ---- Slabs
-  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table) override {
-    cuda::tensor_amaxes(amaxes, values, device_table(table), stream_);
+  void tensor_amaxes(float* amaxes, const float* values, const TensorTable& table, Lane lane) override {
+    cuda::tensor_amaxes(amaxes, values, device_table(table), stream_of(lane));
   }
   void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
-                          float headroom) override {
-    cuda::scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom, stream_);
+                          float headroom, Lane lane) override {
+    cuda::scales_from_amaxes(scales, scale_inv, amaxes, count, fp8_max, headroom, stream_of(lane));
   }
   void quantize_tensors(uint8_t* codes, const float* values, const TensorTable& table, const float* scales,
-                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype) override {
+                        const int* scale_index, float* recorded_amax, Fp8Dtype dtype, Lane lane) override {
     // Only the FP8 weight casts (scale_index maps tensors to scaling states) are counted.
-    cuda::quantize_tensors(codes, values, device_table(table), scales, scale_index, recorded_amax, dtype, stream_,
+    cuda::quantize_tensors(codes, values, device_table(table), scales, scale_index, recorded_amax, dtype, stream_of(lane),
                            scale_index ? counting() : nullptr);
   }
   void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride, const TensorTable& table,
-                      const float* scale_inv, Fp8Dtype dtype) override {
-    cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_);
+                      const float* scale_inv, Fp8Dtype dtype, Lane lane) override {
+    cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_of(lane));
   }
   void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
-    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, lane == Lane::side ? side_stream_ : stream_);
+    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, stream_of(lane));
   }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n) override {
-    cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_);
+  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane) override {
+    cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_of(lane));
   }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     if (operand.data != codes) copy(operand.data, codes, size_t(operand.numel()));
@@ -608,7 +608,7 @@ class CudaOps final : public Ops {
     if (call.precision != OptimizerStatePrecision::fp8_fp16) return;
     cuda::adamw_fp8_fp16_moment_amaxes(call.grads, call.state.m8, call.state.v16, call.state.m_scales,
                                        call.state.v_scales, device_table(*call.table), call.hyperparams, call.control,
-                                       call.scratch, stream_);
+                                       call.scratch, stream_, slab_offsets(call));
   }
   void adamw_apply(const AdamWCall& call) override {
     const cuda::DeviceTensorTable& table = device_table(*call.table);
@@ -616,15 +616,25 @@ class CudaOps final : public Ops {
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
       cuda::adamw_fp8_fp16_apply(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
-                                 call.state.v_scales, table, call.hyperparams, call.control, call.scratch, stream_);
+                                 call.state.v_scales, table, call.hyperparams, call.control, call.scratch, stream_,
+                                 slab_offsets(call));
     } else {
       cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, table,
-                            call.hyperparams, call.control, stream_);
+                            call.hyperparams, call.control, stream_, slab_offsets(call));
     }
   }
 
  private:
   static constexpr int kStagingSlots = 4;
+
+  cudaStream_t stream_of(Lane lane) const { return lane == Lane::side ? side_stream_ : stream_; }
+  // AdamW's gradient and working-copy offsets when they differ from the state's (sharded).
+  static const uint64_t* slab_offsets(const AdamWCall& call) {
+    if (call.slab_table == nullptr) return nullptr;
+    const cuda::DeviceTensorTable& slab = device_table(*call.slab_table);
+    FP8LM_CHECK(slab.count == device_table(*call.table).count, "AdamW: the slab table must hold the state's tensors");
+    return slab.offsets;
+  }
 
   static const cuda::DeviceTensorTable& device_table(const TensorTable& table) {
     return static_cast<const DeviceTable&>(table).table();

@@ -113,28 +113,42 @@ void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, u
   v_scale = new_v_scale;
 }
 
+namespace {
+
+// Where tensor k's gradient starts: at its offset in `layout`, or in `grad_layout` when given.
+const float* gradient_of(const float* grads, const TensorLayout& layout, const TensorLayout* grad_layout, size_t k) {
+  if (grad_layout == nullptr) return grads + layout.tensors()[k].offset;
+  FP8LM_CHECK(grad_layout->tensors().size() == layout.tensors().size() &&
+                  grad_layout->tensors()[k].numel == layout.tensors()[k].numel,
+              "AdamW: the gradients' layout must hold the same tensors as the state's");
+  return grads + grad_layout->tensors()[k].offset;
+}
+
+}  // namespace
+
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
-                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes) {
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
+                         const TensorLayout* grad_layout) {
   const auto& tensors = layout.tensors();
   const size_t count = tensors.size();
   for (size_t k = 0; k < count; ++k) {
     const TensorInfo& info = tensors[k];
     const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
-    adamw_moment_amax_fp8_fp16(grads + info.offset, state.m8 + info.offset, state.v16 + info.offset, info.numel,
+    adamw_moment_amax_fp8_fp16(gradient_of(grads, layout, grad_layout, k), state.m8 + info.offset, state.v16 + info.offset, info.numel,
                                state.m_scales[k], state.v_scales[k], s, amaxes[k], amaxes[count + k]);
   }
 }
 
 void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                  const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
-                 const float* amaxes) {
+                 const float* amaxes, const TensorLayout* grad_layout) {
   const auto& tensors = layout.tensors();
   const size_t count = tensors.size();
   for (size_t k = 0; k < count; ++k) {
     const TensorInfo& info = tensors[k];
     const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
     float* p = params + info.offset;
-    const float* g = grads + info.offset;
+    const float* g = gradient_of(grads, layout, grad_layout, k);
     if (precision == OptimizerStatePrecision::fp32) {
       adamw_tensor_fp32(p, g, state.m32 + info.offset, state.v32 + info.offset, info.numel, s);
     } else {

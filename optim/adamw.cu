@@ -60,6 +60,14 @@ __device__ __forceinline__ ChunkRange chunk_of_block(const DeviceTensorTable& ta
   return r;
 }
 
+// Where the chunk's first element sits in the gradient and working slabs: at its table
+// index, or at the tensor's slab offset (the distributed optimizer's pieces, reduced and
+// gathered in place in the model's slabs) plus its place in the tensor.
+__device__ __forceinline__ uint64_t slab_index(const DeviceTensorTable& table, const uint64_t* slab_offsets,
+                                               const ChunkRange& c) {
+  return slab_offsets == nullptr ? c.begin : slab_offsets[c.k] + (c.begin - table.offsets[c.k]);
+}
+
 // ---- per-element helpers (the arithmetic itself is optim/adamw.h's, shared with the host) ----
 
 // adamw_step_scalars(): 1 - beta^t in double, rounded to float.
@@ -130,7 +138,8 @@ __device__ __forceinline__ void store_vec(T* base, uint64_t i, V value) {
 __global__ void __launch_bounds__(kThreads)
     adamw_fp8_pass1_kernel(const float* __restrict__ grads, const uint8_t* __restrict__ m_codes,
                            const uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
-                           const float* __restrict__ v_scales, DeviceTensorTable table, AdamWHyperparams hp,
+                           const float* __restrict__ v_scales, DeviceTensorTable table,
+                           const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                            const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok) {
   if (control->skip) return;  // uniform over the grid
   const ChunkRange c = chunk_of_block(table);
@@ -148,9 +157,9 @@ __global__ void __launch_bounds__(kThreads)
     amax_v = v > amax_v ? v : amax_v;
   };
 
-  const uint64_t b = c.begin;
+  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
@@ -158,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
       float g[4];
       uint8_t mc[4];
       uint16_t vb[4];
-      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<float4>(grads, gb + 4ull * j), g);
       unpack4(load_vec<uint32_t>(m_codes, i), mc);
       unpack4(load_vec<uint2>(v_bits, i), vb);
 #pragma unroll
@@ -166,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     scalar_from = nvec * 4;
   }
-  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(grads[b + i], m_codes[b + i], v_bits[b + i]);
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(grads[gb + i], m_codes[b + i], v_bits[b + i]);
 
   // Block max (exact, order-independent), then one atomic per block and moment.
   __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
@@ -220,7 +229,8 @@ __global__ void __launch_bounds__(kThreads)
     adamw_fp8_pass2_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16,
                            const float* __restrict__ grads, uint8_t* __restrict__ m_codes,
                            uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
-                           const float* __restrict__ v_scales, DeviceTensorTable table, AdamWHyperparams hp,
+                           const float* __restrict__ v_scales, DeviceTensorTable table,
+                           const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                            const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok) {
   if (control->skip) return;
   const ChunkRange c = chunk_of_block(table);
@@ -241,37 +251,37 @@ __global__ void __launch_bounds__(kThreads)
     vb = encode_v(v, v_scale);
   };
 
-  const uint64_t b = c.begin;
+  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads and params_bf16
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
-      const uint64_t i = b + 4ull * j;
+      const uint64_t i = b + 4ull * j, gi = gb + 4ull * j;
       float g[4], p[4];
       uint8_t mc[4];
       uint16_t vb[4], pb[4];
-      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<float4>(grads, gi), g);
       unpack4(load_vec<float4>(master, i), p);
       unpack4(load_vec<uint32_t>(m_codes, i), mc);
       unpack4(load_vec<uint2>(v_bits, i), vb);
 #pragma unroll
       for (int l = 0; l < 4; ++l) update(g[l], p[l], mc[l], vb[l], pb[l]);
       store_vec(master, i, pack4(p));
-      store_vec(params_bf16, i, pack4(pb));
+      store_vec(params_bf16, gi, pack4(pb));
       store_vec(m_codes, i, pack4(mc));
       store_vec(v_bits, i, pack4(vb));
     }
     scalar_from = nvec * 4;
   }
   for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
-    const uint64_t e = b + i;
+    const uint64_t e = b + i, ge = gb + i;
     float p = master[e];
     uint8_t mc = m_codes[e];
     uint16_t vb = v_bits[e], pb;
-    update(grads[e], p, mc, vb, pb);
+    update(grads[ge], p, mc, vb, pb);
     master[e] = p;
-    params_bf16[e] = pb;
+    params_bf16[ge] = pb;
     m_codes[e] = mc;
     v_bits[e] = vb;
   }
@@ -281,7 +291,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     adamw_fp32_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16, const float* __restrict__ grads,
                       float* __restrict__ m_state, float* __restrict__ v_state, DeviceTensorTable table,
-                      AdamWHyperparams hp, const StepControl* __restrict__ control, bool vec_ok) {
+                      const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
+                      const StepControl* __restrict__ control, bool vec_ok) {
   if (control->skip) return;
   __shared__ float bias_corrections[2];
   if (threadIdx.x == 0) {
@@ -300,35 +311,35 @@ __global__ void __launch_bounds__(kThreads)
     pb = bf16_bits(p);
   };
 
-  const uint64_t b = c.begin;
+  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads and params_bf16
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
-      const uint64_t i = b + 4ull * j;
+      const uint64_t i = b + 4ull * j, gi = gb + 4ull * j;
       float g[4], p[4], m[4], v[4];
       uint16_t pb[4];
-      unpack4(load_vec<float4>(grads, i), g);
+      unpack4(load_vec<float4>(grads, gi), g);
       unpack4(load_vec<float4>(master, i), p);
       unpack4(load_vec<float4>(m_state, i), m);
       unpack4(load_vec<float4>(v_state, i), v);
 #pragma unroll
       for (int l = 0; l < 4; ++l) update(g[l], p[l], m[l], v[l], pb[l]);
       store_vec(master, i, pack4(p));
-      store_vec(params_bf16, i, pack4(pb));
+      store_vec(params_bf16, gi, pack4(pb));
       store_vec(m_state, i, pack4(m));
       store_vec(v_state, i, pack4(v));
     }
     scalar_from = nvec * 4;
   }
   for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
-    const uint64_t e = b + i;
+    const uint64_t e = b + i, ge = gb + i;
     float p = master[e], m = m_state[e], v = v_state[e];
     uint16_t pb;
-    update(grads[e], p, m, v, pb);
+    update(grads[ge], p, m, v, pb);
     master[e] = p;
-    params_bf16[e] = pb;
+    params_bf16[ge] = pb;
     m_state[e] = m;
     v_state[e] = v;
   }
@@ -353,7 +364,7 @@ size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * 
 void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, const uint64_t* slab_offsets) {
   check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
@@ -363,7 +374,8 @@ void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, co
   CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
   if (table.num_chunks > 0) {
     adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, m_codes, v_bits, m_scales, v_scales,
-                                                                      table, hp, control, amax_bits, vec_ok);
+                                                                      table, slab_offsets, hp, control, amax_bits,
+                                                                      vec_ok);
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -371,7 +383,7 @@ void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, co
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const uint64_t* slab_offsets) {
   check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
@@ -385,7 +397,8 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float
   CUDA_CHECK_LAUNCH();
   if (table.num_chunks > 0) {
     adamw_fp8_pass2_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, grads, m_codes, v_bits, m_scales,
-                                                                      v_scales, table, hp, control, scratch, vec_ok);
+                                                                      v_scales, table, slab_offsets, hp, control,
+                                                                      scratch, vec_ok);
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -401,14 +414,14 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
 
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const uint64_t* slab_offsets) {
   check_adamw_hyperparams(hp);
   if (table.num_chunks == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m && v && control, "adamw_step_fp32 needs every array");
   const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m, 16) &&
                       aligned(v, 16);
   adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16), grads,
-                                                               m, v, table, hp, control, vec_ok);
+                                                               m, v, table, slab_offsets, hp, control, vec_ok);
   CUDA_CHECK_LAUNCH();
 }
 

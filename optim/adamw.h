@@ -220,11 +220,15 @@ void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, f
 //   adamw_apply:         the new scales from amaxes, the parameter update and the
 //                        re-quantization (fp32 state: the whole update; amaxes unused).
 // With one rank, the two halves are adamw_step bit for bit.
+// grad_layout (optional): where each tensor's gradient sits in `grads`, when not at layout's
+// offsets (ZeRO-1 reduces the gradients in place in the model's slab while the parameters
+// and the state are packed in the shard); the same tensors and numels as layout.
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
-                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes);
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
+                         const TensorLayout* grad_layout = nullptr);
 void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                  const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
-                 const float* amaxes);
+                 const float* amaxes, const TensorLayout* grad_layout = nullptr);
 
 }  // namespace cpu
 

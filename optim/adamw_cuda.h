@@ -64,19 +64,24 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
 // the first leaves the updated moments' amaxes in scratch[0, 2*count) (as non-negative
 // floats: m then v) for the caller to MAX-reduce across ranks in place; the second takes
 // the new scales from them and runs pass 2. Together they are adamw_step_fp8_fp16.
+// slab_offsets [table.count] (device, optional): where each tensor's gradient and BF16
+// working value sit, when not at table.offsets (the distributed optimizer: the master and
+// state packed in the shard, the gradients reduce-scattered and the working copy gathered in
+// place in the model's slabs); an offset minus the table's must keep the 4-element alignment
+// for the vectorized path (any other tensor takes the scalar path, same results).
 void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 
 // One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 
 // Diagnostics (tests): out[2i] = 1 - beta1^steps[i], out[2i+1] = 1 - beta2^steps[i], as the
 // kernels compute them (double pow, rounded to float).

@@ -65,9 +65,13 @@ class Communicator {
   // send [count] -> recv [count]; send == recv allowed.
   virtual void all_reduce(const void* send, void* recv, size_t count, CommDtype dtype, ReduceOp op) = 0;
   // send [size*recv_count] -> recv [recv_count]: block `rank` of the reduction;
-  // recv == send + rank*recv_count allowed; the other blocks of send are then unspecified afterwards.
+  // recv == send + rank*recv_count allowed (in place: no buffer of the result's size is needed,
+  // which is how the distributed optimizer reduces its gradients in the model's slab); the other
+  // blocks of send are then unspecified afterwards. Nothing outside send's [size*recv_count] is
+  // touched.
   virtual void reduce_scatter(const void* send, void* recv, size_t recv_count, CommDtype dtype, ReduceOp op) = 0;
-  // send [send_count] -> recv [size*send_count], block i from rank i; send == recv + rank*send_count allowed.
+  // send [send_count] -> recv [size*send_count], block i from rank i; send == recv + rank*send_count allowed
+  // (in place: the weights are gathered in the model's working slab). Nothing outside recv is touched.
   virtual void all_gather(const void* send, void* recv, size_t send_count, CommDtype dtype) = 0;
   // buffer [count]: root's contents on every rank.
   virtual void broadcast(void* buffer, size_t count, CommDtype dtype, int root) = 0;

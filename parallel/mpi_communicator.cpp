@@ -4,7 +4,6 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -207,10 +206,12 @@ void MpiCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_c
     MPI_CHECK(MPI_Reduce_scatter_block(send, recv, count, mpi_datatype(dtype), mpi_op(dtype, op), comm_));
     return;
   }
-  // MPI's in-place form leaves the result at the start of the buffer, not in this rank's block.
-  std::vector<unsigned char> result(block_bytes);
-  MPI_CHECK(MPI_Reduce_scatter_block(send, result.data(), count, mpi_datatype(dtype), mpi_op(dtype, op), comm_));
-  std::memcpy(recv, result.data(), block_bytes);
+  // MPI's in-place form reduces the whole buffer and leaves the result at its start, block 0,
+  // not in this rank's block: move it there. The other blocks are unspecified afterwards (the
+  // interface allows it), so no buffer of the block's size is needed.
+  void* whole = const_cast<void*>(send);
+  MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, whole, count, mpi_datatype(dtype), mpi_op(dtype, op), comm_));
+  if (recv != whole) std::memmove(recv, whole, block_bytes);
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, size_t send_count, CommDtype dtype) {

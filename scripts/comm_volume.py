@@ -74,7 +74,8 @@ def extrapolate(model="gpt2-1558m", compute_ms=151.3, measured_overhead=0.042, i
     print(f"  {'GPUs':>5s} {'grads/weights':>14s} {'GB sent':>8s} {'RS ms':>7s} {'AG ms':>7s} {'step ms':>8s} {'efficiency':>10s}")
     for n in [2, 8, 64, 256, 1024]:
         bandwidth = intra_node_gbs if n <= gpus_per_node else inter_node_gbs
-        # FP8 gradients are reduced at the end of the step today (not overlapped): "fp8*".
+        # "fp8*": FP8 gradients reduced at the end of the step, as measured before they were
+        # overlapped; "fp8/fp8": bucket by bucket during the backward, as fp8lm does now.
         for grads, weights, overlapped in [("bf16", "bf16", True), ("fp8", "fp8", False), ("fp8", "fp8", True)]:
             rs, ag = data_parallel_bytes(model, n, grads=grads, weights=weights)
             rs_ms, ag_ms = rs / bandwidth / 1e6, ag / bandwidth / 1e6

@@ -81,6 +81,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ] || [ "$mode" = final ]; then
 --fp8-param-gather
 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather
 --fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
+--fp8-grad-comm --fp8-grad-reduce reduce-scatter --overlap-grad-reduce
 --tensor-model-parallel-size 2 --sequence-parallel --fp8-grad-comm
 LAYOUTS
     compare "$logs/eq-$p-single.jsonl" "$logs"/eq-$p-[0-9]*.jsonl | tee -a "$logs/equivalence.txt"
@@ -128,6 +129,7 @@ if [ "$mode" = dp ]; then
   bench 1
   bench 2 --overlap-grad-reduce --overlap-param-gather
   bench 2 --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather
+  bench 2 --fp8-grad-comm --overlap-grad-reduce --overlap-param-gather
   bench 2 --fp8-grad-comm --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
 fi
 

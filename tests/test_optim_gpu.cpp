@@ -372,7 +372,86 @@ void run_against_cpu(OptimizerStatePrecision precision, size_t shift) {
   }
 }
 
+// The distributed optimizer's call (apps/engine.cpp): the master and the state packed in the
+// shard, the gradients and the BF16 working values at other offsets (where the in-place
+// reduce-scatter leaves them and the in-place all-gather reads them). Tensor k's slab offset
+// is its packed offset + (k + 1) * spread: a spread that is a multiple of 4 keeps the vector
+// path, another forces the scalar one. The same numbers as the packed call, bit for bit, and
+// nothing written, nor read, between the pieces (NaN gradients there).
+void run_with_slab_offsets(OptimizerStatePrecision precision, size_t spread) {
+  const TensorLayout layout = test_layout();
+  TensorLayout slab;
+  for (size_t k = 0; k < layout.tensors().size(); ++k) {
+    TensorInfo t = layout.tensors()[k];
+    t.offset += (k + 1) * spread;
+    slab.add_at(t);
+  }
+  const cuda::DeviceTensorLayout slab_device(slab);
+  const AdamWHyperparams hp = test_hyperparams();
+  const std::vector<float> params = random_params(layout, 21);
+  GpuOptimizer packed(layout, precision, params), sharded(layout, precision, params);
+  DeviceBuffer<__nv_bfloat16> slab_bf16;
+  slab_bf16.allocate(slab.total_elements());
+  slab_bf16.fill_bytes(kPoisonByte);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    const std::vector<float> grads = random_grads(layout, 300 + step);
+    packed.step(grads, hp, 1.0);
+    std::vector<float> at_slab(slab.total_elements(), NAN);
+    for (size_t k = 0; k < layout.tensors().size(); ++k)
+      std::copy_n(grads.begin() + ptrdiff_t(layout.tensors()[k].offset), layout.tensors()[k].numel,
+                  at_slab.begin() + ptrdiff_t(slab.tensors()[k].offset));
+    const DeviceBuffer<float> slab_grads = device_copy(at_slab);
+    // The norm and the step control as the packed optimizer had them.
+    sharded.grads.upload(grads.data(), grads.size());
+    sharded.loss.upload(std::vector<float>{5.0f});
+    sync();
+    cuda::grad_norm_squared(sharded.sum.data(), sharded.grads.data(), sharded.table(), sharded.norm_scratch.data(),
+                            nullptr);
+    cuda::finalize_step(sharded.control.data(), sharded.sum.data(), sharded.loss.data(), 2.0f, 1.0, nullptr);
+    const uint64_t* offsets = slab_device.table().offsets;
+    if (precision == OptimizerStatePrecision::fp8_fp16) {
+      cuda::adamw_fp8_fp16_moment_amaxes(slab_grads.data(), sharded.m8.data(), sharded.v16.data(),
+                                         sharded.m_scales.data(), sharded.v_scales.data(), sharded.table(), hp,
+                                         sharded.control.data(), sharded.scratch.data(), nullptr, offsets);
+      cuda::adamw_fp8_fp16_apply(sharded.master.data(), slab_bf16.data(), slab_grads.data(), sharded.m8.data(),
+                                 sharded.v16.data(), sharded.m_scales.data(), sharded.v_scales.data(), sharded.table(),
+                                 hp, sharded.control.data(), sharded.scratch.data(), nullptr, offsets);
+    } else {
+      cuda::adamw_step_fp32(sharded.master.data(), slab_bf16.data(), slab_grads.data(), sharded.m32.data(),
+                            sharded.v32.data(), sharded.table(), hp, sharded.control.data(), nullptr, offsets);
+    }
+    sync();
+    CHECK(packed.master.download() == sharded.master.download());
+    if (precision == OptimizerStatePrecision::fp8_fp16) {
+      CHECK(packed.m8.download() == sharded.m8.download());
+      CHECK(packed.v16.download() == sharded.v16.download());
+      CHECK(packed.m_scales.download() == sharded.m_scales.download());
+      CHECK(packed.v_scales.download() == sharded.v_scales.download());
+    } else {
+      CHECK(packed.m32.download() == sharded.m32.download());
+      CHECK(packed.v32.download() == sharded.v32.download());
+    }
+    // The BF16 values at the slab offsets, the packed call's; the poison everywhere else.
+    const std::vector<uint16_t> expected = as_u16(packed.bf16.download()), written = as_u16(slab_bf16.download());
+    std::vector<uint16_t> want(slab.total_elements(), kBf16Poison);
+    for (size_t k = 0; k < layout.tensors().size(); ++k)
+      std::copy_n(expected.begin() + ptrdiff_t(layout.tensors()[k].offset), layout.tensors()[k].numel,
+                  want.begin() + ptrdiff_t(slab.tensors()[k].offset));
+    CHECK(written == want);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("GPU AdamW with the gradients and the BF16 copy at slab offsets: the packed call's numbers",
+          "[gpu][optim]") {
+  FP8LM_REQUIRE_GPU();
+  const auto precision = GENERATE(OptimizerStatePrecision::fp8_fp16, OptimizerStatePrecision::fp32);
+  const size_t spread = GENERATE(size_t{1024}, size_t{1027});  // vector path kept; scalar path forced
+  INFO(to_string(precision) << ", spread " << spread);
+  run_with_slab_offsets(precision, spread);
+}
 
 TEST_CASE("GPU AdamW fp8_fp16: 5 steps bit-identical to the CPU reference", "[gpu][optim]") {
   FP8LM_REQUIRE_GPU();

@@ -111,6 +111,7 @@ uint16_t bf16_code(int value) {
     case 2: return 0x4000;   // 1.0 x 2^1
     case 3: return 0x4040;   // 1.5 x 2^1
     case 4: return 0x4080;   // 1.0 x 2^2
+    case 5: return 0x40A0;   // 1.25 x 2^2
     case 10: return 0x4120;  // 1.25 x 2^3
     default: break;
   }
@@ -440,6 +441,57 @@ void check_all_to_all(GroupUnderTest& g) {
   CHECK(all_to_all_result(comm, g.space, bf16_in, CommDtype::bf16) == bf16_out);
 }
 
+// The distributed optimizer's use of the in-place forms (apps/engine.cpp): a bucket in the
+// middle of a slab is reduce-scattered in place (this rank's block of the sum lands where its
+// block was) and later all-gathered in place (this rank's block goes out from where it is),
+// and nothing outside the bucket moves; a staging buffer of one bucket, reused by the next
+// bucket, does the same in BF16.
+void check_in_place_in_a_slab(GroupUnderTest& g) {
+  Communicator& comm = *g.comm;
+  const int n = comm.size(), r = comm.rank();
+  constexpr int k = 3, guard = 2;  // elements per rank; guard elements on each side of the bucket
+  const double triangle = n * (n + 1) / 2.0;
+  // [guard | bucket of n*k | guard]; bucket element e is (r+1)(e+1), the guards -1 .. -4.
+  std::vector<float> slab = {-1.0f, -2.0f};
+  for (int e = 0; e < n * k; ++e) slab.push_back(float(r + 1) * float(e + 1));
+  slab.insert(slab.end(), {-3.0f, -4.0f});
+  TestBuffer buffer(g.space, slab.size() * sizeof(float));
+  buffer.write(slab.data(), slab.size() * sizeof(float));
+  const size_t own = (guard + size_t(r) * k) * sizeof(float);
+  comm.reduce_scatter(buffer.bytes_at(guard * sizeof(float)), buffer.bytes_at(own), k, CommDtype::f32, ReduceOp::sum);
+  std::vector<float> reduced(k);
+  for (int i = 0; i < k; ++i) reduced[i] = float(triangle * (r * k + i + 1));
+  CHECK(from_bytes<float>(buffer.read(own, k * sizeof(float))) == reduced);
+  const std::vector<float> front = {-1.0f, -2.0f}, back = {-3.0f, -4.0f};
+  CHECK(from_bytes<float>(buffer.read(0, guard * sizeof(float))) == front);
+  CHECK(from_bytes<float>(buffer.read((guard + size_t(n) * k) * sizeof(float), guard * sizeof(float))) == back);
+
+  // Each rank's updated block, 1000r + i, gathered in place over the bucket.
+  std::vector<float> updated(k), gathered;
+  for (int i = 0; i < k; ++i) updated[i] = float(1000 * r + i);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < k; ++i) gathered.push_back(float(1000 * j + i));
+  buffer.write(updated.data(), k * sizeof(float), own);
+  comm.all_gather(buffer.bytes_at(own), buffer.bytes_at(guard * sizeof(float)), k, CommDtype::f32);
+  CHECK(from_bytes<float>(buffer.read(guard * sizeof(float), size_t(n) * k * sizeof(float))) == gathered);
+  CHECK(from_bytes<float>(buffer.read(0, guard * sizeof(float))) == front);
+  CHECK(from_bytes<float>(buffer.read((guard + size_t(n) * k) * sizeof(float), guard * sizeof(float))) == back);
+
+  // One staging buffer of n*2 BF16 values, two buckets in turn, each reduced in place in it.
+  // Bucket b, block j: (1 from every rank, summed: n), then (j + 1 + b from rank 0 alone).
+  TestBuffer staging(g.space, size_t(n) * 2 * sizeof(uint16_t));
+  for (int bucket = 0; bucket < 2; ++bucket) {
+    INFO("staged bucket " << bucket);
+    std::vector<uint16_t> codes;
+    for (int j = 0; j < n; ++j) codes.insert(codes.end(), {bf16_code(1), r == 0 ? bf16_code(j + 1 + bucket) : bf16_code(0)});
+    staging.write(codes.data(), codes.size() * sizeof(uint16_t));
+    const size_t own_codes = size_t(r) * 2 * sizeof(uint16_t);
+    comm.reduce_scatter(staging.data(), staging.bytes_at(own_codes), 2, CommDtype::bf16, ReduceOp::sum);
+    CHECK(from_bytes<uint16_t>(staging.read(own_codes, 2 * sizeof(uint16_t))) ==
+          std::vector<uint16_t>{bf16_code(n), bf16_code(r + 1 + bucket)});
+  }
+}
+
 // Bytes sent by this rank for a fixed sequence of calls, worked out from the ring volumes:
 //   all_reduce f32 x1000: 2(n-1)/n * 4000;  all_reduce e4m3 x1: 2(n-1)/n * 1, rounded down;
 //   reduce_scatter f64 x10: (n-1) * 80;  all_gather bf16 x3: (n-1) * 6;
@@ -542,6 +594,9 @@ TEST_CASE("mpi: all_reduce bf16 rounds each partial sum to nearest even", "[mpi]
 TEST_CASE("mpi: all_reduce e4m3 and e5m2 round and saturate", "[mpi]") { for_each_host_group(check_all_reduce_fp8); }
 TEST_CASE("mpi: reduce_scatter", "[mpi]") { for_each_host_group(check_reduce_scatter); }
 TEST_CASE("mpi: all_gather", "[mpi]") { for_each_host_group(check_all_gather); }
+TEST_CASE("mpi: reduce_scatter and all_gather in place within a slab touch only their bucket", "[mpi]") {
+  for_each_host_group(check_in_place_in_a_slab);
+}
 TEST_CASE("mpi: broadcast from every root", "[mpi]") { for_each_host_group(check_broadcast); }
 TEST_CASE("mpi: all_to_all", "[mpi]") { for_each_host_group(check_all_to_all); }
 TEST_CASE("mpi: traffic counters follow the ring volumes", "[mpi]") { for_each_host_group(check_traffic); }
@@ -609,6 +664,9 @@ TEST_CASE("nccl: all_reduce e4m3 and e5m2 round and saturate", "[nccl][gpu]") {
 }
 TEST_CASE("nccl: reduce_scatter", "[nccl][gpu]") { for_each_gpu_group(check_reduce_scatter); }
 TEST_CASE("nccl: all_gather", "[nccl][gpu]") { for_each_gpu_group(check_all_gather); }
+TEST_CASE("nccl: reduce_scatter and all_gather in place within a slab touch only their bucket", "[nccl][gpu]") {
+  for_each_gpu_group(check_in_place_in_a_slab);
+}
 TEST_CASE("nccl: broadcast from every root", "[nccl][gpu]") { for_each_gpu_group(check_broadcast); }
 TEST_CASE("nccl: all_to_all", "[nccl][gpu]") { for_each_gpu_group(check_all_to_all); }
 TEST_CASE("nccl: traffic counters follow the ring volumes", "[nccl][gpu]") { for_each_gpu_group(check_traffic); }
