@@ -793,6 +793,7 @@ void GptModel::backward(const TokenBatch& batch) {
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
   ops_.embedding_lookup_backward(head.grad_weight, s.dresidual_full, batch);
   after_backward(-1);
+  block_weight_gradients_written_ = true;  // the step's next micro-batches add to them
 }
 
 void GptModel::block_backward(int l) {
@@ -808,7 +809,11 @@ void GptModel::block_backward(int l) {
   const Tensor dy_fc = gradient_operand_buffer(s.dgelu.rows, s.dgelu.cols, w.fc);
   ops_.gelu_backward(dy_fc, w.fc.grad_bias, s.dgelu, a.fc_pre);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
-  ops_.gemm({.pass = GemmPass::wgrad, .out = w.fc.grad_weight, .input = a.ln2, .grad = dy_fc});
+  ops_.gemm({.pass = GemmPass::wgrad,
+             .out = w.fc.grad_weight,
+             .input = a.ln2,
+             .grad = dy_fc,
+             .accumulate = block_weight_gradients_written_});
   layernorm_backward(w.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd);
 
   // attn.c_proj, attention, c_attn, ln_1.
@@ -817,7 +822,11 @@ void GptModel::block_backward(int l) {
   const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
   ops_.quantize(dy_qkv, s.dqkv, w.qkv.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
-  ops_.gemm({.pass = GemmPass::wgrad, .out = w.qkv.grad_weight, .input = a.ln1, .grad = dy_qkv});
+  ops_.gemm({.pass = GemmPass::wgrad,
+             .out = w.qkv.grad_weight,
+             .input = a.ln1,
+             .grad = dy_qkv,
+             .accumulate = block_weight_gradients_written_});
   layernorm_backward(w.ln1, a.residual, a.ln1_mean, a.ln1_rstd);
 }
 
@@ -829,7 +838,11 @@ void GptModel::row_parallel_backward(const LinearParams& linear, const Tensor& d
   const Tensor dy = gradient_operand(s.dresidual_full, linear);
   ops_.quantize(dy, s.dresidual_full, linear.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = linear.weight_operand, .grad = dy});
-  ops_.gemm({.pass = GemmPass::wgrad, .out = linear.grad_weight, .input = input, .grad = dy});
+  ops_.gemm({.pass = GemmPass::wgrad,
+             .out = linear.grad_weight,
+             .input = input,
+             .grad = dy,
+             .accumulate = block_weight_gradients_written_});
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed
@@ -852,7 +865,19 @@ void GptModel::layernorm_backward(const LayerNormParams& ln, const Tensor& input
 
 void GptModel::zero_gradients() {
   FP8LM_CHECK(!is_inference(), "an inference model has no gradients");
-  ops_.zero(gradients(), layout_.total_elements() * sizeof(float));
+  // The blocks' Linear weight gradients are left as they are: the step's first wgrad GEMMs
+  // write them (GemmCall::accumulate), which saves a pass over most of the slab. Everything
+  // else is zeroed, in runs of consecutive buckets.
+  float* slab = gradients();
+  size_t run_begin = 0;
+  for (const ParameterBucket& bucket : buckets_) {
+    if (!(bucket.linear_weights && bucket.layer >= 0)) continue;
+    if (bucket.begin > run_begin) ops_.zero(slab + run_begin, (bucket.begin - run_begin) * sizeof(float));
+    run_begin = bucket.end;
+  }
+  if (layout_.total_elements() > run_begin)
+    ops_.zero(slab + run_begin, (layout_.total_elements() - run_begin) * sizeof(float));
+  block_weight_gradients_written_ = false;
 }
 
 void GptModel::forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {

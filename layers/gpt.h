@@ -191,6 +191,8 @@ class GptModel {
   void* working() { return working_->data(); }
   float* gradients() { return gradients_ ? static_cast<float*>(gradients_->data()) : nullptr; }
 
+  // Starts a step's gradients: zero, except the blocks' Linear weight gradients, which the
+  // next backward writes rather than adds to (read them only after a backward).
   void zero_gradients();
   // One micro-batch: forward, loss, backward. Gradients accumulate with weight dloss per
   // token loss; the token losses accumulate into loss_sum [1] f32.
@@ -275,6 +277,9 @@ class GptModel {
   Ops& ops_;
   const TensorParallelMappings* tp_;
   std::unique_ptr<TensorParallelMappings> single_rank_;  // when no mappings are given
+  // Since zero_gradients(), a backward has written the blocks' Linear weight gradients (the
+  // step's first wgrad GEMMs write them, the later ones add).
+  bool block_weight_gradients_written_ = false;
   std::vector<ParameterBucket> buckets_;
   TensorLayout layout_;
   ScalingTable scaling_;

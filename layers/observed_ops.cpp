@@ -336,7 +336,7 @@ class ObservedOps final : public Ops {
                          : call.pass == GemmPass::dgrad ? double(call.grad.cols)
                                                         : double(call.grad.rows);
     const double b_bytes = call.pass == GemmPass::wgrad ? bytes(call.input) : bytes(call.weight);
-    const double out_bytes = (call.pass == GemmPass::wgrad ? 2.0 : 1.0) * bytes(call.out);
+    const double out_bytes = (call.pass == GemmPass::wgrad && call.accumulate ? 2.0 : 1.0) * bytes(call.out);
     return OpCost{2.0 * double(call.out.rows) * double(call.out.cols) * inner,
                   bytes(a) + b_bytes + out_bytes + bytes(call.bias) + bytes(call.residual)};
   }

@@ -123,6 +123,9 @@ struct GemmCall {
   // Forward only, optional: [M,N] of out's dtype, added in the epilogue before the one
   // rounding to out's dtype. Must not alias out.
   Tensor residual;
+  // Wgrad only: false writes out (=) instead of adding to it, for the first micro-batch of a
+  // step, whose weight gradients were not zeroed (GptModel::zero_gradients).
+  bool accumulate = true;
 };
 
 // Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.

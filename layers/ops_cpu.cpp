@@ -253,7 +253,8 @@ class CpuOps final : public Ops {
         FP8LM_CHECK(call.input.rows == M && call.out.rows == N && call.out.cols == K, "wgrad GEMM shapes");
         const float* grad_t = transposed(call.grad, transpose_a_);
         const float* input_t = transposed(call.input, transpose_b_);
-        cpu::gemm_nt(f32(call.out), grad_t, input_t, N, K, M, scale_inv(call.grad) * scale_inv(call.input), true);
+        cpu::gemm_nt(f32(call.out), grad_t, input_t, N, K, M, scale_inv(call.grad) * scale_inv(call.input),
+                     call.accumulate);
         break;
       }
     }
@@ -301,7 +302,8 @@ class CpuOps final : public Ops {
         cpu::gemm_block_scaled(f32(call.out), static_cast<const float*>(call.grad.transposed),
                                call.grad.transposed_block_scale_inv, call.grad.block_scaling,
                                static_cast<const float*>(call.input.transposed),
-                               call.input.transposed_block_scale_inv, call.input.block_scaling, N, K, M, 1.0f, true);
+                               call.input.transposed_block_scale_inv, call.input.block_scaling, N, K, M, 1.0f,
+                               call.accumulate);
         break;
       }
     }

@@ -479,8 +479,10 @@ class CudaOps final : public Ops {
           desc.a_transposed = true;
           desc.b_transposed = true;
         }
-        args.C = call.out.data;
-        args.beta = 1.0f;
+        if (call.accumulate) {
+          args.C = call.out.data;
+          args.beta = 1.0f;
+        }
         break;
     }
     gemm_->gemm(desc, args, stream_);
