@@ -19,6 +19,7 @@
 #include "layers/attention.h"
 #include "layers/gelu.h"
 #include "layers/gpt.h"
+#include "layers/kv_cache.h"
 #include "layers/layernorm.h"
 
 namespace fp8lm {
@@ -64,6 +65,7 @@ struct Shape {
   uint64_t B, T, BT, N;      // micro-batch, sequence, tokens, rows this rank keeps (sequence-parallel)
   uint64_t parts;            // of the optimizer shard: dp with the distributed optimizer, else 1
   bool sequence_parallel;
+  uint64_t capacity = 0;     // decoding: the key/value cache's positions (0 for training and eval)
 };
 
 Shape shape_of(const RunSetup& s) {
@@ -258,6 +260,10 @@ uint64_t cuda_workspace_bytes(const Shape& x) {
   floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, int(x.Fl)));
   floats = std::max(floats, cuda::attention_backward_scratch_floats(int(x.B), int(x.T), int(x.Cl), int(x.NHl)));
   floats = std::max(floats, cuda::dbias_scratch_floats(BT, int(widest)));
+  if (x.capacity > 0) {
+    if (x.capacity > uint64_t(INT_MAX)) return kSaturated;
+    floats = std::max(floats, cuda::attention_decode_scratch_floats(int(x.B), int(x.Cl), int(x.NHl), int(x.capacity)));
+  }
   return sum({mul(floats, 4), mul(x.BT, widest, 2), mul(x.BT, std::max(widest, x.C)),
               mul(add(mul(5, x.BT), 1), 4), uint64_t(cuda::GemmEngine::kWorkspaceBytes)});
 }
@@ -461,7 +467,9 @@ Shape decoding_shape_of(const RunSetup& s, const InferenceShape& inference) {
   one_rank.options.micro_batch_size = std::max(0, inference.batch);
   one_rank.seq_length = std::max(0, inference.max_prompt);
   one_rank.data_parallel_size = 1;
-  return shape_of(one_rank);
+  Shape x = shape_of(one_rank);
+  x.capacity = uint64_t(std::max(0, inference.capacity));
+  return x;
 }
 
 // The inference model's activation slab (GptModel::plan_memory without training): one

@@ -571,6 +571,7 @@ void GptModel::plan_memory() {
   shape.local_ffn = int(F);
   shape.local_heads = int(NH);
   shape.vocab_slice = int(Vs);
+  shape.cache_capacity = is_inference() ? inference_.capacity : 0;
   ops_.plan_workspace(shape);
 }
 

@@ -65,10 +65,12 @@ inline constexpr int kKvCacheScratchFloats = 2;
 void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, float* scratch,
                      const __nv_bfloat16* qkv, int B, int n, int C, int capacity, int position, cudaStream_t stream);
 
-// out [B, C] (=, bf16). One block per (sequence, head); the scores of the `length` keys
-// live in shared memory (4 * length bytes).
+// out [B, C] (=, bf16). The positions of each (sequence, head) in splits of 128, one block
+// each, combined by a second kernel through scratch: attention_decode_scratch_floats(...)
+// floats for a cache of `capacity` positions (contents need not be initialised).
+size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity);
 void attention_decode(__nv_bfloat16* out, const __nv_bfloat16* qkv, const void* keys, const void* values,
                       bool cache_fp8, const float* scales, int B, int C, int NH, int capacity, int length,
-                      cudaStream_t stream);
+                      float* scratch, cudaStream_t stream);
 
 }  // namespace fp8lm::cuda

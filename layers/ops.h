@@ -153,6 +153,7 @@ struct ModelShape {
   int local_ffn = 0;     // MLP width of this rank
   int local_heads = 0;
   int vocab_slice = 0;   // Vs
+  int cache_capacity = 0;  // inference: the key/value cache's positions per sequence (0: training)
 };
 
 // One AdamW step over the tensors of `table` (optim/adamw.h), in two halves so that ranks

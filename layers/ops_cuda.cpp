@@ -205,6 +205,9 @@ class CudaOps final : public Ops {
     floats = std::max(floats, cuda::attention_backward_scratch_floats(shape.B, shape.T, shape.local_width,
                                                                       shape.local_heads));
     floats = std::max(floats, cuda::dbias_scratch_floats(BT, widest));
+    if (shape.cache_capacity > 0)
+      floats = std::max(floats, cuda::attention_decode_scratch_floats(shape.B, shape.local_width, shape.local_heads,
+                                                                      shape.cache_capacity));
     float_scratch_.allocate(floats);
     // BF16 staging for current scaling (a producer writes BF16, then the cast follows) and
     // the transposed FP8 input of a wgrad GEMM.
@@ -567,7 +570,8 @@ class CudaOps final : public Ops {
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
                         const AttentionShape& shape, int length) override {
     cuda::attention_decode(bf(out), cbf(qkv), cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype),
-                           cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, length, stream_);
+                           cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, length,
+                           float_scratch_.data(), stream_);
     if (operand.data != out.data) quantize(operand, out, Tensor{});
   }
   void download_values(float* host, const Tensor& source) override {

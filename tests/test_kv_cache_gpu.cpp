@@ -37,9 +37,16 @@ double relative_error(const std::vector<float>& out, const std::vector<float>& r
 
 TEST_CASE("GPU key/value cache: append and decode equal the CPU twin, BF16 and FP8", "[gpu][sample]") {
   FP8LM_REQUIRE_GPU();
-  const int B = 2, NH = 3, HS = 64, C = NH * HS, capacity = 40, prompt = 17;
+  // Decoding cuts each (head, sequence)'s positions into splits of 128: one split, several
+  // with a partial last one, and the head sizes the GPU model takes.
+  struct Shape {
+    int B, NH, HS, capacity, prompt;
+  };
+  for (const Shape shape : {Shape{2, 3, 64, 40, 17}, Shape{2, 2, 128, 700, 650}, Shape{1, 4, 32, 1100, 1023}})
   for (const bool fp8 : {false, true}) {
-    INFO((fp8 ? "fp8 cache" : "bf16 cache"));
+    const int B = shape.B, NH = shape.NH, HS = shape.HS, C = NH * HS, capacity = shape.capacity, prompt = shape.prompt;
+    INFO((fp8 ? "fp8 cache" : "bf16 cache") << ", B " << B << ", heads " << NH << " of " << HS << ", length "
+                                             << prompt + 1);
     // The prompt's qkv, then one new token's.
     const std::vector<float> prompt_qkv = testing::bf16_rounded(testing::random_floats(size_t(B) * prompt * 3 * C, 1));
     const std::vector<float> step_qkv = testing::bf16_rounded(testing::random_floats(size_t(B) * 3 * C, 2, 1.5f));
@@ -84,8 +91,10 @@ TEST_CASE("GPU key/value cache: append and decode equal the CPU twin, BF16 and F
                           prompt, C, capacity, 0, nullptr);
     cuda::kv_cache_append(d_keys.data(), d_values.data(), fp8, d_scales.data(), d_scratch.data(), d_step.data(), B, 1,
                           C, capacity, prompt, nullptr);
+    cuda::DeviceBuffer<float> d_decode_scratch;
+    d_decode_scratch.allocate(cuda::attention_decode_scratch_floats(B, C, NH, capacity));
     cuda::attention_decode(d_out.data(), d_step.data(), d_keys.data(), d_values.data(), fp8, d_scales.data(), B, C, NH,
-                           capacity, prompt + 1, nullptr);
+                           capacity, prompt + 1, d_decode_scratch.data(), nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
 
     std::vector<float> gpu_keys, gpu_values;
