@@ -275,6 +275,22 @@ uint64_t cpu_workspace_bytes(const Shape& x) {
   return mul(4, sum({mul(x.BT, widest), std::max(mul(x.BT, x.Vs), mul(x.Vs, x.C)), mul(x.BT, widest)}));
 }
 
+// What the process holds besides its run's slabs: measured, not modelled, what it holds
+// before the run allocates (code, the CUDA and MPI libraries, the parsed inputs); on the GPU,
+// an allowance for the CUDA context and libraries.
+void add_process_consumers(MemoryEstimate& estimate, bool cuda) {
+  MemoryConsumer process;
+  process.name = "host: this process before allocating (VmRSS)";
+  process.host_bytes = measure_host_memory().host_current_bytes;
+  estimate.consumers.push_back(std::move(process));
+  if (cuda) {
+    MemoryConsumer context;
+    context.name = "host: CUDA context and libraries (allowance)";
+    context.host_bytes = kCudaHostAllowance;
+    estimate.consumers.push_back(std::move(context));
+  }
+}
+
 std::string number(uint64_t value) { return std::to_string(value); }
 
 }  // namespace
@@ -414,20 +430,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
     c.remedy = "lower --micro-batch-size";
     estimate.consumers.push_back(std::move(c));
   }
-  {
-    // Measured, not modelled: what this process holds before the run allocates (code, the
-    // CUDA and MPI libraries, the parsed inputs).
-    MemoryConsumer c;
-    c.name = "host: this process before allocating (VmRSS)";
-    c.host_bytes = measure_host_memory().host_current_bytes;
-    estimate.consumers.push_back(std::move(c));
-  }
-  if (cuda) {
-    MemoryConsumer c;
-    c.name = "host: CUDA context and libraries (allowance)";
-    c.host_bytes = kCudaHostAllowance;
-    estimate.consumers.push_back(std::move(c));
-  }
+  add_process_consumers(estimate, cuda);
 
   {  // Host staging: the initial weights, and snapshots for checkpoints (whole tensors).
     MemoryConsumer init;
@@ -583,18 +586,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
     c.remedy = "lower --batch-size or --max-new-tokens";
     estimate.consumers.push_back(std::move(c));
   }
-  {
-    MemoryConsumer c;
-    c.name = "host: this process before allocating (VmRSS)";
-    c.host_bytes = measure_host_memory().host_current_bytes;
-    estimate.consumers.push_back(std::move(c));
-  }
-  if (cuda) {
-    MemoryConsumer c;
-    c.name = "host: CUDA context and libraries (allowance)";
-    c.host_bytes = kCudaHostAllowance;
-    estimate.consumers.push_back(std::move(c));
-  }
+  add_process_consumers(estimate, cuda);
 
   {  // The weights on their way in (Generator::load / set_parameters; sample_command.cpp).
     // Setting them holds the canonical FP32 values, this process's slab of them and the

@@ -5,8 +5,11 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <system_error>
+
+#include <nlohmann/json.hpp>
 
 namespace fp8lm::testing {
 
@@ -32,5 +35,14 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// A config file in `dir` with the tiny model's keys (configs/tiny.json's shape), some replaced.
+inline std::string write_tiny_config(const TempDir& dir, const std::string& name, const nlohmann::json& changes) {
+  nlohmann::json config = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 256}, {"n_positions", 64}};
+  for (const auto& [key, value] : changes.items()) config[key] = value;
+  const std::string path = dir.file(name);
+  std::ofstream(path) << config.dump();
+  return path;
+}
 
 }  // namespace fp8lm::testing

@@ -127,15 +127,6 @@ std::string write_checkpoint(const testing::TempDir& dir, const std::string& pre
   return checkpoint;
 }
 
-// A config file with the tiny model's keys, some replaced.
-std::string write_config(const testing::TempDir& dir, const std::string& name, const nlohmann::json& changes) {
-  nlohmann::json config = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 256}, {"n_positions", 64}};
-  for (const auto& [key, value] : changes.items()) config[key] = value;
-  const std::string path = dir.file(name);
-  std::ofstream(path) << config.dump();
-  return path;
-}
-
 }  // namespace
 
 TEST_CASE("the decoding estimate matches the generator's allocations on the CPU", "[memory][sample]") {
@@ -236,7 +227,7 @@ TEST_CASE("sample and eval refuse what cannot fit within a second, before alloca
   const std::string valid = write_valid_shard(dir);
   const std::string gpt2 = testing::source_path("configs/gpt2-124m.json");
   const std::string huge_model =
-      write_config(dir, "huge.json", {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
+      testing::write_tiny_config(dir, "huge.json", {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
   const std::string sample = "sample --random-weights --device cpu --random-prompt 8 --config ";
   const std::string eval = "eval --load " + checkpoint + " --valid-data-path " + valid + " --device cpu ";
   struct Case {

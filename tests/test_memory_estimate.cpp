@@ -60,15 +60,6 @@ MemoryAvailability host_with(uint64_t bytes) {
   return available;
 }
 
-// A config file with the tiny model's keys, some replaced.
-std::string write_config(const testing::TempDir& dir, const std::string& name, const nlohmann::json& changes) {
-  nlohmann::json config = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 256}, {"n_positions", 64}};
-  for (const auto& [key, value] : changes.items()) config[key] = value;
-  const std::string path = dir.file(name);
-  std::ofstream(path) << config.dump();
-  return path;
-}
-
 }  // namespace
 
 TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[memory]") {
@@ -281,8 +272,8 @@ TEST_CASE("the estimate's arithmetic saturates instead of wrapping", "[memory]")
 TEST_CASE("the binary refuses runs that cannot fit within a second, before allocating", "[memory][cli]") {
   const testing::TempDir dir;
   const std::string huge_model =
-      write_config(dir, "huge.json", {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
-  const std::string long_context = write_config(dir, "long.json", {{"n_positions", 1 << 30}});
+      testing::write_tiny_config(dir, "huge.json", {{"n_layer", 10000}, {"n_embd", 65536}, {"n_head", 512}, {"n_positions", 64}});
+  const std::string long_context = testing::write_tiny_config(dir, "long.json", {{"n_positions", 1 << 30}});
   const std::string gpt2 = testing::source_path("configs/gpt2-124m.json");
   struct Case {
     std::string args, expected;

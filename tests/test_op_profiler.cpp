@@ -20,6 +20,13 @@ namespace {
 
 const std::string kTiny = testing::source_path("configs/tiny.json");
 
+// The JSON line of `output` that begins with `start` (the binary prints one per report).
+nlohmann::json json_line(const std::string& output, const std::string& start) {
+  const size_t at = output.find(start);
+  REQUIRE(at != std::string::npos);
+  return nlohmann::json::parse(output.substr(at, output.find('\n', at) - at));
+}
+
 std::map<std::string, OpClassProfile> by_class(const OpProfiler& profiler) {
   std::map<std::string, OpClassProfile> rows;
   for (const OpClassProfile& row : profiler.totals()) rows[row.op_class] = row;
@@ -106,9 +113,7 @@ TEST_CASE("the binary reports the op profile of the timed steps", "[profile][cli
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   CHECK_THAT(run.output, ContainsSubstring("op profile per step (2 timed)"));
-  const size_t at = run.output.find("{\"floor_ms\"");
-  REQUIRE(at != std::string::npos);
-  const auto line = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
+  const auto line = json_line(run.output, "{\"floor_ms\"");
   CHECK(line["steps"] == 2);
   CHECK(line["op_profile"].size() >= 10);
   CHECK(double(line["ops_ms"]) > 0.0);
@@ -125,9 +130,7 @@ TEST_CASE("fp8lm sample profiles its decode steps", "[profile][cli]") {
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   CHECK_THAT(run.output, ContainsSubstring("op profile per decode step (4 timed)"));
-  const size_t at = run.output.find("{\"floor_ms\"");
-  REQUIRE(at != std::string::npos);
-  const auto line = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
+  const auto line = json_line(run.output, "{\"floor_ms\"");
   CHECK(line["step"] == "decode step");
   // A decode step: the blocks' GEMMs and attention over the cache, no backward, no prompt pass.
   std::map<std::string, double> calls;
@@ -138,11 +141,7 @@ TEST_CASE("fp8lm sample profiles its decode steps", "[profile][cli]") {
 }
 
 TEST_CASE("the benchmark times the steps after warm-up as one window, or each step when profiling", "[profile][cli]") {
-  auto benchmark_line = [](const std::string& output) {
-    const size_t at = output.find("{\"B\":");
-    REQUIRE(at != std::string::npos);
-    return nlohmann::json::parse(output.substr(at, output.find('\n', at) - at));
-  };
+  auto benchmark_line = [](const std::string& output) { return json_line(output, "{\"B\":"); };
   const std::string run = "--config " + kTiny + " --mock-data --device cpu --train-iters 6 --benchmark "
                           "--benchmark-warmup 2 --eval-interval 0 --eval-iters 0";
   const auto window = testing::run_fp8lm(run);

@@ -19,6 +19,7 @@
 #include "apps/run_setup.h"
 #include "core/device.h"
 #include "core/random.h"
+#include "engine_testing.h"
 #include "layers/gpt.h"
 #include "parallel/process_groups.h"
 
@@ -45,12 +46,6 @@ RunSetup data_parallel_setup(const ParallelLayout& layout, const std::string& de
   return resolve_run_setup(parse_train_command_line(args).options, layout);
 }
 
-std::vector<int32_t> tokens(size_t n, uint64_t seed) {
-  Random random(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(random.next_u64() % 256);
-  return t;
-}
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -75,7 +70,7 @@ Trained train(const std::string& device, const std::vector<std::string>& flags) 
     engine.begin_step();
     for (int micro = 0; micro < kMicroBatches; ++micro) {
       const uint64_t seed = 1000 * step + 100 * micro + layout.dp_rank;
-      const auto x = tokens(n, seed), y = tokens(n, seed + 50);
+      const auto x = testing::tiny_tokens(n, seed), y = testing::tiny_tokens(n, seed + 50);
       engine.forward_backward(x.data(), y.data(), 1.0f / float(n * kMicroBatches * layout.dp_size));
     }
     engine.end_step(hp, 1.0, step);

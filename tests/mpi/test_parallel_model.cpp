@@ -17,6 +17,7 @@
 #include "apps/run_setup.h"
 #include "core/device.h"
 #include "core/random.h"
+#include "engine_testing.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "parallel/mappings.h"
@@ -42,12 +43,6 @@ RunSetup tiny_setup(const ParallelLayout& layout, const std::string& device, std
   return resolve_run_setup(parse_train_command_line(args).options, layout);
 }
 
-std::vector<int32_t> tokens(size_t n, uint64_t seed) {
-  Random random(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(random.next_u64() % 256);
-  return t;
-}
 
 // True when `values` are the same, bit for bit, on every rank of `comm`.
 bool same_on_every_rank(const std::vector<float>& values, MPI_Comm comm) {
@@ -73,8 +68,8 @@ void check_ranks_agree(const std::string& device, const std::vector<std::string>
   for (int step = 0; step < 4; ++step) {
     engine.begin_step();
     // Each data-parallel rank reads its own batch; tensor-parallel ranks read the same one.
-    const auto x = tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank);
-    const auto y = tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank + 50);
+    const auto x = testing::tiny_tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank);
+    const auto y = testing::tiny_tokens(tokens_per_micro_batch, 100 * step + layout.dp_rank + 50);
     engine.forward_backward(x.data(), y.data(), 1.0f / float(tokens_per_micro_batch * layout.dp_size));
     engine.end_step(hp, 1.0, step);
     const StepMetrics m = engine.step_metrics();
@@ -124,7 +119,7 @@ TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model s
     Tensor loss;
     loss.data = &loss_sum;
     loss.rows = loss.cols = 1;
-    const auto x = tokens(BT, 1), y = tokens(BT, 2);
+    const auto x = testing::tiny_tokens(BT, 1), y = testing::tiny_tokens(BT, 2);
     const TokenBatch batch = ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice());
     log.clear();
     model.forward_backward(batch, 1.0f / BT, loss);
