@@ -275,6 +275,23 @@ uint64_t cpu_workspace_bytes(const Shape& x) {
   return mul(4, sum({mul(x.BT, widest), std::max(mul(x.BT, x.Vs), mul(x.Vs, x.C)), mul(x.BT, widest)}));
 }
 
+std::string number(uint64_t value) { return std::to_string(value); }
+
+// The FP8 amax histories of `states` scaling states: the host table and, on the GPU, its
+// device twin. Registering each state re-lays the history, so building it briefly holds two
+// copies on the host. Nothing without FP8 states.
+void add_scaling_consumer(MemoryEstimate& estimate, int states, int history_len, bool cuda) {
+  if (states <= 0) return;
+  const uint64_t history = mul(uint64_t(states), uint64_t(history_len), 4);
+  MemoryConsumer c;
+  c.name = "FP8 amax histories (" + number(uint64_t(states)) + " scaling states x history " +
+           number(uint64_t(history_len)) + ")";
+  c.host_bytes = mul(history, 2);
+  c.device_bytes = cuda ? history : 0;
+  c.remedy = "lower --fp8-amax-history-len (the default, Megatron-LM's, is 1)";
+  estimate.consumers.push_back(std::move(c));
+}
+
 // What the process holds besides its run's slabs: measured, not modelled, what it holds
 // before the run allocates (code, the CUDA and MPI libraries, the parsed inputs); on the GPU,
 // an allowance for the CUDA context and libraries.
@@ -290,8 +307,6 @@ void add_process_consumers(MemoryEstimate& estimate, bool cuda) {
     estimate.consumers.push_back(std::move(context));
   }
 }
-
-std::string number(uint64_t value) { return std::to_string(value); }
 
 }  // namespace
 
@@ -391,18 +406,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
             "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
   }
 
-  if (const int states = fp8_scaling_states(s); states > 0) {
-    // The host table and, on the GPU, its device twin. Registering each state re-lays the
-    // history, so building it briefly holds two copies on the host.
-    const uint64_t history = mul(uint64_t(states), uint64_t(o.fp8.amax_history_len), 4);
-    MemoryConsumer c;
-    c.name = "FP8 amax histories (" + number(uint64_t(states)) + " scaling states x history " +
-             number(uint64_t(o.fp8.amax_history_len)) + ")";
-    c.host_bytes = mul(history, 2);
-    c.device_bytes = cuda ? history : 0;
-    c.remedy = "lower --fp8-amax-history-len (the default, Megatron-LM's, is 1)";
-    estimate.consumers.push_back(std::move(c));
-  }
+  add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);
 
   if (x.dp > 1 || x.tp > 1) {
     if (cuda) {
@@ -564,16 +568,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
             "lower --batch-size or shorten the prompt", /*engine_slab=*/false);
   }
 
-  if (const int states = fp8_scaling_states(s); states > 0) {
-    const uint64_t history = mul(uint64_t(states), uint64_t(o.fp8.amax_history_len), 4);
-    MemoryConsumer c;
-    c.name = "FP8 amax histories (" + number(uint64_t(states)) + " scaling states x history " +
-             number(uint64_t(o.fp8.amax_history_len)) + ")";
-    c.host_bytes = mul(history, 2);
-    c.device_bytes = cuda ? history : 0;
-    c.remedy = "lower --fp8-amax-history-len";
-    estimate.consumers.push_back(std::move(c));
-  }
+  add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);
 
   {  // The generation loop's host buffers (Generator::generate) and the backend's token copies.
     MemoryConsumer c;
