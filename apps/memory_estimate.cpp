@@ -541,7 +541,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   const uint64_t operands = weight_operand_bytes(x, eb, act, precision);
   backend("parameters (" + std::string(to_string(act)) + " working copy" +
               (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-          sum({mul(n, eb(act)), operands, operands ? 256 : 0}),
+          sum({mul(n, eb(act)), operands, operands ? uint64_t{256} : uint64_t{0}}),
           cuda && o.fp8_enabled()
               ? "fp8lm sample holds the whole model on one GPU: BF16 GEMMs (--bf16) need no FP8 weight copies"
               : "fp8lm sample holds the whole model in one process: use a machine with more memory");
