@@ -277,6 +277,17 @@ uint64_t cpu_workspace_bytes(const Shape& x) {
 
 std::string number(uint64_t value) { return std::to_string(value); }
 
+// A consumer held in the backend's memory: the host on a CPU run, the GPU on a CUDA run.
+void add_backend_consumer(MemoryEstimate& estimate, bool cuda, std::string name, uint64_t bytes, std::string remedy,
+                          bool engine_slab = true) {
+  MemoryConsumer c;
+  c.name = std::move(name);
+  (cuda ? c.device_bytes : c.host_bytes) = bytes;
+  c.remedy = std::move(remedy);
+  c.engine_slab = engine_slab;
+  estimate.consumers.push_back(std::move(c));
+}
+
 // The FP8 amax histories of `states` scaling states: the host table and, on the GPU, its
 // device twin. Registering each state re-lays the history, so building it briefly holds two
 // copies on the host. Nothing without FP8 states.
@@ -344,15 +355,6 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   const uint64_t tensors = mul(x.L, 12) + 4;
 
   MemoryEstimate estimate;
-  // Held in the backend's memory: the host on a CPU run, the GPU on a CUDA run.
-  auto backend = [&](std::string name, uint64_t bytes, std::string remedy, bool engine_slab = true) {
-    MemoryConsumer c;
-    c.name = std::move(name);
-    (cuda ? c.device_bytes : c.host_bytes) = bytes;
-    c.remedy = std::move(remedy);
-    c.engine_slab = engine_slab;
-    estimate.consumers.push_back(std::move(c));
-  };
   // fp8lm eval builds this engine too, with fewer flags: its remedies name its own.
   const bool eval = o.command == RunCommand::eval;
   const std::string more_tp = eval ? "fp8lm eval keeps the whole model on each rank: evaluate on a machine with more "
@@ -364,21 +366,24 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
 
   uint64_t weights = mul(n, eb(act));
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
-  backend("parameters (" + std::string(to_string(act)) + " working copy" +
-              (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-          weights, more_tp);
-  backend("gradients (FP32)", mul(n, 4), more_tp);
+  add_backend_consumer(estimate, cuda,
+                       "parameters (" + std::string(to_string(act)) + " working copy" +
+                           (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
+                       weights, more_tp);
+  add_backend_consumer(estimate, cuda, "gradients (FP32)", mul(n, 4), more_tp);
 
   const bool master_is_working_copy = !sharded && act == DType::f32;
   const uint64_t state_bytes_per_element = o.optimizer_state == OptimizerStatePrecision::fp8_fp16 ? 3 : 8;
   uint64_t optimizer = sum({master_is_working_copy ? 0 : mul(S, 4), mul(S, state_bytes_per_element),
                             mul(tensors, 4 * 4 + 8)});
-  backend(std::string("optimizer: FP32 master + AdamW state (") + std::string(to_string(o.optimizer_state)) + ")" +
-              (sharded ? ", 1/" + number(x.dp) + " shard" : ""),
-          optimizer,
-          o.optimizer_state == OptimizerStatePrecision::fp32 && !eval
-              ? "pass --optimizer-state-precision fp8-fp16, or " + zero
-              : zero);
+  add_backend_consumer(estimate, cuda,
+                       std::string("optimizer: FP32 master + AdamW state (") +
+                           std::string(to_string(o.optimizer_state)) + ")" +
+                           (sharded ? ", 1/" + number(x.dp) + " shard" : ""),
+                       optimizer,
+                       o.optimizer_state == OptimizerStatePrecision::fp32 && !eval
+                           ? "pass --optimizer-state-precision fp8-fp16, or " + zero
+                           : zero);
 
   // The data-parallel collectives work in place in the gradient and working slabs (the engine's
   // ZeRO-1): what they need besides is one bucket of gradients as they travel (BF16 bits, or
@@ -390,20 +395,23 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   if (fp8_grad_comm)
     communication = mul(slab.largest_bucket, o.fp8_grad_reduce == GradReduceAlgorithm::all_to_all ? 2 : 1);
   if (o.fp8_param_gather) communication = add(communication, n);
-  if (communication) backend("communication buffers (data-parallel)", communication, more_tp);
+  if (communication)
+    add_backend_consumer(estimate, cuda, "communication buffers (data-parallel)", communication, more_tp);
 
-  backend("activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) +
-              " layers)",
-          activation_bytes(x, eb, act, precision),
-          eval ? "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)"
-               : "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " +
-                     more_tp);
+  add_backend_consumer(
+      estimate, cuda,
+      "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) + " layers)",
+      activation_bytes(x, eb, act, precision),
+      eval
+          ? "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)"
+          : "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
 
   if (cuda) {
-    backend("GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x), "lower --micro-batch-size");
+    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
+                         "lower --micro-batch-size");
   } else {
-    backend("CPU backend scratch (normalised blocks, GEMM transposes)", cpu_workspace_bytes(x),
-            "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
+    add_backend_consumer(estimate, cuda, "CPU backend scratch (normalised blocks, GEMM transposes)",
+                         cpu_workspace_bytes(x), "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
   }
 
   add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);
@@ -525,47 +533,44 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   const bool reads_weights = !o.load_dir.empty() || !o.init_from.empty();
 
   MemoryEstimate estimate;
-  auto backend = [&](std::string name, uint64_t bytes, std::string remedy, bool engine_slab = true) {
-    MemoryConsumer c;
-    c.name = std::move(name);
-    (cuda ? c.device_bytes : c.host_bytes) = bytes;
-    c.remedy = std::move(remedy);
-    c.engine_slab = engine_slab;
-    estimate.consumers.push_back(std::move(c));
-  };
   // The CPU stores every dtype as FP32: an FP8 cache or BF16 GEMMs save nothing there.
   const std::string smaller_cache =
       "lower --batch-size or --max-new-tokens (or shorten the prompt)" +
       std::string(cuda && !generator.fp8_kv_cache ? ", or pass --kv-cache-dtype fp8 (half the bytes)" : "");
 
   const uint64_t operands = weight_operand_bytes(x, eb, act, precision);
-  backend("parameters (" + std::string(to_string(act)) + " working copy" +
-              (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-          sum({mul(n, eb(act)), operands, operands ? uint64_t{256} : uint64_t{0}}),
-          cuda && o.fp8_enabled()
-              ? "fp8lm sample holds the whole model on one GPU: BF16 GEMMs (--bf16) need no FP8 weight copies"
-              : "fp8lm sample holds the whole model in one process: use a machine with more memory");
+  add_backend_consumer(
+      estimate, cuda,
+      "parameters (" + std::string(to_string(act)) + " working copy" +
+          (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
+      sum({mul(n, eb(act)), operands, operands ? uint64_t{256} : uint64_t{0}}),
+      cuda && o.fp8_enabled()
+          ? "fp8lm sample holds the whole model on one GPU: BF16 GEMMs (--bf16) need no FP8 weight copies"
+          : "fp8lm sample holds the whole model in one process: use a machine with more memory");
 
   const DType cache_dtype = generator.fp8_kv_cache ? DType::e4m3 : act;
-  backend("key/value cache (" + std::string(generator.fp8_kv_cache ? "FP8 E4M3" : to_string(act)) + ": batch " +
-              number(x.B) + " x capacity " + number(capacity) + " x " + number(x.L) + " layers x keys and values x " +
-              number(x.C) + ")",
-          sum({tensor_bytes(eb, mul(2, x.L), 1, DType::f32),  // the per-layer scales
-               mul(x.L, 2, tensor_bytes(eb, mul(x.B, capacity), x.C, cache_dtype)), 256}),
-          smaller_cache);
+  add_backend_consumer(estimate, cuda,
+                       "key/value cache (" + std::string(generator.fp8_kv_cache ? "FP8 E4M3" : to_string(act)) +
+                           ": batch " + number(x.B) + " x capacity " + number(capacity) + " x " + number(x.L) +
+                           " layers x keys and values x " + number(x.C) + ")",
+                       sum({tensor_bytes(eb, mul(2, x.L), 1, DType::f32),  // the per-layer scales
+                            mul(x.L, 2, tensor_bytes(eb, mul(x.B, capacity), x.C, cache_dtype)), 256}),
+                       smaller_cache);
 
-  backend("activations (prompt pass: batch " + number(x.B) + " x " + number(x.T) +
-              " tokens, one block's buffers shared by " + number(x.L) + " layers; logits of " + number(x.B) +
-              " sequences)",
-          decoding_activation_bytes(x, eb, act, precision), "lower --batch-size or shorten the prompt");
+  add_backend_consumer(estimate, cuda,
+                       "activations (prompt pass: batch " + number(x.B) + " x " + number(x.T) +
+                           " tokens, one block's buffers shared by " + number(x.L) + " layers; logits of " +
+                           number(x.B) + " sequences)",
+                       decoding_activation_bytes(x, eb, act, precision), "lower --batch-size or shorten the prompt");
 
   if (cuda) {
-    backend("GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
-            "lower --batch-size or shorten the prompt");
+    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
+                         "lower --batch-size or shorten the prompt");
   } else {
     // CpuOps' scratch vector: a normalised or activated block of the prompt pass.
-    backend("CPU backend scratch (a normalised or activated block)", mul(x.BT, std::max(x.C, x.F), 4),
-            "lower --batch-size or shorten the prompt", /*engine_slab=*/false);
+    add_backend_consumer(estimate, cuda, "CPU backend scratch (a normalised or activated block)",
+                         mul(x.BT, std::max(x.C, x.F), 4), "lower --batch-size or shorten the prompt",
+                         /*engine_slab=*/false);
   }
 
   add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);

@@ -1,8 +1,10 @@
 // Runs the fp8lm binary as a user would and captures its exit code and output.
 #pragma once
 
+#include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -38,6 +40,29 @@ inline CommandResult run_command(const std::string& command_line) {
 }
 
 inline CommandResult run_fp8lm(const std::string& arguments) { return run_command(std::string(FP8LM_BINARY) + " " + arguments); }
+
+// A run of the binary with its wall time and the CPU time (user + system) it used: how the
+// refusal tests check that bad input is refused before any work.
+struct TimedRun {
+  CommandResult run;
+  double seconds = 0.0;
+  double cpu_seconds = 0.0;
+};
+inline TimedRun run_fp8lm_timed(const std::string& arguments) {
+  auto children_cpu_seconds = [] {
+    rusage usage{};
+    ::getrusage(RUSAGE_CHILDREN, &usage);
+    return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+           1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_before = children_cpu_seconds();
+  TimedRun timed;
+  timed.run = run_fp8lm(arguments);
+  timed.cpu_seconds = children_cpu_seconds() - cpu_before;
+  timed.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return timed;
+}
 
 inline std::string source_path(const std::string& relative) { return std::string(FP8LM_SOURCE_DIR) + "/" + relative; }
 

@@ -2,8 +2,6 @@
 // generator allocates, eval's estimate is the engine eval builds, both commands refuse a run
 // that cannot fit before allocating anything (naming its largest consumers), and both show the
 // estimate beside the measured memory. The GPU estimates are computed here without a GPU.
-#include <sys/resource.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -61,14 +59,6 @@ const MemoryConsumer& consumer(const MemoryEstimate& estimate, const std::string
     if (c.name.rfind(name_start, 0) == 0) return c;
   FAIL("no consumer named " << name_start);
   return estimate.consumers.front();
-}
-
-// User and system time of the finished child processes (the binary a test ran).
-double children_cpu_seconds() {
-  rusage usage{};
-  ::getrusage(RUSAGE_CHILDREN, &usage);
-  return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-         1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
 // "12.34 MiB" (format_bytes) in bytes.
@@ -254,11 +244,7 @@ TEST_CASE("sample and eval refuse what cannot fit within a second, before alloca
        {"the run does not fit", "parameters (f32 working copy) 3.66 PiB"}},
   };
   for (const Case& c : cases) {
-    const auto start = std::chrono::steady_clock::now();
-    const double cpu_before = children_cpu_seconds();
-    const auto run = testing::run_fp8lm(c.args);
-    const double cpu = children_cpu_seconds() - cpu_before;
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto [run, seconds, cpu] = testing::run_fp8lm_timed(c.args);
     INFO("fp8lm " << c.args << "\n" << run.output << "\n" << seconds << " s, " << cpu << " s of CPU");
     CHECK(run.exit_code == 2);
     CHECK_THAT(run.output, ContainsSubstring("fp8lm: error: "));

@@ -1,7 +1,5 @@
 // The start-up memory estimate: it matches what the engine allocates, and a run that cannot
 // fit is refused before anything is allocated, naming its largest consumers.
-#include <sys/resource.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cmath>
@@ -43,14 +41,6 @@ std::string refusal(const MemoryEstimate& estimate, const MemoryAvailability& av
     return e.full_message();
   }
   return "(fits)";
-}
-
-// User and system time of the finished child processes (the binary a test ran).
-double children_cpu_seconds() {
-  rusage usage{};
-  ::getrusage(RUSAGE_CHILDREN, &usage);
-  return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-         1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
 MemoryAvailability host_with(uint64_t bytes) {
@@ -292,11 +282,7 @@ TEST_CASE("the binary refuses runs that cannot fit within a second, before alloc
        "--fp8-amax-history-len must be in [1, 65536] (got 1000000000)"},
   };
   for (const Case& c : cases) {
-    const auto start = std::chrono::steady_clock::now();
-    const double cpu_before = children_cpu_seconds();
-    const auto run = testing::run_fp8lm(c.args);
-    const double cpu = children_cpu_seconds() - cpu_before;
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto [run, seconds, cpu] = testing::run_fp8lm_timed(c.args);
     INFO("fp8lm " << c.args << "\n" << run.output << "\n" << seconds << " s, " << cpu << " s of CPU");
     CHECK(run.exit_code == 2);
     CHECK_THAT(run.output, ContainsSubstring("fp8lm: error: "));
