@@ -8,6 +8,8 @@
 #include <set>
 #include <thread>
 
+#include <sched.h>
+
 #include <CLI/CLI.hpp>
 
 #include "core/error.h"
@@ -102,6 +104,12 @@ std::vector<RealFlag> real_flags(const TrainOptions& o) {
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 int max_num_threads() { return kMaxThreadsPerHardwareThread * hardware_threads(); }
+int affinity_cpus() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) != 0) return hardware_threads();
+  return std::max(1, CPU_COUNT(&mask));
+}
 
 namespace {
 

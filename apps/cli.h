@@ -50,6 +50,8 @@ std::vector<RealFlag> real_flags(const TrainOptions& options);
 inline constexpr int kMaxThreadsPerHardwareThread = 4;
 int hardware_threads();
 int max_num_threads();
+// The CPUs this process may run on (its affinity mask; mpirun narrows it when it binds ranks).
+int affinity_cpus();
 
 inline constexpr double kMaxTimeoutMinutes = 7 * 24 * 60;
 inline constexpr int kMaxAmaxHistoryLen = 65536;

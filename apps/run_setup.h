@@ -44,4 +44,8 @@ GptPrecision model_precision(const TrainOptions& options);
 // Every setting, one row each, for the startup table.
 SettingsTable settings_table(const RunSetup& setup);
 
+// A warning when mpirun left this rank one CPU (its default binding) and nobody asked for one
+// thread: the start-up's parallel host work would run serially.
+void warn_if_bound_to_one_cpu(const RunSetup& setup);
+
 }  // namespace fp8lm

@@ -19,7 +19,7 @@ mkdir -p "$logs"
 [ -n "${OUT:-}" ] && trap 'tar czf "$OUT/logs.tgz" -C "$logs" .' EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH=/usr/local/cuda/bin:$PATH
 gpus=$(nvidia-smi -L | wc -l)
-mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0 -x PATH -x LD_LIBRARY_PATH)
+mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE=0 -x PATH -x LD_LIBRARY_PATH)
 status=0
 step() { echo; echo "==== $*"; }
 

@@ -5,12 +5,15 @@
 #include <filesystem>
 #include <fstream>
 
+#include <sched.h>
+
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 #include <nlohmann/json.hpp>
 
 #include "apps/cli.h"
 #include "apps/run_setup.h"
+#include "captured_log.h"
 #include "cli_testing.h"
 #include "temp_dir.h"
 #include "core/error.h"
@@ -255,6 +258,48 @@ TEST_CASE("run set-up: model flags override the config, batch arithmetic", "[cli
   CHECK(setup.seq_length == 64);
   CHECK(setup.grad_accum_steps == 4);
   CHECK_THROWS_AS(resolve_run_setup(parse({"--config", kTiny, "--mock-data", "--num-attention-heads", "3"})), InputError);
+}
+
+TEST_CASE("a rank that mpirun bound to one CPU is warned, unless one thread was asked for", "[cli]") {
+  cpu_set_t all;
+  REQUIRE(sched_getaffinity(0, sizeof(all), &all) == 0);
+  if (CPU_COUNT(&all) < 2) SKIP("this process may run on one CPU only");
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  // The process's CPUs and OMP_NUM_THREADS come back however the checks end.
+  struct Restore {
+    cpu_set_t cpus;
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    std::string saved_omp = omp ? omp : "";
+    ~Restore() {
+      sched_setaffinity(0, sizeof(cpus), &cpus);
+      if (omp) setenv("OMP_NUM_THREADS", saved_omp.c_str(), 1);
+    }
+  } restore{all};
+  unsetenv("OMP_NUM_THREADS");
+  TrainOptions o = parse({"--config", kTiny, "--mock-data", "--device", "cpu"});
+  RunSetup setup = resolve_run_setup(o);
+  setup.parallel.world_size = 2;
+  auto warning = [&] {
+    testing::CapturedLog log;
+    warn_if_bound_to_one_cpu(setup);
+    return log.text();
+  };
+  CHECK(warning().empty());  // free to run on every CPU
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  REQUIRE(sched_setaffinity(0, sizeof(one), &one) == 0);
+  CHECK(affinity_cpus() == 1);
+  CHECK_THAT(warning(), ContainsSubstring("may run on 1 of") && ContainsSubstring("HINT: mpirun --bind-to none"));
+  setup.options.num_threads = 1;
+  CHECK(warning().empty());
+  setup.options.num_threads = 0;
+  setenv("OMP_NUM_THREADS", "1", 1);
+  CHECK(warning().empty());
+  unsetenv("OMP_NUM_THREADS");
+  setup.parallel.world_size = 1;
+  CHECK(warning().empty());  // a single process: nobody bound it
 }
 
 TEST_CASE("every floating-point flag must be finite and inside its range", "[cli]") {

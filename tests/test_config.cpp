@@ -9,9 +9,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 #include <nlohmann/json.hpp>
-#include <spdlog/sinks/ostream_sink.h>
-#include <spdlog/spdlog.h>
-
+#include "captured_log.h"
 #include "cli_testing.h"
 #include "temp_dir.h"
 #include "core/error.h"
@@ -20,6 +18,7 @@
 
 using namespace fp8lm;
 using Catch::Matchers::ContainsSubstring;
+using fp8lm::testing::CapturedLog;
 
 namespace {
 
@@ -31,22 +30,6 @@ std::string config_error(const nlohmann::json& json) {
   }
   return "(no error)";
 }
-
-// Everything logged while it lives (the default logger is swapped for one writing here).
-class CapturedLog {
- public:
-  CapturedLog() : previous_(spdlog::default_logger()) {
-    auto logger = std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(text_));
-    logger->set_level(spdlog::level::info);
-    spdlog::set_default_logger(logger);
-  }
-  ~CapturedLog() { spdlog::set_default_logger(previous_); }
-  std::string text() const { return text_.str(); }
-
- private:
-  std::ostringstream text_;
-  std::shared_ptr<spdlog::logger> previous_;
-};
 
 const nlohmann::json kGood = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 256}, {"n_positions", 64}};
 
