@@ -38,21 +38,7 @@ if [ "$mode" != "--bench-only" ]; then
 fi
 
 if [ "$mode" = "--bench" ] || [ "$mode" = "--bench-only" ]; then
-  step "benchmarks (T=1024, mock data; median step after 5 warm-up steps)"
-  bench() {  # config micro-batch precision-flags...
-    local config=$1 batch=$2; shift 2
-    timeout 120 build-gpu/fp8lm --config "configs/$config.json" --mock-data --benchmark --micro-batch-size "$batch" \
-      --seq-length 1024 --train-iters 20 --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn "$@" \
-      2>> "$logs/bench.err" | tee -a "$logs/bench.jsonl" || status=1
-  }
-  bench gpt2-124m 32 --fp8-hybrid
-  bench gpt2-124m 32 --bf16
-  bench gpt2-1558m 8 --fp8-hybrid
-  bench gpt2-1558m 8 --bf16
-  if [ -f .carry/torch_gpt_bench.py ]; then
-    step "PyTorch BF16 peer (same machine, same call)"
-    timeout 300 python3 .carry/torch_gpt_bench.py --models 124M,1558M --modes bf16 --steps 10 2>> "$logs/peer.err" \
-      | tee -a "$logs/bench.jsonl" || status=1
-  fi
+  step "benchmarks: gpt2-124m and gpt2-1558m, fp8lm FP8 and BF16 and the PyTorch peer (scripts/bench_device.sh)"
+  scripts/bench_device.sh 124m:32,1558m:8 || status=1
 fi
 exit $status
