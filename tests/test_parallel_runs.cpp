@@ -120,8 +120,9 @@ TEST_CASE("--grad-reduce-in-bf16 on one process: the BF16 gradient slab trains a
           "[parallel][cpu][bf16-gradients]") {
   // The tiny model over 16 steps, FP8 hybrid and BF16 GEMMs: each gradient is rounded to BF16
   // as every op adds to it (the wgrad GEMMs, the bias, LayerNorm and embedding sums), the norm
-  // and AdamW read the rounded values. Stated tolerance: every step's loss within 1e-2 of the
-  // FP32-gradient run's (measured on the dev machine: BF16_GAP_MEASURED), and the loss falls.
+  // and AdamW read the rounded values. Stated tolerance: every step's loss within 2e-3 of the
+  // FP32-gradient run's (measured on the dev machine: 3.6e-4 FP8 hybrid, 5.3e-5 BF16), and the
+  // loss falls (5.55 to 4.95 over the 16 steps, as in FP32).
   const testing::TempDir dir;
   const std::string args = "--config " + testing::source_path("configs/tiny.json") +
                            " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4"
@@ -141,8 +142,8 @@ TEST_CASE("--grad-reduce-in-bf16 on one process: the BF16 gradient slab trains a
     const double gap = largest_relative_gap(rounded, reference);
     INFO("largest relative gap " << gap);
     CHECK(gap > 0.0);  // the gradients were rounded
-    CHECK(gap < 1e-2);
-    CHECK(rounded.back() < 0.8 * rounded.front());
+    CHECK(gap < 2e-3);
+    CHECK(rounded.back() < 0.95 * rounded.front());
   }
 }
 
