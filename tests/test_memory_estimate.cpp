@@ -152,7 +152,7 @@ TEST_CASE("the GPU estimate matches the allocations measured on H100 and H200", 
   }
 }
 
-TEST_CASE("--grad-reduce-in-bf16: the GPU estimate's gradient slab is BF16, 2 bytes per parameter less, at any DP",
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the GPU estimate's gradient slab is BF16, 2 bytes per parameter less, at any DP",
           "[memory]") {
   for (int dp : {1, 2, 4}) {
     INFO("DP=" << dp);

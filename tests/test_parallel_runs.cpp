@@ -116,7 +116,7 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
   }
 }
 
-TEST_CASE("--grad-reduce-in-bf16 on one process: the BF16 gradient slab trains as the FP32 one does",
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16) on one process: the BF16 gradient slab trains as the FP32 one does",
           "[parallel][cpu][bf16-gradients]") {
   // The tiny model over 16 steps, FP8 hybrid and BF16 GEMMs: each gradient is rounded to BF16
   // as every op adds to it (the wgrad GEMMs, the bias, LayerNorm and embedding sums), the norm

@@ -208,7 +208,7 @@ TEST_CASE("gradient accumulation over micro-batches equals one large batch", "[t
   CHECK(std::sqrt(diff / norm) < 1e-5);
 }
 
-TEST_CASE("--grad-reduce-in-bf16: the BF16 gradient slab holds BF16 values within rounding of the FP32 gradients",
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the BF16 gradient slab holds BF16 values within rounding of the FP32 gradients",
           "[training][cpu][bf16-gradients]") {
   // Two micro-batches accumulate (the first's Linear weight gradients are written, the rest
   // added): every op adds its FP32 sum to the BF16 gradient and rounds once, so each element
@@ -254,7 +254,7 @@ TEST_CASE("--grad-reduce-in-bf16: the BF16 gradient slab holds BF16 values withi
     REQUIRE(bf16.gradients()[wte.offset + i] == 0.0f);
 }
 
-TEST_CASE("--grad-reduce-in-bf16: the startup table and the engine's allocation name a BF16 gradient slab",
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the startup table and the engine's allocation name a BF16 gradient slab",
           "[training][cpu][bf16-gradients][memory]") {
   for (const bool bf16 : {false, true}) {
     std::vector<std::string> args = {"--config", testing::source_path("configs/tiny.json"), "--mock-data",
