@@ -421,7 +421,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_flag("--no-use-distributed-optimizer", no_distributed_optimizer,
                "Keep the whole optimizer state on every data-parallel rank (all-reduce the gradients)")
       ->group(system);
-  app.add_flag("--grad-reduce-in-bf16", o.grad_reduce_in_bf16, "Reduce gradients across data-parallel ranks in BF16")
+  app.add_flag("--grad-reduce-in-bf16", o.grad_reduce_in_bf16, "Keep the gradients in BF16 (Megatron's BF16 main_grad, at any data-parallel "
+               "size): accumulated and reduced across data-parallel ranks in BF16, 2 bytes per parameter")
       ->group(system);
   app.add_flag("--fp8-grad-comm", o.fp8_grad_comm,
                "Reduce gradients in FP8 with one agreed scale per tensor (FP8-LM's automatic scaling)")

@@ -158,7 +158,7 @@ struct TrainingEngine::State {
   Fp8RecipeConfig recipe;
   bool fp8 = false;
   bool sharded = false;           // the distributed optimizer with more than one data-parallel rank
-  bool grad_reduce_in_bf16 = false, fp8_grad_comm = false, fp8_param_gather = false;
+  bool fp8_grad_comm = false, fp8_param_gather = false;
   GradReduceAlgorithm fp8_grad_reduce = GradReduceAlgorithm::all_to_all;
   Fp8Dtype grad_comm_dtype = Fp8Dtype::e5m2;
   // Overlap: each bucket's reduction starts on the side lane once the last micro-batch's
@@ -187,10 +187,10 @@ struct TrainingEngine::State {
   std::unique_ptr<Allocation> scalars;  // one StepScalars
   std::unique_ptr<Allocation> adamw_scratch;
   // Communication buffers.
-  // One bucket of gradients as they travel (BF16 bits under --grad-reduce-in-bf16, FP8 codes
-  // under --fp8-grad-comm), reduced in place in it and converted back into the gradient slab:
-  // reused by every bucket, in the order of the one lane that carries a step's reductions
-  // (reduce_bucket joins the lanes before another takes it).
+  // One bucket of gradients as they travel as FP8 codes (--fp8-grad-comm), reduced in place in
+  // it and converted back into the gradient slab: reused by every bucket, in the order of the
+  // one lane that carries a step's reductions (reduce_bucket joins the lanes before another
+  // takes it). FP32 and BF16 gradients travel in the gradient slab itself.
   std::unique_ptr<Allocation> grad_staging;
   std::unique_ptr<Allocation> codes_received;  // every rank's codes for this rank's part of a bucket (all-to-all)
   std::unique_ptr<Allocation> weight_codes;    // --fp8-param-gather: the slab's FP8 codes, gathered in place
@@ -267,6 +267,14 @@ struct TrainingEngine::State {
   void reduce_bucket(size_t bucket, bool overlapped);
   void reduce_fp8_bucket(size_t bucket, Communicator& comm, Ops::Lane lane);
   void reduce_gradients();
+  // Elements [begin, begin + count) of the model's gradient slab, in its dtype.
+  Tensor gradient_range(size_t begin, size_t count) const {
+    const Tensor slab = model->gradients();
+    Tensor range = slab;
+    range.data = static_cast<char*>(slab.data) + begin * ops->element_bytes(slab.dtype);
+    range.cols = int64_t(count);
+    return range;
+  }
   // Orders the main lane after everything queued on the side lane so far.
   void join_side_lane();
   // The AdamW call over `table` (the shard's, or an update group's whose first tensor is
@@ -344,7 +352,6 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.recipe = o.fp8;
   s.fp8 = o.fp8_enabled();
   s.sharded = layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true);
-  s.grad_reduce_in_bf16 = o.grad_reduce_in_bf16;
   s.fp8_grad_comm = o.fp8_grad_comm && layout.dp_size > 1;
   s.fp8_grad_reduce = o.fp8_grad_reduce;
   s.fp8_param_gather = o.fp8_param_gather;
@@ -426,9 +433,8 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
 
   size_t largest_bucket = 0;
   for (const ParameterBucket& bucket : model.buckets()) largest_bucket = std::max(largest_bucket, bucket.end - bucket.begin);
-  if (layout.dp_size > 1 && s.grad_reduce_in_bf16 && !s.fp8_grad_comm)
-    s.grad_staging = device.allocate(largest_bucket * sizeof(uint16_t));
   if (s.fp8_grad_comm) {
+    FP8LM_CHECK(model.gradient_dtype() == DType::f32, "FP8 gradient communication casts FP32 gradients");
     s.grad_staging = device.allocate(largest_bucket);
     // The all-to-all exchanges codes out of place: every rank's codes of this rank's part.
     if (s.fp8_grad_reduce == GradReduceAlgorithm::all_to_all) s.codes_received = device.allocate(largest_bucket);
@@ -526,13 +532,17 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
 // data-parallel reduction, on the side lane when overlapped with the backward. Every form
 // works in place: the reduced part of the bucket (this rank's with the distributed
 // optimizer, else the whole bucket) ends where its gradients were, in the model's gradient
-// slab; what travels in BF16 or FP8 is cast into the one-bucket staging buffer, reduced in
-// place there, and cast back.
+// slab, in the slab's dtype (FP32, or BF16 under --grad-reduce-in-bf16: Megatron's BF16
+// main_grad, reduced as it is); FP8 codes are cast into the one-bucket staging buffer,
+// reduced there, and summed back into the slab.
 void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
   const ParameterBucket& bucket = model->buckets()[b];
-  float* grads = model->gradients();
-  for (const auto& [begin, end] : model->partial_gradient_ranges())
-    if (begin >= bucket.begin && end <= bucket.end) tp->sum_partial_gradients(grads + begin, end - begin);
+  for (const auto& [begin, end] : model->partial_gradient_ranges()) {
+    if (begin < bucket.begin || end > bucket.end) continue;
+    const Tensor partial = gradient_range(begin, end - begin);
+    tp->sum_partial_gradients(partial);
+    ops->round_to_dtype(partial);
+  }
   bucket_reduced[b] = true;
   if (parallel.dp_size == 1) return;
   const ShardPlan::Part& p = shard.parts[b];
@@ -553,22 +563,18 @@ void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
   }
   if (fp8_grad_comm) return reduce_fp8_bucket(b, comm, lane);
 
-  const size_t length = bucket.end - bucket.begin;
-  float* bucket_grads = grads + bucket.begin;
-  if (!grad_reduce_in_bf16) {
-    if (sharded) return comm.reduce_scatter(bucket_grads, grads + p.part_begin, p.size, CommDtype::f32, ReduceOp::sum);
-    return comm.all_reduce(bucket_grads, bucket_grads, length, CommDtype::f32, ReduceOp::sum);
-  }
-  auto* staging = static_cast<uint16_t*>(grad_staging->data());
-  ops->to_bf16_bits(staging, bucket_grads, length, lane);
+  const Tensor whole = gradient_range(bucket.begin, bucket.end - bucket.begin);
+  const CommDtype wire = storage_dtype(*ops, whole.dtype);
+  // The reduced range is rounded to the slab's dtype where a collective summed it wider (the
+  // CPU's FP32 storage of BF16 gradients; nothing to do for FP32 or on the GPU).
   if (sharded) {
-    uint16_t* own = staging + (p.part_begin - bucket.begin);
-    comm.reduce_scatter(staging, own, p.size, CommDtype::bf16, ReduceOp::sum);
-    ops->from_bf16_bits(grads + p.part_begin, own, p.size, lane);
-  } else {  // a replicated optimizer: every rank's whole bucket summed
-    comm.all_reduce(staging, staging, length, CommDtype::bf16, ReduceOp::sum);
-    ops->from_bf16_bits(bucket_grads, staging, length, lane);
+    const Tensor own = gradient_range(p.part_begin, p.size);
+    comm.reduce_scatter(whole.data, own.data, p.size, wire, ReduceOp::sum);
+    return ops->round_to_dtype(own, lane);
   }
+  // A replicated optimizer: every rank's whole bucket summed.
+  comm.all_reduce(whole.data, whole.data, size_t(whole.numel()), wire, ReduceOp::sum);
+  ops->round_to_dtype(whole, lane);
 }
 
 // FP8-LM's automatic scaling, one bucket at a time: one scale per tensor from the MAX of every
@@ -581,7 +587,7 @@ void TrainingEngine::State::reduce_fp8_bucket(size_t b, Communicator& comm, Ops:
   const ShardPlan::Part& p = shard.parts[b];
   const size_t first = p.first_tensor, count = p.end_tensor - p.first_tensor;
   const int ranks = parallel.dp_size;
-  float* grads = model->gradients();
+  float* grads = static_cast<float*>(model->gradients().data);  // FP32: the constructor checked
   const float* bucket_grads = grads + p.bucket_begin;
   float* amax = static_cast<float*>(tensor_amax->data()) + first;
   float* scale = static_cast<float*>(tensor_scale->data()) + first;
@@ -916,7 +922,7 @@ std::vector<float> TrainingEngine::gradients() {
   State& s = *state_;
   s.ops->synchronize();
   std::vector<float> own(s.model->layout().total_elements());
-  s.ops->download(own.data(), s.model->gradients(), own.size() * sizeof(float));
+  s.ops->download_values(own.data(), s.model->gradients());
   std::vector<float> canonical(s.canonical.total_elements(), 0.0f);
   for (const TensorInfo& t : s.model->layout().tensors())
     copy_part_to_full(t, own.data() + t.offset, canonical.data() + s.canonical.find(t.name)->offset,

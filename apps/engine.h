@@ -131,7 +131,7 @@ class TrainingEngine {
   // (checkpoints, tests, initialisation from another model).
   std::vector<float> parameters();
   void set_parameters(const std::vector<float>& values);
-  // The FP32 gradients of the last micro-batches before any reduction, this rank's part,
+  // The gradients (widened to FP32) of the last micro-batches before any reduction, this rank's part,
   // in the canonical layout (tests; with one rank: the step's gradients). After end_step
   // with several data-parallel ranks, the slab has been reduced in place: not meaningful.
   std::vector<float> gradients();

@@ -370,7 +370,10 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
                        "parameters (" + std::string(to_string(act)) + " working copy" +
                            (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
                        weights, more_tp);
-  add_backend_consumer(estimate, cuda, "gradients (FP32)", mul(n, 4), more_tp);
+  // The gradient slab in its dtype: BF16 under --grad-reduce-in-bf16 (Megatron's BF16 main_grad).
+  const DType grad_dtype = precision.gradients;
+  add_backend_consumer(estimate, cuda, grad_dtype == DType::bf16 ? "gradients (BF16)" : "gradients (FP32)",
+                       mul(n, eb(grad_dtype)), more_tp);
 
   const bool master_is_working_copy = !sharded && act == DType::f32;
   const uint64_t state_bytes_per_element = o.optimizer_state == OptimizerStatePrecision::fp8_fp16 ? 3 : 8;
@@ -386,12 +389,12 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
                            : zero);
 
   // The data-parallel collectives work in place in the gradient and working slabs (the engine's
-  // ZeRO-1): what they need besides is one bucket of gradients as they travel (BF16 bits, or
-  // FP8 codes and, for the all-to-all, every rank's codes of this rank's part), and under
-  // --fp8-param-gather the FP8 codes of the whole slab, gathered in place.
+  // ZeRO-1), FP32 and BF16 gradients in their own slab: what they need besides is, under
+  // --fp8-grad-comm, one bucket of FP8 codes and, for the all-to-all, every rank's codes of
+  // this rank's part, and under --fp8-param-gather the FP8 codes of the whole slab, gathered in
+  // place.
   uint64_t communication = 0;
   const bool fp8_grad_comm = o.fp8_grad_comm && x.dp > 1;
-  if (x.dp > 1 && o.grad_reduce_in_bf16 && !fp8_grad_comm) communication = mul(slab.largest_bucket, 2);
   if (fp8_grad_comm)
     communication = mul(slab.largest_bucket, o.fp8_grad_reduce == GradReduceAlgorithm::all_to_all ? 2 : 1);
   if (o.fp8_param_gather) communication = add(communication, n);

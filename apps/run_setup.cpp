@@ -207,7 +207,8 @@ GptPrecision model_precision(const TrainOptions& o) {
                       .bf16_layers_at_start = o.bf16_layers_at_start(),
                       .bf16_layers_at_end = o.bf16_layers_at_end(),
                       .bf16_blocks = o.fp8_enabled() ? o.bf16_blocks : std::set<int>{},
-                      .fp8 = o.fp8};
+                      .fp8 = o.fp8,
+                      .gradients = o.grad_reduce_in_bf16 ? DType::bf16 : DType::f32};
 }
 
 SettingsTable settings_table(const RunSetup& s) {

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/check_cuda.h"
+#include "core/device_helpers.cuh"
 #include "core/error.h"
 #include "core/fp8_stats.cuh"
 #include "core/scaling.h"
@@ -210,18 +211,19 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
 }
 
-// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ... (one thread per column).
-__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* __restrict__ out,
+// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ... (one thread per column),
+// the sum added once to the FP32 or BF16 gradient.
+__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(GradientRef out,
                                                                        const float* __restrict__ partial, int tiles,
                                                                        int N) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= N) return;
   float s = 0.0f;
   for (int t = 0; t < tiles; ++t) s += partial[static_cast<size_t>(t) * N + c];
-  out[c] += s;
+  device::add_to_gradient(out, c, s);
 }
 
-void launch_add_column_partials(float* out, const float* partial, int tiles, int N, cudaStream_t stream) {
+void launch_add_column_partials(GradientRef out, const float* partial, int tiles, int N, cudaStream_t stream) {
   add_column_partials_kernel<<<(N + kThreads - 1) / kThreads, kThreads, 0, stream>>>(out, partial, tiles, N);
   CUDA_CHECK_LAUNCH();
 }
@@ -325,12 +327,12 @@ dim3 tile_grid(int M, int N) {
 }
 
 template <typename T>
-void launch_cast_transpose(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const T* in, const float* scale,
+void launch_cast_transpose(uint8_t* out, uint8_t* out_t, GradientRef dbias, float* amax, const T* in, const float* scale,
                            Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream, Fp8CastCounts* counts) {
   FP8LM_CHECK(M >= 0 && N >= 0, "cast_transpose_fp8 shape M=", M, " N=", N);
   if (M == 0 || N == 0) return;
   FP8LM_CHECK(in != nullptr && out != nullptr && scale != nullptr, "cast_transpose_fp8 needs in, out and scale");
-  FP8LM_CHECK(dbias == nullptr || scratch != nullptr, "cast_transpose_fp8 with dbias needs scratch of ",
+  FP8LM_CHECK(!dbias || scratch != nullptr, "cast_transpose_fp8 with dbias needs scratch of ",
               dbias_scratch_floats(M, N), " floats");
   constexpr int kVec = 16 / sizeof(T);
   const dim3 grid = tile_grid(M, N);
@@ -406,13 +408,13 @@ void launch_count(Fp8CastCounts* counts, const T* in, const float* scale, Fp8Dty
 
 }  // namespace
 
-void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const __nv_bfloat16* in,
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, GradientRef dbias, float* amax, const __nv_bfloat16* in,
                         const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
                         Fp8CastCounts* counts) {
   launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream, counts);
 }
 
-void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const float* in,
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, GradientRef dbias, float* amax, const float* in,
                         const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
                         Fp8CastCounts* counts) {
   launch_cast_transpose(out, out_t, dbias, amax, in, scale, dtype, M, N, scratch, stream, counts);
@@ -445,10 +447,10 @@ void count_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* in, const float*
   launch_count(counts, in, scale, dtype, n, stream);
 }
 
-void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream) {
+void column_sum(GradientRef out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream) {
   FP8LM_CHECK(M >= 0 && N >= 0, "column_sum shape M=", M, " N=", N);
   if (M == 0 || N == 0) return;
-  FP8LM_CHECK(out != nullptr && in != nullptr && scratch != nullptr, "column_sum needs out, in and scratch");
+  FP8LM_CHECK(out && in != nullptr && scratch != nullptr, "column_sum needs out, in and scratch");
   const dim3 grid = tile_grid(M, N);
   const bool vec_in = N % 8 == 0 && aligned(in, 16);
   cast_transpose_kernel<__nv_bfloat16, Fp8Dtype::e4m3>

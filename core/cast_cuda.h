@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/gradient_ref.h"
 #include "core/fp8_stats.h"
 
 namespace fp8lm::cuda {
@@ -41,15 +42,16 @@ inline size_t dbias_scratch_floats(int M, int N) {
 // One read of in [M,N] writes:
 //   out   [M,N] = fp8(in * scale)           (row-major codes)
 //   out_t [N,M] = out transposed            (nullable)
-//   dbias [N]  += column sums of in (the UNQUANTIZED values, FP32 sums)   (nullable;
-//                 needs scratch of dbias_scratch_floats(M, N) floats)
+//   dbias [N]  += column sums of in (the UNQUANTIZED values, FP32 sums, added to an FP32
+//                 or BF16 gradient: core/gradient_ref.h)   (empty: none; else needs
+//                 scratch of dbias_scratch_floats(M, N) floats)
 //   *amax       = max(*amax, max |in|)      (nullable)
 //   *counts    += the cast's statistics (core/fp8_stats.h)   (nullable: a statistics step only)
 // scale: device pointer [1].
-void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const __nv_bfloat16* in,
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, GradientRef dbias, float* amax, const __nv_bfloat16* in,
                         const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
                         Fp8CastCounts* counts = nullptr);
-void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, float* dbias, float* amax, const float* in,
+void cast_transpose_fp8(uint8_t* out, uint8_t* out_t, GradientRef dbias, float* amax, const float* in,
                         const float* scale, Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream,
                         Fp8CastCounts* counts = nullptr);
 
@@ -73,9 +75,9 @@ void cast_fp8(uint8_t* out, float* amax, const float* in, const float* scale, Fp
 void count_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* in, const float* scale, Fp8Dtype dtype, size_t n,
                     cudaStream_t stream);
 
-// out [N] += column sums of in [M,N] (FP32, fixed order): the dbias of the BF16 path.
-// scratch: dbias_scratch_floats(M, N) floats.
-void column_sum(float* out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream);
+// out [N] += column sums of in [M,N] (FP32, fixed order; out FP32 or BF16, rounded once):
+// the dbias of the BF16 path. scratch: dbias_scratch_floats(M, N) floats.
+void column_sum(GradientRef out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream);
 
 // Current scaling on the device (one thread): *scale = compute_scale(*amax, fp8_max,
 // margin, *scale); *scale_inv = 1 / *scale. scale and scale_inv: [1] each.

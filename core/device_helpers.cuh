@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "core/gradient_ref.h"
+
 namespace fp8lm::cuda::device {
 
 using bf16 = __nv_bfloat16;
@@ -62,15 +64,73 @@ __device__ __forceinline__ void block_amax_update(float* amax, unsigned bits) {
   }
 }
 
+// gradient[i] += sum, the sum in FP32: a BF16 gradient (--grad-reduce-in-bf16) is widened,
+// added to and rounded once, as cuBLASLt's epilogue does for a BF16 D with beta = 1.
+__device__ __forceinline__ void add_to_gradient(GradientRef gradient, size_t i, float sum) {
+  if (gradient.bf16) {
+    bf16* g = static_cast<bf16*>(gradient.data) + i;
+    *g = __float2bfloat16_rn(__bfloat162float(*g) + sum);
+  } else {
+    static_cast<float*>(gradient.data)[i] += sum;
+  }
+}
+
+// gradient[i .. i+7] += sums[0..7]; i a multiple of 8 and the gradient 16-byte aligned: two
+// float4 read-modify-writes in FP32, one 16-byte one in BF16.
+__device__ __forceinline__ void add_to_gradient8(GradientRef gradient, size_t i, const float (&sums)[8]) {
+  if (gradient.bf16) {
+    bf16* g = static_cast<bf16*>(gradient.data) + i;
+    float values[8];
+    load_bf16x8(g, values);
+#pragma unroll
+    for (int j = 0; j < 8; j++) values[j] += sums[j];
+    store_bf16x8(g, values);
+    return;
+  }
+  float4* d = reinterpret_cast<float4*>(static_cast<float*>(gradient.data) + i);
+  float4 lo = d[0], hi = d[1];
+  lo.x += sums[0];
+  lo.y += sums[1];
+  lo.z += sums[2];
+  lo.w += sums[3];
+  hi.x += sums[4];
+  hi.y += sums[5];
+  hi.z += sums[6];
+  hi.w += sums[7];
+  d[0] = lo;
+  d[1] = hi;
+}
+
+// Gradients as the optimizer and the norm read them: FP32, or BF16 widened to FP32.
+__device__ __forceinline__ float gradient_at(const float* gradients, uint64_t i) { return gradients[i]; }
+__device__ __forceinline__ float gradient_at(const bf16* gradients, uint64_t i) { return __bfloat162float(gradients[i]); }
+// Four consecutive gradients from i (a multiple of 4): one 16-byte (FP32) or 8-byte (BF16) load.
+__device__ __forceinline__ void load_gradient4(const float* gradients, uint64_t i, float (&out)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(gradients + i);
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+__device__ __forceinline__ void load_gradient4(const bf16* gradients, uint64_t i, float (&out)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(gradients + i);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const float2 lo = __bfloat1622float2(pairs[0]), hi = __bfloat1622float2(pairs[1]);
+  out[0] = lo.x;
+  out[1] = lo.y;
+  out[2] = hi.x;
+  out[3] = hi.y;
+}
+
 // One definition per translation unit (a .cu-only header, no relocatable device code).
 namespace {
 
-// dst_lo[c] += sum_r partials[r][c] for c < split, dst_hi[c - split] += ... for c >= split.
-// partials [rows][cols] (per-block partial sums of a parameter gradient); dst_hi may be
-// null when split == cols. Block (32, 8): column blockIdx.x*32 + tx; thread row ty sums rows
+// dst_lo[c] += sum_r partials[r][c] for c < split, dst_hi[c - split] += ... for c >= split,
+// each a parameter gradient (FP32 or BF16: add_to_gradient). partials [rows][cols]
+// (per-block partial sums); dst_hi may be empty when split == cols. Block (32, 8): column blockIdx.x*32 + tx; thread row ty sums rows
 // ty, ty+8, ... in order; the 8 sums are then added in order. Deterministic.
 // Launch with grid ceil(cols/32), block (32, 8).
-__global__ void __launch_bounds__(256) add_column_sums_kernel(float* __restrict__ dst_lo, float* __restrict__ dst_hi,
+__global__ void __launch_bounds__(256) add_column_sums_kernel(GradientRef dst_lo, GradientRef dst_hi,
                                                               int split, const float* __restrict__ partials,
                                                               int rows, int cols) {
   __shared__ float sums[8][33];
@@ -88,9 +148,9 @@ __global__ void __launch_bounds__(256) add_column_sums_kernel(float* __restrict_
 #pragma unroll
     for (int g = 1; g < 8; g++) total += sums[g][tx];
     if (col < split) {
-      dst_lo[col] += total;
+      add_to_gradient(dst_lo, col, total);
     } else {
-      dst_hi[col - split] += total;
+      add_to_gradient(dst_hi, col - split, total);
     }
   }
 }

@@ -29,21 +29,6 @@ constexpr int kForwardThreads = 256;
 constexpr int kForwardMaxBlocks = 4096;
 constexpr int kBackwardThreads = 32;  // one warp per block: 32 chunks of 8 columns
 
-// dst[0..7] += acc[0..7] (two float4 read-modify-writes).
-__device__ __forceinline__ void add_f32x8(float* dst, const float (&acc)[8]) {
-  float4* d = reinterpret_cast<float4*>(dst);
-  float4 lo = d[0], hi = d[1];
-  lo.x += acc[0];
-  lo.y += acc[1];
-  lo.z += acc[2];
-  lo.w += acc[3];
-  hi.x += acc[4];
-  hi.y += acc[5];
-  hi.z += acc[6];
-  hi.w += acc[7];
-  d[0] = lo;
-  d[1] = hi;
-}
 
 // out [N,C] f32 = wte row of the token (slice-local), or zeros for another slice's token.
 __global__ void __launch_bounds__(kForwardThreads)
@@ -91,7 +76,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 
 // One block per unique token of the slice: its dout rows summed in ascending order.
 __global__ void __launch_bounds__(kBackwardThreads)
-    embedding_lookup_backward_kernel(float* __restrict__ dwte, const bf16* __restrict__ dout,
+    embedding_lookup_backward_kernel(GradientRef dwte, const bf16* __restrict__ dout,
                                      const int32_t* __restrict__ unique_tokens, const int32_t* __restrict__ offsets,
                                      const int32_t* __restrict__ positions, int C) {
   const int col = (blockIdx.y * kBackwardThreads + threadIdx.x) * 8;
@@ -109,12 +94,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] += x[j];
   }
-  add_f32x8(dwte + static_cast<size_t>(unique_tokens[u]) * C + col, acc);
+  add_to_gradient8(dwte, static_cast<size_t>(unique_tokens[u]) * C + col, acc);
 }
 
 // One block per position t: the local rows at t (every T-th row) summed in order.
 __global__ void __launch_bounds__(kBackwardThreads)
-    position_embedding_backward_kernel(float* __restrict__ dwpe, const bf16* __restrict__ dout, int first_row, int T,
+    position_embedding_backward_kernel(GradientRef dwpe, const bf16* __restrict__ dout, int first_row, int T,
                                        int N, int C) {
   const int col = (blockIdx.y * kBackwardThreads + threadIdx.x) * 8;
   if (col >= C) return;
@@ -130,7 +115,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] += x[j];
   }
-  add_f32x8(dwpe + static_cast<size_t>(t) * C + col, acc);
+  add_to_gradient8(dwpe, static_cast<size_t>(t) * C + col, acc);
 }
 
 int forward_blocks(size_t total_chunks) {
@@ -180,29 +165,29 @@ void add_position_embedding(bf16* out, const float* token_embeddings, const bf16
   CUDA_CHECK_LAUNCH();
 }
 
-void embedding_lookup_backward(float* dwte, const bf16* dout, const int32_t* unique_tokens, const int32_t* offsets,
+void embedding_lookup_backward(GradientRef dwte, const bf16* dout, const int32_t* unique_tokens, const int32_t* offsets,
                                const int32_t* positions, int num_unique, int C, cudaStream_t stream) {
   const char* what = "embedding_lookup_backward";
   check_shape(num_unique, C, what);
   if (num_unique == 0) return;  // no token of this vocabulary slice in the batch
-  FP8LM_CHECK(dwte != nullptr && dout != nullptr && unique_tokens != nullptr && offsets != nullptr &&
+  FP8LM_CHECK(dwte && dout != nullptr && unique_tokens != nullptr && offsets != nullptr &&
                   positions != nullptr,
               what, ": null pointer");
-  FP8LM_CHECK(aligned(dwte, 16) && aligned(dout, 16), what, ": dwte and dout must be 16-byte aligned");
+  FP8LM_CHECK(aligned(dwte.data, 16) && aligned(dout, 16), what, ": dwte and dout must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(num_unique), column_blocks(C, what));
   embedding_lookup_backward_kernel<<<grid, kBackwardThreads, 0, stream>>>(dwte, dout, unique_tokens, offsets,
                                                                           positions, C);
   CUDA_CHECK_LAUNCH();
 }
 
-void position_embedding_backward(float* dwpe, const bf16* dout, int first_row, int T, int N, int C,
+void position_embedding_backward(GradientRef dwpe, const bf16* dout, int first_row, int T, int N, int C,
                                  cudaStream_t stream) {
   const char* what = "position_embedding_backward";
   check_shape(N, C, what);
   FP8LM_CHECK(T > 0 && first_row >= 0, what, ": T must be > 0 and first_row >= 0");
   if (N == 0) return;
-  FP8LM_CHECK(dwpe != nullptr && dout != nullptr, what, ": null pointer");
-  FP8LM_CHECK(aligned(dwpe, 16) && aligned(dout, 16), what, ": dwpe and dout must be 16-byte aligned");
+  FP8LM_CHECK(dwpe && dout != nullptr, what, ": null pointer");
+  FP8LM_CHECK(aligned(dwpe.data, 16) && aligned(dout, 16), what, ": dwpe and dout must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(T), column_blocks(C, what));
   position_embedding_backward_kernel<<<grid, kBackwardThreads, 0, stream>>>(dwpe, dout, first_row, T, N, C);
   CUDA_CHECK_LAUNCH();

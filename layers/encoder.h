@@ -14,6 +14,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/gradient_ref.h"
+
 namespace fp8lm::cpu {
 
 // out [B,T,C], tokens [B,T], wte [Vp,C], wpe [maxT,C]
@@ -56,14 +58,16 @@ void add_position_embedding(__nv_bfloat16* out, const float* token_embeddings, c
                             int first_row, int T, int N, int C, cudaStream_t stream);
 
 // dwte [Vs,C] += for each unique token u (slice-local id): the sum of dout rows
-// positions[offsets[u] .. offsets[u+1]) in that (ascending) order. From the index of
+// positions[offsets[u] .. offsets[u+1]) in that (ascending) order, in FP32, added once to
+// the FP32 or BF16 gradient (core/gradient_ref.h). From the index of
 // layers/encoder_index.h, built on the host with the tokens and uploaded with them.
-void embedding_lookup_backward(float* dwte, const __nv_bfloat16* dout, const int32_t* unique_tokens,
+void embedding_lookup_backward(GradientRef dwte, const __nv_bfloat16* dout, const int32_t* unique_tokens,
                                const int32_t* offsets, const int32_t* positions, int num_unique, int C,
                                cudaStream_t stream);
 
-// dwpe [T,C] += for each t: the sum of dout rows n with (first_row + n) % T == t, n ascending.
-void position_embedding_backward(float* dwpe, const __nv_bfloat16* dout, int first_row, int T, int N, int C,
+// dwpe [T,C] += for each t: the sum of dout rows n with (first_row + n) % T == t, n ascending
+// (FP32, added once to the FP32 or BF16 gradient).
+void position_embedding_backward(GradientRef dwpe, const __nv_bfloat16* dout, int first_row, int T, int N, int C,
                                  cudaStream_t stream);
 
 }  // namespace fp8lm::cuda

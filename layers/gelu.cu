@@ -252,12 +252,12 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
 }
 
 template <bool kFp8, bool kStats = false>
-void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float* dbias, float* amax,
+void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, GradientRef dbias, float* amax,
                      const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre, int M, int F,
                      float* scratch, cudaStream_t stream, Fp8CastCounts* counts = nullptr) {
   const char* what = kFp8 ? "gelu_backward_cast_transpose_dbias_fp8" : "gelu_backward_dbias_bf16";
   check_shape(M, F, what);
-  FP8LM_CHECK(dbias != nullptr && dout != nullptr && pre != nullptr && scratch != nullptr, what, ": null pointer");
+  FP8LM_CHECK(dbias && dout != nullptr && pre != nullptr && scratch != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(dout, 16) && aligned(pre, 16), what, ": dout and pre must be 16-byte aligned");
   if constexpr (kFp8) {
     FP8LM_CHECK(dpre_fp8 != nullptr && dpre_t != nullptr && scale != nullptr, what, ": null dpre, dpre_t or scale");
@@ -274,7 +274,7 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, float*
   gelu_backward_tile_kernel<kFp8, kStats><<<grid, kTileThreads, 0, stream>>>(
       dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts);
   CUDA_CHECK_LAUNCH();
-  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, nullptr, F, scratch, row_tiles, F);
+  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, GradientRef{}, F, scratch, row_tiles, F);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -294,7 +294,7 @@ size_t gelu_backward_scratch_floats(int M, int F) {
   return static_cast<size_t>((std::max(M, 0) + kTile - 1) / kTile) * static_cast<size_t>(std::max(F, 0));
 }
 
-void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, float* dbias, float* amax,
+void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, GradientRef dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre,
                                             int M, int F, float* scratch, cudaStream_t stream,
                                             Fp8CastCounts* counts) {
@@ -305,7 +305,7 @@ void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, floa
   launch_backward<true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch, stream);
 }
 
-void gelu_backward_dbias_bf16(bf16* dpre, float* dbias, const bf16* dout, const bf16* pre, int M, int F,
+void gelu_backward_dbias_bf16(bf16* dpre, GradientRef dbias, const bf16* dout, const bf16* pre, int M, int F,
                               float* scratch, cudaStream_t stream) {
   launch_backward<false>(nullptr, nullptr, dpre, dbias, nullptr, nullptr, Fp8Dtype::e4m3, dout, pre, M, F, scratch,
                          stream);

@@ -12,6 +12,7 @@
 
 #include "core/fp8.h"
 #include "core/fp8_stats.h"
+#include "core/gradient_ref.h"
 
 namespace fp8lm::cpu {
 
@@ -53,20 +54,21 @@ size_t gelu_backward_scratch_floats(int M, int F);
 // GELU backward fused with the FP8 casts of c_fc's output gradient (one read of the inputs):
 //   dpre   [M,F] = fp8(bf16(dout * gelu'(pre)) * *scale)    row-major codes
 //   dpre_t [F,M] = the same codes transposed
-//   dbias  [F]  += sum over rows of bf16(dout * gelu'(pre))  (FP32, deterministic: per
-//                   64-row tile partials in scratch, then a fixed-order reduction)
+//   dbias  [F]  += sum over rows of bf16(dout * gelu'(pre))  (FP32 sums, deterministic: per
+//                   64-row tile partials in scratch, then a fixed-order reduction; added
+//                   once to an FP32 or BF16 gradient, core/gradient_ref.h)
 //   amax        running max of |bf16(dout * gelu'(pre))| (may be nullptr)
 //   counts     += the cast's statistics (core/fp8_stats.h)   (nullable: statistics steps only)
 // dout [M,F], pre [M,F] (bf16(pre + bias) as saved by the forward).
 // scratch: gelu_backward_scratch_floats(M, F) floats (contents need not be initialised).
-void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, float* dbias, float* amax,
+void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, GradientRef dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const __nv_bfloat16* dout,
                                             const __nv_bfloat16* pre, int M, int F, float* scratch,
                                             cudaStream_t stream, Fp8CastCounts* counts = nullptr);
 
 // BF16 twin: dpre [M,F] = bf16(dout * gelu'(pre)) (written); dbias [F] += its column sums
 // (deterministic, as above). dpre may alias dout (in place).
-void gelu_backward_dbias_bf16(__nv_bfloat16* dpre, float* dbias, const __nv_bfloat16* dout,
+void gelu_backward_dbias_bf16(__nv_bfloat16* dpre, GradientRef dbias, const __nv_bfloat16* dout,
                               const __nv_bfloat16* pre, int M, int F, float* scratch, cudaStream_t stream);
 
 }  // namespace fp8lm::cuda

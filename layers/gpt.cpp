@@ -204,8 +204,8 @@ struct GptModel::LinearParams {
   Tensor weight;            // [N,K] working copy (this rank's part)
   Tensor bias;              // [N] working copy; empty for the tied LM head
   Tensor weight_operand;    // [N,K] what the GEMMs read: a cast copy, or a view of `weight`
-  Tensor grad_weight;       // [N,K] f32
-  Tensor grad_bias;         // [N] f32
+  Tensor grad_weight;       // [N,K] the gradient dtype (GptPrecision::gradients)
+  Tensor grad_bias;         // [N]
   DType input_dtype = DType::f32;  // the forward input operand
   DType grad_dtype = DType::f32;   // the output-gradient operand
   int input_state = -1;            // FP8 scaling states (the weight's is weight_operand's)
@@ -215,7 +215,7 @@ struct GptModel::LinearParams {
 
 struct GptModel::LayerNormParams {
   Tensor weight, bias;            // [C] working copy
-  Tensor grad_weight, grad_bias;  // [C] f32
+  Tensor grad_weight, grad_bias;  // [C] the gradient dtype
 };
 
 struct GptModel::BlockParams {
@@ -343,7 +343,10 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
       tp_(parallelism.tensor_parallel),
       scaling_(precision.fp8),
       activation_dtype_(ops.activation_dtype()),
+      gradient_dtype_(precision.gradients),
       inference_(inference) {
+  FP8LM_CHECK(gradient_dtype_ == DType::f32 || gradient_dtype_ == DType::bf16, "gradients in ",
+              to_string(gradient_dtype_), ": FP32 or BF16 only");
   FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
   if (tp_ == nullptr) {
     single_rank_ = std::make_unique<TensorParallelMappings>(nullptr, false, ops);
@@ -361,7 +364,8 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   const size_t n = layout_.total_elements();
   const size_t act_bytes = ops.element_bytes(activation_dtype_);
   working_ = ops.allocate(n * act_bytes);
-  if (!is_inference()) gradients_ = ops.allocate(n * sizeof(float));
+  const size_t grad_bytes = ops.element_bytes(gradient_dtype_);
+  if (!is_inference()) gradients_ = ops.allocate(n * grad_bytes);
 
   auto find = [&](const std::string& name) -> const TensorInfo& {
     const TensorInfo* info = layout_.find(name);
@@ -370,7 +374,7 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   };
   auto working = [&](const std::string& name) { return slab_view(working_->data(), activation_dtype_, act_bytes, find(name)); };
   auto grad = [&](const std::string& name) {
-    return gradients_ ? slab_view(gradients_->data(), DType::f32, sizeof(float), find(name)) : Tensor{};
+    return gradients_ ? slab_view(gradients_->data(), gradient_dtype_, grad_bytes, find(name)) : Tensor{};
   };
 
   // Linear layers: parameters and FP8 scaling states, registered in the order checkpoints
@@ -869,15 +873,16 @@ void GptModel::zero_gradients() {
   // The blocks' Linear weight gradients are left as they are: the step's first wgrad GEMMs
   // write them (GemmCall::accumulate), which saves a pass over most of the slab. Everything
   // else is zeroed, in runs of consecutive buckets.
-  float* slab = gradients();
+  char* slab = static_cast<char*>(gradients_->data());
+  const size_t bytes = ops_.element_bytes(gradient_dtype_);
   size_t run_begin = 0;
   for (const ParameterBucket& bucket : buckets_) {
     if (!(bucket.linear_weights && bucket.layer >= 0)) continue;
-    if (bucket.begin > run_begin) ops_.zero(slab + run_begin, (bucket.begin - run_begin) * sizeof(float));
+    if (bucket.begin > run_begin) ops_.zero(slab + run_begin * bytes, (bucket.begin - run_begin) * bytes);
     run_begin = bucket.end;
   }
   if (layout_.total_elements() > run_begin)
-    ops_.zero(slab + run_begin, (layout_.total_elements() - run_begin) * sizeof(float));
+    ops_.zero(slab + run_begin * bytes, (layout_.total_elements() - run_begin) * bytes);
   block_weight_gradients_written_ = false;
 }
 
@@ -942,6 +947,16 @@ std::vector<std::pair<size_t, size_t>> GptModel::partial_gradient_ranges() const
   return ranges;
 }
 
+Tensor GptModel::gradients() const {
+  if (!gradients_) return Tensor{};
+  Tensor slab;
+  slab.data = gradients_->data();
+  slab.dtype = gradient_dtype_;
+  slab.rows = 1;
+  slab.cols = int64_t(layout_.total_elements());
+  return slab;
+}
+
 size_t GptModel::allocated_bytes() const {
   size_t total = working_->bytes() + activations_->bytes();
   for (const auto* allocation : {&gradients_, &weight_operands_, &kv_cache_})
@@ -953,7 +968,8 @@ SettingsTable GptModel::memory_table() const {
   SettingsTable rows = {
       {"parameters: " + std::string(to_string(activation_dtype_)) + " working copy", format_mib(working_->bytes())}};
   if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", format_mib(weight_operands_->bytes())});
-  if (gradients_) rows.push_back({"gradients: FP32", format_mib(gradients_->bytes())});
+  if (gradients_)
+    rows.push_back({gradient_dtype_ == DType::bf16 ? "gradients (BF16)" : "gradients (FP32)", format_mib(gradients_->bytes())});
   rows.push_back({"activations", format_mib(activations_->bytes())});
   if (kv_cache_)
     rows.push_back({"key/value cache (" + std::string(inference_.fp8_kv_cache ? "FP8 E4M3" : to_string(activation_dtype_)) +

@@ -96,6 +96,9 @@ struct GptPrecision {
   int bf16_layers_at_end = 0;
   std::set<int> bf16_blocks;
   Fp8RecipeConfig fp8;
+  // The gradient slab: f32, or bf16 under --grad-reduce-in-bf16 (Megatron's BF16 main_grad:
+  // every gradient producer accumulates into it and the data-parallel reduction runs on it).
+  DType gradients = DType::f32;
   bool runs_block_in_bf16(int layer, int n_layer) const {
     return layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end || bf16_blocks.count(layer) > 0;
   }
@@ -187,9 +190,12 @@ class GptModel {
   VocabSlice vocab_slice() const;
 
   // Slabs [layout().total_elements()]: the working copy of the parameters in the activation
-  // dtype (what the forward reads; FP32 on the CPU, BF16 on the GPU) and the FP32 gradients.
+  // dtype (what the forward reads; FP32 on the CPU, BF16 on the GPU) and the gradients, as a
+  // [1, elements] tensor of the gradient dtype (GptPrecision::gradients; empty in an
+  // inference model).
   void* working() { return working_->data(); }
-  float* gradients() { return gradients_ ? static_cast<float*>(gradients_->data()) : nullptr; }
+  Tensor gradients() const;
+  DType gradient_dtype() const { return gradient_dtype_; }
 
   // Starts a step's gradients: zero, except the blocks' Linear weight gradients, which the
   // next backward writes rather than adds to (read them only after a backward).
@@ -284,6 +290,7 @@ class GptModel {
   TensorLayout layout_;
   ScalingTable scaling_;
   DType activation_dtype_;
+  DType gradient_dtype_;
 
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
   InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // capacity 0: a training model

@@ -410,12 +410,12 @@ size_t layernorm_backward_scratch_floats(int N, int C) {
   return static_cast<size_t>(param_splits(N, C)) * 2 * static_cast<size_t>(C);
 }
 
-void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, const bf16* dout, const bf16* inp,
                         const bf16* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
                         cudaStream_t stream) {
   const char* what = "layernorm_backward";
   check_shape(N, C, what);
-  FP8LM_CHECK(dinp != nullptr && dweight != nullptr && dbias != nullptr && dout != nullptr && inp != nullptr &&
+  FP8LM_CHECK(dinp != nullptr && dweight && dbias && dout != nullptr && inp != nullptr &&
                   weight != nullptr && mean != nullptr && rstd != nullptr && scratch != nullptr,
               what, ": null pointer");
   FP8LM_CHECK(aligned(dinp, 16) && aligned(dout, 16) && aligned(inp, 16) && aligned(weight, 16), what,

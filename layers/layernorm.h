@@ -11,6 +11,7 @@
 
 #include "core/fp8.h"
 #include "core/fp8_stats.h"
+#include "core/gradient_ref.h"
 
 namespace fp8lm::cpu {
 
@@ -90,12 +91,13 @@ void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scal
 // Scratch (FP32 elements) that layernorm_backward needs for N rows of width C.
 size_t layernorm_backward_scratch_floats(int N, int C);
 
-// dinp [N,C] += (read bf16, add in FP32, write bf16); dweight [C] +=, dbias [C] += (FP32,
-// deterministic: per-block partials in scratch, then a fixed-order reduction).
+// dinp [N,C] += (read bf16, add in FP32, write bf16); dweight [C] +=, dbias [C] += (FP32
+// sums, deterministic: per-block partials in scratch, then a fixed-order reduction; each
+// added once to an FP32 or BF16 gradient, core/gradient_ref.h).
 // dout [N,C], inp [N,C], weight [C], mean [N], rstd [N] (as saved by the forward).
 // scratch: layernorm_backward_scratch_floats(N, C) floats (contents need not be initialised).
 // dinp must not alias dout or inp.
-void layernorm_backward(__nv_bfloat16* dinp, float* dweight, float* dbias, const __nv_bfloat16* dout,
+void layernorm_backward(__nv_bfloat16* dinp, GradientRef dweight, GradientRef dbias, const __nv_bfloat16* dout,
                         const __nv_bfloat16* inp, const __nv_bfloat16* weight, const float* mean, const float* rstd,
                         int N, int C, float* scratch, cudaStream_t stream);
 

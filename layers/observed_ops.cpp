@@ -87,13 +87,10 @@ class ObservedOps final : public Ops {
     observed(per_element("cast", "sum_fp8_chunks", table, ranks + 4.0, lane),
              [&] { inner_->sum_fp8_chunks(out, chunks, ranks, chunk_stride, table, scale_inv, dtype, lane); });
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
-    observed({"cast", lane, [] { return std::string("to_bf16_bits"); }, [&] { return OpCost{0, 6.0 * n}; }},
-             [&] { inner_->to_bf16_bits(out, in, n, lane); });
-  }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane) override {
-    observed({"cast", lane, [] { return std::string("from_bf16_bits"); }, [&] { return OpCost{0, 6.0 * n}; }},
-             [&] { inner_->from_bf16_bits(out, in, n, lane); });
+  void round_to_dtype(const Tensor& values, Lane lane) override {
+    // Moves bytes only where the storage is wider than the dtype (the CPU); the GPU does nothing.
+    observed({"cast", lane, [] { return std::string("round_to_dtype"); }, [] { return OpCost{}; }},
+             [&] { inner_->round_to_dtype(values, lane); });
   }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     observed({"cast", Lane::main, [] { return std::string("fp8_weight_from_codes"); },
@@ -231,8 +228,8 @@ class ObservedOps final : public Ops {
   }
 
   // ---- The optimizer step
-  void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) override {
-    observed(per_element("optimizer", "grad_sum_of_squares", table, 4.0),
+  void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
+    observed(per_element("optimizer", "grad_sum_of_squares", table, double(element_bytes(grads.dtype))),
              [&] { inner_->grad_sum_of_squares(sum_of_squares, grads, table); });
   }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
@@ -245,14 +242,15 @@ class ObservedOps final : public Ops {
   }
   void adamw_moment_amaxes(const AdamWCall& call) override {
     // Reads the gradient and both moments.
-    observed(per_element("optimizer", "adamw_moment_amaxes", *call.table, 4.0 + moment_bytes(call)),
+    observed(per_element("optimizer", "adamw_moment_amaxes", *call.table, gradient_bytes(call) + moment_bytes(call)),
              [&] { inner_->adamw_moment_amaxes(call); });
   }
   void adamw_apply(const AdamWCall& call) override {
     // Reads the gradient; reads and writes the master weight and both moments; writes the
     // working copy.
     const double working = call.working ? double(element_bytes(activation_dtype())) : 0.0;
-    observed(per_element("optimizer", "adamw_apply", *call.table, 4.0 + 2.0 * (4.0 + moment_bytes(call)) + working),
+    observed(per_element("optimizer", "adamw_apply", *call.table,
+                         gradient_bytes(call) + 2.0 * (4.0 + moment_bytes(call)) + working),
              [&] { inner_->adamw_apply(call); });
   }
 
@@ -299,6 +297,8 @@ class ObservedOps final : public Ops {
   // An output, with its transposed copy when it carries one.
   double written(const Tensor& t) const { return bytes(t) * (t.transposed ? 2.0 : 1.0); }
   static std::string name(const Tensor& t) { return std::string(to_string(t.dtype)); }
+  // The gradient slab's bytes per element: FP32, or BF16 under --grad-reduce-in-bf16.
+  double gradient_bytes(const AdamWCall& call) const { return double(element_bytes(call.grads.dtype)); }
   static double moment_bytes(const AdamWCall& call) {
     return call.precision == OptimizerStatePrecision::fp8_fp16 ? 1.0 + 2.0 : 4.0 + 4.0;
   }

@@ -17,6 +17,10 @@
 // vocabulary slice (the whole padded vocabulary without tensor parallelism). Every
 // pointer is backend memory (host for CpuOps, device for CudaOps). `=` writes, `+=`
 // accumulates.
+//
+// Parameter gradients (dweight, dbias, dwte, dwpe, a wgrad GEMM's out) take the gradient
+// slab's dtype: f32, or bf16 under --grad-reduce-in-bf16. An op sums its contribution in
+// FP32 and adds it to the gradient once, so a BF16 gradient is rounded once per op.
 #pragma once
 
 #include <cstddef>
@@ -108,7 +112,9 @@ struct LayerNormBackward {
 // The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
 //   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N]) (+ residual [M,N])  (=)
 //   dgrad    out [M,K]  = grad [M,N] . weight [N,K]                         (=)
-//   wgrad    out [N,K] += grad [M,N]^T . input [M,K]                         (FP32)
+//   wgrad    out [N,K] += grad [M,N]^T . input [M,K]   (the gradient slab's dtype: FP32, or
+//                                                      BF16 under --grad-reduce-in-bf16,
+//                                                      summed in FP32 and rounded once)
 // FP8 operands are multiplied by their scale_inv; an FP8 weight carries its transposed
 // copy for dgrad, an FP8 gradient its transpose for wgrad (Hopper's FP8 tensor cores
 // take K-contiguous operands only).
@@ -163,7 +169,9 @@ struct AdamWCall {
   const TensorTable* table = nullptr;
   float* master = nullptr;        // FP32 master weights, updated
   void* working = nullptr;        // the working copy (activation dtype), rewritten; null when it is the master
-  const float* grads = nullptr;   // unscaled; control->grad_scale applies the clip
+  // The gradient slab [1, elements] (f32, or bf16 under --grad-reduce-in-bf16), unscaled;
+  // control->grad_scale applies the clip.
+  Tensor grads;
   // Where each tensor's gradient (in `grads`) and working value (in `working`) sit, when
   // not at table's offsets: nullptr means at them. The distributed optimizer packs the
   // master and the state of this rank's pieces in its shard, while their gradients stay where
@@ -272,9 +280,11 @@ class Ops {
   virtual void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
                               const TensorTable& table, const float* scale_inv, Fp8Dtype dtype,
                               Lane lane = Lane::main) = 0;
-  // FP32 <-> BF16 bits (what travels when gradients are reduced in BF16), n elements.
-  virtual void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane = Lane::main) = 0;
-  virtual void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane = Lane::main) = 0;
+  // Rounds `values` to their dtype after a collective summed them in their storage type:
+  // the CPU stores BF16 as FP32 and MPI sums in FP32, so a BF16 gradient reduced there is
+  // rounded here, once, as NCCL's BF16 sum of two ranks rounds it; where the storage is the
+  // dtype (the GPU) the collective already rounded and nothing is done.
+  virtual void round_to_dtype(const Tensor& values, Lane lane = Lane::main) = 0;
   // An FP8 weight operand [N,K] (and its transposed copy) from gathered FP8 codes [N,K].
   virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;
 
@@ -348,8 +358,9 @@ class Ops {
   virtual void accumulate_loss(const Tensor& loss_sum, const Tensor& losses) = 0;
 
   // ---- The optimizer step ---------------------------------------------------------
-  // *sum_of_squares [1] f64 = sum of grads^2 over the table's tensors (deterministic).
-  virtual void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) = 0;
+  // *sum_of_squares [1] f64 = sum of grads^2 over the table's tensors (deterministic); grads
+  // the gradient slab [1, elements], f32 or bf16.
+  virtual void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) = 0;
   // control = decide_step(...) (optim/step_control.h), in stream order.
   virtual void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                              float loss_divisor, double max_grad_norm) = 0;

@@ -70,6 +70,14 @@ float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
 
 bool same_data(const Tensor& a, const Tensor& b) { return a.data == b.data; }
 
+// A parameter gradient after an op added its FP32 sums to it (layers/ops.h): a BF16 one is
+// rounded to BF16, once, as the GPU kernels round when they add to a BF16 gradient. The
+// references add each sum once (dst += sum), so this is the GPU's rounding exactly; the
+// elements the op did not touch already hold BF16 values and stay as they are.
+void hold_in_dtype(const Tensor& gradient) {
+  if (gradient && gradient.dtype == DType::bf16) cpu::round_bf16(f32(gradient), f32(gradient), size_t(gradient.numel()));
+}
+
 // dbias [N] += column sums of in [M,N], each column summed in row order.
 void add_column_sums(float* dbias, const float* in, int64_t M, int64_t N) {
 #pragma omp parallel for schedule(static)
@@ -158,10 +166,7 @@ class CpuOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype, Lane) override {
     cpu::sum_fp8_chunks(out, chunks, ranks, chunk_stride, table.layout(), scale_inv, dtype);
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane) override { cpu::convert_f32_to_bf16(out, in, n); }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane) override {
-    cpu::convert_bf16_to_f32(out, in, n);
-  }
+  void round_to_dtype(const Tensor& values, Lane) override { hold_in_dtype(values); }
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     cpu::decode_fp8(f32(operand), codes, size_t(operand.numel()), fp8_dtype_of(operand.dtype));
     if (operand.transposed)
@@ -201,9 +206,11 @@ class CpuOps final : public Ops {
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     cpu::embedding_lookup_backward(f32(dwte), f32(dout), batch.inputs, batch_slice_.begin, batch_slice_.size,
                                    int(dout.rows), int(dout.cols));
+    hold_in_dtype(dwte);
   }
   void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
     cpu::position_embedding_backward(f32(dwpe), f32(dout), first_row, T, int(dout.rows), int(dout.cols));
+    hold_in_dtype(dwpe);
   }
 
   // ---- LayerNorm
@@ -219,6 +226,8 @@ class CpuOps final : public Ops {
   void layernorm_backward(const LayerNormBackward& call) override {
     cpu::layernorm_backward(f32(call.dresidual), f32(call.dweight), f32(call.dbias), f32(call.dout), f32(call.input),
                             f32(call.weight), f32(call.mean), f32(call.rstd), int(call.dout.rows), int(call.dout.cols));
+    hold_in_dtype(call.dweight);
+    hold_in_dtype(call.dbias);
   }
 
   // ---- GEMM and casts
@@ -255,6 +264,7 @@ class CpuOps final : public Ops {
         const float* input_t = transposed(call.input, transpose_b_);
         cpu::gemm_nt(f32(call.out), grad_t, input_t, N, K, M, scale_inv(call.grad) * scale_inv(call.input),
                      call.accumulate);
+        hold_in_dtype(call.out);  // cuBLASLt's epilogue: alpha * sum + beta * out in FP32, rounded once
         break;
       }
     }
@@ -304,13 +314,17 @@ class CpuOps final : public Ops {
                                static_cast<const float*>(call.input.transposed),
                                call.input.transposed_block_scale_inv, call.input.block_scaling, N, K, M, 1.0f,
                                call.accumulate);
+        hold_in_dtype(call.out);
         break;
       }
     }
   }
 
   void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
-    if (dbias) add_column_sums(f32(dbias), f32(in), in.rows, in.cols);
+    if (dbias) {
+      add_column_sums(f32(dbias), f32(in), in.rows, in.cols);
+      hold_in_dtype(dbias);
+    }
     if (!same_data(out, in)) store(out, f32(in), recording_);
   }
 
@@ -329,7 +343,10 @@ class CpuOps final : public Ops {
   void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
     std::vector<float>& gradient = scratch(size_t(pre.numel()));
     cpu::gelu_backward(gradient.data(), f32(pre), f32(dout), size_t(pre.numel()));
-    if (dbias) add_column_sums(f32(dbias), gradient.data(), pre.rows, pre.cols);
+    if (dbias) {
+      add_column_sums(f32(dbias), gradient.data(), pre.rows, pre.cols);
+      hold_in_dtype(dbias);
+    }
     store(dpre, gradient.data(), recording_);
   }
 
@@ -400,8 +417,9 @@ class CpuOps final : public Ops {
   }
 
   // ---- The optimizer step
-  void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) override {
-    *sum_of_squares = fp8lm::grad_sum_of_squares(grads, table.layout());
+  // Gradients of every dtype are FP32 storage here (BF16 ones hold BF16 values).
+  void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
+    *sum_of_squares = fp8lm::grad_sum_of_squares(f32(grads), table.layout());
   }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                      double max_grad_norm) override {
@@ -412,14 +430,14 @@ class CpuOps final : public Ops {
     if (call.control->skip || call.precision != OptimizerStatePrecision::fp8_fp16) return;
     const size_t count = call.table->layout().tensors().size();
     std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
-    cpu::adamw_moment_amaxes(call.table->layout(), call.grads, call.state, call.hyperparams, call.control->step_count,
+    cpu::adamw_moment_amaxes(call.table->layout(), f32(call.grads), call.state, call.hyperparams, call.control->step_count,
                              call.control->grad_scale, call.scratch, slab_layout(call));
   }
   void adamw_apply(const AdamWCall& call) override {
     check_adamw_hyperparams(call.hyperparams);
     if (call.control->skip) return;
     const TensorLayout& layout = call.table->layout();
-    cpu::adamw_apply(layout, call.precision, call.master, call.grads, call.state, call.hyperparams,
+    cpu::adamw_apply(layout, call.precision, call.master, f32(call.grads), call.state, call.hyperparams,
                      call.control->step_count, call.control->grad_scale, call.scratch, slab_layout(call));
     if (call.working == nullptr || call.working == call.master) return;
     // A separate working copy (sharded state): this rank's values, where they will be gathered.

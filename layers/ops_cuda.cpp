@@ -122,6 +122,15 @@ class DeviceTable final : public TensorTable {
 bf16* bf(const Tensor& t) { return static_cast<bf16*>(t.data); }
 const bf16* cbf(const Tensor& t) { return static_cast<const bf16*>(t.data); }
 float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
+
+// A parameter gradient (layers/ops.h) as the kernels take it: FP32, or BF16 under
+// --grad-reduce-in-bf16. Empty stays empty.
+GradientRef gradient(const Tensor& t) {
+  FP8LM_CHECK(!t || t.dtype == DType::f32 || t.dtype == DType::bf16, "a parameter gradient of dtype ",
+              to_string(t.dtype));
+  return GradientRef(t.data, t.dtype == DType::bf16);
+}
+GradientView gradient_view(const Tensor& t) { return GradientView(gradient(t).data, gradient(t).bf16); }
 uint8_t* u8(const Tensor& t) { return static_cast<uint8_t*>(t.data); }
 int rows(const Tensor& t) { return static_cast<int>(t.rows); }
 int cols(const Tensor& t) { return static_cast<int>(t.cols); }
@@ -320,12 +329,8 @@ class CudaOps final : public Ops {
                       const float* scale_inv, Fp8Dtype dtype, Lane lane) override {
     cuda::sum_fp8_chunks(out, chunks, ranks, chunk_stride, device_table(table), scale_inv, dtype, stream_of(lane));
   }
-  void to_bf16_bits(uint16_t* out, const float* in, size_t n, Lane lane) override {
-    cuda::convert_f32_to_bf16(reinterpret_cast<bf16*>(out), in, n, stream_of(lane));
-  }
-  void from_bf16_bits(float* out, const uint16_t* in, size_t n, Lane lane) override {
-    cuda::convert_bf16_to_f32(out, reinterpret_cast<const bf16*>(in), n, stream_of(lane));
-  }
+  // Every dtype is stored in its own width here: a collective already rounded to it.
+  void round_to_dtype(const Tensor&, Lane) override {}
   void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) override {
     if (operand.data != codes) copy(operand.data, codes, size_t(operand.numel()));
     if (operand.transposed)
@@ -374,11 +379,11 @@ class CudaOps final : public Ops {
     cuda::add_position_embedding(bf(out), f32(token_embeddings), cbf(wpe), first_row, T, rows(out), cols(out), stream_);
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
-    cuda::embedding_lookup_backward(f32(dwte), cbf(dout), batch.unique_tokens, batch.offsets, batch.positions,
+    cuda::embedding_lookup_backward(gradient(dwte), cbf(dout), batch.unique_tokens, batch.offsets, batch.positions,
                                     batch.num_unique, cols(dout), stream_);
   }
   void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
-    cuda::position_embedding_backward(f32(dwpe), cbf(dout), first_row, T, rows(dout), cols(dout), stream_);
+    cuda::position_embedding_backward(gradient(dwpe), cbf(dout), first_row, T, rows(dout), cols(dout), stream_);
   }
 
   // ---- LayerNorm
@@ -416,7 +421,7 @@ class CudaOps final : public Ops {
     if (is_fp8(call.out.dtype)) quantize_current(call.out, out, Tensor{});
   }
   void layernorm_backward(const LayerNormBackward& call) override {
-    cuda::layernorm_backward(bf(call.dresidual), f32(call.dweight), f32(call.dbias), cbf(call.dout), cbf(call.input),
+    cuda::layernorm_backward(bf(call.dresidual), gradient(call.dweight), gradient(call.dbias), cbf(call.dout), cbf(call.input),
                              cbf(call.weight), f32(call.mean), f32(call.rstd), rows(call.dout), cols(call.dout),
                              float_scratch_.data(), stream_);
   }
@@ -494,14 +499,14 @@ class CudaOps final : public Ops {
   void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
     const int M = rows(in), N = cols(in);
     if (out.data == in.data) {
-      if (dbias) cuda::column_sum(f32(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
+      if (dbias) cuda::column_sum(gradient(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
       return;
     }
     FP8LM_CHECK(is_fp8(out.dtype), "quantize: the GPU casts to FP8 only, not to ", to_string(out.dtype));
     if (block_scaled(out)) {
       if (dbias) {
         FP8LM_CHECK(in.dtype == DType::bf16, "quantize: dbias from a BF16 gradient");
-        cuda::column_sum(f32(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
+        cuda::column_sum(gradient(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
       }
       return cast_blockwise(out, in.data, in.dtype);
     }
@@ -527,14 +532,14 @@ class CudaOps final : public Ops {
     const int M = rows(pre), F = cols(pre);
     float* scratch = float_scratch_.data();
     if (!is_fp8(dpre.dtype))
-      return cuda::gelu_backward_dbias_bf16(bf(dpre), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
+      return cuda::gelu_backward_dbias_bf16(bf(dpre), gradient(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
     if (block_scaled(dpre) || table_->uses_current_scaling()) {
-      cuda::gelu_backward_dbias_bf16(staging_.data(), f32(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
+      cuda::gelu_backward_dbias_bf16(staging_.data(), gradient(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
       if (block_scaled(dpre)) return cast_blockwise(dpre, staging_.data(), DType::bf16);
       return quantize_current(dpre, staging_.data(), Tensor{});
     }
     const int s = dpre.scaling_state;
-    cuda::gelu_backward_cast_transpose_dbias_fp8(u8(dpre), static_cast<uint8_t*>(dpre.transposed), f32(dbias),
+    cuda::gelu_backward_cast_transpose_dbias_fp8(u8(dpre), static_cast<uint8_t*>(dpre.transposed), gradient(dbias),
                                                  amax_slot(s), scale_.data() + s, fp8_dtype_of(dpre.dtype), cbf(dout),
                                                  cbf(pre), M, F, scratch, stream_, counts_of(s));
   }
@@ -599,9 +604,9 @@ class CudaOps final : public Ops {
   }
 
   // ---- The optimizer step
-  void grad_sum_of_squares(double* sum_of_squares, const float* grads, const TensorTable& table) override {
+  void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
     auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(table));
-    cuda::grad_norm_squared(sum_of_squares, grads, device.table(), device.norm_scratch(), stream_);
+    cuda::grad_norm_squared(sum_of_squares, gradient_view(grads), device.table(), device.norm_scratch(), stream_);
   }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                      double max_grad_norm) override {
@@ -612,7 +617,7 @@ class CudaOps final : public Ops {
   }
   void adamw_moment_amaxes(const AdamWCall& call) override {
     if (call.precision != OptimizerStatePrecision::fp8_fp16) return;
-    cuda::adamw_fp8_fp16_moment_amaxes(call.grads, call.state.m8, call.state.v16, call.state.m_scales,
+    cuda::adamw_fp8_fp16_moment_amaxes(gradient_view(call.grads), call.state.m8, call.state.v16, call.state.m_scales,
                                        call.state.v_scales, device_table(*call.table), call.hyperparams, call.control,
                                        call.scratch, stream_, slab_offsets(call));
   }
@@ -621,11 +626,11 @@ class CudaOps final : public Ops {
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
-      cuda::adamw_fp8_fp16_apply(call.master, working, call.grads, call.state.m8, call.state.v16, call.state.m_scales,
+      cuda::adamw_fp8_fp16_apply(call.master, working, gradient_view(call.grads), call.state.m8, call.state.v16, call.state.m_scales,
                                  call.state.v_scales, table, call.hyperparams, call.control, call.scratch, stream_,
                                  slab_offsets(call));
     } else {
-      cuda::adamw_step_fp32(call.master, working, call.grads, call.state.m32, call.state.v32, table,
+      cuda::adamw_step_fp32(call.master, working, gradient_view(call.grads), call.state.m32, call.state.v32, table,
                             call.hyperparams, call.control, stream_, slab_offsets(call));
     }
   }
@@ -714,7 +719,7 @@ class CudaOps final : public Ops {
     const int M = rows(out), N = cols(out), s = out.scaling_state;
     const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
     uint8_t* transposed = static_cast<uint8_t*>(out.transposed);
-    float* bias_grad = dbias ? f32(dbias) : nullptr;
+    const GradientRef bias_grad = gradient(dbias);
     auto cast_from = [&](const auto* values) {
       if (transposed || bias_grad) {
         cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,

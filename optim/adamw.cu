@@ -27,6 +27,7 @@
 #include <cuda_fp8.h>
 
 #include "core/check_cuda.h"
+#include "core/device_helpers.cuh"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "optim/grad_clip.h"
@@ -135,8 +136,9 @@ __device__ __forceinline__ void store_vec(T* base, uint64_t i, V value) {
 // Pass 1 (fp8_fp16): the per-tensor amax of the updated moments; nothing but the amax is
 // written. amax_bits [2, count]: m then v, as float bits (values >= 0, so unsigned
 // comparison orders them; NaN never enters, as on the CPU's running_max).
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_fp8_pass1_kernel(const float* __restrict__ grads, const uint8_t* __restrict__ m_codes,
+    adamw_fp8_pass1_kernel(const G* __restrict__ grads, const uint8_t* __restrict__ m_codes,
                            const uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kThreads)
       float g[4];
       uint8_t mc[4];
       uint16_t vb[4];
-      unpack4(load_vec<float4>(grads, gb + 4ull * j), g);
+      device::load_gradient4(grads, gb + 4ull * j, g);
       unpack4(load_vec<uint32_t>(m_codes, i), mc);
       unpack4(load_vec<uint2>(v_bits, i), vb);
 #pragma unroll
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     scalar_from = nvec * 4;
   }
-  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(grads[gb + i], m_codes[b + i], v_bits[b + i]);
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(device::gradient_at(grads, gb + i), m_codes[b + i], v_bits[b + i]);
 
   // Block max (exact, order-independent), then one atomic per block and moment.
   __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
@@ -225,9 +227,10 @@ __global__ void __launch_bounds__(kScaleThreads)
 }
 
 // Pass 2 (fp8_fp16): the same moments again, the parameter update, re-quantization.
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
     adamw_fp8_pass2_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16,
-                           const float* __restrict__ grads, uint8_t* __restrict__ m_codes,
+                           const G* __restrict__ grads, uint8_t* __restrict__ m_codes,
                            uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
@@ -261,7 +264,7 @@ __global__ void __launch_bounds__(kThreads)
       float g[4], p[4];
       uint8_t mc[4];
       uint16_t vb[4], pb[4];
-      unpack4(load_vec<float4>(grads, gi), g);
+      device::load_gradient4(grads, gi, g);
       unpack4(load_vec<float4>(master, i), p);
       unpack4(load_vec<uint32_t>(m_codes, i), mc);
       unpack4(load_vec<uint2>(v_bits, i), vb);
@@ -279,7 +282,7 @@ __global__ void __launch_bounds__(kThreads)
     float p = master[e];
     uint8_t mc = m_codes[e];
     uint16_t vb = v_bits[e], pb;
-    update(grads[ge], p, mc, vb, pb);
+    update(device::gradient_at(grads, ge), p, mc, vb, pb);
     master[e] = p;
     params_bf16[ge] = pb;
     m_codes[e] = mc;
@@ -288,8 +291,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // FP32 state: one pass.
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_fp32_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16, const float* __restrict__ grads,
+    adamw_fp32_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16, const G* __restrict__ grads,
                       float* __restrict__ m_state, float* __restrict__ v_state, DeviceTensorTable table,
                       const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                       const StepControl* __restrict__ control, bool vec_ok) {
@@ -320,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t i = b + 4ull * j, gi = gb + 4ull * j;
       float g[4], p[4], m[4], v[4];
       uint16_t pb[4];
-      unpack4(load_vec<float4>(grads, gi), g);
+      device::load_gradient4(grads, gi, g);
       unpack4(load_vec<float4>(master, i), p);
       unpack4(load_vec<float4>(m_state, i), m);
       unpack4(load_vec<float4>(v_state, i), v);
@@ -337,7 +341,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t e = b + i, ge = gb + i;
     float p = master[e], m = m_state[e], v = v_state[e];
     uint16_t pb;
-    update(grads[ge], p, m, v, pb);
+    update(device::gradient_at(grads, ge), p, m, v, pb);
     master[e] = p;
     params_bf16[ge] = pb;
     m_state[e] = m;
@@ -356,12 +360,25 @@ __global__ void bias_corrections_kernel(float* out, const long long* steps, int 
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// The vector path loads four gradients at once: 16 bytes in FP32, 8 in BF16.
+bool gradients_aligned(GradientView grads) { return aligned(grads.data, grads.bf16 ? 8 : 16); }
+
+// Launches `launch(typed)` with the gradients as their storage type (float or bf16).
+template <typename Launch>
+void with_gradient_type(GradientView grads, Launch&& launch) {
+  if (grads.bf16) {
+    launch(static_cast<const __nv_bfloat16*>(grads.data));
+  } else {
+    launch(static_cast<const float*>(grads.data));
+  }
+}
+
 
 }  // namespace
 
 size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * static_cast<size_t>(table.count) + 2; }
 
-void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
+void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream, const uint64_t* slab_offsets) {
@@ -369,18 +386,20 @@ void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, co
   if (table.count == 0) return;
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_moment_amaxes needs every array");
-  const bool vec_ok = aligned(grads, 16) && aligned(m_codes, 4) && aligned(v_bits, 8);
+  const bool vec_ok = gradients_aligned(grads) && aligned(m_codes, 4) && aligned(v_bits, 8);
   unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
   CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
   if (table.num_chunks > 0) {
-    adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, m_codes, v_bits, m_scales, v_scales,
-                                                                      table, slab_offsets, hp, control, amax_bits,
-                                                                      vec_ok);
+    with_gradient_type(grads, [&](const auto* typed) {
+      adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(typed, m_codes, v_bits, m_scales, v_scales,
+                                                                        table, slab_offsets, hp, control, amax_bits,
+                                                                        vec_ok);
+    });
     CUDA_CHECK_LAUNCH();
   }
 }
 
-void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                           cudaStream_t stream, const uint64_t* slab_offsets) {
@@ -388,22 +407,24 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float
   if (table.count == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_apply needs every array");
-  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m_codes, 4) &&
-                      aligned(v_bits, 8);
+  const bool vec_ok = aligned(master, 16) && gradients_aligned(grads) && aligned(params_bf16, 8) &&
+                      aligned(m_codes, 4) && aligned(v_bits, 8);
   uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
   // Also for empty tensors: their scales become 1 (amax 0), as on the CPU.
   adamw_fp8_scales_kernel<<<1, kScaleThreads, 0, stream>>>(m_scales, v_scales, scratch, table.count, hp.beta1,
                                                            hp.beta2, control);
   CUDA_CHECK_LAUNCH();
   if (table.num_chunks > 0) {
-    adamw_fp8_pass2_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, grads, m_codes, v_bits, m_scales,
-                                                                      v_scales, table, slab_offsets, hp, control,
-                                                                      scratch, vec_ok);
+    with_gradient_type(grads, [&](const auto* typed) {
+      adamw_fp8_pass2_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, typed, m_codes, v_bits,
+                                                                        m_scales, v_scales, table, slab_offsets, hp,
+                                                                        control, scratch, vec_ok);
+    });
     CUDA_CHECK_LAUNCH();
   }
 }
 
-void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                          uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                          const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                          cudaStream_t stream) {
@@ -412,16 +433,18 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
                        stream);
 }
 
-void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
+void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
                      cudaStream_t stream, const uint64_t* slab_offsets) {
   check_adamw_hyperparams(hp);
   if (table.num_chunks == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m && v && control, "adamw_step_fp32 needs every array");
-  const bool vec_ok = aligned(master, 16) && aligned(grads, 16) && aligned(params_bf16, 8) && aligned(m, 16) &&
+  const bool vec_ok = aligned(master, 16) && gradients_aligned(grads) && aligned(params_bf16, 8) && aligned(m, 16) &&
                       aligned(v, 16);
-  adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16), grads,
-                                                               m, v, table, slab_offsets, hp, control, vec_ok);
+  with_gradient_type(grads, [&](const auto* typed) {
+    adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16),
+                                                                 typed, m, v, table, slab_offsets, hp, control, vec_ok);
+  });
   CUDA_CHECK_LAUNCH();
 }
 

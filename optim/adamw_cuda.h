@@ -30,6 +30,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/gradient_ref.h"
 #include "optim/adamw.h"
 #include "optim/grad_clip_cuda.h"
 
@@ -44,7 +45,8 @@ size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table);
 //   master      [total_elements] FP32 master weights, updated in place
 //   params_bf16 [total_elements] BF16 working copy: written (= round-to-nearest-even of the
 //               updated master) for every real element; padding untouched
-//   grads       [total_elements] FP32 gradients, unscaled (grad_scale is applied on read)
+//   grads       [total_elements] gradients, unscaled (grad_scale is applied on read): FP32,
+//               or BF16 under --grad-reduce-in-bf16 (widened to FP32 on read)
 //   m_codes     [total_elements] E4M3 codes of m * m_scale, updated
 //   v_bits      [total_elements] FP16 bits of v * v_scale, updated
 //   m_scales    [table.count] per-tensor scales, read then overwritten with the new ones
@@ -54,9 +56,9 @@ size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table);
 //   scratch     [adamw_fp8_fp16_scratch_size(table)] floats, device
 // Fresh state: codes and bits 0, scales 1 (as the CPU AdamW constructor).
 // Vectorized (4 elements per thread) when every pointer is 16-byte (FP32) / 8-byte
-// (FP16, BF16) / 4-byte (E4M3) aligned and a tensor's offset is a multiple of 4 (the
+// (FP16, BF16, BF16 gradients) / 4-byte (E4M3) aligned and a tensor's offset is a multiple of 4 (the
 // TensorLayout default); any other tensor takes a scalar path with the same results.
-void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                          uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                          const AdamWHyperparams& hp, const StepControl* control, float* scratch, cudaStream_t stream);
 
@@ -69,17 +71,17 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, const float*
 // state packed in the shard, the gradients reduce-scattered and the working copy gathered in
 // place in the model's slabs); an offset minus the table's must keep the 4-element alignment
 // for the vectorized path (any other tensor takes the scalar path, same results).
-void adamw_fp8_fp16_moment_amaxes(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits,
+void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
-void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, const float* grads, uint8_t* m_codes,
+void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                           cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 
 // One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
-void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, const float* grads, float* m, float* v,
+void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
                      cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/check_cuda.h"
+#include "core/device_helpers.cuh"
 #include "core/error.h"
 
 namespace fp8lm::cuda {
@@ -90,9 +91,11 @@ __device__ __forceinline__ double add_square(double sum, float g) {
   return __dadd_rn(sum, __dmul_rn(d, d));  // g*g rounded, then added (as the CPU, no FMA)
 }
 
-// One block per chunk: partial[c] = sum of squares of chunk c.
+// One block per chunk: partial[c] = sum of squares of chunk c. G: the gradients' storage
+// (float, or bf16 under --grad-reduce-in-bf16), widened to FP32 on load.
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    grad_norm_chunks_kernel(const float* __restrict__ grads, DeviceTensorTable table, double* __restrict__ partial,
+    grad_norm_chunks_kernel(const G* __restrict__ grads, DeviceTensorTable table, double* __restrict__ partial,
                             bool vec_ok) {
   const uint32_t c = blockIdx.x;
   const int k = table.chunk_tensor[c];
@@ -100,23 +103,23 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t begin = table.offsets[k] + static_cast<uint64_t>(c - table.chunk_begin[k]) * kGradNormChunk;
   const uint64_t left = tensor_end - begin;
   const uint32_t n = static_cast<uint32_t>(left < kGradNormChunk ? left : kGradNormChunk);
-  const float* g = grads + begin;
+  const G* g = grads + begin;
 
   double sum = 0.0;
   uint32_t scalar_from = 0;
   if (vec_ok && begin % 4 == 0) {
     const uint32_t nvec = n / 4;
-    const float4* g4 = reinterpret_cast<const float4*>(g);
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
-      const float4 v = g4[j];
-      sum = add_square(sum, v.x);
-      sum = add_square(sum, v.y);
-      sum = add_square(sum, v.z);
-      sum = add_square(sum, v.w);
+      float v[4];
+      device::load_gradient4(g, 4ull * j, v);
+      sum = add_square(sum, v[0]);
+      sum = add_square(sum, v[1]);
+      sum = add_square(sum, v[2]);
+      sum = add_square(sum, v[3]);
     }
     scalar_from = nvec * 4;
   }
-  for (uint32_t i = scalar_from + threadIdx.x; i < n; i += kThreads) sum = add_square(sum, g[i]);
+  for (uint32_t i = scalar_from + threadIdx.x; i < n; i += kThreads) sum = add_square(sum, device::gradient_at(g, i));
 
   sum = block_sum_fixed<kThreads>(sum);
   if (threadIdx.x == 0) partial[c] = sum;
@@ -152,16 +155,23 @@ size_t grad_norm_scratch_size(const DeviceTensorTable& table) {
   return table.num_chunks > 0 ? static_cast<size_t>(table.num_chunks) : 1;
 }
 
-void grad_norm_squared(double* out_sum_of_squares, const float* grads, const DeviceTensorTable& table,
+void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const DeviceTensorTable& table,
                        double* scratch, cudaStream_t stream) {
   FP8LM_CHECK(out_sum_of_squares != nullptr, "grad_norm_squared needs an output");
   if (table.num_chunks == 0) {  // no parameters: the sum is 0
     CUDA_CHECK(cudaMemsetAsync(out_sum_of_squares, 0, sizeof(double), stream));
     return;
   }
-  FP8LM_CHECK(grads != nullptr && scratch != nullptr, "grad_norm_squared needs grads and scratch");
-  const bool vec_ok = reinterpret_cast<uintptr_t>(grads) % 16 == 0;
-  grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(grads, table, scratch, vec_ok);
+  FP8LM_CHECK(grads && scratch != nullptr, "grad_norm_squared needs grads and scratch");
+  // The vector path loads four gradients at once: 16 bytes in FP32, 8 in BF16.
+  const bool vec_ok = reinterpret_cast<uintptr_t>(grads.data) % (grads.bf16 ? 8 : 16) == 0;
+  if (grads.bf16) {
+    grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(grads.data),
+                                                                       table, scratch, vec_ok);
+  } else {
+    grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(static_cast<const float*>(grads.data), table,
+                                                                       scratch, vec_ok);
+  }
   CUDA_CHECK_LAUNCH();
   grad_norm_final_kernel<<<1, kFinalThreads, 0, stream>>>(scratch, table.num_chunks, out_sum_of_squares);
   CUDA_CHECK_LAUNCH();

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "core/device_memory_cuda.h"
+#include "core/gradient_ref.h"
 #include "core/tensor.h"
 #include "optim/grad_clip.h"
 #include "optim/step_control.h"
@@ -70,9 +71,10 @@ size_t grad_norm_scratch_size(const DeviceTensorTable& table);
 // a fixed order. Bit-reproducible run to run; agrees with the CPU's double sum to
 // ~1e-15 relative (different association only). A non-finite gradient makes it inf/NaN.
 //   out_sum_of_squares [1] device, written
-//   grads              [table.total_elements] FP32 gradient slab
+//   grads              [table.total_elements] gradient slab, FP32 or BF16 (each value widened
+//                      to FP32, then squared in double as the CPU does)
 //   scratch            [grad_norm_scratch_size(table)] doubles, device
-void grad_norm_squared(double* out_sum_of_squares, const float* grads, const DeviceTensorTable& table,
+void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const DeviceTensorTable& table,
                        double* scratch, cudaStream_t stream);
 
 // One thread, no host sync. Reads *sum_of_squares and *loss_sum, then writes *control:

@@ -96,9 +96,9 @@ void TensorParallelMappings::gather_loss_partials(const Tensor& partials, const 
   group_->all_gather(partials.data, all_partials.data, size_t(partials.numel()), CommDtype::f32);
 }
 
-void TensorParallelMappings::sum_partial_gradients(float* grads, size_t count) const {
+void TensorParallelMappings::sum_partial_gradients(const Tensor& grads) const {
   if (size() == 1 || !sequence_parallel_) return;
-  group_->all_reduce(grads, grads, count, CommDtype::f32, ReduceOp::sum);
+  group_->all_reduce(grads.data, grads.data, size_t(grads.numel()), storage_dtype(grads, true), ReduceOp::sum);
 }
 
 }  // namespace fp8lm

@@ -70,8 +70,10 @@ class TensorParallelMappings {
   // The vocabulary-parallel cross-entropy's statistics: partials [N,3] of every rank into
   // all_partials [size, N, 3], rank-major (a view of partials itself with one rank).
   void gather_loss_partials(const Tensor& partials, const Tensor& all_partials) const;
-  // Once per step under SP: the partial gradients of replicated tensors, summed. grads [count] f32.
-  void sum_partial_gradients(float* grads, size_t count) const;
+  // Once per step under SP: the partial gradients of replicated tensors, summed in their
+  // storage type (FP32, or BF16 under --grad-reduce-in-bf16; the caller rounds a BF16 sum
+  // held in FP32 storage: Ops::round_to_dtype). grads: a range of the gradient slab.
+  void sum_partial_gradients(const Tensor& grads) const;
 
  private:
   CommDtype storage_dtype(const Tensor& t, bool reduction) const;

@@ -59,6 +59,7 @@ TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[m
       {"--bf16"},
       {"--fp32", "--optimizer-state-precision", "fp32"},
       {"--fp8-hybrid", "--micro-batch-size", "8"},
+      {"--fp8-hybrid", "--grad-reduce-in-bf16"},  // the BF16 gradient slab (FP32 storage on the CPU)
       {"--fp8-format", "e4m3", "--fp8-lm-head", "--num-layers", "3", "--seq-length", "32"},
       // Blocks 0 and 3 BF16: their own operand dtypes, and a second gradient operand buffer.
       {"--fp8-hybrid", "--num-layers", "4", "--first-last-layers-bf16", "--seq-length", "32"},
@@ -116,6 +117,9 @@ TEST_CASE("the GPU estimate matches the allocations measured on H100 and H200", 
   //     774m 22.3 - 2.46 GiB.
   //   FP32 gradients (Megatron's default; 38.2 GiB measured): 4S + 2S became nothing: - 4.35.
   //   No distributed optimizer, BF16 gradients: 2n became 2E: 41.8 - 2.75 GiB.
+  // --grad-reduce-in-bf16 then made the gradient slab itself BF16 (Megatron's BF16 main_grad),
+  // reduced in place: 2n less for the slab and the bucket of BF16 staging (2E) gone, at
+  // 1558m 2(n + E) = 3.05 GiB, at 774m 1.56 GiB; at one GPU 2n = 2.90 GiB (1558m).
   struct Measured {
     const char* config;
     int micro_batch, tp, dp;
@@ -128,15 +132,17 @@ TEST_CASE("the GPU estimate matches the allocations measured on H100 and H200", 
       {"gpt2-124m", 32, 1, 1, {"--bf16"}, 14.81},
       {"gpt2-1558m", 8, 1, 1, {"--fp8-hybrid"}, 38.88},
       {"gpt2-1558m", 8, 1, 1, {"--bf16"}, 39.06},
-      {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16"}, 42.5 - 8.55},                       // predicted
+      {"gpt2-1558m", 8, 1, 1, {"--fp8-hybrid", "--grad-reduce-in-bf16"}, 38.88 - 2.90},                      // predicted
+      {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16"}, 42.5 - 8.55 - 3.05},                // predicted
       // Two H100s, 2026-11-25, both overlaps on: the predictions above, measured to 0.01 GiB.
       {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid", "--fp8-grad-comm", "--fp8-param-gather"}, 35.41},
       {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid"}, 33.80},
-      {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16", "--no-use-distributed-optimizer"}, 41.8 - 2.75},
+      {"gpt2-1558m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16", "--no-use-distributed-optimizer"},
+       41.8 - 2.75 - 3.05},  // predicted
       {"gpt2-774m", 8, 1, 1, {"--fp8-hybrid"}, 21.5},
       {"gpt2-774m", 8, 2, 1, {"--fp8-hybrid"}, 11.9},
       {"gpt2-774m", 8, 2, 1, {"--fp8-hybrid", "--sequence-parallel"}, 11.2},
-      {"gpt2-774m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16"}, 23.3 - 4.20},                         // predicted
+      {"gpt2-774m", 8, 1, 2, {"--fp8-hybrid", "--grad-reduce-in-bf16"}, 23.3 - 4.20 - 1.56},                  // predicted
       {"gpt2-774m", 8, 1, 2, {"--fp8-hybrid", "--fp8-grad-comm", "--fp8-param-gather"}, 22.3 - 2.46},          // predicted
   };
   for (const Measured& m : table) {
@@ -145,6 +151,30 @@ TEST_CASE("the GPU estimate matches the allocations measured on H100 and H200", 
                   << ": measured " << m.gib << " GiB, estimated " << estimated << " GiB");
     CHECK(std::fabs(estimated - m.gib) <= 0.035 * m.gib);
   }
+}
+
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the GPU estimate's gradient slab is BF16, 2 bytes per parameter less, at any DP",
+          "[memory]") {
+  for (int dp : {1, 2, 4}) {
+    INFO("DP=" << dp);
+    const double fp32 = gpu_estimate_gib("gpt2-1558m", 8, 1, dp, {"--fp8-hybrid"});
+    const double bf16 = gpu_estimate_gib("gpt2-1558m", 8, 1, dp, {"--fp8-hybrid", "--grad-reduce-in-bf16"});
+    // n = 1,557,696,000 parameters (this rank's slab, padding within 256 x DP per bucket);
+    // no communication buffer either way: both reduce in the gradient slab.
+    const double saving = 2.0 * 1'557'696'000 / double(kGiB);
+    CHECK(std::fabs((fp32 - bf16) - saving) < 0.01);
+  }
+  // The consumer is named for its dtype, in the start-up table and in a refusal.
+  RunSetup setup = setup_from({"--config", kTiny, "--mock-data", "--grad-reduce-in-bf16"});
+  setup.use_cuda = true;
+  const MemoryEstimate estimate = estimate_memory(setup);
+  const auto named = [&](const char* name) {
+    for (const MemoryConsumer& c : estimate.consumers)
+      if (c.name == name) return true;
+    return false;
+  };
+  CHECK(named("gradients (BF16)"));
+  CHECK_FALSE(named("gradients (FP32)"));
 }
 
 TEST_CASE("the GPU estimate per rank falls with the data-parallel size at gpt2-1558m", "[memory]") {

@@ -16,6 +16,7 @@
 #include "apps/trainer.h"
 #include "cli_testing.h"
 #include "temp_dir.h"
+#include "core/dtype.h"
 #include "core/fp8.h"
 #include "core/random.h"
 #include "layers/gpt.h"
@@ -60,7 +61,8 @@ struct CpuModel {
       : model(config, B, T, precision, *ops) {}
   // The working copy is the FP32 master on the CPU.
   std::span<float> parameters() { return {static_cast<float*>(model.working()), model.layout().total_elements()}; }
-  std::span<float> gradients() { return {model.gradients(), model.layout().total_elements()}; }
+  // Every dtype is FP32 storage on the CPU (BF16 gradients hold BF16 values).
+  std::span<float> gradients() { return {model.gradients().as<float>(), model.layout().total_elements()}; }
   Tensor loss_tensor() {
     Tensor t;
     t.data = &loss_sum;
@@ -204,6 +206,77 @@ TEST_CASE("gradient accumulation over micro-batches equals one large batch", "[t
     norm += std::pow(double(big.gradients()[i]), 2);
   }
   CHECK(std::sqrt(diff / norm) < 1e-5);
+}
+
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the BF16 gradient slab holds BF16 values within rounding of the FP32 gradients",
+          "[training][cpu][bf16-gradients]") {
+  // Two micro-batches accumulate (the first's Linear weight gradients are written, the rest
+  // added): every op adds its FP32 sum to the BF16 gradient and rounds once, so each element
+  // is a BF16 value and within a few BF16 roundings (2^-8 relative each) of the FP32 slab's.
+  const GptConfig config = small_config();
+  const int B = 2, T = 8;
+  const auto inputs = random_tokens(2 * B * T, config.vocab_size, 11);
+  const auto targets = random_tokens(2 * B * T, config.vocab_size, 12);
+  CpuModel fp32(config, B, T);
+  CpuModel bf16(config, B, T, GptPrecision{.gradients = DType::bf16});
+  REQUIRE(fp32.model.gradients().dtype == DType::f32);
+  REQUIRE(bf16.model.gradients().dtype == DType::bf16);
+  init_gpt_parameters(fp32.parameters().data(), fp32.model.layout(), config, 13);
+  std::copy(fp32.parameters().begin(), fp32.parameters().end(), bf16.parameters().begin());
+  const float dloss = 1.0f / float(2 * B * T);
+  for (CpuModel* model : {&fp32, &bf16}) {
+    model->model.zero_gradients();
+    model->forward_backward(inputs, targets, dloss);
+    model->forward_backward(inputs, targets, dloss, size_t(B) * T);
+  }
+  size_t not_bf16 = 0;
+  double diff = 0, norm = 0;
+  for (const TensorInfo& t : bf16.model.layout().tensors()) {
+    double tensor_diff = 0, tensor_norm = 0;
+    for (size_t i = t.offset; i < t.offset + t.numel; ++i) {
+      const float g = bf16.gradients()[i], reference = fp32.gradients()[i];
+      not_bf16 += g != round_to_bf16(g);
+      tensor_diff += std::pow(double(g) - reference, 2);
+      tensor_norm += std::pow(double(reference), 2);
+    }
+    INFO(t.name << ": relative difference " << std::sqrt(tensor_diff / tensor_norm));
+    CHECK(std::sqrt(tensor_diff) <= 1e-2 * std::sqrt(tensor_norm));
+    diff += tensor_diff;
+    norm += tensor_norm;
+  }
+  CHECK(not_bf16 == 0);
+  // Rounded, not a copy of the FP32 slab: the relative difference is of BF16's order.
+  CHECK(std::sqrt(diff / norm) > 1e-4);
+  CHECK(std::sqrt(diff / norm) < 1e-2);
+  // The padded vocabulary rows see no token: exactly zero, as in FP32.
+  const TensorInfo& wte = *bf16.model.layout().find("wte.weight");
+  for (size_t i = size_t(config.vocab_size) * config.n_embd; i < wte.numel; ++i)
+    REQUIRE(bf16.gradients()[wte.offset + i] == 0.0f);
+}
+
+TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the startup table and the engine's allocation name a BF16 gradient slab",
+          "[training][cpu][bf16-gradients][memory]") {
+  for (const bool bf16 : {false, true}) {
+    std::vector<std::string> args = {"--config", testing::source_path("configs/tiny.json"), "--mock-data",
+                                     "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid"};
+    if (bf16) args.push_back("--grad-reduce-in-bf16");
+    const RunSetup setup = setup_from(args);
+    auto engine = make_engine(setup);
+    const std::string row = bf16 ? "gradients (BF16)" : "gradients (FP32)";
+    std::string table_value;
+    for (const auto& [name, value] : engine->describe())
+      if (name == row) table_value = value;
+    uint64_t estimated = 0;
+    for (const MemoryConsumer& c : setup.memory.consumers)
+      if (c.name == row) estimated = c.host_bytes;
+    INFO(row);
+    CHECK_FALSE(table_value.empty());
+    // What the model allocated (its table row) is what the start-up estimate said (the CPU
+    // stores every dtype in FP32, so both are 4 bytes per element here; the GPU's 2 are
+    // checked in tests/test_memory_estimate.cpp).
+    CHECK(estimated > 0);
+    CHECK(table_value == format_mib(estimated));
+  }
 }
 
 TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[training][cpu]") {
