@@ -138,7 +138,7 @@ cuda::GemmType gemm_type_of(DType dtype) {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps() {
+  explicit CudaOps(SmallMGemm small_m) : gemm_(std::make_unique<cuda::GemmEngine>(small_m)) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     amax_sink_.allocate(1);
@@ -757,7 +757,7 @@ class CudaOps final : public Ops {
 
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
-  std::unique_ptr<cuda::GemmEngine> gemm_ = std::make_unique<cuda::GemmEngine>();
+  std::unique_ptr<cuda::GemmEngine> gemm_;
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
@@ -780,9 +780,9 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-std::unique_ptr<Ops> make_cuda_ops(int device) {
+std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m) {
   CUDA_CHECK(cudaSetDevice(device));
-  return std::make_unique<CudaOps>();
+  return std::make_unique<CudaOps>(small_m);
 }
 
 }  // namespace fp8lm
