@@ -17,15 +17,19 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 // A block is kWarps warps; each warp streams kRowsPerWarp rows of B [N,K] together, so each
-// piece of A it decodes serves that many rows, and each lane keeps kPiecesInFlight 16-byte
-// loads per row in flight before it uses the first (HBM latency is hidden by bytes in flight,
-// not by threads: at N = 1600 there are only 800 warps for 132 multiprocessors). Blocks of 8
+// piece of A it decodes serves that many rows. Each lane loads its pieces in batches of
+// kPiecesPerBatch 16-byte loads per row and issues the next batch before it multiplies the
+// current one: up to 2 x kPiecesPerBatch x kRowsPerWarp loads in flight per lane (HBM latency
+// is hidden by bytes in flight, not by threads: at N = 1600 there are only 800 warps for 132
+// multiprocessors). Two per batch, not four without the second batch: as many bytes in flight
+// at the start of a row, but at M = 1 the kernel stays at 54 registers, so all of gpt2-1558m's
+// c_fc (800 blocks) is resident at once. Blocks of 8
 // rows keep even N = 1600 at 200 blocks, more than one per multiprocessor.
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
-constexpr int kPiecesInFlight = 4;
+constexpr int kPiecesPerBatch = 2;
 
 // 16 bytes of B, streamed once per step and far larger than L2 at gpt2-1558m: not kept in L1,
 // which then holds A (a few KB, read by every warp of the multiprocessor).
@@ -100,17 +104,27 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < kMaxM; ++m) sums[r][m] = 0.0f;
 
-  for (int begin = lane; begin < pieces; begin += 32 * kPiecesInFlight) {
-    uint4 b_pieces[kPiecesInFlight][kRowsPerWarp];
+  // The pieces [begin, begin + 32 * kPiecesPerBatch) of the warp's rows, this lane's share
+  // (zeros past the row's end).
+  auto load_batch = [&](uint4 (&batch)[kPiecesPerBatch][kRowsPerWarp], int begin) {
 #pragma unroll
-    for (int p = 0; p < kPiecesInFlight; ++p) {
+    for (int p = 0; p < kPiecesPerBatch; ++p) {
       const int piece = begin + 32 * p;
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
-        b_pieces[p][r] = piece < pieces ? load_streaming(b_rows[r] + size_t(piece) * kPer) : make_uint4(0, 0, 0, 0);
+        batch[p][r] = piece < pieces ? load_streaming(b_rows[r] + size_t(piece) * kPer) : make_uint4(0, 0, 0, 0);
     }
+  };
+  // Double-buffered: the next batch's loads are issued before this batch is used, so a long
+  // row (K = 6400 in E4M3: seven batches a lane) keeps loads in flight while it multiplies.
+  uint4 b_pieces[kPiecesPerBatch][kRowsPerWarp];
+  load_batch(b_pieces, lane);
+  for (int begin = lane; begin < pieces; begin += 32 * kPiecesPerBatch) {
+    uint4 next_pieces[kPiecesPerBatch][kRowsPerWarp];
+    const int next_begin = begin + 32 * kPiecesPerBatch;
+    if (next_begin < pieces) load_batch(next_pieces, next_begin);
 #pragma unroll
-    for (int p = 0; p < kPiecesInFlight; ++p) {
+    for (int p = 0; p < kPiecesPerBatch; ++p) {
       const int piece = begin + 32 * p;
       if (piece < pieces) {
         float b_values[kRowsPerWarp][kPer];
@@ -128,6 +142,12 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
       }
+    }
+    if (next_begin < pieces) {
+#pragma unroll
+      for (int p = 0; p < kPiecesPerBatch; ++p)
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) b_pieces[p][r] = next_pieces[p][r];
     }
   }
 
