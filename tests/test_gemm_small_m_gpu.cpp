@@ -107,10 +107,11 @@ struct Problem {
 // bound in the header comment. D, C and the bias sit 2 bytes past an aligned address (the
 // kernel reads and writes them one element at a time), B's scale_inv right after A's (a
 // scaling table's contiguous scale_inv array).
-void check_problem(const Problem& p, uint64_t seed) {
-  const size_t mk = size_t(p.M) * p.K, nk = size_t(p.N) * p.K, mn = size_t(p.M) * p.N;
+// b: the weight [N,K], made once per shape (its quantization is most of the host's work), and
+// d_b its bytes on the device.
+void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_b, uint64_t seed) {
+  const size_t mk = size_t(p.M) * p.K, mn = size_t(p.M) * p.N;
   const Operand a = make_operand(random_floats(mk, seed + 1, 1.0f), p.type);
-  const Operand b = make_operand(random_floats(nk, seed + 2, 0.05f), p.type);  // weight-like
   const float scale = a.scale_inv * b.scale_inv;  // what CpuOps::gemm passes as alpha
   const std::vector<float> bias = testing::bf16_rounded(random_floats(size_t(p.N), seed + 3, 0.5f));
   const std::vector<float> residual = testing::bf16_rounded(random_floats(mn, seed + 4, 1.0f));
@@ -132,7 +133,7 @@ void check_problem(const Problem& p, uint64_t seed) {
 
   const bool fp8 = p.type == GemmType::e4m3;
   const size_t offset = 2;
-  DeviceBuffer<uint8_t> d_a = device_bytes(a.bytes, 0), d_b = device_bytes(b.bytes, 0);
+  DeviceBuffer<uint8_t> d_a = device_bytes(a.bytes, 0);
   DeviceBuffer<float> d_scale_inv = testing::device_copy(std::vector<float>{a.scale_inv, b.scale_inv});
   DeviceBuffer<uint8_t> d_bias = device_bytes(bf16_bytes(bias), offset);
   DeviceBuffer<uint8_t> d_residual = device_bytes(bf16_bytes(residual), offset);
@@ -224,8 +225,11 @@ TEST_CASE("small-M GEMM matches the CPU's exact FP8/BF16 emulation at decoding s
   const int shapes[][2] = {{1600, 4800}, {6400, 1600}, {1600, 6400}, {48, 37}, {1600, 1601}};
   uint64_t seed = 100;
   for (const GemmType type : {GemmType::e4m3, GemmType::bf16})
-    for (const auto& [K, N] : shapes)
-      for (const int M : {1, 2, 5, 8}) check_problem({M, N, K, type}, seed += 10);
+    for (const auto& [K, N] : shapes) {
+      const Operand weight = make_operand(random_floats(size_t(N) * K, seed += 10, 0.05f), type);  // weight-like
+      DeviceBuffer<uint8_t> d_weight = device_bytes(weight.bytes, 0);
+      for (const int M : {1, 2, 5, 8}) check_problem({M, N, K, type}, weight, d_weight, seed += 10);
+    }
 }
 
 // The rule is host code: it runs (and is tested) without a GPU.
