@@ -16,6 +16,7 @@
 // the CPU's FP32 result: between round_bf16(ref - delta) and round_bf16(ref + delta).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -411,4 +412,71 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
       // never ran (every GEMM here is one it takes: M = B <= 8, K of 128 and 512).
       CHECK(any_bit_differs);
     }
+}
+
+// Weight bandwidth (hidden: run with "[.bench]" or "[gemm][.bench]"): each GEMM of a gpt2-1558m
+// decoding step, and its LM head, on the small-M kernel and on cuBLASLt, at M = 1 and 8.
+// Back-to-back calls cycle through copies of the weight that together exceed the 50 MB L2, so
+// every call reads its weight from HBM, as a decoding step does (1.47 GB of E4M3 weights). B's
+// scale_inv sits right after A's, as in a scaling table, so cuBLASLt's calls include the
+// aligned copy the engine makes. GB/s counts the weight's bytes only.
+TEST_CASE("small-M GEMM weight bandwidth against cuBLASLt", "[gpu][gemm][.bench]") {
+  FP8LM_REQUIRE_GPU();
+  struct Shape {
+    const char* name;
+    int K, N;
+    GemmType type;
+  };
+  const Shape shapes[] = {{"c_attn", 1600, 4800, GemmType::e4m3},     {"attn.c_proj", 1600, 1600, GemmType::e4m3},
+                          {"c_fc", 1600, 6400, GemmType::e4m3},       {"mlp.c_proj", 6400, 1600, GemmType::e4m3},
+                          {"c_attn bf16", 1600, 4800, GemmType::bf16}, {"c_fc bf16", 1600, 6400, GemmType::bf16},
+                          {"mlp.c_proj bf16", 6400, 1600, GemmType::bf16}, {"lm_head bf16", 1600, 50304, GemmType::bf16}};
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  for (const Shape& shape : shapes) {
+    const size_t element = cuda::gemm_type_bytes(shape.type);
+    const size_t weight_bytes = size_t(shape.N) * shape.K * element;
+    const int copies = int(std::max<size_t>(2, (size_t{256} << 20) / weight_bytes));
+    DeviceBuffer<uint8_t> weights(weight_bytes * size_t(copies));
+    weights.fill_bytes(0x3C);  // finite in both formats: 1.5 in E4M3, 0.0115 in BF16 (0x3C3C)
+    const int max_m = 8;
+    DeviceBuffer<uint8_t> a(size_t(max_m) * shape.K * element), d(size_t(max_m) * shape.N * 2);
+    a.fill_bytes(0x3C);
+    DeviceBuffer<float> scale_inv = testing::device_copy(std::vector<float>{1.0f, 1.0f});
+    for (const int M : {1, 8}) {
+      double us[2] = {0.0, 0.0};
+      for (const SmallMGemm path : {SmallMGemm::on, SmallMGemm::off}) {
+        GemmEngine engine(path);
+        int next = 0;
+        auto call = [&] {
+          GemmArgs args;
+          args.A = a.data();
+          args.B = weights.data() + size_t(next) * weight_bytes;
+          args.D = d.data();
+          if (shape.type == GemmType::e4m3) {
+            args.a_scale_inv = scale_inv.data();
+            args.b_scale_inv = scale_inv.data() + 1;
+          }
+          next = (next + 1) % copies;
+          engine.gemm(decoding_desc(M, shape.N, shape.K, shape.type), args, nullptr);
+        };
+        for (int i = 0; i < copies; ++i) call();  // warm-up: plans, first touch
+        constexpr int kCalls = 200;
+        CUDA_CHECK(cudaEventRecord(start));
+        for (int i = 0; i < kCalls; ++i) call();
+        CUDA_CHECK(cudaEventRecord(stop));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        us[path == SmallMGemm::on ? 0 : 1] = 1e3 * double(ms) / kCalls;
+        CHECK(engine.small_m_calls() == (path == SmallMGemm::on ? size_t(copies + kCalls) : 0));
+      }
+      std::printf("%-16s %s M=%d K=%d N=%d: small-M %7.2f us %6.0f GB/s | cuBLASLt %7.2f us %6.0f GB/s | %.2fx\n",
+                  shape.name, std::string(cuda::to_string(shape.type)).c_str(), M, shape.K, shape.N, us[0],
+                  double(weight_bytes) / (us[0] * 1e3), us[1], double(weight_bytes) / (us[1] * 1e3), us[1] / us[0]);
+    }
+  }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
 }
