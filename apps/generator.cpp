@@ -56,7 +56,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   s.fp8 = o.fp8_enabled();
   if (setup.use_cuda) {
     check_cuda_model_support(setup.model, o.precision == GemmPrecision::fp32);
-    s.ops = make_cuda_ops(0);
+    s.ops = make_cuda_ops(0, o.small_m_gemm);
   } else {
     s.ops = make_cpu_ops();
   }

@@ -137,6 +137,8 @@ struct TrainOptions {
   bool benchmark = false;              // --benchmark: time steps (synchronised), report median, MFU
   int benchmark_warmup = 5;            // --benchmark-warmup: steps left out of the timing
   bool profile_ops = false;            // --profile-ops: time every op class of the timed steps
+  // fp8lm sample --small-m-gemm: decoding steps' GEMMs through the small-M kernel (on) or cuBLASLt
+  SmallMGemm small_m_gemm = SmallMGemm::on;
 
   // The flags the command line gave ("--fp8-amax-history-len", ...): a resumed run takes the
   // checkpoint's FP8 recipe for those it left out (adopt_resume_checkpoint, apps/checkpointing.h).

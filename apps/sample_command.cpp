@@ -49,6 +49,7 @@ struct SampleOptions {
   uint64_t seed = 1234;
   int batch_size = 1;
   std::string kv_cache_dtype = "bf16";
+  std::string small_m_gemm = "on";
   bool ignore_eos = false;
   bool quiet = false;
   bool profile_ops = false;
@@ -92,6 +93,8 @@ int run_sample_command(const std::vector<std::string>& args) {
   app.add_option("--seed", o.seed, "Random seed: the same seed gives the same text (default 1234)");
   app.add_option("--batch-size", o.batch_size, "Sequences generated together from the prompt (default 1)");
   app.add_option("--kv-cache-dtype", o.kv_cache_dtype, "bf16 (the activation dtype) or fp8 (E4M3, per-layer scales)");
+  app.add_option("--small-m-gemm", o.small_m_gemm,
+                 "on: GEMMs of at most 8 rows (decoding steps) run fp8lm's small-M kernel; off: cuBLASLt (default on)");
   app.add_flag("--ignore-eos", o.ignore_eos, "Do not stop a sequence at <|endoftext|>");
   app.add_flag("--quiet", o.quiet, "Print only the JSON summary line");
   app.add_flag("--profile-ops", o.profile_ops,
@@ -119,6 +122,8 @@ int run_sample_command(const std::vector<std::string>& args) {
   if (o.batch_size < 1) fail("--batch-size must be >= 1 (got " + std::to_string(o.batch_size) + ")");
   if (o.kv_cache_dtype != "bf16" && o.kv_cache_dtype != "fp8")
     fail("--kv-cache-dtype must be bf16 or fp8 (got '" + o.kv_cache_dtype + "')");
+  if (o.small_m_gemm != "on" && o.small_m_gemm != "off")
+    fail("--small-m-gemm must be on or off (got '" + o.small_m_gemm + "')");
   if (o.tokenizer_type != "GPT2BPETokenizer")
     fail("--tokenizer-type " + o.tokenizer_type + " is not supported; only GPT2BPETokenizer");
   const bool text_prompt = !random_prompt_given;
@@ -156,6 +161,7 @@ int run_sample_command(const std::vector<std::string>& args) {
   }
   options.command = RunCommand::sample;
   options.profile_ops = o.profile_ops;
+  options.small_m_gemm = o.small_m_gemm == "on" ? SmallMGemm::on : SmallMGemm::off;
   // Decoding multiplies one row per sequence; cuBLASLt's block-scaled GEMMs take rows in
   // multiples of 8, and the decoder lays out no block scales (nor an FP8 cache beside them).
   if (options.fp8_enabled() && options.fp8.recipe == ScalingRecipe::blockwise)
@@ -254,6 +260,7 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"tokens_per_s", decode_s > 0 ? double(generated) / decode_s : 0.0},
                                {"precision", options.precision_name()},
                                {"kv_cache_dtype", o.kv_cache_dtype},
+                               {"small_m_gemm", o.small_m_gemm},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());
   if (const OpProfiler* profiler = generator.op_profiler(); profiler && result.decode_steps > 0)

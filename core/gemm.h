@@ -27,6 +27,11 @@ namespace fp8lm {
 enum class GemmPrecision : uint8_t { fp32, bf16, fp8 };
 std::string_view to_string(GemmPrecision precision);
 
+// Whether the GPU serves GEMMs of a few rows (decoding steps) with its small-M kernel
+// (core/gemm_small_m_cuda.h) or, like every other GEMM, with cuBLASLt. `off` exists to measure
+// and test the kernel against cuBLASLt (fp8lm sample --small-m-gemm off).
+enum class SmallMGemm : uint8_t { on, off };
+
 namespace cpu {
 
 // C [M,N] = alpha * A [M,K] . B [N,K]^T  (+ C when accumulate). FP32 accumulation in

@@ -7,6 +7,7 @@
 
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/gemm_small_m_cuda.h"
 
 // Row-major to cuBLASLt's column-major, the one mapping every call uses:
 //
@@ -160,7 +161,7 @@ struct GemmEngine::Plan {
   }
 };
 
-GemmEngine::GemmEngine() {
+GemmEngine::GemmEngine(SmallMGemm small_m) : small_m_(small_m) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   handle_ = handle;
@@ -336,6 +337,20 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
     if (reinterpret_cast<uintptr_t>(args.a_scale_inv) % 16 != 0 || reinterpret_cast<uintptr_t>(args.b_scale_inv) % 16 != 0)
       throw RuntimeError(describe(key) + ": block scale arrays must be 16-byte aligned",
                          "carve them 256-byte aligned, as the model does");
+  }
+
+  // The one place that chooses the kernel. A decoding step multiplies one row per sequence by
+  // every weight, so its GEMMs are a single pass over the weights; cuBLASLt's kernels, tiled
+  // for large M, make that pass at ~550 GB/s in FP8 and ~1,170 GB/s in BF16 at M = 1 (H100,
+  // gpt2-1558m), the small-M kernel streams the weights at close to HBM speed. It takes a GEMM
+  // of at most kSmallMMaxRows rows whose types, scaling, layout and alignment it supports
+  // (small_m_gemm_refusal: E4M3 x E4M3 or BF16 x BF16 into BF16, per-tensor scales, K a
+  // multiple of 16, ...); any other GEMM, every training GEMM (M = B x T) among them, goes to
+  // cuBLASLt by that same rule, never after a failed attempt.
+  if (small_m_ == SmallMGemm::on && small_m_gemm_refusal(desc, args) == nullptr) {
+    gemm_small_m(desc, args, stream);
+    ++small_m_calls_;
+    return;
   }
 
   // cuBLASLt 13.1's FP8 kernels return NOT_SUPPORTED for a scale pointer that is not

@@ -1,4 +1,5 @@
-// GPU GEMM through cuBLASLt: the device twin of cpu::gemm_nt (core/gemm.h).
+// GPU GEMM through cuBLASLt (and, for a few rows, the small-M kernel of
+// core/gemm_small_m_cuda.h): the device twin of cpu::gemm_nt (core/gemm.h).
 //
 //   D [M,N] = alpha * a_scale_inv * b_scale_inv * (A [M,K] . B [N,K]^T) + beta * C [M,N]
 //             (+ bias [N], broadcast over the M rows)
@@ -44,6 +45,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/gemm.h"
 
 // cuBLASLt's handle type, declared here so this header does not pull in cublasLt.h.
 struct cublasLtContext;
@@ -104,6 +106,10 @@ struct GemmArgs {
 // each cublasLtMatmul (a host-side write, no allocation; cuBLASLt reads the descriptor
 // when the call is made, so a later change does not affect work already queued).
 //
+// A GEMM of at most kSmallMMaxRows rows that the small-M kernel takes (core/gemm_small_m_cuda.h:
+// a decoding step's, one row per sequence) runs there instead, unless the engine was made with
+// SmallMGemm::off; GemmEngine::gemm makes that choice, in one place.
+//
 // Not thread-safe, and the one workspace serializes work: use one engine per stream
 // (or per thread), on the device that was current when the engine was made.
 class GemmEngine {
@@ -111,7 +117,7 @@ class GemmEngine {
   // Hopper's recommended cuBLASLt workspace.
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-  GemmEngine();
+  explicit GemmEngine(SmallMGemm small_m = SmallMGemm::on);
   ~GemmEngine();
   GemmEngine(const GemmEngine&) = delete;
   GemmEngine& operator=(const GemmEngine&) = delete;
@@ -122,6 +128,8 @@ class GemmEngine {
 
   // Number of cached plans (tests: repeating a call must not grow it).
   size_t cache_size() const { return plans_.size(); }
+  // GEMMs served by the small-M kernel so far (tests: which path a call took).
+  size_t small_m_calls() const { return small_m_calls_; }
 
   struct Key {
     int M, N, K;
@@ -139,6 +147,8 @@ class GemmEngine {
 
   static constexpr int kScaleStagingFloats = 64;  // slots at [0] (A) and [4] (B), 16-byte aligned
 
+  SmallMGemm small_m_;
+  size_t small_m_calls_ = 0;
   cublasLtContext* handle_ = nullptr;
   void* workspace_ = nullptr;
   float* scale_staging_ = nullptr;

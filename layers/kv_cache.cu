@@ -188,9 +188,12 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
 }
 
 // out = the splits' parts rescaled to the largest maximum, in split order. grid (NH, B),
-// block HS / 2 threads (a channel pair each).
-__global__ void attention_decode_combine_kernel(bf16* __restrict__ out, const float* __restrict__ partials,
-                                                const float* scales, bool fp8, int C, int NH, int splits) {
+// block HS / 2 threads (a channel pair each). out_fp8 (nullable): also the codes of the BF16
+// out times *out_scale, as cast_fp8 would write them from out.
+__global__ void attention_decode_combine_kernel(bf16* __restrict__ out, uint8_t* __restrict__ out_fp8,
+                                                const float* __restrict__ out_scale, __nv_fp8_interpretation_t interp,
+                                                const float* __restrict__ partials, const float* scales, bool fp8,
+                                                int C, int NH, int splits) {
   const int h = blockIdx.x, b = blockIdx.y, p = threadIdx.x;
   const int HS = C / NH;
   const float* parts = partials + (size_t(b) * NH + h) * splits * (HS + 2);
@@ -206,8 +209,15 @@ __global__ void attention_decode_combine_kernel(bf16* __restrict__ out, const fl
     total.y += part[2 * p + 1] * weight;
   }
   const float norm = (fp8 ? 1.0f / scales[1] : 1.0f) / sum;
-  *reinterpret_cast<__nv_bfloat162*>(out + size_t(b) * C + size_t(h) * HS + 2 * p) =
-      __floats2bfloat162_rn(total.x * norm, total.y * norm);
+  const size_t at = size_t(b) * C + size_t(h) * HS + 2 * p;
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(total.x * norm, total.y * norm);
+  *reinterpret_cast<__nv_bfloat162*>(out + at) = pair;
+  if (out_fp8) {
+    const float2 rounded = __bfloat1622float2(pair);
+    const float scale = *out_scale;
+    *reinterpret_cast<uint16_t*>(out_fp8 + at) =
+        static_cast<uint16_t>(device::fp8x2(rounded.x * scale, rounded.y * scale, interp));
+  }
 }
 
 int decode_splits(int length) { return (length + kDecodeThreads - 1) / kDecodeThreads; }
@@ -253,13 +263,15 @@ size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity) {
 
 void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* values, bool cache_fp8,
                       const float* scales, int B, int C, int NH, int capacity, int length, float* scratch,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, uint8_t* out_fp8, const float* out_scale, Fp8Dtype out_dtype) {
   check_shape("attention_decode", B, C, NH, capacity);
   FP8LM_CHECK(length >= 1 && length <= capacity, "attention_decode: length ", length, " outside [1, ", capacity, "]");
   FP8LM_CHECK(reinterpret_cast<uintptr_t>(qkv) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0,
               "attention_decode: qkv and out must be 4-byte aligned");
   FP8LM_CHECK(!cache_fp8 || scales != nullptr, "attention_decode: an FP8 cache needs scales");
   FP8LM_CHECK(scratch != nullptr, "attention_decode: null scratch");
+  FP8LM_CHECK(out_fp8 == nullptr || (out_scale != nullptr && reinterpret_cast<uintptr_t>(out_fp8) % 2 == 0),
+              "attention_decode: FP8 codes need their scale and a 2-byte-aligned output");
   const int HS = C / NH;
   const int groups = std::max(1, kDecodeThreads / (HS / 2));
   const int splits = decode_splits(length);
@@ -268,7 +280,8 @@ void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* 
                                   stream>>>(scratch, qkv, keys, values, cache_fp8, scales, C, NH, capacity, length);
   CUDA_CHECK_LAUNCH();
   attention_decode_combine_kernel<<<dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream>>>(
-      out, scratch, scales, cache_fp8, C, NH, splits);
+      out, out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
+      NH, splits);
   CUDA_CHECK_LAUNCH();
 }
 

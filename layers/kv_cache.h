@@ -68,9 +68,13 @@ void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, fl
 // out [B, C] (=, bf16). The positions of each (sequence, head) in splits of 128, one block
 // each, combined by a second kernel through scratch: attention_decode_scratch_floats(...)
 // floats for a cache of `capacity` positions (contents need not be initialised).
+// out_fp8 [B, C] (nullable): the combining kernel also writes fp8(out * *out_scale), the codes
+// cast_fp8 (core/cast_cuda.h) writes from the BF16 out, bit for bit, without recording an amax:
+// the delayed-scaling cast of a decoding step, which records none, in the same launch.
 size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity);
 void attention_decode(__nv_bfloat16* out, const __nv_bfloat16* qkv, const void* keys, const void* values,
                       bool cache_fp8, const float* scales, int B, int C, int NH, int capacity, int length,
-                      float* scratch, cudaStream_t stream);
+                      float* scratch, cudaStream_t stream, uint8_t* out_fp8 = nullptr,
+                      const float* out_scale = nullptr, Fp8Dtype out_dtype = Fp8Dtype::e4m3);
 
 }  // namespace fp8lm::cuda

@@ -147,7 +147,7 @@ cuda::GemmType gemm_type_of(DType dtype) {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps() {
+  explicit CudaOps(SmallMGemm small_m) : gemm_(std::make_unique<cuda::GemmEngine>(small_m)) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     amax_sink_.allocate(1);
@@ -574,10 +574,18 @@ class CudaOps final : public Ops {
   }
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
                         const AttentionShape& shape, int length) override {
+    // Delayed scaling while no amax is recorded (a decoding step): the attention's combining
+    // kernel also writes c_proj's FP8 operand with the stored scale, one launch instead of two
+    // per block and step. Current scaling needs the output's amax first, and a recorded amax
+    // (or statistics) is cast_fp8's: those go through quantize().
+    const bool fused_cast = operand.data != out.data && is_fp8(operand.dtype) && !block_scaled(operand) &&
+                            !table_->uses_current_scaling() && !recording_;
     cuda::attention_decode(bf(out), cbf(qkv), cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype),
                            cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, length,
-                           float_scratch_.data(), stream_);
-    if (operand.data != out.data) quantize(operand, out, Tensor{});
+                           float_scratch_.data(), stream_, fused_cast ? u8(operand) : nullptr,
+                           fused_cast ? scale_.data() + operand.scaling_state : nullptr,
+                           is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3);
+    if (operand.data != out.data && !fused_cast) quantize(operand, out, Tensor{});
   }
   void download_values(float* host, const Tensor& source) override {
     const size_t n = size_t(source.numel());
@@ -754,7 +762,7 @@ class CudaOps final : public Ops {
 
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
-  std::unique_ptr<cuda::GemmEngine> gemm_ = std::make_unique<cuda::GemmEngine>();
+  std::unique_ptr<cuda::GemmEngine> gemm_;
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
@@ -777,9 +785,9 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-std::unique_ptr<Ops> make_cuda_ops(int device) {
+std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m) {
   CUDA_CHECK(cudaSetDevice(device));
-  return std::make_unique<CudaOps>();
+  return std::make_unique<CudaOps>(small_m);
 }
 
 }  // namespace fp8lm

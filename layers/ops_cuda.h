@@ -7,13 +7,15 @@
 
 #include <memory>
 
+#include "core/gemm.h"
 #include "core/gpt_config.h"
 #include "layers/ops.h"
 
 namespace fp8lm {
 
-// On CUDA device `device` (this rank's local rank in a parallel run).
-std::unique_ptr<Ops> make_cuda_ops(int device = 0);
+// On CUDA device `device` (this rank's local rank in a parallel run). small_m: whether GEMMs of
+// a few rows (decoding steps) run the small-M kernel or cuBLASLt (core/gemm_cuda.h).
+std::unique_ptr<Ops> make_cuda_ops(int device = 0, SmallMGemm small_m = SmallMGemm::on);
 
 // Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
 // LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).

@@ -1,5 +1,6 @@
-// The key/value cache kernels (layers/kv_cache.cu) against their CPU twins, and decoding
-// through the cache on the GPU against the GPU's own training forward. SKIPPED without a GPU.
+// The key/value cache kernels (layers/kv_cache.cu) against their CPU twins (and the decoding
+// kernel's fused FP8 cast against cast_fp8's codes), and decoding through the cache on the GPU
+// against the GPU's own training forward. SKIPPED without a GPU.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -114,7 +115,24 @@ TEST_CASE("GPU key/value cache: append and decode equal the CPU twin, BF16 and F
     }
     CHECK(gpu_keys == keys);  // the same codes: the cache is exactly the CPU's
     CHECK(gpu_values == values);
-    CHECK(relative_error(testing::from_bf16(d_out.download()), out) < 1e-2);
+    const std::vector<__nv_bfloat16> gpu_out = d_out.download();
+    CHECK(relative_error(testing::from_bf16(gpu_out), out) < 1e-2);
+
+    // A decoding step under delayed scaling: the same launch also writes c_proj's E4M3 operand,
+    // the codes cast_fp8 writes from the BF16 output (fp8(out * scale), saturating), and the
+    // same BF16 output.
+    const float operand_scale = 448.0f / testing::max_abs(testing::from_bf16(gpu_out)) * 0.75f;
+    cuda::DeviceBuffer<float> d_operand_scale = testing::device_scalar(operand_scale);
+    cuda::DeviceBuffer<uint8_t> d_codes = testing::poisoned<uint8_t>(size_t(B) * C);
+    cuda::DeviceBuffer<__nv_bfloat16> d_out_again = testing::poisoned<__nv_bfloat16>(size_t(B) * C);
+    cuda::attention_decode(d_out_again.data(), d_step.data(), d_keys.data(), d_values.data(), fp8, d_scales.data(), B,
+                           C, NH, capacity, prompt + 1, d_decode_scratch.data(), nullptr, d_codes.data(),
+                           d_operand_scale.data(), Fp8Dtype::e4m3);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(testing::same_bytes(d_out_again.download(), gpu_out));
+    const std::vector<uint8_t> expected_codes =
+        testing::encode_all(testing::from_bf16(gpu_out), operand_scale, Fp8Dtype::e4m3);
+    CHECK(testing::same_bytes(d_codes.download(), expected_codes));
   }
 }
 

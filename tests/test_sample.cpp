@@ -304,6 +304,7 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
            {"--prompt a --top-p 0", "--top-p"},
            {"--prompt a --top-p 1.5", "--top-p"},
            {"--prompt a --kv-cache-dtype fp16", "--kv-cache-dtype"},
+           {"--prompt a --small-m-gemm auto", "--small-m-gemm"},
            {"--prompt a --max-new-tokens 0", "--max-new-tokens"},
            {"--prompt a --max-new-tokens 49", "exceed the model's context of 48"},
            {"--prompt-file " + dir.file("missing.txt"), "missing.txt"},
