@@ -8,7 +8,7 @@
 #   scripts/bench_decode_gemm.sh [CONFIG] [PROMPT] [NEW_TOKENS] [BATCH]
 #   (defaults: configs/gpt2-1558m.json 896 128 1: GPT-2's context is 1,024 tokens, so the cache
 #    ends at position 1,023 = 896 + 128 - 1)
-# PROFILE=1 adds a --profile-ops run of each variant and prints its GEMM classes (ms, GB/s).
+# FP8LM_BINARY picks the binary (default build/fp8lm). PROFILE=1 adds a --profile-ops run of each variant and prints its GEMM classes (ms, GB/s).
 # Writes one JSON line per run to $OUT/decode_gemm.jsonl when OUT is set (device runs).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,6 +17,7 @@ config=${1:-configs/gpt2-1558m.json}
 prompt=${2:-896}
 new_tokens=${3:-128}
 batch=${4:-1}
+binary=${FP8LM_BINARY:-build/fp8lm}  # build-gpu/fp8lm on the device
 out=${OUT:-/tmp}/decode_gemm.jsonl
 : > "$out"
 
@@ -32,10 +33,10 @@ for variant in "${variants[@]}"; do
     # shellcheck disable=SC2086
     common=(sample $flags --random-prompt "$prompt" --max-new-tokens "$new_tokens" --temperature 0 --ignore-eos
             --batch-size "$batch" --small-m-gemm "$small_m" --device cuda --quiet --log-level warn)
-    line=$(build/fp8lm "${common[@]}" | tail -1)
+    line=$("$binary" "${common[@]}" | tail -1)
     echo "{\"impl\":\"$name\",\"small_m_gemm\":\"$small_m\",\"batch\":$batch,\"run\":$line}" | tee -a "$out"
     if [ "${PROFILE:-0}" = "1" ]; then
-      profile=$(build/fp8lm "${common[@]}" --profile-ops | grep '"op_profile"' | tail -1)
+      profile=$("$binary" "${common[@]}" --profile-ops | grep '"op_profile"' | tail -1)
       echo "{\"impl\":\"$name\",\"small_m_gemm\":\"$small_m\",\"batch\":$batch,\"profile\":$profile}" | tee -a "$out"
     fi
   done
