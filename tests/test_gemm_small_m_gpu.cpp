@@ -387,12 +387,10 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
       // into the logits at well under 1e-2 (BF16) and 4e-2 (FP8), relative; a wrong row, scale
       // or epilogue is of order 1.
       const double bound = variant == Variant::bf16 ? 1e-2 : 4e-2;
-      bool any_bit_differs = false;
       int compared = 0;
       for (int t = 0; t < T; ++t) {
         INFO("step " << t);
         CHECK(testing::relative_error(small_m[size_t(t)], cublaslt[size_t(t)]) < bound);
-        any_bit_differs = any_bit_differs || !testing::same_bytes(small_m[size_t(t)], cublaslt[size_t(t)]);
         // Greedy tokens agree wherever the top logit leads the next by more than the two
         // paths' largest logit difference (random weights leave many near-ties).
         for (int b = 0; b < B; ++b) {
@@ -408,9 +406,9 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
         }
       }
       INFO(compared << " of " << B * T << " greedy choices had a clear leader");
-      // The two paths sum in different orders: identical logits would mean the small-M kernel
-      // never ran (every GEMM here is one it takes: M = B <= 8, K of 128 and 512).
-      CHECK(any_bit_differs);
+      // Identical logits are possible (in BF16 at batch 1 on an H100 every one was: both paths
+      // accumulate in FP32 and round once to BF16), so which path ran is checked by the routing
+      // test above, which counts cuBLASLt's plans, not here.
     }
 }
 
