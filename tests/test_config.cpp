@@ -63,6 +63,15 @@ TEST_CASE("shipped configs load with the GPT-2 sizes", "[config]") {
     CHECK(c.n_inner == 4 * e.width);
     CHECK(c.num_parameters_unpadded() == e.parameters);
   }
+  // GPT-3's 6.7B shape (32 layers, width 4096, 32 heads of 128, T = 2048) with GPT-2's
+  // vocabulary: 12 C^2 + 13 C per block, the embeddings, the final LayerNorm.
+  const GptConfig large = load_gpt_config(testing::source_path("configs/gpt-6.7b.json"));
+  CHECK(large.n_layer == 32);
+  CHECK(large.n_head == 32);
+  CHECK(large.head_dim() == 128);
+  CHECK(large.n_positions == 2048);
+  CHECK(large.n_inner == 4 * 4096);
+  CHECK(large.num_parameters_unpadded() == int64_t{6658404352});
   const GptConfig tiny = load_gpt_config(testing::source_path("configs/tiny.json"));
   CHECK(tiny.name == "tiny");
   CHECK(tiny.head_dim() == 32);

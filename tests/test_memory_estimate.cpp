@@ -81,15 +81,16 @@ TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[m
 
 namespace {
 
-// The GPU estimate of a run of `config` at micro-batch 8 (or `micro_batch`), T = 1024.
-double gpu_estimate_gib(const char* config, int micro_batch, int tp, int dp, const std::vector<std::string>& flags) {
+// The GPU estimate of a run of `config` at micro-batch `micro_batch`, T = `seq_length`.
+double gpu_estimate_gib(const char* config, int micro_batch, int tp, int dp, const std::vector<std::string>& flags,
+                        int seq_length = 1024) {
   // Resolved as a small CPU run (nothing here may need the memory), then given the shape.
   std::vector<std::string> args = {"--config", kTiny, "--mock-data", "--micro-batch-size", std::to_string(micro_batch)};
   for (const std::string& flag : flags)
     if (flag != "--sequence-parallel") args.push_back(flag);
   RunSetup setup = setup_from(args);
   setup.model = load_gpt_config(testing::source_path(std::string("configs/") + config + ".json"));
-  setup.seq_length = 1024;
+  setup.seq_length = seq_length;
   setup.options.tensor_model_parallel_size = tp;
   setup.options.sequence_parallel = !flags.empty() && flags.back() == "--sequence-parallel";
   setup.parallel = make_parallel_layout(0, tp * dp, tp);
@@ -196,6 +197,24 @@ TEST_CASE("the GPU estimate per rank falls with the data-parallel size at gpt2-1
     CHECK(dp2 < one_gpu - 3.0);
     CHECK(dp4 < dp2 - 2.0);
   }
+}
+
+TEST_CASE("gpt-6.7b fits one 8-GPU node at every tensor x data layout the node issue measures", "[memory]") {
+  // configs/gpt-6.7b.json at T = 2048, micro-batch 1, FP8 hybrid with sequence parallelism and
+  // the distributed optimizer: 6.66e9 parameters at 14.9 bytes each, all split by TP and the
+  // optimizer's 7 also by DP. Every layout fits an H100's 80 GB (DP = 8 too, at 62 GiB: each rank then
+  // holds every weight and gradient); the 8-GPU run checks these per-rank figures.
+  const std::vector<std::string> flags = {"--fp8-hybrid", "--sequence-parallel"};
+  const double tp8 = gpu_estimate_gib("gpt-6.7b", 1, 8, 1, flags, 2048);
+  const double tp4_dp2 = gpu_estimate_gib("gpt-6.7b", 1, 4, 2, flags, 2048);
+  const double tp2_dp4 = gpu_estimate_gib("gpt-6.7b", 1, 2, 4, flags, 2048);
+  const double dp8 = gpu_estimate_gib("gpt-6.7b", 1, 1, 8, {"--fp8-hybrid"}, 2048);
+  INFO("per rank: TP=8 " << tp8 << " GiB, TP=4 x DP=2 " << tp4_dp2 << " GiB, TP=2 x DP=4 " << tp2_dp4
+                         << " GiB, DP=8 " << dp8 << " GiB");
+  CHECK(tp8 < tp4_dp2);
+  CHECK(tp4_dp2 < tp2_dp4);
+  CHECK(tp2_dp4 < 70.0);  // an H100's 80 GB less the context and NCCL's buffers
+  CHECK(dp8 > tp2_dp4);   // without tensor parallelism each rank holds every weight and gradient
 }
 
 TEST_CASE("the host estimate covers the process's growth through a training step", "[memory]") {

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One node's parallel table in one device call, for the GPUs it has (2, 4 or 8), T as each
+# config sets it, mock data, FP8 hybrid unless a row says BF16; mean step after warm-up.
+#   scripts/bench_node.sh N [--dry-run]
+# N = 2: gpt2-1558m at DP = 1 and 2 with FP32, BF16 and FP8 gradients (FP8 with and without
+#        --fp8-param-gather), both overlaps; gpt2-774m at TP = 2 with and without sequence
+#        parallelism (25 heads at 1558M: no TP size of 2 or 4 divides them).
+# N = 4: the same at DP = 4 and TP = 4, TP = 2 x DP = 2, each with and without sequence
+#        parallelism; the distributed optimizer off at DP = 4; 50-step losses of TP = 4 and
+#        TP = 2 x DP = 2 against one GPU; a save at TP = 2 x DP = 2 resumed at TP = 4.
+# N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
+#        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
+# --dry-run prints the commands instead of running them (no GPU needed). Needs build-gpu/fp8lm
+# (scripts/gpu_test.sh builds it). Writes bench_node.jsonl and bench_node.md to $OUT (or
+# build-gpu/logs).
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+gpus=${1:?usage: scripts/bench_node.sh N [--dry-run]}
+dry=${2:-}
+case "$gpus" in 2|4|8) ;; *) echo "bench_node.sh: N must be 2, 4 or 8 (got $gpus)"; exit 2 ;; esac
+logs=${OUT:-$repo/build-gpu/logs}
+mkdir -p "$logs"
+jsonl=$logs/bench_node.jsonl
+[ -n "$dry" ] || : > "$jsonl"
+export NCCL_NVLS_ENABLE=0
+mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE=0 -x OMP_NUM_THREADS=8
+     -x PATH -x LD_LIBRARY_PATH)
+status=0
+
+run() {  # tag ranks args...: one fp8lm run, its JSON line tagged into bench_node.jsonl
+  local tag=$1 ranks=$2; shift 2
+  local cmd=(build-gpu/fp8lm "$@")
+  [ "$ranks" -gt 1 ] && cmd=("${mpi[@]}" -np "$ranks" "${cmd[@]}")
+  if [ -n "$dry" ]; then echo "$tag: ${cmd[*]}"; return; fi
+  timeout 300 "${cmd[@]}" < /dev/null 2>> "$logs/bench_node.err" | grep '^{' |
+    sed "s/^{/{\"tag\":\"$tag\",\"ranks\":$ranks,/" | tee -a "$jsonl" || status=1
+}
+bench() {  # tag ranks config micro-batch flags...
+  local tag=$1 ranks=$2 config=$3 batch=$4; shift 4
+  run "$tag" "$ranks" --config "configs/$config.json" --mock-data --benchmark --micro-batch-size "$batch" \
+    --train-iters 16 --benchmark-warmup 6 --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn "$@"
+}
+overlap=(--overlap-grad-reduce --overlap-param-gather)
+
+# Data parallelism at gpt2-1558m, micro-batch 8.
+bench dp1 1 gpt2-1558m 8 --fp8-hybrid
+for dp in 2 4 8; do
+  [ "$dp" -le "$gpus" ] || continue
+  bench "dp$dp-fp32" "$dp" gpt2-1558m 8 --fp8-hybrid "${overlap[@]}"
+  [ "$dp" = 8 ] && continue
+  bench "dp$dp-bf16" "$dp" gpt2-1558m 8 --fp8-hybrid --grad-reduce-in-bf16 "${overlap[@]}"
+  bench "dp$dp-fp8" "$dp" gpt2-1558m 8 --fp8-hybrid --fp8-grad-comm "${overlap[@]}"
+  bench "dp$dp-fp8-params" "$dp" gpt2-1558m 8 --fp8-hybrid --fp8-grad-comm --fp8-param-gather "${overlap[@]}"
+done
+[ "$gpus" -ge 4 ] && bench dp4-no-distributed-optimizer 4 gpt2-1558m 8 --fp8-hybrid --no-use-distributed-optimizer \
+  --overlap-grad-reduce
+
+# Tensor parallelism at gpt2-774m, micro-batch 8.
+if [ "$gpus" -le 4 ]; then
+  bench tp1-774m 1 gpt2-774m 8 --fp8-hybrid
+  for layout in "2 1" "4 1" "2 2"; do
+    set -- $layout
+    tp=$1 dp=$2
+    [ $((tp * dp)) -le "$gpus" ] || continue
+    for sp in "" --sequence-parallel; do
+      bench "tp$tp-dp$dp${sp:+-sp}-774m" $((tp * dp)) gpt2-774m 8 --fp8-hybrid --tensor-model-parallel-size "$tp" $sp \
+        $([ "$dp" -gt 1 ] && echo "${overlap[@]}")
+    done
+  done
+fi
+
+# gpt-6.7b across the node, micro-batch 1, T = 2048.
+if [ "$gpus" = 8 ]; then
+  for layout in "8 1" "4 2" "2 4"; do
+    set -- $layout
+    tp=$1 dp=$2
+    for sp in "" --sequence-parallel; do
+      for variant in "fp8|--fp8-hybrid" "fp8-fp8grads|--fp8-hybrid --fp8-grad-comm" "bf16|--bf16 --grad-reduce-in-bf16"; do
+        name=${variant%%|*} precision=${variant#*|}
+        [ "$dp" = 1 ] && [ "$name" = fp8-fp8grads ] && continue  # nothing to reduce across data-parallel ranks
+        bench "6.7b-tp$tp-dp$dp${sp:+-sp}-$name" 8 gpt-6.7b 1 --tensor-model-parallel-size "$tp" $sp $precision \
+          $([ "$dp" -gt 1 ] && echo "${overlap[@]}")
+      done
+    done
+  done
+fi
+
+# Losses across layouts and a resume across layouts (4 GPUs and more).
+if [ "$gpus" -ge 4 ]; then
+  loss=(--config configs/gpt2-124m.json --mock-data --micro-batch-size 4 --global-batch-size 16 --seq-length 512
+        --train-iters 50 --lr 6e-4 --lr-warmup-iters 5 --log-interval 1 --eval-interval 0 --eval-iters 0
+        --log-level warn --fp8-hybrid)
+  run loss-dp1 1 "${loss[@]}" --metrics-file "$logs/loss-dp1.jsonl"
+  run loss-tp4 4 "${loss[@]}" --tensor-model-parallel-size 4 --sequence-parallel --metrics-file "$logs/loss-tp4.jsonl"
+  run loss-tp2dp2 4 "${loss[@]}" --tensor-model-parallel-size 2 --metrics-file "$logs/loss-tp2dp2.jsonl"
+  ckpt=$logs/ckpt-tp2dp2
+  run save-tp2dp2 4 "${loss[@]}" --tensor-model-parallel-size 2 --exit-interval 25 --save "$ckpt" --save-interval 25 \
+    --metrics-file "$logs/resume-first.jsonl"
+  run resume-tp4 4 "${loss[@]}" --tensor-model-parallel-size 4 --load "$ckpt" --metrics-file "$logs/resume-tp4.jsonl"
+fi
+[ -n "$dry" ] && exit 0
+
+python3 - "$jsonl" "$logs" <<'PY' | tee "$logs/bench_node.md"
+import glob, json, os, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+one = {r["model"]: r["step_ms"] for r in rows if r.get("ranks") == 1 and "step_ms" in r}
+print("| run | model | ranks | tp x dp | step | tokens/s per GPU | model TFLOP/s per GPU | DP efficiency | peak memory per rank | bytes sent per rank per step |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    if "step_ms" not in r:
+        continue
+    eff = f"{one[r['model']] / r['step_ms'] * 100:.1f}%" if r["tp"] == 1 and r["dp"] > 1 and r["model"] in one else "-"
+    sent = r.get("bytes_per_step", {})
+    traffic = " + ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sent.items() if v > 1e6) or "-"
+    print(f"| {r['tag']} | {r['model']} | {r['ranks']} | {r['tp']} x {r['dp']} | {r['step_ms']:.2f} ms | "
+          f"{r['tok_s_per_gpu']:,.0f} | {r['tflops'] / r['ranks']:.0f} | {eff} | {r['peak_gib']:.2f} GiB | {traffic} |")
+def losses(path):
+    return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l] if os.path.exists(path) else []
+ref = losses(os.path.join(sys.argv[2], "loss-dp1.jsonl"))
+for name in ("loss-tp4", "loss-tp2dp2"):
+    run = losses(os.path.join(sys.argv[2], name + ".jsonl"))
+    if ref and run:
+        gap = max(abs(a - b) / abs(b) for a, b in zip(run, ref))
+        print(f"\n{name}: {min(len(run), len(ref))}/{len(ref)} steps, largest relative loss gap to one GPU {gap:.2e}")
+first, resumed = (losses(os.path.join(sys.argv[2], n + ".jsonl")) for n in ("resume-first", "resume-tp4"))
+if ref and resumed:
+    tail = ref[len(ref) - len(resumed):]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(resumed, tail))
+    print(f"saved at TP=2 x DP=2 (step {len(first)}), resumed at TP=4: {len(resumed)} steps, largest gap to one GPU {gap:.2e}")
+PY
+exit $status
