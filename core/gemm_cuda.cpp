@@ -342,7 +342,8 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   // The one place that chooses the kernel. A decoding step multiplies one row per sequence by
   // every weight, so its GEMMs are a single pass over the weights; cuBLASLt's kernels, tiled
   // for large M, make that pass at ~550 GB/s in FP8 and ~1,170 GB/s in BF16 at M = 1 (H100,
-  // gpt2-1558m), the small-M kernel streams the weights at close to HBM speed. It takes a GEMM
+  // gpt2-1558m); the small-M kernel streams them with 16-byte loads and made the FP8 decoding
+  // step 1.97x faster (docs/INFERENCE.md). It takes a GEMM
   // of at most kSmallMMaxRows rows whose types, scaling, layout and alignment it supports
   // (small_m_gemm_refusal: E4M3 x E4M3 or BF16 x BF16 into BF16, per-tensor scales, K a
   // multiple of 16, ...); any other GEMM, every training GEMM (M = B x T) among them, goes to
