@@ -316,13 +316,7 @@ TEST_CASE("GemmEngine sends decoding GEMMs to the small-M kernel and the rest to
 
 TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tokens", "[gpu][sample]") {
   FP8LM_REQUIRE_GPU();
-  GptConfig config;
-  config.vocab_size = 512;
-  config.n_positions = 64;
-  config.n_layer = 2;
-  config.n_head = 4;
-  config.n_embd = 128;
-  config.n_inner = 512;
+  const GptConfig config{.n_layer = 2, .n_head = 4, .n_embd = 128, .n_inner = 512, .vocab_size = 512, .n_positions = 64};
   const int T = 24;
   // FP8 twice: current scaling (the delayed recipe before its first update), and delayed scales
   // as a trained checkpoint brings them, where the producers cast with the stored scale in

@@ -138,13 +138,7 @@ TEST_CASE("GPU key/value cache: append and decode equal the CPU twin, BF16 and F
 
 TEST_CASE("GPU decoding through the cache gives the GPU training forward's loss", "[gpu][sample]") {
   FP8LM_REQUIRE_GPU();
-  GptConfig config;
-  config.vocab_size = 512;
-  config.n_positions = 64;
-  config.n_layer = 2;
-  config.n_head = 4;
-  config.n_embd = 128;
-  config.n_inner = 512;
+  const GptConfig config{.n_layer = 2, .n_head = 4, .n_embd = 128, .n_inner = 512, .vocab_size = 512, .n_positions = 64};
   const int B = 2, T = 24;
   Random random(3);
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
