@@ -14,6 +14,7 @@
 #     --parallel P        runs at once on the one GPU (default 3: small models leave it idle)
 #     --out DIR           RUN_sSEED.jsonl and .log per run (default build-gpu/numerics)
 #     --save-first        also save the first seed's checkpoints into DIR/ckpt-RUN (for eval)
+#     --fp8-stats N       --fp8-stats-interval N on the FP8 runs (the statistics change no number)
 # Run names (each one set of precision flags; the rest is shared):
 #   bf16             --bf16 (FP32 master weights, E4M3/FP16 AdamW moments: fp8lm's optimizer)
 #   bf16-fp32-moments  --bf16 --optimizer-state-precision fp32 (the optimizer's baseline)
@@ -30,7 +31,7 @@ cd "$repo"
 
 bin=""; config=gpt2-124m; seeds="1234 99 7 42 2026"; runs="bf16 fp8-delayed fp8-te tensorwise"
 iters=1000; micro_batch=4; seq_length=512; eval_interval=100; eval_iters=20
-data=data/nlp-corpus; parallel=3; out=build-gpu/numerics; save_first=0
+data=data/nlp-corpus; parallel=3; out=build-gpu/numerics; save_first=0; fp8_stats=0
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
@@ -46,6 +47,7 @@ while [ $# -gt 0 ]; do
     --parallel) parallel=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --save-first) save_first=1; shift ;;
+    --fp8-stats) fp8_stats=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "numerics_runs: unknown option $1" >&2; exit 2 ;;
   esac
@@ -81,8 +83,9 @@ for seed in $seeds; do
 done
 
 one_run() {  # run seed
-  local run=$1 seed=$2 tag="$1_s$2" save=()
+  local run=$1 seed=$2 tag="$1_s$2" save=() stats=()
   [ "$save_first" = 1 ] && [ "$seed" = "$first_seed" ] && save=(--save "$out/ckpt-$run")
+  [ "$fp8_stats" != 0 ] && [[ " $(flags_of "$run") " == *" --fp8-hybrid "* ]] && stats=(--fp8-stats-interval "$fp8_stats")
   rm -f "$out/$tag.jsonl"
   # shellcheck disable=SC2046
   "$bin" --config "configs/$config.json" $(flags_of "$run") --seed "$seed" \
@@ -90,13 +93,13 @@ one_run() {  # run seed
     --micro-batch-size "$micro_batch" --seq-length "$seq_length" --train-iters "$iters" \
     --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 50 --weight-decay 0.1 \
     --eval-interval "$eval_interval" --eval-iters "$eval_iters" --log-interval 10 \
-    --metrics-file "$out/$tag.jsonl" "${save[@]}" "${extra[@]}" > "$out/$tag.log" 2>&1
+    --metrics-file "$out/$tag.jsonl" "${save[@]}" "${stats[@]}" "${extra[@]}" > "$out/$tag.log" 2>&1
   local status=$?
   echo "$tag: exit $status, last val $(grep -o '"val_loss":[0-9.]*' "$out/$tag.jsonl" | tail -1)"
   return $status
 }
 export -f one_run flags_of
-export bin config micro_batch seq_length iters eval_interval eval_iters data out save_first first_seed
+export bin config micro_batch seq_length iters eval_interval eval_iters data out save_first first_seed fp8_stats
 export extra_flags="${extra[*]}"
 status=0
 printf '%s\n' "${jobs[@]}" | xargs -P "$parallel" -L 1 bash -c 'extra=($extra_flags); one_run "$0" "$1"' || status=1
