@@ -478,7 +478,12 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
 
 TrainingEngine::~TrainingEngine() {
   if (!state_) return;
-  if (state_->ops) state_->ops->synchronize();
+  // Runs during unwinding too: after a failed kernel this wait fails as well, and a throw here
+  // would end the process with its message instead of the error being reported.
+  try {
+    if (state_->ops) state_->ops->synchronize();
+  } catch (const std::exception&) {
+  }
   state_->groups.reset();
 }
 
