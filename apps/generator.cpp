@@ -27,6 +27,7 @@ struct Generator::State {
   GptConfig config;
   GeneratorShape shape;
   bool fp8 = false;
+  bool replay_steps = false;  // TrainOptions::decode_graph
   MemoryEstimate memory_estimate;  // made before anything was allocated (fp8lm sample)
   std::unique_ptr<Ops> ops;
   OpProfiler* op_profiler = nullptr;  // --profile-ops: observes `ops`, which owns it
@@ -54,6 +55,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   s.config = setup.model;
   s.shape = shape;
   s.fp8 = o.fp8_enabled();
+  s.replay_steps = o.decode_graph && !o.profile_ops;
   if (setup.use_cuda) {
     check_cuda_model_support(setup.model, o.precision == GemmPrecision::fp32);
     s.ops = make_cuda_ops(0, o.small_m_gemm);
@@ -159,9 +161,28 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   std::vector<int32_t> current(size_t(B), request.prompt.back());
   std::vector<bool> ended(size_t(B), false);
   std::vector<float> logits(size_t(B) * slice.size);
+  // With replay_steps, a step after the prompt reads its tokens and position from the memory
+  // load_decode_step fills: the first such step runs op by op (every kernel and GEMM plan is
+  // set up outside the recording), the second is recorded, and it and every later one replay it.
+  std::unique_ptr<RecordedOps> recorded_step;
+  bool stored_step_ran = false;
   for (int step = 0; step < request.max_new_tokens; ++step) {
-    const TokenBatch batch = s.ops->load_batch(current.data(), current.data(), B, 1, slice);
-    s.model->forward_cached(batch, P - 1 + step);
+    const int position = P - 1 + step;
+    if (!s.replay_steps || position == 0) {
+      s.model->forward_cached(s.ops->load_batch(current.data(), current.data(), B, 1, slice), position);
+    } else {
+      const TokenBatch batch = s.ops->load_decode_step(current.data(), B, position, slice);
+      if (!stored_step_ran) {
+        s.model->forward_cached(batch, position);
+        stored_step_ran = true;
+      } else {
+        if (!recorded_step) {
+          GptModel* model = s.model.get();
+          recorded_step = s.ops->record([model, batch, position] { model->forward_cached(batch, position); });
+        }
+        recorded_step->replay();
+      }
+    }
     s.ops->download_values(logits.data(), s.model->next_token_logits());
     if (s.op_profiler) s.op_profiler->finish_step();  // the download waited for the step
     std::vector<int32_t> drawn(size_t(B), -1);

@@ -139,6 +139,9 @@ struct TrainOptions {
   bool profile_ops = false;            // --profile-ops: time every op class of the timed steps
   // fp8lm sample --small-m-gemm: decoding steps' GEMMs through the small-M kernel (on) or cuBLASLt
   SmallMGemm small_m_gemm = SmallMGemm::on;
+  // fp8lm sample --cuda-graph: decoding steps after the first replay one recorded step (a CUDA
+  // graph on the GPU) instead of launching op by op. Off under --profile-ops, which times each op.
+  bool decode_graph = true;
 
   // The flags the command line gave ("--fp8-amax-history-len", ...): a resumed run takes the
   // checkpoint's FP8 recipe for those it left out (adopt_resume_checkpoint, apps/checkpointing.h).

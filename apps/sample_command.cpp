@@ -50,6 +50,7 @@ struct SampleOptions {
   int batch_size = 1;
   std::string kv_cache_dtype = "bf16";
   std::string small_m_gemm = "on";
+  std::string cuda_graph = "on";
   bool ignore_eos = false;
   bool quiet = false;
   bool profile_ops = false;
@@ -95,6 +96,9 @@ int run_sample_command(const std::vector<std::string>& args) {
   app.add_option("--kv-cache-dtype", o.kv_cache_dtype, "bf16 (the activation dtype) or fp8 (E4M3, per-layer scales)");
   app.add_option("--small-m-gemm", o.small_m_gemm,
                  "on: GEMMs of at most 8 rows (decoding steps) run fp8lm's small-M kernel; off: cuBLASLt (default on)");
+  app.add_option("--cuda-graph", o.cuda_graph,
+                 "on: every decoding step after the first replays one recorded step (a CUDA graph); off: op by op "
+                 "(default on; off under --profile-ops)");
   app.add_flag("--ignore-eos", o.ignore_eos, "Do not stop a sequence at <|endoftext|>");
   app.add_flag("--quiet", o.quiet, "Print only the JSON summary line");
   app.add_flag("--profile-ops", o.profile_ops,
@@ -124,6 +128,10 @@ int run_sample_command(const std::vector<std::string>& args) {
     fail("--kv-cache-dtype must be bf16 or fp8 (got '" + o.kv_cache_dtype + "')");
   if (o.small_m_gemm != "on" && o.small_m_gemm != "off")
     fail("--small-m-gemm must be on or off (got '" + o.small_m_gemm + "')");
+  if (o.cuda_graph != "on" && o.cuda_graph != "off")
+    fail("--cuda-graph must be on or off (got '" + o.cuda_graph + "')");
+  if (o.cuda_graph == "on" && o.profile_ops && app.count("--cuda-graph") > 0)
+    fail("--profile-ops times each op of a step, which a replayed graph does not show: pass --cuda-graph off");
   if (o.tokenizer_type != "GPT2BPETokenizer")
     fail("--tokenizer-type " + o.tokenizer_type + " is not supported; only GPT2BPETokenizer");
   const bool text_prompt = !random_prompt_given;
@@ -162,6 +170,7 @@ int run_sample_command(const std::vector<std::string>& args) {
   options.command = RunCommand::sample;
   options.profile_ops = o.profile_ops;
   options.small_m_gemm = o.small_m_gemm == "on" ? SmallMGemm::on : SmallMGemm::off;
+  options.decode_graph = o.cuda_graph == "on" && !o.profile_ops;
   // Decoding multiplies one row per sequence; cuBLASLt's block-scaled GEMMs take rows in
   // multiples of 8, and the decoder lays out no block scales (nor an FP8 cache beside them).
   if (options.fp8_enabled() && options.fp8.recipe == ScalingRecipe::blockwise)
@@ -261,6 +270,7 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"precision", options.precision_name()},
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"small_m_gemm", o.small_m_gemm},
+                               {"cuda_graph", options.decode_graph ? "on" : "off"},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());
   if (const OpProfiler* profiler = generator.op_profiler(); profiler && result.decode_steps > 0)

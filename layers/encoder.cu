@@ -56,7 +56,9 @@ __global__ void __launch_bounds__(kForwardThreads)
 // out [N,C] bf16 = token_embeddings [N,C] + wpe[(first_row + n) % T], one rounding.
 __global__ void __launch_bounds__(kForwardThreads)
     add_position_embedding_kernel(bf16* __restrict__ out, const float* __restrict__ token_embeddings,
-                                  const bf16* __restrict__ wpe, int first_row, int T, int C, size_t total_chunks) {
+                                  const bf16* __restrict__ wpe, int first_row, int T, int C, size_t total_chunks,
+                                  const int32_t* stored_wpe_row) {
+  if (stored_wpe_row) wpe += static_cast<size_t>(*stored_wpe_row) * C;
   const size_t chunks_per_row = static_cast<size_t>(C / 8);
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total_chunks;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -151,7 +153,7 @@ void embedding_lookup(float* out, const int32_t* tokens, const bf16* wte, int vo
 }
 
 void add_position_embedding(bf16* out, const float* token_embeddings, const bf16* wpe, int first_row, int T, int N,
-                            int C, cudaStream_t stream) {
+                            int C, cudaStream_t stream, const int32_t* stored_wpe_row) {
   const char* what = "add_position_embedding";
   check_shape(N, C, what);
   FP8LM_CHECK(T > 0 && first_row >= 0, what, ": T must be > 0 and first_row >= 0");
@@ -161,7 +163,7 @@ void add_position_embedding(bf16* out, const float* token_embeddings, const bf16
   const size_t total_chunks = static_cast<size_t>(N) * (C / 8);
   if (total_chunks == 0) return;
   add_position_embedding_kernel<<<forward_blocks(total_chunks), kForwardThreads, 0, stream>>>(
-      out, token_embeddings, wpe, first_row, T, C, total_chunks);
+      out, token_embeddings, wpe, first_row, T, C, total_chunks, stored_wpe_row);
   CUDA_CHECK_LAUNCH();
 }
 

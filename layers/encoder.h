@@ -53,9 +53,11 @@ void embedding_lookup(float* out, const int32_t* tokens, const __nv_bfloat16* wt
                       int N, int C, cudaStream_t stream);
 
 // out [N,C] = bf16(token_embeddings [N,C] + float(wpe[(first_row + n) % T])): with the lookup
-// above, bit for bit what bf16(float(wte) + float(wpe)) gives.
+// above, bit for bit what bf16(float(wte) + float(wpe)) gives. stored_wpe_row (device,
+// nullable): wpe's rows start that many rows in (a recorded decoding step's position).
 void add_position_embedding(__nv_bfloat16* out, const float* token_embeddings, const __nv_bfloat16* wpe,
-                            int first_row, int T, int N, int C, cudaStream_t stream);
+                            int first_row, int T, int N, int C, cudaStream_t stream,
+                            const int32_t* stored_wpe_row = nullptr);
 
 // dwte [Vs,C] += for each unique token u (slice-local id): the sum of dout rows
 // positions[offsets[u] .. offsets[u+1]) in that (ascending) order, in FP32, added once to

@@ -656,7 +656,8 @@ void GptModel::forward(const TokenBatch& batch) {
   // The vocabulary-parallel embedding: this slice's rows, summed across the group.
   ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
   tp_->row_parallel_output(s.token_embeddings, s.token_rows);
-  ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_);
+  ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_,
+                              /*stored_wpe_row=*/nullptr);
   const Chunk whole{.B = B_, .T = T_};
   for (int l = 0; l < config_.n_layer; ++l) {
     before_forward(l);
@@ -706,7 +707,7 @@ void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape&
   const KvCache& cache = kv_[size_t(l)];
   const Tensor qkv = first_rows(a.qkv, chunk_rows);
   ops_.kv_cache_append(cache, qkv, heads, chunk.position);
-  if (chunk.position == 0) {
+  if (chunk.position.value == 0) {
     // A prompt: causal attention among its own tokens, as in training.
     Tensor lse = a.lse;
     lse.rows = int64_t(chunk.B) * heads.heads;
@@ -714,7 +715,7 @@ void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape&
     ops_.attention_forward(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), lse, qkv, heads);
   } else {
     ops_.attention_decode(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), qkv, cache, heads,
-                          chunk.position + 1);
+                          chunk.position);
   }
 }
 
@@ -726,14 +727,19 @@ void GptModel::forward_cached(const TokenBatch& batch, int position) {
   FP8LM_CHECK(position >= 0 && position + n <= inference_.capacity, "forward_cached: positions [", position, ", ",
               position + n, ") beyond the cache's ", inference_.capacity);
   FP8LM_CHECK(position == 0 || n == 1, "forward_cached: after the prompt, one token per sequence at a time");
-  const Chunk chunk{.B = batch.B, .T = n, .position = position, .cached = true};
+  FP8LM_CHECK(batch.step_position == nullptr || (n == 1 && position > 0),
+              "forward_cached: a stored step position is for one-token steps after the prompt");
+  const Chunk chunk{.B = batch.B, .T = n, .position = {.value = position, .stored = batch.step_position}, .cached = true};
   const int64_t chunk_rows = int64_t(batch.B) * n;
   const Scratch& s = *scratch_;
   ops_.set_amax_recording(false);
   ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, lm_head_->weight, vocab_slice());
-  const Tensor positions = wpe_.row_slice(position, n, ops_.element_bytes(wpe_.dtype));
+  // A stored position is read by the kernel (the whole table from its row); otherwise the
+  // table's rows from `position` on.
+  const Tensor positions =
+      batch.step_position ? wpe_ : wpe_.row_slice(position, n, ops_.element_bytes(wpe_.dtype));
   ops_.add_position_embedding(first_rows(s.encoded, chunk_rows), first_rows(s.token_rows, chunk_rows), positions,
-                              /*first_row=*/0, n);
+                              /*first_row=*/0, n, batch.step_position);
   for (int l = 0; l < config_.n_layer; ++l) block_forward(l, chunk);
   if (n == 1) {
     layernorm_forward(*ln_f_, block_output_, first_rows(s.lnf, chunk_rows), first_rows(s.lnf_mean, chunk_rows),

@@ -250,7 +250,7 @@ class GptModel {
   // in an inference model n new tokens of each sequence at `position`, through the cache.
   struct Chunk {
     int B = 0, T = 0;
-    int position = 0;
+    CachePosition position;
     bool cached = false;
   };
   void plan_memory();

@@ -80,7 +80,9 @@ __global__ void kv_scales_kernel(float* scales, const float* amaxes) {
 __global__ void __launch_bounds__(kAppendThreads) kv_cache_append_kernel(void* keys, void* values, bool fp8,
                                                                          const float* scales,
                                                                          const bf16* __restrict__ qkv, int B, int n,
-                                                                         int C, int capacity, int position) {
+                                                                         int C, int capacity, int position,
+                                                                         const int32_t* stored_position) {
+  if (stored_position) position = *stored_position;
   const int64_t pairs = int64_t(B) * n * (C / 2);
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= pairs) return;
@@ -111,26 +113,34 @@ __device__ float block_reduce(float value, float* shared) {
   return result;
 }
 
+__host__ __device__ inline int decode_splits(int length) { return (length + kDecodeThreads - 1) / kDecodeThreads; }
+
 // Split decoding (flash-decoding): the cache positions of a (head, sequence) are cut into
 // splits of kDecodeThreads, one block each, so that a short batch still fills the GPU (one
 // block per (head, sequence) over 1,024 positions ran at 36 GB/s on an H100). Each block
 // writes its part of the softmax unnormalised, relative to its own maximum; a second kernel
 // combines the parts in split order. partials [B][NH][splits][HS + 2]: the weighted value sum,
 // then the split's maximum score and its sum of exponentials.
+// With stored_position (a recorded step replayed at any position) the length is read from
+// memory and the grid covers the whole cache: blocks past the length return at once.
 // grid (NH, B, splits), block kDecodeThreads; dynamic shared memory: HS (q) + kDecodeThreads
 // (scores) + kDecodeThreads * 2 (the groups' partial sums) floats.
 __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(float* __restrict__ partials,
                                                                                 const bf16* __restrict__ qkv,
                                                                                 const void* keys, const void* values,
                                                                                 bool fp8, const float* scales, int C,
-                                                                                int NH, int capacity, int length) {
+                                                                                int NH, int capacity, int length,
+                                                                                const int32_t* stored_position) {
+  if (stored_position) length = *stored_position + 1;
+  const int split = blockIdx.z, first = split * kDecodeThreads;
+  if (first >= length) return;  // beyond the stored length: the combining kernel reads no part of it
   extern __shared__ float shared[];
   const int HS = C / NH, pairs = HS / 2;
   float2* q = reinterpret_cast<float2*>(shared);  // [pairs]
   float* scores = shared + HS;                     // [kDecodeThreads]
   float* partial = scores + kDecodeThreads;        // [groups][HS]
   __shared__ float reduce_slots[kDecodeWarps];
-  const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int h = blockIdx.x, b = blockIdx.y, splits = gridDim.z;
   const float k_scale_inv = fp8 ? 1.0f / scales[0] : 1.0f;
   const float score_scale = k_scale_inv * rsqrtf(float(HS));
   const size_t cache_row0 = size_t(b) * capacity;
@@ -140,7 +150,6 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   __syncthreads();
 
   // Scores: one key per thread, its channel pairs in order.
-  const int first = split * kDecodeThreads;
   const int count = min(kDecodeThreads, length - first);
   float score = -INFINITY;
   if (threadIdx.x < count) {
@@ -187,16 +196,19 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   }
 }
 
-// out = the splits' parts rescaled to the largest maximum, in split order. grid (NH, B),
+// out = the splits' parts rescaled to the largest maximum, in split order; parts are
+// `stride` splits apart, `splits` of them in use (from stored_position when set). grid (NH, B),
 // block HS / 2 threads (a channel pair each). out_fp8 (nullable): also the codes of the BF16
 // out times *out_scale, as cast_fp8 would write them from out.
 __global__ void attention_decode_combine_kernel(bf16* __restrict__ out, uint8_t* __restrict__ out_fp8,
                                                 const float* __restrict__ out_scale, __nv_fp8_interpretation_t interp,
                                                 const float* __restrict__ partials, const float* scales, bool fp8,
-                                                int C, int NH, int splits) {
+                                                int C, int NH, int stride, int splits,
+                                                const int32_t* stored_position) {
+  if (stored_position) splits = decode_splits(*stored_position + 1);
   const int h = blockIdx.x, b = blockIdx.y, p = threadIdx.x;
   const int HS = C / NH;
-  const float* parts = partials + (size_t(b) * NH + h) * splits * (HS + 2);
+  const float* parts = partials + (size_t(b) * NH + h) * stride * (HS + 2);
   float max_score = -INFINITY;
   for (int s = 0; s < splits; ++s) max_score = fmaxf(max_score, parts[s * (HS + 2) + HS]);
   float sum = 0.0f;
@@ -220,8 +232,6 @@ __global__ void attention_decode_combine_kernel(bf16* __restrict__ out, uint8_t*
   }
 }
 
-int decode_splits(int length) { return (length + kDecodeThreads - 1) / kDecodeThreads; }
-
 void check_shape(const char* what, int B, int C, int NH, int capacity) {
   FP8LM_CHECK(B > 0 && C > 0 && NH > 0 && capacity > 0, what, ": bad shape B=", B, " C=", C, " NH=", NH,
               " capacity=", capacity);
@@ -234,13 +244,16 @@ void check_shape(const char* what, int B, int C, int NH, int capacity) {
 }  // namespace
 
 void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, float* scratch, const bf16* qkv, int B,
-                     int n, int C, int capacity, int position, cudaStream_t stream) {
+                     int n, int C, int capacity, int position, cudaStream_t stream,
+                     const int32_t* stored_position) {
   FP8LM_CHECK(B > 0 && C > 0 && C % 2 == 0 && capacity > 0, "kv_cache_append: bad shape B=", B, " C=", C,
               " capacity=", capacity);
   FP8LM_CHECK(n > 0 && position >= 0 && position + n <= capacity, "kv_cache_append: positions [", position, ", ",
               position + n, ") outside the cache's ", capacity);
   FP8LM_CHECK(reinterpret_cast<uintptr_t>(qkv) % 4 == 0, "kv_cache_append: qkv must be 4-byte aligned");
   FP8LM_CHECK(!cache_fp8 || (scales != nullptr && scratch != nullptr), "kv_cache_append: an FP8 cache needs scales");
+  FP8LM_CHECK(stored_position == nullptr || (n == 1 && position > 0),
+              "kv_cache_append: a stored position is for one-token steps after the prompt");
   const int64_t pairs = int64_t(B) * n * (C / 2);
   if (cache_fp8 && position == 0) {
     CUDA_CHECK(cudaMemsetAsync(scratch, 0, kKvCacheScratchFloats * sizeof(float), stream));
@@ -253,7 +266,7 @@ void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, fl
   const int64_t blocks = (pairs + kAppendThreads - 1) / kAppendThreads;
   FP8LM_CHECK(blocks < (int64_t{1} << 31), "kv_cache_append: too many rows");
   kv_cache_append_kernel<<<unsigned(blocks), kAppendThreads, 0, stream>>>(keys, values, cache_fp8, scales, qkv, B, n,
-                                                                          C, capacity, position);
+                                                                          C, capacity, position, stored_position);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -263,7 +276,8 @@ size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity) {
 
 void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* values, bool cache_fp8,
                       const float* scales, int B, int C, int NH, int capacity, int length, float* scratch,
-                      cudaStream_t stream, uint8_t* out_fp8, const float* out_scale, Fp8Dtype out_dtype) {
+                      cudaStream_t stream, uint8_t* out_fp8, const float* out_scale, Fp8Dtype out_dtype,
+                      const int32_t* stored_position) {
   check_shape("attention_decode", B, C, NH, capacity);
   FP8LM_CHECK(length >= 1 && length <= capacity, "attention_decode: length ", length, " outside [1, ", capacity, "]");
   FP8LM_CHECK(reinterpret_cast<uintptr_t>(qkv) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0,
@@ -275,13 +289,15 @@ void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* 
   const int HS = C / NH;
   const int groups = std::max(1, kDecodeThreads / (HS / 2));
   const int splits = decode_splits(length);
+  const int grid_splits = stored_position ? decode_splits(capacity) : splits;  // the parts' stride too
   const size_t shared_bytes = (size_t(HS) + kDecodeThreads + size_t(groups) * HS) * sizeof(float);
-  attention_decode_split_kernel<<<dim3(unsigned(NH), unsigned(B), unsigned(splits)), kDecodeThreads, shared_bytes,
-                                  stream>>>(scratch, qkv, keys, values, cache_fp8, scales, C, NH, capacity, length);
+  attention_decode_split_kernel<<<dim3(unsigned(NH), unsigned(B), unsigned(grid_splits)), kDecodeThreads,
+                                  shared_bytes, stream>>>(scratch, qkv, keys, values, cache_fp8, scales, C, NH,
+                                                          capacity, length, stored_position);
   CUDA_CHECK_LAUNCH();
   attention_decode_combine_kernel<<<dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream>>>(
       out, out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
-      NH, splits);
+      NH, grid_splits, splits, stored_position);
   CUDA_CHECK_LAUNCH();
 }
 

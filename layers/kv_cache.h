@@ -59,11 +59,16 @@ namespace fp8lm::cuda {
 // Scratch floats kv_cache_append needs (the two amaxes of a first append).
 inline constexpr int kKvCacheScratchFloats = 2;
 
+// stored_position (nullable, device memory): the kernels read the position there instead of
+// `position` / `length - 1`, so that a recorded decoding step (Ops::record) replays at whatever
+// position the step stored (one-token steps after the prompt only). The host checks `position`.
+//
 // position == 0 with cache_fp8: first the amaxes of the new keys and values (into
 // scratch [2], zeroed here) and the scales from them (kv_cache_scale), then the codes. The
 // scales stay in device memory: no host sync.
 void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, float* scratch,
-                     const __nv_bfloat16* qkv, int B, int n, int C, int capacity, int position, cudaStream_t stream);
+                     const __nv_bfloat16* qkv, int B, int n, int C, int capacity, int position, cudaStream_t stream,
+                     const int32_t* stored_position = nullptr);
 
 // out [B, C] (=, bf16). The positions of each (sequence, head) in splits of 128, one block
 // each, combined by a second kernel through scratch: attention_decode_scratch_floats(...)
@@ -75,6 +80,7 @@ size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity);
 void attention_decode(__nv_bfloat16* out, const __nv_bfloat16* qkv, const void* keys, const void* values,
                       bool cache_fp8, const float* scales, int B, int C, int NH, int capacity, int length,
                       float* scratch, cudaStream_t stream, uint8_t* out_fp8 = nullptr,
-                      const float* out_scale = nullptr, Fp8Dtype out_dtype = Fp8Dtype::e4m3);
+                      const float* out_scale = nullptr, Fp8Dtype out_dtype = Fp8Dtype::e4m3,
+                      const int32_t* stored_position = nullptr);
 
 }  // namespace fp8lm::cuda

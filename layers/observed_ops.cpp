@@ -106,6 +106,18 @@ class ObservedOps final : public Ops {
              [&] { batch = inner_->load_batch(inputs, targets, B, T, slice); });
     return batch;
   }
+  TokenBatch load_decode_step(const int32_t* tokens, int B, int position, const VocabSlice& slice) override {
+    TokenBatch batch;
+    observed({"tokens", Lane::main, [] { return std::string("load_decode_step"); },
+              [&] { return OpCost{0, 4.0 * (B + 1)}; }},
+             [&] { batch = inner_->load_decode_step(tokens, B, position, slice); });
+    return batch;
+  }
+  // The recorded ops are the observed ones (the sequence calls this object); the observer sees
+  // them once, while they are recorded, not at each replay.
+  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
+    return inner_->record(ops_sequence);
+  }
   void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
                         const VocabSlice& slice) override {
     observed({"embedding", Lane::main, [] { return std::string("embedding_lookup"); },
@@ -113,10 +125,10 @@ class ObservedOps final : public Ops {
              [&] { inner_->embedding_lookup(out, batch, wte, slice); });
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T) override {
+                              int T, const int32_t* stored_wpe_row) override {
     observed({"embedding", Lane::main, [] { return std::string("add_position_embedding"); },
               [&] { return OpCost{0, bytes(out) + bytes(token_embeddings) + double(T) * wpe.cols * element_bytes(wpe.dtype)}; }},
-             [&] { inner_->add_position_embedding(out, token_embeddings, wpe, first_row, T); });
+             [&] { inner_->add_position_embedding(out, token_embeddings, wpe, first_row, T, stored_wpe_row); });
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     observed({"embedding", Lane::main, [] { return std::string("embedding_lookup_backward"); },
@@ -192,19 +204,21 @@ class ObservedOps final : public Ops {
   }
 
   // ---- Incremental decoding
-  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
+                       CachePosition position) override {
     observed({"kv cache", Lane::main, [&] { return "kv_cache_append -> " + name(cache.keys); },
               [&] { return OpCost{0, bytes(qkv)}; }},
              [&] { inner_->kv_cache_append(cache, qkv, shape, position); });
   }
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
-                        const AttentionShape& shape, int length) override {
+                        const AttentionShape& shape, CachePosition position) override {
     observed({"attention decode", Lane::main, [&] { return "attention_decode -> " + name(operand); },
               [&] {
+                const int length = position.value + 1;
                 const double cached = 2.0 * shape.B * double(length) * shape.width() * element_bytes(cache.keys.dtype);
                 return OpCost{4.0 * shape.B * double(length) * shape.width(), cached + bytes(qkv) + bytes(out)};
               }},
-             [&] { inner_->attention_decode(out, operand, qkv, cache, shape, length); });
+             [&] { inner_->attention_decode(out, operand, qkv, cache, shape, position); });
   }
   void download_values(float* host, const Tensor& source) override { inner_->download_values(host, source); }
 

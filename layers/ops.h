@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/fp8_stats.h"
@@ -55,6 +56,13 @@ class HostReadback {
   virtual const void* wait() = 0;
 };
 
+// Ops recorded once and run again as recorded (Ops::record): a CUDA graph on the GPU.
+class RecordedOps {
+ public:
+  virtual ~RecordedOps() = default;
+  virtual void replay() = 0;
+};
+
 // This rank's slice of the padded vocabulary: columns [begin, begin + size); real
 // tokens are those below vocab_size.
 struct VocabSlice {
@@ -74,6 +82,17 @@ struct TokenBatch {
   const int32_t* offsets = nullptr;        // [U+1]
   const int32_t* positions = nullptr;      // [B*T]
   int num_unique = 0;
+  // A decoding step's (load_decode_step): the position of its one token per sequence, in
+  // backend memory. The ops read it there rather than the position the model passes, so a
+  // step recorded once (Ops::record) replays at every later position.
+  const int32_t* step_position = nullptr;  // [1]
+};
+
+// Where a decoding chunk's tokens go in the cache: `value` as the host knows it (checked), and
+// the same value in backend memory when the chunk is a recorded step's (TokenBatch::step_position).
+struct CachePosition {
+  int value = 0;
+  const int32_t* stored = nullptr;
 };
 
 // A TensorLayout in the form the backend's optimizer and norm passes walk.
@@ -291,14 +310,25 @@ class Ops {
   // ---- Tokens ---------------------------------------------------------------------
   virtual TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
                                 const VocabSlice& slice) = 0;
+  // One decoding step's tokens [B] (inputs only) and its position (step_position), always into
+  // the same backend memory: a step recorded with one such batch replays with the next.
+  virtual TokenBatch load_decode_step(const int32_t* host_tokens, int B, int position, const VocabSlice& slice) = 0;
+
+  // ---- Recording ------------------------------------------------------------------
+  // Records the main lane's ops that `ops_sequence` issues, without running them; replay()
+  // runs them as recorded: the same kernels on the same memory (GPU: one CUDA graph launch;
+  // CPU: `ops_sequence` again). Whatever changes between replays must live in memory the
+  // ops read (load_decode_step's batch). No host sync may happen inside.
+  virtual std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) = 0;
 
   // ---- Embedding ------------------------------------------------------------------
   // out [B*T,C] f32 = wte[token - slice.begin] for tokens of the slice, 0 for the others.
   virtual void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
                                 const VocabSlice& slice) = 0;
-  // out [N,C] activation = token_embeddings [N,C] + wpe[(first_row + n) % T].
+  // out [N,C] activation = token_embeddings [N,C] + wpe[(first_row + n) % T], the wpe rows
+  // starting *stored_wpe_row rows in when that is set (a recorded decoding step's position).
   virtual void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe,
-                                      int first_row, int T) = 0;
+                                      int first_row, int T, const int32_t* stored_wpe_row) = 0;
   // dwte [Vs,C] += rows of dout [B*T,C] summed per token of the slice (fixed order).
   virtual void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) = 0;
   // dwpe [T,C] += dout [N,C] rows summed per position (fixed order).
@@ -337,12 +367,12 @@ class Ops {
   // from the amax of these first keys and values (kv_cache_scale()); later tokens saturate
   // beyond them.
   virtual void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
-                               int position) = 0;
-  // One new token per sequence (shape.T = 1): its query in qkv [B,3C'] attends to cache
-  // positions [0, length), its own key and value among them. out [B,C'] activation, operand
-  // = out in the next GEMM's dtype (a view of out when that is the activation dtype).
+                               CachePosition position) = 0;
+  // One new token per sequence (shape.T = 1) at `position`: its query in qkv [B,3C'] attends to
+  // cache positions [0, position], its own key and value among them. out [B,C'] activation,
+  // operand = out in the next GEMM's dtype (a view of out when that is the activation dtype).
   virtual void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
-                                const AttentionShape& shape, int length) = 0;
+                                const AttentionShape& shape, CachePosition position) = 0;
   // A tensor's values as FP32 on the host (activation dtype or f32; waits for the stream).
   virtual void download_values(float* host, const Tensor& source) = 0;
 

@@ -193,6 +193,37 @@ class CpuOps final : public Ops {
     batch_slice_ = slice;
     return batch;
   }
+  TokenBatch load_decode_step(const int32_t* host_tokens, int B, int position, const VocabSlice& slice) override {
+    for (int b = 0; b < B; ++b)
+      FP8LM_INPUT_CHECK(host_tokens[b] >= 0 && host_tokens[b] < slice.vocab_size, "input token ", host_tokens[b],
+                        " is outside the vocabulary [0, ", slice.vocab_size, ")");
+    // Resized only when B changes, so a recorded step keeps reading this memory.
+    if (decode_step_.size() != size_t(B) + 1) decode_step_.resize(size_t(B) + 1);
+    std::copy(host_tokens, host_tokens + B, decode_step_.begin());
+    decode_step_[size_t(B)] = position;
+    TokenBatch batch;
+    batch.B = B;
+    batch.T = 1;
+    batch.inputs = decode_step_.data();
+    batch.targets = decode_step_.data();
+    batch.step_position = decode_step_.data() + B;
+    batch_slice_ = slice;
+    return batch;
+  }
+
+  // The reference records nothing: replaying runs the ops again, which read whatever the
+  // step's memory holds by then, as the GPU's graph does.
+  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
+    class Rerun final : public RecordedOps {
+     public:
+      explicit Rerun(std::function<void()> ops) : ops_(std::move(ops)) {}
+      void replay() override { ops_(); }
+
+     private:
+      std::function<void()> ops_;
+    };
+    return std::make_unique<Rerun>(ops_sequence);
+  }
 
   // ---- Embedding
   void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
@@ -200,8 +231,9 @@ class CpuOps final : public Ops {
     cpu::embedding_lookup(f32(out), batch.inputs, f32(wte), slice.begin, slice.size, int(out.rows), int(out.cols));
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T) override {
-    cpu::add_position_embedding(f32(out), f32(token_embeddings), f32(wpe), first_row, T, int(out.rows), int(out.cols));
+                              int T, const int32_t* stored_wpe_row) override {
+    const float* rows = f32(wpe) + (stored_wpe_row ? int64_t(*stored_wpe_row) * wpe.cols : 0);
+    cpu::add_position_embedding(f32(out), f32(token_embeddings), rows, first_row, T, int(out.rows), int(out.cols));
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     cpu::embedding_lookup_backward(f32(dwte), f32(dout), batch.inputs, batch_slice_.begin, batch_slice_.size,
@@ -363,7 +395,9 @@ class CpuOps final : public Ops {
   }
 
   // ---- Incremental decoding
-  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
+                       CachePosition where) override {
+    const int position = where.stored ? *where.stored : where.value;
     const bool fp8 = is_fp8(cache.keys.dtype);
     FP8LM_CHECK(!fp8 || cache.keys.dtype == DType::e4m3, "an FP8 key/value cache is E4M3");
     FP8LM_CHECK(position >= 0 && position + shape.T <= cache.capacity, "kv_cache_append: positions [", position, ", ",
@@ -384,7 +418,8 @@ class CpuOps final : public Ops {
                          cache.capacity, position, fp8 ? cache.scales : nullptr);
   }
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
-                        const AttentionShape& shape, int length) override {
+                        const AttentionShape& shape, CachePosition where) override {
+    const int length = (where.stored ? *where.stored : where.value) + 1;
     const bool fp8 = is_fp8(cache.keys.dtype);
     FP8LM_CHECK(length >= 1 && length <= cache.capacity, "attention_decode: length ", length, " outside [1, ",
                 cache.capacity, "]");
@@ -567,6 +602,7 @@ class CpuOps final : public Ops {
   bool recording_ = true;
   Fp8CastCounts* counts_ = nullptr;  // [states] while a statistics step runs
   std::vector<int32_t> inputs_, targets_;
+  std::vector<int32_t> decode_step_;  // load_decode_step: [B] tokens, then the position
   VocabSlice batch_slice_;
   std::vector<float> scratch_, transpose_a_, transpose_b_;
 };

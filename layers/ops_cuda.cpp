@@ -368,6 +368,56 @@ class CudaOps final : public Ops {
     batch.num_unique = unique;
     return batch;
   }
+  TokenBatch load_decode_step(const int32_t* host_tokens, int B, int position, const VocabSlice&) override {
+    FP8LM_CHECK(size_t(B) + 1 <= token_slot_ints_, "load_decode_step: more sequences than the planned batch");
+    const int slot = staging_next_;
+    staging_next_ = (staging_next_ + 1) % kStagingSlots;
+    CUDA_CHECK(cudaEventSynchronize(staging_done_[slot]));  // flow control, as in load_batch
+    int32_t* host = staging_host_ + slot * token_slot_ints_;
+    std::memcpy(host, host_tokens, size_t(B) * sizeof(int32_t));
+    host[B] = position;
+    CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host, (size_t(B) + 1) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               stream_));
+    CUDA_CHECK(cudaEventRecord(staging_done_[slot], stream_));
+    TokenBatch batch;
+    batch.B = B;
+    batch.T = 1;
+    batch.inputs = tokens_.data();
+    batch.targets = tokens_.data();
+    batch.step_position = tokens_.data() + B;
+    return batch;
+  }
+
+  // One CUDA graph of what `ops_sequence` launches on the main stream.
+  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
+    class Graph final : public RecordedOps {
+     public:
+      Graph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {}
+      ~Graph() override { cudaGraphExecDestroy(exec_); }
+      void replay() override { CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+     private:
+      cudaGraphExec_t exec_;
+      cudaStream_t stream_;
+    };
+    // Thread-local: another thread's CUDA calls (a data loader's) do not break the capture.
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      ops_sequence();
+    } catch (...) {
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(stream_, &partial);
+      if (partial) cudaGraphDestroy(partial);
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(instantiated);
+    return std::make_unique<Graph>(exec, stream_);
+  }
 
   // ---- Embedding
   void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
@@ -375,8 +425,9 @@ class CudaOps final : public Ops {
     cuda::embedding_lookup(f32(out), batch.inputs, cbf(wte), slice.begin, slice.size, rows(out), cols(out), stream_);
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T) override {
-    cuda::add_position_embedding(bf(out), f32(token_embeddings), cbf(wpe), first_row, T, rows(out), cols(out), stream_);
+                              int T, const int32_t* stored_wpe_row) override {
+    cuda::add_position_embedding(bf(out), f32(token_embeddings), cbf(wpe), first_row, T, rows(out), cols(out), stream_,
+                                 stored_wpe_row);
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     cuda::embedding_lookup_backward(gradient(dwte), cbf(dout), batch.unique_tokens, batch.offsets, batch.positions,
@@ -567,13 +618,14 @@ class CudaOps final : public Ops {
   }
 
   // ---- Incremental decoding
-  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape, int position) override {
+  void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
+                       CachePosition position) override {
     cuda::kv_cache_append(cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype), cache.scales,
-                          float_scratch_.data(), cbf(qkv), shape.B, shape.T, shape.width(), cache.capacity, position,
-                          stream_);
+                          float_scratch_.data(), cbf(qkv), shape.B, shape.T, shape.width(), cache.capacity,
+                          position.value, stream_, position.stored);
   }
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
-                        const AttentionShape& shape, int length) override {
+                        const AttentionShape& shape, CachePosition position) override {
     // Delayed scaling while no amax is recorded (a decoding step): the attention's combining
     // kernel also writes c_proj's FP8 operand with the stored scale, one launch instead of two
     // per block and step. Current scaling needs the output's amax first, and a recorded amax
@@ -581,10 +633,10 @@ class CudaOps final : public Ops {
     const bool fused_cast = operand.data != out.data && is_fp8(operand.dtype) && !block_scaled(operand) &&
                             !table_->uses_current_scaling() && !recording_;
     cuda::attention_decode(bf(out), cbf(qkv), cache.keys.data, cache.values.data, is_fp8(cache.keys.dtype),
-                           cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, length,
+                           cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, position.value + 1,
                            float_scratch_.data(), stream_, fused_cast ? u8(operand) : nullptr,
                            fused_cast ? scale_.data() + operand.scaling_state : nullptr,
-                           is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3);
+                           is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3, position.stored);
     if (operand.data != out.data && !fused_cast) quantize(operand, out, Tensor{});
   }
   void download_values(float* host, const Tensor& source) override {

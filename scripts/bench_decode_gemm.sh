@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Decoding step time on one GPU with the small-M GEMM kernel against cuBLASLt, in BF16 and FP8,
+# Decoding step time on one GPU with the small-M GEMM kernel against cuBLASLt (or, with
+# TOGGLE=cuda-graph, replayed CUDA-graph steps against op-by-op launches), in BF16 and FP8,
 # in one call so that the ratios are comparable (docs/INFERENCE.md): fp8lm sample with random
 # weights, a random prompt, greedy decoding, no early stop. FP8 runs --fp8-recipe tensorwise
 # (random weights have no delayed scales); DELAYED_CKPT=DIR adds FP8 rows decoded from that
@@ -18,6 +19,8 @@ prompt=${2:-896}
 new_tokens=${3:-128}
 batch=${4:-1}
 binary=${FP8LM_BINARY:-build/fp8lm}  # build-gpu/fp8lm on the device
+toggle=${TOGGLE:-small-m-gemm}       # the on/off flag compared: small-m-gemm or cuda-graph
+case $toggle in small-m-gemm|cuda-graph) ;; *) echo "TOGGLE must be small-m-gemm or cuda-graph" >&2; exit 2 ;; esac
 out=${OUT:-/tmp}/decode_gemm.jsonl
 : > "$out"
 
@@ -29,36 +32,38 @@ fi
 
 for variant in "${variants[@]}"; do
   IFS='|' read -r name flags <<< "$variant"
-  for small_m in off on; do
+  for setting in off on; do
     # shellcheck disable=SC2086
     common=(sample $flags --random-prompt "$prompt" --max-new-tokens "$new_tokens" --temperature 0 --ignore-eos
-            --batch-size "$batch" --small-m-gemm "$small_m" --device cuda --quiet --log-level warn)
+            --batch-size "$batch" --"$toggle" "$setting" --device cuda --quiet --log-level warn)
     line=$("$binary" "${common[@]}" | tail -1)
-    echo "{\"impl\":\"$name\",\"small_m_gemm\":\"$small_m\",\"batch\":$batch,\"run\":$line}" | tee -a "$out"
-    if [ "${PROFILE:-0}" = "1" ]; then
+    echo "{\"impl\":\"$name\",\"setting\":\"$setting\",\"batch\":$batch,\"run\":$line}" | tee -a "$out"
+    # --profile-ops times ops one by one: not a replayed graph's steps.
+    if [ "${PROFILE:-0}" = "1" ] && { [ "$toggle" = small-m-gemm ] || [ "$setting" = off ]; }; then
       profile=$("$binary" "${common[@]}" --profile-ops | grep '"op_profile"' | tail -1)
-      echo "{\"impl\":\"$name\",\"small_m_gemm\":\"$small_m\",\"batch\":$batch,\"profile\":$profile}" | tee -a "$out"
+      echo "{\"impl\":\"$name\",\"setting\":\"$setting\",\"batch\":$batch,\"profile\":$profile}" | tee -a "$out"
     fi
   done
 done
 
-python3 - "$out" <<'PY'
+python3 - "$out" "$toggle" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+toggle = sys.argv[2]
 runs = [r for r in rows if "run" in r]
-base = {r["small_m_gemm"]: r["run"]["ms_per_step"] for r in runs if r["impl"] == "bf16"}
-print(f"{'implementation':<26} {'small-M':>7} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} "
-      f"{'vs bf16 cuBLASLt':>17} {'vs bf16 small-M':>16}")
+base = {r["setting"]: r["run"]["ms_per_step"] for r in runs if r["impl"] == "bf16"}
+print(f"{'implementation':<26} {toggle:>12} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} "
+      f"{'vs bf16 ' + toggle + ' off':>24} {'vs bf16 ' + toggle + ' on':>23}")
 for r in runs:
     ms = r["run"]["ms_per_step"]
     ratio = lambda key: f"{base[key] / ms:.2f}x" if key in base else "-"
-    print(f"{r['impl']:<26} {r['small_m_gemm']:>7} {r['batch']:>5} {ms:>9.2f} {r['run']['tokens_per_s']:>10.1f} "
-          f"{ratio('off'):>17} {ratio('on'):>16}")
+    print(f"{r['impl']:<26} {r['setting']:>12} {r['batch']:>5} {ms:>9.2f} {r['run']['tokens_per_s']:>10.1f} "
+          f"{ratio('off'):>24} {ratio('on'):>23}")
 for r in rows:
     if "profile" not in r:
         continue
     p = r["profile"]
-    print(f"\n{r['impl']}, small-M {r['small_m_gemm']}: profiled step {p['step_ms']:.2f} ms, ops {p['ops_ms']:.2f} ms")
+    print(f"\n{r['impl']}, {toggle} {r['setting']}: profiled step {p['step_ms']:.2f} ms, ops {p['ops_ms']:.2f} ms")
     for c in p["op_profile"]:
         if c["class"].startswith("gemm") or c["ms"] > 0.05 * p["step_ms"]:
             gbs = c["bytes"] / (c["ms"] * 1e-3) / 1e9 if c["ms"] > 0 else 0

@@ -278,6 +278,11 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
   CHECK(line["prompt_tokens"] == 10);  // "He" is one token
   const auto again = run_fp8lm(base + "--prompt 'Hello there' --seed 5");
   CHECK(text_of(again.output) == text_of(first.output));
+  // Steps replayed from one recorded step (the default) and launched op by op give the same text.
+  const auto op_by_op = run_fp8lm(base + "--prompt 'Hello there' --seed 5 --cuda-graph off");
+  CHECK(text_of(op_by_op.output) == text_of(first.output));
+  CHECK(line["cuda_graph"] == "on");
+  CHECK(nlohmann::json::parse(op_by_op.output.substr(op_by_op.output.rfind("{\"")))["cuda_graph"] == "off");
   const auto other = run_fp8lm(base + "--prompt 'Hello there' --seed 6");
   CHECK(text_of(other.output) != text_of(first.output));
   // Greedy decoding ignores the seed.
@@ -305,6 +310,8 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
            {"--prompt a --top-p 1.5", "--top-p"},
            {"--prompt a --kv-cache-dtype fp16", "--kv-cache-dtype"},
            {"--prompt a --small-m-gemm auto", "--small-m-gemm"},
+           {"--prompt a --cuda-graph yes", "--cuda-graph"},
+           {"--prompt a --profile-ops --cuda-graph on", "--cuda-graph off"},
            {"--prompt a --max-new-tokens 0", "--max-new-tokens"},
            {"--prompt a --max-new-tokens 49", "exceed the model's context of 48"},
            {"--prompt-file " + dir.file("missing.txt"), "missing.txt"},
