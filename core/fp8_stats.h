@@ -4,10 +4,14 @@
 // element is the pair (x, code), x the value before scaling and code = fp8(x * scale), the
 // very code the cast writes.
 //
-//   saturated  |x * scale| > fp8_max: the value lay beyond the format's range and was clipped
-//              to +-max (infinities count). A value landing on fp8_max exactly is not clipped:
-//              under current scaling the amax element maps there in every tensor, and counting
-//              it would report saturation where there is none.
+//   saturated  the cast clipped the value: |x * scale| lies past the midpoint between
+//              fp8_max and the step above it (E4M3 464, E5M2 61440; a tie goes where round to
+//              nearest even sends it: E4M3's to 448, E5M2's beyond), so without the format's
+//              limit it would not have rounded to +-max (infinities count). Values up to that
+//              midpoint round to +-max anyway: under current scaling the amax element maps onto
+//              fp8_max, one FP32 rounding of the scale may put it a few ulps above, and
+//              counting those (every element equal to the amax, hundreds in a BF16 tensor)
+//              reported saturation where nothing was clipped.
 //   underflow  x != 0 but the code is +-0: the value was lost.
 //   subnormal  the code is a nonzero subnormal (exponent field 0): fewer mantissa bits.
 //
@@ -34,6 +38,14 @@ struct Fp8CastCounts {
   float scale = 0.0f;      // the scale of the last quantization counted
 };
 static_assert(sizeof(Fp8CastCounts) == 40, "the GPU and the CPU share this layout");
+
+// The smallest |x * scale| the cast clips (see saturated above): E4M3 past 464 (448 + 32/2; the
+// tie rounds to 448, whose mantissa is even), E5M2 from 61440 on (57344 + 8192/2; the tie rounds
+// to 65536, whose mantissa is even).
+FP8LM_HOST_DEVICE constexpr bool fp8_clips(float scaled, Fp8Dtype dtype) {
+  const float magnitude = scaled < 0.0f ? -scaled : scaled;
+  return dtype == Fp8Dtype::e4m3 ? magnitude > 464.0f : magnitude >= 61440.0f;
+}
 
 // The smallest positive normal value of each format: 2^-6 (E4M3), 2^-14 (E5M2).
 FP8LM_HOST_DEVICE constexpr float fp8_min_normal(Fp8Dtype dtype) {
@@ -69,9 +81,8 @@ struct Fp8CastTally {
 
   // x: the value before scaling; scaled = x * scale as the cast computed it; code = fp8(scaled).
   FP8LM_HOST_DEVICE void add(float x, float scaled, uint8_t code, Fp8Dtype dtype) {
-    const float format_max = fp8_max(dtype);
     elements += 1;
-    saturated += (scaled > format_max || scaled < -format_max) ? 1u : 0u;
+    saturated += fp8_clips(scaled, dtype) ? 1u : 0u;
     underflow += (fp8_code_is_zero(code) && x != 0.0f) ? 1u : 0u;
     subnormal += fp8_code_is_subnormal(code, dtype) ? 1u : 0u;
     const uint32_t bits = fp8_stats_amax_bits(x);

@@ -55,9 +55,9 @@ HandMade e4m3_case() {
   return {Fp8Dtype::e4m3,
           1.0f,
           {
-              1000.0f, -500.0f, 449.0f,            // saturated: |x s| > 448, clipped to 448
+              1000.0f, -500.0f, 465.0f,            // saturated: |x s| > 464, clipped to 448
               448.0f,                              // exactly the max: representable, not clipped
-              447.0f, 440.0f,                      // round up to 448 but were not clipped: normal
+              447.0f, 440.0f, 449.0f, 464.0f,      // round to 448 without the limit (464 a tie, to even): not clipped
               1e-4f, -0.0009765625f, 1e-30f,       // underflow: below half of 2^-9 (the tie rounds to even, 0)
               0.0f, -0.0f,                         // true zeros: not underflow
               0.001f, 0.0078125f, -0.01f,          // subnormal: round to 1, 4 and 5 x 2^-9
@@ -72,9 +72,9 @@ HandMade e5m2_case() {
   return {Fp8Dtype::e5m2,
           0.0625f,
           {
-              1e7f, -1e6f, 918000.0f,              // saturated: x s = 625000, -62500, 57375 > 57344
+              1e7f, -1e6f, 983040.0f,              // saturated: x s = 625000, -62500, 61440 (a tie, to 65536)
               917504.0f,                           // x s = 57344, the max itself: not clipped
-              912000.0f,                           // x s = 57000 rounds to 57344, not clipped
+              912000.0f, 918000.0f, 983024.0f,     // x s = 57000, 57375, 61439: round to 57344, not clipped
               0.0001220703125f, 1e-6f,             // underflow: x s = 2^-17 (tie, to 0) and 6.25e-8
               0.0f,                                // true zero
               0.0005f, -0.0002f,                   // subnormal: x s = 3.1e-5 and -1.25e-5 (-> -2^-16)
@@ -153,8 +153,8 @@ TEST_CASE("hand-made tensors: saturated, underflowed and subnormal elements coun
     }
     CHECK(zeros == c.underflow);
     CHECK(subnormals == c.subnormal);
-    // plus the value at the max itself and those rounded up to it
-    CHECK(at_max == c.saturated + (c.dtype == Fp8Dtype::e4m3 ? 3 : 2));
+    // plus the value at the max itself and those rounded to it
+    CHECK(at_max == c.saturated + (c.dtype == Fp8Dtype::e4m3 ? 5 : 4));
 
     // A second cast adds to the same record.
     bench.cast(c.values);
@@ -184,6 +184,13 @@ TEST_CASE("current scaling: the scale maps the tensor's amax onto fp8_max, which
   const Fp8CastCounts& counts = bench.counts[0];
   CHECK(counts.scale == 224.0f);
   CHECK(counts.saturated == 0);  // 2 -> 448 exactly: in range
+  // An amax whose FP32 scale maps it one ulp above 448 (448.00003): every element equal to the
+  // amax still rounds to 448, and none was clipped.
+  CastBench rounding(Fp8Dtype::e4m3, 1.0f, ScalingRecipe::tensorwise);
+  const float amax = 1.0052499771118164f;
+  rounding.cast({amax, -amax, amax, 0.5f});
+  REQUIRE(amax * rounding.counts[0].scale > 448.0f);
+  CHECK(rounding.counts[0].saturated == 0);
   CHECK(counts.underflow == 1);  // 1e-6 x 224 = 2.2e-4, below 2^-10
   CHECK(fp8_stats_amax(counts.amax_bits) == 2.0f);
   const Fp8TensorStatistics report =

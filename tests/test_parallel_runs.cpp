@@ -363,10 +363,10 @@ TEST_CASE("bad parallel input fails before any work, naming the flag", "[paralle
 TEST_CASE("auto precision under mpirun: every rank switches the same blocks, rank 0 logs them once",
           "[parallel][cpu][auto-precision]") {
   const testing::TempDir dir;
-  // A saturation threshold of 0 switches blocks 1 and 2 after the first step (current scaling
-  // puts each operand's amax on the format's max), from counts summed over both ranks.
+  // A saturation threshold of 0 switches blocks 1 and 2 after the second step, whose delayed
+  // scales clip weights the first update grew, from counts summed over both ranks.
   const std::string args = base_args("--fp8-hybrid --num-layers 3 --bf16-blocks 0 --log-level info --fp8-auto-precision "
-                                     "--fp8-auto-precision-saturation 0 --fp8-auto-precision-steps 1");
+                                     "--fp8-auto-precision-saturation 0 --fp8-auto-precision-steps 2");
   const auto one = testing::run_fp8lm(args + " --metrics-file " + dir.file("one.jsonl"));
   REQUIRE(one.exit_code == 0);
   const auto dp = run_ranks(2, args + " --save " + dir.file("ck") + " --metrics-file " + dir.file("dp.jsonl"));
