@@ -178,7 +178,7 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
       } else {
         if (!recorded_step) {
           GptModel* model = s.model.get();
-          recorded_step = s.ops->record([model, batch, position] { model->forward_cached(batch, position); });
+          recorded_step = s.ops->record_ops([model, batch, position] { model->forward_cached(batch, position); });
         }
         recorded_step->replay();
       }

@@ -60,7 +60,7 @@ namespace fp8lm::cuda {
 inline constexpr int kKvCacheScratchFloats = 2;
 
 // stored_position (nullable, device memory): the kernels read the position there instead of
-// `position` / `length - 1`, so that a recorded decoding step (Ops::record) replays at whatever
+// `position` / `length - 1`, so that a recorded decoding step (Ops::record_ops) replays at whatever
 // position the step stored (one-token steps after the prompt only). The host checks `position`.
 //
 // position == 0 with cache_fp8: first the amaxes of the new keys and values (into

@@ -115,8 +115,8 @@ class ObservedOps final : public Ops {
   }
   // The recorded ops are the observed ones (the sequence calls this object); the observer sees
   // them once, while they are recorded, not at each replay.
-  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
-    return inner_->record(ops_sequence);
+  std::unique_ptr<RecordedOps> record_ops(const std::function<void()>& ops_sequence) override {
+    return inner_->record_ops(ops_sequence);
   }
   void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
                         const VocabSlice& slice) override {

@@ -56,7 +56,7 @@ class HostReadback {
   virtual const void* wait() = 0;
 };
 
-// Ops recorded once and run again as recorded (Ops::record): a CUDA graph on the GPU.
+// Ops recorded once and run again as recorded (Ops::record_ops): a CUDA graph on the GPU.
 class RecordedOps {
  public:
   virtual ~RecordedOps() = default;
@@ -84,7 +84,7 @@ struct TokenBatch {
   int num_unique = 0;
   // A decoding step's (load_decode_step): the position of its one token per sequence, in
   // backend memory. The ops read it there rather than the position the model passes, so a
-  // step recorded once (Ops::record) replays at every later position.
+  // step recorded once (Ops::record_ops) replays at every later position.
   const int32_t* step_position = nullptr;  // [1]
 };
 
@@ -319,7 +319,7 @@ class Ops {
   // runs them as recorded: the same kernels on the same memory (GPU: one CUDA graph launch;
   // CPU: `ops_sequence` again). Whatever changes between replays must live in memory the
   // ops read (load_decode_step's batch). No host sync may happen inside.
-  virtual std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) = 0;
+  virtual std::unique_ptr<RecordedOps> record_ops(const std::function<void()>& ops_sequence) = 0;
 
   // ---- Embedding ------------------------------------------------------------------
   // out [B*T,C] f32 = wte[token - slice.begin] for tokens of the slice, 0 for the others.

@@ -213,7 +213,7 @@ class CpuOps final : public Ops {
 
   // The reference records nothing: replaying runs the ops again, which read whatever the
   // step's memory holds by then, as the GPU's graph does.
-  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
+  std::unique_ptr<RecordedOps> record_ops(const std::function<void()>& ops_sequence) override {
     class Rerun final : public RecordedOps {
      public:
       explicit Rerun(std::function<void()> ops) : ops_(std::move(ops)) {}

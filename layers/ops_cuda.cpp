@@ -389,7 +389,7 @@ class CudaOps final : public Ops {
   }
 
   // One CUDA graph of what `ops_sequence` launches on the main stream.
-  std::unique_ptr<RecordedOps> record(const std::function<void()>& ops_sequence) override {
+  std::unique_ptr<RecordedOps> record_ops(const std::function<void()>& ops_sequence) override {
     class Graph final : public RecordedOps {
      public:
       Graph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {}

@@ -1,4 +1,4 @@
-// A recorded decoding step (Ops::record: a CUDA graph on the GPU) replayed at later positions
+// A recorded decoding step (Ops::record_ops: a CUDA graph on the GPU) replayed at later positions
 // gives exactly the logits of steps launched op by op: every op of a replayed step reads its
 // tokens and its position from the memory load_decode_step fills, not from values frozen
 // when the step was recorded. The same check on both backends: on the CPU, replaying runs
@@ -93,7 +93,7 @@ std::vector<std::vector<float>> decode_logits(Ops& ops, Variant variant, int B, 
       if (step == 0) {
         decoder.forward_cached(batch, position);
       } else {
-        if (!recorded) recorded = ops.record([&decoder, batch, position] { decoder.forward_cached(batch, position); });
+        if (!recorded) recorded = ops.record_ops([&decoder, batch, position] { decoder.forward_cached(batch, position); });
         recorded->replay();
       }
     }
