@@ -33,6 +33,26 @@ struct Generator::State {
   OpProfiler* op_profiler = nullptr;  // --profile-ops: observes `ops`, which owns it
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
+  std::vector<float> logits;  // the last step's, [B, Vs]
+
+  // Each activation operand's scale from the amax its casts recorded in the prompt pass (row
+  // 0 of the history), with one binade of headroom: decoded tokens up to twice the prompt's
+  // largest value are represented, larger ones saturate. The weights keep the scales their
+  // codes were cast with. One host round trip, before the first decoding step.
+  void calibrate_activation_scales() {
+    ops->download_scaling();
+    ScalingTable& table = model->scaling();
+    for (int i = 0; i < table.size(); ++i) {
+      const std::string& name = table.name(i);
+      if (name.size() < 6 || name.compare(name.size() - 6, 6, ".input") != 0) continue;
+      const float amax = table.history()[size_t(i)];  // row 0 of [history, states]
+      const float scale = compute_scale(amax, fp8_max(table.dtype(i)), /*margin=*/1, /*previous_scale=*/1.0f);
+      table.scales()[size_t(i)] = scale;
+      table.scale_invs()[size_t(i)] = 1.0f / scale;
+    }
+    table.mark_initialized();
+    ops->upload_scaling();
+  }
 
   // The model's FP8 operands, as a checkpoint's scaling state must match them.
   ScalingSnapshot expected_scaling() {
@@ -73,6 +93,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
 }
 
 Generator::~Generator() = default;
+
 
 void Generator::set_parameters(const std::vector<float>& canonical) {
   State& s = *state_;
@@ -145,13 +166,28 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   std::vector<Random> streams;
   for (int b = 0; b < B; ++b) streams.emplace_back(request.seed * 0x9E3779B97F4A7C15ull + uint64_t(b) + 1);
 
+  FP8LM_CHECK(!request.calibrate_activation_scales ||
+                  (s.fp8 && P > 1 && s.model->scaling().config().recipe == ScalingRecipe::delayed),
+              "generate: calibrating FP8 activation scales needs FP8 delayed scaling and a prompt of 2 or more tokens");
   // The prompt but its last token fills the cache; the last token is the first step.
   const Clock::time_point prefill_start = Clock::now();
   if (P > 1) {
     std::vector<int32_t> tokens;
     for (int b = 0; b < B; ++b) tokens.insert(tokens.end(), request.prompt.begin(), request.prompt.end() - 1);
     const TokenBatch batch = s.ops->load_batch(tokens.data(), tokens.data(), B, P - 1, slice);
-    s.model->forward_cached(batch, 0);
+    if (request.calibrate_activation_scales) {
+      // Current scaling until the scales exist: the prompt's casts take each operand's own
+      // amax and record it into a cleared row 0.
+      ScalingTable& table = s.model->scaling();
+      s.ops->download_scaling();
+      std::fill(table.history().begin(), table.history().begin() + table.size(), 0.0f);
+      std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), uint8_t{0});
+      s.ops->upload_scaling();
+      s.model->forward_cached(batch, 0, /*record_amaxes=*/true);
+      s.calibrate_activation_scales();
+    } else {
+      s.model->forward_cached(batch, 0);
+    }
   }
   s.ops->synchronize();
   result.prefill_ms = ms_since(prefill_start);
@@ -160,7 +196,8 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   const Clock::time_point decode_start = Clock::now();
   std::vector<int32_t> current(size_t(B), request.prompt.back());
   std::vector<bool> ended(size_t(B), false);
-  std::vector<float> logits(size_t(B) * slice.size);
+  std::vector<float>& logits = s.logits;
+  logits.assign(size_t(B) * slice.size, 0.0f);
   // With replay_steps, a step after the prompt reads its tokens and position from the memory
   // load_decode_step fills: the first such step runs op by op (every kernel and GEMM plan is
   // set up outside the recording), the second is recorded, and it and every later one replay it.
@@ -204,6 +241,8 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
 }
 
 const OpProfiler* Generator::op_profiler() const { return state_->op_profiler; }
+
+const std::vector<float>& Generator::last_logits() const { return state_->logits; }
 
 size_t Generator::allocated_bytes() const { return state_->model->allocated_bytes() + state_->ops->workspace_bytes(); }
 

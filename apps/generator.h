@@ -5,7 +5,8 @@
 // Precision: the GEMMs run in the run set-up's precision. Under FP8 the Linear weights are
 // cast to E4M3 once, at load, from the FP32 values; activations are cast with the
 // checkpoint's delayed scales when it has them for these operands, and with current scaling
-// otherwise (a BF16 checkpoint, a Hugging Face model, or --fp8-recipe tensorwise). With
+// otherwise (a BF16 checkpoint, a Hugging Face model, or --fp8-recipe tensorwise), or with
+// scales calibrated on the prompt (GenerationRequest::calibrate_activation_scales). With
 // fp8_kv_cache the keys and values are stored in E4M3 (layers/kv_cache.h).
 #pragma once
 
@@ -43,6 +44,12 @@ struct GenerationRequest {
   SamplingOptions sampling;
   uint64_t seed = 0;            // sequence b draws from its own stream of (seed, b)
   std::optional<int32_t> stop_token;  // a sequence ends after it (<|endoftext|>); none: max_new_tokens each
+  // FP8 activation scales from the prompt (fp8lm sample --fp8-activation-scales prompt): the
+  // prompt pass records each activation operand's amax and every later step casts with
+  // scale = fp8_max / amax / 2 (one binade of headroom, as the FP8 cache's scales), in the
+  // producers' own kernels, instead of current scaling's amax pass before each cast. Needs an
+  // FP8 precision with delayed scaling and a prompt of at least 2 tokens.
+  bool calibrate_activation_scales = false;
   // Called after each step with the step's token of every sequence (-1 for ended ones).
   std::function<void(const std::vector<int32_t>&)> on_step;
 };
@@ -73,6 +80,9 @@ class Generator {
   // With the run set-up's --profile-ops: the ops of the last generate()'s decode steps, per
   // class (layers/op_profiler.h); nullptr without.
   const OpProfiler* op_profiler() const;
+  // The logits [batch, vocabulary slice] of the last generate()'s last step, as the sampler
+  // read them (tests compare decoders with them).
+  const std::vector<float>& last_logits() const;
 
   // Bytes of every slab the decoder allocated (the model's and the backend's workspaces), the
   // figure the memory estimate's decoder slabs predict (MemoryEstimate::engine_bytes).

@@ -51,6 +51,7 @@ struct SampleOptions {
   std::string kv_cache_dtype = "bf16";
   std::string small_m_gemm = "on";
   std::string cuda_graph = "on";
+  std::string fp8_activation_scales = "auto";
   bool ignore_eos = false;
   bool quiet = false;
   bool profile_ops = false;
@@ -99,6 +100,9 @@ int run_sample_command(const std::vector<std::string>& args) {
   app.add_option("--cuda-graph", o.cuda_graph,
                  "on: every decoding step after the first replays one recorded step (a CUDA graph); off: op by op "
                  "(default on; off under --profile-ops)");
+  app.add_option("--fp8-activation-scales", o.fp8_activation_scales,
+                 "auto: the checkpoint's delayed scales, else current scaling; prompt: calibrated on the prompt "
+                 "(its amaxes, one binade of headroom), then cast in the producers' kernels (default auto)");
   app.add_flag("--ignore-eos", o.ignore_eos, "Do not stop a sequence at <|endoftext|>");
   app.add_flag("--quiet", o.quiet, "Print only the JSON summary line");
   app.add_flag("--profile-ops", o.profile_ops,
@@ -128,6 +132,8 @@ int run_sample_command(const std::vector<std::string>& args) {
     fail("--kv-cache-dtype must be bf16 or fp8 (got '" + o.kv_cache_dtype + "')");
   if (o.small_m_gemm != "on" && o.small_m_gemm != "off")
     fail("--small-m-gemm must be on or off (got '" + o.small_m_gemm + "')");
+  if (o.fp8_activation_scales != "auto" && o.fp8_activation_scales != "prompt")
+    fail("--fp8-activation-scales must be auto or prompt (got '" + o.fp8_activation_scales + "')");
   if (o.cuda_graph != "on" && o.cuda_graph != "off")
     fail("--cuda-graph must be on or off (got '" + o.cuda_graph + "')");
   if (o.cuda_graph == "on" && o.profile_ops && app.count("--cuda-graph") > 0)
@@ -171,6 +177,9 @@ int run_sample_command(const std::vector<std::string>& args) {
   options.profile_ops = o.profile_ops;
   options.small_m_gemm = o.small_m_gemm == "on" ? SmallMGemm::on : SmallMGemm::off;
   options.decode_graph = o.cuda_graph == "on" && !o.profile_ops;
+  if (o.fp8_activation_scales == "prompt" && (!options.fp8_enabled() || options.fp8.recipe != ScalingRecipe::delayed))
+    fail("--fp8-activation-scales prompt calibrates delayed FP8 scales: it needs an FP8 precision (--fp8-format) "
+         "with --fp8-recipe delayed");
   // Decoding multiplies one row per sequence; cuBLASLt's block-scaled GEMMs take rows in
   // multiples of 8, and the decoder lays out no block scales (nor an FP8 cache beside them).
   if (options.fp8_enabled() && options.fp8.recipe == ScalingRecipe::blockwise)
@@ -189,6 +198,9 @@ int run_sample_command(const std::vector<std::string>& args) {
          std::to_string(o.max_new_tokens) + " exceed the model's context of " + std::to_string(model.n_positions) +
          " tokens");
   const int P = int(prompt_length);
+  if (o.fp8_activation_scales == "prompt" && P < 2)
+    fail("--fp8-activation-scales prompt needs a prompt of at least 2 tokens to calibrate on (got " +
+         std::to_string(P) + ")");
   if (!text_prompt) {
     Random random(o.seed);
     for (int i = 0; i < o.random_prompt; ++i) prompt.push_back(int32_t(random.next_u64() % uint64_t(model.vocab_size)));
@@ -234,6 +246,7 @@ int run_sample_command(const std::vector<std::string>& args) {
   request.max_new_tokens = o.max_new_tokens;
   request.sampling = o.sampling;
   request.seed = o.seed;
+  request.calibrate_activation_scales = o.fp8_activation_scales == "prompt";
   if (!o.ignore_eos && model.vocab_size > kEndOfText) request.stop_token = kEndOfText;
   // One sequence streams as it is generated; a batch prints when done.
   const bool stream = !o.quiet && o.batch_size == 1 && tokenizer;
@@ -271,6 +284,7 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"small_m_gemm", o.small_m_gemm},
                                {"cuda_graph", options.decode_graph ? "on" : "off"},
+                               {"fp8_activation_scales", o.fp8_activation_scales},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());
   if (const OpProfiler* profiler = generator.op_profiler(); profiler && result.decode_steps > 0)

@@ -719,7 +719,7 @@ void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape&
   }
 }
 
-void GptModel::forward_cached(const TokenBatch& batch, int position) {
+void GptModel::forward_cached(const TokenBatch& batch, int position, bool record_amaxes) {
   FP8LM_CHECK(is_inference(), "forward_cached needs a model built for inference");
   const int n = batch.T;
   FP8LM_CHECK(batch.B == B_ && n >= 1 && n <= T_, "forward_cached: a chunk of [", batch.B, ",", n,
@@ -732,7 +732,7 @@ void GptModel::forward_cached(const TokenBatch& batch, int position) {
   const Chunk chunk{.B = batch.B, .T = n, .position = {.value = position, .stored = batch.step_position}, .cached = true};
   const int64_t chunk_rows = int64_t(batch.B) * n;
   const Scratch& s = *scratch_;
-  ops_.set_amax_recording(false);
+  ops_.set_amax_recording(record_amaxes);
   ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, lm_head_->weight, vocab_slice());
   // A stored position is read by the kernel (the whole table from its row); otherwise the
   // table's rows from `position` on.

@@ -212,7 +212,9 @@ class GptModel {
   // When n == 1, next_token_logits() [B,Vs] (activation dtype) then holds the logits that
   // follow each sequence's token; a longer prompt only fills the cache, so a caller feeds
   // a prompt's last token as the first step of one token. Records no amax.
-  void forward_cached(const TokenBatch& batch, int position);
+  // record_amaxes: the chunk's FP8 casts record their amaxes, as a training forward's do (a
+  // prompt that calibrates the activation scales, apps/generator.h); otherwise none is recorded.
+  void forward_cached(const TokenBatch& batch, int position, bool record_amaxes = false);
   Tensor next_token_logits() const;
   bool is_inference() const { return inference_.capacity > 0; }
   // Casts every weight operand that is not a view of the working copy (FP8 weights and
