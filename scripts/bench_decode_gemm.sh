@@ -24,11 +24,22 @@ case $toggle in small-m-gemm|cuda-graph) ;; *) echo "TOGGLE must be small-m-gemm
 out=${OUT:-/tmp}/decode_gemm.jsonl
 : > "$out"
 
-variants=("bf16|--config $config --random-weights --bf16"
-          "fp8 tensorwise|--config $config --random-weights --fp8-hybrid --fp8-recipe tensorwise")
-if [ -n "${DELAYED_CKPT:-}" ]; then
-  variants+=("fp8 delayed (checkpoint)|--load $DELAYED_CKPT")
-fi
+# VARIANTS picks the rows (default "bf16 tensorwise", plus "delayed" with DELAYED_CKPT):
+#   bf16, tensorwise (FP8, current scaling), prompt (FP8, scales calibrated on the prompt),
+#   prompt-fp8-cache (the same with an E4M3 key/value cache), delayed (DELAYED_CKPT's scales).
+default_variants="bf16 tensorwise"
+[ -n "${DELAYED_CKPT:-}" ] && default_variants+=" delayed"
+variants=()
+for variant in ${VARIANTS:-$default_variants}; do
+  case $variant in
+    bf16) variants+=("bf16|--config $config --random-weights --bf16") ;;
+    tensorwise) variants+=("fp8 tensorwise|--config $config --random-weights --fp8-hybrid --fp8-recipe tensorwise") ;;
+    prompt) variants+=("fp8 prompt scales|--config $config --random-weights --fp8-hybrid --fp8-activation-scales prompt") ;;
+    prompt-fp8-cache) variants+=("fp8 prompt scales, fp8 cache|--config $config --random-weights --fp8-hybrid --fp8-activation-scales prompt --kv-cache-dtype fp8") ;;
+    delayed) variants+=("fp8 delayed (checkpoint)|--load ${DELAYED_CKPT:?delayed needs DELAYED_CKPT}") ;;
+    *) echo "unknown variant $variant" >&2; exit 2 ;;
+  esac
+done
 
 for variant in "${variants[@]}"; do
   IFS='|' read -r name flags <<< "$variant"

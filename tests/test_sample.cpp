@@ -278,6 +278,12 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
   CHECK(line["prompt_tokens"] == 10);  // "He" is one token
   const auto again = run_fp8lm(base + "--prompt 'Hello there' --seed 5");
   CHECK(text_of(again.output) == text_of(first.output));
+  // FP8 decoding with activation scales calibrated on the prompt.
+  const auto calibrated = run_fp8lm(base + "--prompt 'Hello there' --fp8-hybrid --fp8-activation-scales prompt");
+  INFO(calibrated.output);
+  REQUIRE(calibrated.exit_code == 0);
+  CHECK(nlohmann::json::parse(calibrated.output.substr(calibrated.output.rfind("{\"")))["fp8_activation_scales"] ==
+        "prompt");
   // Steps replayed from one recorded step (the default) and launched op by op give the same text.
   const auto op_by_op = run_fp8lm(base + "--prompt 'Hello there' --seed 5 --cuda-graph off");
   CHECK(text_of(op_by_op.output) == text_of(first.output));
@@ -311,6 +317,11 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
            {"--prompt a --kv-cache-dtype fp16", "--kv-cache-dtype"},
            {"--prompt a --small-m-gemm auto", "--small-m-gemm"},
            {"--prompt a --cuda-graph yes", "--cuda-graph"},
+           {"--prompt a --fp8-activation-scales always", "--fp8-activation-scales must be auto or prompt"},
+           {"--prompt 'Hello there' --fp8-activation-scales prompt", "it needs an FP8 precision"},
+           {"--prompt 'Hello there' --fp8-hybrid --fp8-recipe tensorwise --fp8-activation-scales prompt",
+            "--fp8-recipe delayed"},
+           {"--prompt H --fp8-hybrid --fp8-activation-scales prompt", "at least 2 tokens"},
            {"--prompt a --profile-ops --cuda-graph on", "--cuda-graph off"},
            {"--prompt a --max-new-tokens 0", "--max-new-tokens"},
            {"--prompt a --max-new-tokens 49", "exceed the model's context of 48"},
