@@ -11,7 +11,8 @@
 #                         epoch of nlp-corpus's 1.95M training tokens in 1,000 steps)
 #     --eval-interval N   (default 100) --eval-iters N (default 20)
 #     --data DIR          llm.c shards train_*.bin / val_*.bin (default data/nlp-corpus)
-#     --parallel P        runs at once on the one GPU (default 3: small models leave it idle)
+#     --parallel P        runs at once on the one GPU (default 3: small models leave it idle; 1 for
+#                         large ones: shared-GPU runs at 1558M diverged and failed, docs/RELIABILITY.md)
 #     --out DIR           RUN_sSEED.jsonl and .log per run (default build-gpu/numerics)
 #     --save-first        also save the first seed's checkpoints into DIR/ckpt-RUN (for eval)
 #     --fp8-stats N       --fp8-stats-interval N on the FP8 runs (the statistics change no number)
@@ -75,6 +76,10 @@ flags_of() {
 }
 for run in $runs; do flags_of "$run" >/dev/null || { echo "numerics_runs: unknown run name $run" >&2; exit 2; }; done
 
+if [ "$parallel" -gt 1 ]; then
+  echo "numerics_runs: warning: --parallel $parallel runs several processes on one GPU; at gpt2-1558m such runs" \
+       "diverged and failed with Xid 43 (docs/RELIABILITY.md): pass --parallel 1 for large models" >&2
+fi
 mkdir -p "$out"
 first_seed=${seeds%% *}
 jobs=()
