@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Paired gaps of scripts/numerics_runs.sh's runs against a baseline run (default bf16).
 
-  scripts/paired_gaps.py DIR [--baseline bf16] [--last 3] [--at ITER ...]
+  scripts/paired_gaps.py DIR [--baseline bf16] [--last 3] [--until ITER] [--at ITER ...]
 
 Each run RUN_sSEED.jsonl is scored by the mean of its last N validation losses (the issue's
 rule). For every run name other than the baseline, the gap at one seed is
 (score - baseline score) / baseline score, paired at that seed; the table gives the mean gap
 over the seeds, its sample standard deviation and standard error (std / sqrt(seeds)), and
-each seed's gap. --at also reports the gap of the single evaluation at those iterations.
+each seed's gap. --until scores only the evaluations up to that iteration (a run's score
+"after 200 steps"). --at also reports the gap of the single evaluation at those iterations.
 Prints Markdown.
 """
 import argparse
@@ -42,6 +43,7 @@ def main():
     parser.add_argument("dir")
     parser.add_argument("--baseline", default="bf16")
     parser.add_argument("--last", type=int, default=3)
+    parser.add_argument("--until", type=int, default=None)
     parser.add_argument("--at", type=int, nargs="*", default=[])
     args = parser.parse_args()
 
@@ -54,11 +56,12 @@ def main():
         sys.exit(f"paired_gaps: no {args.baseline}_s*.jsonl in {args.dir}")
 
     def score(losses):
-        iters = sorted(losses)[-args.last:]
+        iters = sorted(i for i in losses if args.until is None or i <= args.until)[-args.last:]
         return sum(losses[i] for i in iters) / len(iters) if len(iters) == args.last else None
 
     baseline = runs[args.baseline]
-    print(f"Score: mean of the last {args.last} validation losses. Gap: (run - {args.baseline}) / {args.baseline}, "
+    until = f" up to iteration {args.until}" if args.until is not None else ""
+    print(f"Score: mean of the last {args.last} validation losses{until}. Gap: (run - {args.baseline}) / {args.baseline}, "
           f"paired by seed.\n")
     seeds_all = sorted(baseline)
     print("| run | " + " | ".join(f"score, seed {s}" for s in seeds_all) + " | mean gap | std | std. error | seeds |")
