@@ -43,8 +43,7 @@ struct Generator::State {
     ops->download_scaling();
     ScalingTable& table = model->scaling();
     for (int i = 0; i < table.size(); ++i) {
-      const std::string& name = table.name(i);
-      if (name.size() < 6 || name.compare(name.size() - 6, 6, ".input") != 0) continue;
+      if (!is_linear_input_state(table.name(i))) continue;
       const float amax = table.history()[size_t(i)];  // row 0 of [history, states]
       const float scale = compute_scale(amax, fp8_max(table.dtype(i)), /*margin=*/1, /*previous_scale=*/1.0f);
       table.scales()[size_t(i)] = scale;

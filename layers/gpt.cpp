@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <string_view>
 
 #include "core/block_scaling.h"
 #include "core/error.h"
@@ -34,6 +36,16 @@ TensorLayout make_gpt_layout(const GptConfig& cfg) {
   layout.add("ln_f.weight", {C}, false);
   layout.add("ln_f.bias", {C}, false);
   return layout;
+}
+
+namespace {
+constexpr std::string_view kInputStateSuffix = ".input";
+}  // namespace
+
+bool is_linear_input_state(const std::string& state_name) {
+  return state_name.size() >= kInputStateSuffix.size() &&
+         state_name.compare(state_name.size() - kInputStateSuffix.size(), kInputStateSuffix.size(),
+                            kInputStateSuffix) == 0;
 }
 
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {
@@ -394,7 +406,7 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     linear.weight_operand = linear.weight;
     linear.weight_operand.dtype = forward_operand_dtype(gemm_precision);
     if (gemm_precision == GemmPrecision::fp8) {
-      linear.input_state = scaling_.add(name + ".input", fp8_dtype_of(linear.input_dtype));
+      linear.input_state = scaling_.add(name + std::string(kInputStateSuffix), fp8_dtype_of(linear.input_dtype));
       linear.weight_operand.scaling_state = scaling_.add(name + ".weight", fp8_dtype_of(linear.weight_operand.dtype));
       linear.grad_state = scaling_.add(name + ".grad_output", fp8_dtype_of(linear.grad_dtype));
     }

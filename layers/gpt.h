@@ -83,6 +83,10 @@ void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_ra
 // layout, so every parallel layout starts from the same weights.
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& config, uint64_t seed);
 
+// Whether a scaling state is a Linear's input operand, an activation ("h.3.mlp.c_fc.input"),
+// rather than its weight or its output gradient.
+bool is_linear_input_state(const std::string& state_name);
+
 // How the run's precision maps onto the model's GEMM operands.
 struct GptPrecision {
   GemmPrecision gemm = GemmPrecision::fp32;  // the transformer blocks' Linear layers

@@ -15,6 +15,7 @@
 #include "apps/generator.h"
 #include "apps/run_setup.h"
 #include "cli_testing.h"
+#include "tests/decoder_testing.h"
 #include "core/random.h"
 #include "layers/gpt.h"
 #include "layers/ops.h"
@@ -64,20 +65,7 @@ std::vector<std::vector<float>> decode_logits(Ops& ops, Variant variant, int B, 
   ops.upload_values(working, values.data());
   decoder.refresh_weight_operands();
   ops.synchronize();
-  if (variant == Variant::fp8_delayed) {
-    // Stored scales for every activation operand, as a trained checkpoint brings them: the
-    // producers then cast in their own kernels (attention's combining kernel among them).
-    ops.download_scaling();
-    ScalingTable& table = decoder.scaling();
-    for (int i = 0; i < table.size(); ++i) {
-      const std::string& state = table.name(i);
-      if (state.size() < 6 || state.compare(state.size() - 6, 6, ".input") != 0) continue;
-      table.scales()[size_t(i)] = 56.0f;
-      table.scale_invs()[size_t(i)] = 1.0f / 56.0f;
-    }
-    std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), uint8_t{1});
-    ops.upload_scaling();
-  }
+  if (variant == Variant::fp8_delayed) testing::set_stored_activation_scales(ops, decoder);
 
   Random random(11);
   const VocabSlice slice = decoder.vocab_slice();
