@@ -86,6 +86,17 @@ struct TokenBatch {
   // backend memory. The ops read it there rather than the position the model passes, so a
   // step recorded once (Ops::record_ops) replays at every later position.
   const int32_t* step_position = nullptr;  // [1]
+
+  // A decoding step's batch over backend memory holding [B] tokens, then the position.
+  static TokenBatch decode_step(const int32_t* memory, int B) {
+    TokenBatch batch;
+    batch.B = B;
+    batch.T = 1;
+    batch.inputs = memory;
+    batch.targets = memory;
+    batch.step_position = memory + B;
+    return batch;
+  }
 };
 
 // Where a decoding chunk's tokens go in the cache: `value` as the host knows it (checked), and

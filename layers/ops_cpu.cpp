@@ -201,14 +201,8 @@ class CpuOps final : public Ops {
     if (decode_step_.size() != size_t(B) + 1) decode_step_.resize(size_t(B) + 1);
     std::copy(host_tokens, host_tokens + B, decode_step_.begin());
     decode_step_[size_t(B)] = position;
-    TokenBatch batch;
-    batch.B = B;
-    batch.T = 1;
-    batch.inputs = decode_step_.data();
-    batch.targets = decode_step_.data();
-    batch.step_position = decode_step_.data() + B;
     batch_slice_ = slice;
-    return batch;
+    return TokenBatch::decode_step(decode_step_.data(), B);
   }
 
   // The reference records nothing: replaying runs the ops again, which read whatever the

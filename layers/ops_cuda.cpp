@@ -379,13 +379,7 @@ class CudaOps final : public Ops {
     CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host, (size_t(B) + 1) * sizeof(int32_t), cudaMemcpyHostToDevice,
                                stream_));
     CUDA_CHECK(cudaEventRecord(staging_done_[slot], stream_));
-    TokenBatch batch;
-    batch.B = B;
-    batch.T = 1;
-    batch.inputs = tokens_.data();
-    batch.targets = tokens_.data();
-    batch.step_position = tokens_.data() + B;
-    return batch;
+    return TokenBatch::decode_step(tokens_.data(), B);
   }
 
   // One CUDA graph of what `ops_sequence` launches on the main stream.
