@@ -93,7 +93,6 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
 
 Generator::~Generator() = default;
 
-
 void Generator::set_parameters(const std::vector<float>& canonical) {
   State& s = *state_;
   FP8LM_CHECK(canonical.size() == s.canonical.total_elements(), "set_parameters: ", canonical.size(),

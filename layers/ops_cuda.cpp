@@ -394,7 +394,7 @@ class CudaOps final : public Ops {
       cudaGraphExec_t exec_;
       cudaStream_t stream_;
     };
-    // Thread-local: another thread's CUDA calls (a data loader's) do not break the capture.
+    // Thread-local: only this thread's CUDA calls are part of the capture, or can break it.
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
       ops_sequence();
