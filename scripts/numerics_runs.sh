@@ -11,6 +11,8 @@
 #                         epoch of nlp-corpus's 1.95M training tokens in 1,000 steps)
 #     --eval-interval N   (default 100) --eval-iters N (default 20)
 #     --data DIR          llm.c shards train_*.bin / val_*.bin (default data/nlp-corpus)
+#     --gpus "G1 G2 .."   one run at a time on each of these GPUs (CUDA_VISIBLE_DEVICES), taking the
+#                         next run from one queue as each finishes; instead of --parallel
 #     --parallel P        runs at once on the one GPU (default 3: small models leave it idle; 1 for
 #                         large ones: shared-GPU runs at 1558M diverged and failed, docs/RELIABILITY.md)
 #     --out DIR           RUN_sSEED.jsonl and .log per run (default build-gpu/numerics)
@@ -32,7 +34,7 @@ cd "$repo"
 
 bin=""; config=gpt2-124m; seeds="1234 99 7 42 2026"; runs="bf16 fp8-delayed fp8-te tensorwise"
 iters=1000; micro_batch=4; seq_length=512; eval_interval=100; eval_iters=20
-data=data/nlp-corpus; parallel=3; out=build-gpu/numerics; save_first=0; fp8_stats=0
+data=data/nlp-corpus; parallel=3; out=build-gpu/numerics; save_first=0; fp8_stats=0; gpus=""
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
@@ -46,6 +48,7 @@ while [ $# -gt 0 ]; do
     --eval-iters) eval_iters=$2; shift 2 ;;
     --data) data=$2; shift 2 ;;
     --parallel) parallel=$2; shift 2 ;;
+    --gpus) gpus=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --save-first) save_first=1; shift ;;
     --fp8-stats) fp8_stats=$2; shift 2 ;;
@@ -76,7 +79,7 @@ flags_of() {
 }
 for run in $runs; do flags_of "$run" >/dev/null || { echo "numerics_runs: unknown run name $run" >&2; exit 2; }; done
 
-if [ "$parallel" -gt 1 ]; then
+if [ -z "$gpus" ] && [ "$parallel" -gt 1 ]; then
   echo "numerics_runs: warning: --parallel $parallel runs several processes on one GPU; at gpt2-1558m such runs" \
        "diverged and failed with Xid 43 (docs/RELIABILITY.md): pass --parallel 1 for large models" >&2
 fi
@@ -107,5 +110,25 @@ export -f one_run flags_of
 export bin config micro_batch seq_length iters eval_interval eval_iters data out save_first first_seed fp8_stats
 export extra_flags="${extra[*]}"
 status=0
-printf '%s\n' "${jobs[@]}" | xargs -P "$parallel" -L 1 bash -c 'extra=($extra_flags); one_run "$0" "$1"' || status=1
+if [ -n "$gpus" ]; then
+  # One queue, one worker per GPU: a worker takes the next run when its last one ends.
+  queue="$out/.queue"; next="$out/.next"; failed="$out/.failed"
+  printf '%s\n' "${jobs[@]}" > "$queue"; echo 0 > "$next"; : > "$failed"
+  worker() {  # gpu
+    local index job
+    while true; do
+      index=$(flock "$next" bash -c 'n=$(cat "$1"); echo $((n + 1)) > "$1"; echo "$n"' _ "$next")
+      job=$(sed -n "$((index + 1))p" "$queue")
+      [ -n "$job" ] || return 0
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=$1 one_run $job || echo "$job" >> "$failed"
+    done
+  }
+  for gpu in $gpus; do worker "$gpu" & done
+  wait
+  [ -s "$failed" ] && status=1
+  rm -f "$queue" "$next" "$failed"
+else
+  printf '%s\n' "${jobs[@]}" | xargs -P "$parallel" -L 1 bash -c 'extra=($extra_flags); one_run "$0" "$1"' || status=1
+fi
 exit $status
