@@ -114,7 +114,7 @@ void check_replay_matches(const std::function<std::unique_ptr<Ops>()>& make_ops)
     }
 }
 
-// fp8lm sample's decoder (apps/generator.h) on `device`, gpt2-style test config, random weights.
+// fp8lm sample's decoder (apps/generator.h) on `device`: configs/tiny-128.json, random weights.
 struct Decoder {
   RunSetup setup;
   std::unique_ptr<Generator> generator;
@@ -134,7 +134,8 @@ struct Decoder {
     init_gpt_parameters(values.data(), make_gpt_layout(setup.model), setup.model, 5);
     generator->set_parameters(values);
   }
-  // Greedy tokens [batch][new] of `new_tokens` steps after a fixed prompt; logits of the last step.
+  // Greedy tokens [batch][new] of `new_tokens` steps after a fixed 20-token prompt; the last
+  // step's logits stay in generator->last_logits().
   std::vector<std::vector<int32_t>> greedy(int new_tokens, bool calibrate) {
     GenerationRequest request;
     Random random(3);
