@@ -3,11 +3,27 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "layers/gpt.h"
 #include "layers/ops.h"
 
 namespace fp8lm::testing {
+
+// GPT-2's initialisation from `seed` as the model's weights: into its working copy (the
+// activation dtype), then its GEMM operands (the FP8 weights cast from the working copy).
+inline void set_random_weights(Ops& ops, GptModel& model, const GptConfig& config, uint64_t seed = 5) {
+  std::vector<float> values(model.layout().total_elements());
+  init_gpt_parameters(values.data(), model.layout(), config, seed);
+  Tensor working;
+  working.data = model.working();
+  working.dtype = ops.activation_dtype();
+  working.rows = 1;
+  working.cols = int64_t(values.size());
+  ops.upload_values(working, values.data());
+  model.refresh_weight_operands();
+  ops.synchronize();
+}
 
 // Stored (delayed) scales for every activation operand of `model`, as a trained checkpoint
 // brings them: `scale` = 448 / 8 suits GPT-2's initialisation, which keeps them well inside

@@ -55,16 +55,7 @@ std::vector<std::vector<float>> decode_logits(Ops& ops, Variant variant, int B, 
                    InferenceShape{.batch = B, .max_prompt = kPrompt, .capacity = kCapacity,
                                   .fp8_kv_cache = variant == Variant::fp8_cache},
                    GptPrecision{.gemm = gemm}, ops);
-  std::vector<float> values(decoder.layout().total_elements());
-  init_gpt_parameters(values.data(), decoder.layout(), kConfig, 5);
-  Tensor working;
-  working.data = decoder.working();
-  working.dtype = ops.activation_dtype();
-  working.rows = 1;
-  working.cols = int64_t(values.size());
-  ops.upload_values(working, values.data());
-  decoder.refresh_weight_operands();
-  ops.synchronize();
+  testing::set_random_weights(ops, decoder, kConfig);
   if (variant == Variant::fp8_delayed) testing::set_stored_activation_scales(ops, decoder);
 
   Random random(11);

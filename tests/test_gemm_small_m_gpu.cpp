@@ -336,16 +336,7 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
         std::unique_ptr<Ops> ops = make_cuda_ops(0, small_m);
         GptModel decoder(config, InferenceShape{.batch = B, .max_prompt = 1, .capacity = T},
                          GptPrecision{.gemm = gemm}, *ops);
-        std::vector<float> values(decoder.layout().total_elements());
-        init_gpt_parameters(values.data(), decoder.layout(), config, 5);
-        Tensor working;
-        working.data = decoder.working();
-        working.dtype = DType::bf16;
-        working.rows = 1;
-        working.cols = int64_t(values.size());
-        ops->upload_values(working, values.data());
-        decoder.refresh_weight_operands();
-        ops->synchronize();
+        testing::set_random_weights(*ops, decoder, config);
         if (variant == Variant::fp8_delayed) {
           testing::set_stored_activation_scales(*ops, decoder);
           REQUIRE(!decoder.scaling().uses_current_scaling());

@@ -9,7 +9,8 @@
 
 #include "core/gpt_config.h"
 #include "core/random.h"
-#include "gpu_testing.h"
+#include "tests/decoder_testing.h"
+#include "tests/gpu_testing.h"
 #include "layers/gpt.h"
 #include "layers/kv_cache.h"
 #include "layers/ops_cuda.h"
@@ -147,21 +148,9 @@ TEST_CASE("GPU decoding through the cache gives the GPU training forward's loss"
 
   for (const GemmPrecision gemm : {GemmPrecision::bf16, GemmPrecision::fp8}) {
     INFO(to_string(gemm));
-    auto load = [&](Ops& ops, GptModel& model) {
-      std::vector<float> values(model.layout().total_elements());
-      init_gpt_parameters(values.data(), model.layout(), config, 5);
-      Tensor working;
-      working.data = model.working();
-      working.dtype = DType::bf16;
-      working.rows = 1;
-      working.cols = int64_t(values.size());
-      ops.upload_values(working, values.data());
-      model.refresh_weight_operands();
-      ops.synchronize();
-    };
     std::unique_ptr<Ops> train_ops = make_cuda_ops(0);
     GptModel trained(config, B, T, GptPrecision{.gemm = gemm}, *train_ops);
-    load(*train_ops, trained);
+    testing::set_random_weights(*train_ops, trained, config);
     cuda::DeviceBuffer<float> loss;
     loss.allocate(1);
     CUDA_CHECK(cudaMemset(loss.data(), 0, sizeof(float)));
@@ -176,7 +165,7 @@ TEST_CASE("GPU decoding through the cache gives the GPU training forward's loss"
     std::unique_ptr<Ops> ops = make_cuda_ops(0);
     GptModel decoder(config, InferenceShape{.batch = B, .max_prompt = 1, .capacity = T}, GptPrecision{.gemm = gemm},
                      *ops);
-    load(*ops, decoder);
+    testing::set_random_weights(*ops, decoder, config);
     const VocabSlice slice = decoder.vocab_slice();
     std::vector<float> logits(size_t(B) * slice.size);
     double total = 0.0;
