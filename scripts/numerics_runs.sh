@@ -27,6 +27,7 @@
 #   fp8-bf16-ends    --fp8-hybrid --first-last-layers-bf16
 #   fp8-lm-head      --fp8-hybrid --fp8-lm-head (the tied LM head's GEMMs in FP8 too)
 #   blockwise        --fp8-hybrid --fp8-recipe blockwise
+#   auto-precision   --fp8-hybrid --fp8-auto-precision (blocks switch to BF16 GEMMs by the statistics)
 # scripts/paired_gaps.py DIR summarises the gaps (mean, standard error) against bf16.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -74,6 +75,7 @@ flags_of() {
     fp8-bf16-ends) echo "--fp8-hybrid --first-last-layers-bf16" ;;
     fp8-lm-head) echo "--fp8-hybrid --fp8-lm-head" ;;
     blockwise) echo "--fp8-hybrid --fp8-recipe blockwise" ;;
+    auto-precision) echo "--fp8-hybrid --fp8-auto-precision" ;;
     *) return 1 ;;
   esac
 }
