@@ -236,9 +236,12 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
   double median_ms = timing.step_ms;
   Communicator& world = engine.host_groups().world();
   world.all_reduce(&median_ms, &median_ms, 1, CommDtype::f64, ReduceOp::max);
-  double peak = double(engine.benchmark_memory().allocated_bytes), device_used = double(engine.benchmark_memory().device_used_bytes);
-  world.all_reduce(&peak, &peak, 1, CommDtype::f64, ReduceOp::max);
-  world.all_reduce(&device_used, &device_used, 1, CommDtype::f64, ReduceOp::max);
+  const BenchmarkMemory memory = engine.benchmark_memory();
+  // Largest rank of each: peak slabs, device memory in use, and the optimizer's share (the
+  // FP32 master and the moments; a 1/DP shard each under the distributed optimizer).
+  double largest[3] = {double(memory.allocated_bytes), double(memory.device_used_bytes), double(memory.optimizer_bytes)};
+  world.all_reduce(largest, largest, 3, CommDtype::f64, ReduceOp::max);
+  const double peak = largest[0], device_used = largest[1], optimizer = largest[2];
   if (world.rank() != 0) return;
   const GptConfig& m = setup.model;
   const int gpus = setup.parallel.world_size;
@@ -258,6 +261,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
                                    {"MFU per GPU (of 989 TFLOP/s BF16)", std::to_string(mfu / gpus)},
                                    {"peak memory per rank (fp8lm slabs)", std::to_string(peak / 1073741824.0) + " GiB"},
                                    {"device memory in use (largest rank)", std::to_string(device_used / 1073741824.0) + " GiB"},
+                                   {"optimizer memory per rank (master + moments)", std::to_string(optimizer / 1073741824.0) + " GiB"},
                                    {"bytes sent per step (rank 0)", bytes_per_step.dump()}});
   const nlohmann::json line = {{"peer", "fp8lm-" + mode},
                                {"model", m.name},
@@ -279,6 +283,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
                                {"mfu_bf16", mfu / gpus},
                                {"peak_gib", peak / 1073741824.0},
                                {"device_used_gib", device_used / 1073741824.0},
+                               {"optimizer_gib", optimizer / 1073741824.0},
                                {"bytes_per_step", bytes_per_step},
                                {"loss", loss}};
   std::printf("%s\n", line.dump().c_str());

@@ -105,8 +105,8 @@ python3 - "$jsonl" "$logs" <<'PY' | tee "$logs/bench_node.md"
 import glob, json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 one = {r["model"]: r["step_ms"] for r in rows if r.get("ranks") == 1 and "step_ms" in r}
-print("| run | model | ranks | tp x dp | step | tokens/s per GPU | model TFLOP/s per GPU | DP efficiency | peak memory per rank | bytes sent per rank per step |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| run | model | ranks | tp x dp | step | tokens/s per GPU | model TFLOP/s per GPU | DP efficiency | peak memory per rank | optimizer memory per rank | bytes sent per rank per step |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     if "step_ms" not in r:
         continue
@@ -114,7 +114,7 @@ for r in rows:
     sent = r.get("bytes_per_step", {})
     traffic = " + ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sent.items() if v > 1e6) or "-"
     print(f"| {r['tag']} | {r['model']} | {r['ranks']} | {r['tp']} x {r['dp']} | {r['step_ms']:.2f} ms | "
-          f"{r['tok_s_per_gpu']:,.0f} | {r['tflops'] / r['ranks']:.0f} | {eff} | {r['peak_gib']:.2f} GiB | {traffic} |")
+          f"{r['tok_s_per_gpu']:,.0f} | {r['tflops'] / r['ranks']:.0f} | {eff} | {r['peak_gib']:.2f} GiB | {r.get('optimizer_gib', 0):.2f} GiB | {traffic} |")
 def losses(path):
     return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l] if os.path.exists(path) else []
 ref = losses(os.path.join(sys.argv[2], "loss-dp1.jsonl"))

@@ -151,6 +151,11 @@ TEST_CASE("the benchmark times the steps after warm-up as one window, or each st
   CHECK(windowed["timing"] == "mean over the window");
   CHECK(double(windowed["step_ms"]) > 0.0);
   CHECK_THAT(window.output, ContainsSubstring("4 (mean over the window)"));
+  // The optimizer's memory: E4M3 m (1 byte) and FP16 v (2) per parameter and the slab's
+  // alignment padding (in FP32 the working copy is the master, counted with the model).
+  const double optimizer_bytes = double(windowed["optimizer_gib"]) * 1073741824.0;
+  CHECK(optimizer_bytes >= 3.0 * double(windowed["params"]));
+  CHECK(optimizer_bytes <= 4.0 * double(windowed["params"]));
 
   const auto profiled = testing::run_fp8lm(run + " --profile-ops");
   REQUIRE(profiled.exit_code == 0);
