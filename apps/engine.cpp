@@ -317,10 +317,11 @@ struct TrainingEngine::State {
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
 
-TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout)
-    : TrainingEngine(setup, layout, make_ops(setup, layout.local_rank)) {}
+TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, ParameterStart start)
+    : TrainingEngine(setup, layout, make_ops(setup, layout.local_rank), start) {}
 
-TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops)
+TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops,
+                               ParameterStart start)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   const TrainOptions& o = setup.options;
@@ -471,6 +472,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   // loss divisor counts the same tokens.
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
 
+  if (start == ParameterStart::set_by_caller) return;
   std::vector<float> params(s.canonical.total_elements(), 0.0f);
   init_gpt_parameters(params.data(), s.canonical, setup.model, o.seed);
   set_parameters(params);
@@ -1090,8 +1092,8 @@ SettingsTable TrainingEngine::describe() const {
   return rows;
 }
 
-std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout) {
-  return std::make_unique<TrainingEngine>(setup, layout);
+std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout, ParameterStart start) {
+  return std::make_unique<TrainingEngine>(setup, layout, start);
 }
 
 }  // namespace fp8lm

@@ -68,13 +68,20 @@ struct StepMetrics {
 // The training step, written once over the Ops interface: the CPU reference backend or
 // the CUDA one (chosen by the run set-up), the model, the optimizer state and the
 // device-resident step control.
+// How a new engine's parameters begin: drawn from --seed, or left for the caller, who sets
+// every parameter (set_parameters, as a restore does) before any step. At gpt2-1558m the
+// draw and its upload are most of the 20 s an engine takes to build.
+enum class ParameterStart { seeded, set_by_caller };
+
 class TrainingEngine {
  public:
   // `layout`: this rank's place in the run (a single process by default). Every rank of a
   // parallel run constructs its engine together (the process groups are made here).
-  explicit TrainingEngine(const RunSetup& setup, const ParallelLayout& layout = {});
+  explicit TrainingEngine(const RunSetup& setup, const ParallelLayout& layout = {},
+                          ParameterStart start = ParameterStart::seeded);
   // Over a given backend (tests wrap one to record the op sequence).
-  TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops);
+  TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops,
+                 ParameterStart start = ParameterStart::seeded);
   ~TrainingEngine();
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;
@@ -156,6 +163,7 @@ class TrainingEngine {
   std::unique_ptr<State> state_;
 };
 
-std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout = {});
+std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout = {},
+                                            ParameterStart start = ParameterStart::seeded);
 
 }  // namespace fp8lm

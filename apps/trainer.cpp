@@ -496,7 +496,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       const TrainingStateSnapshot state = snapshot_training_state(*engine, o.fp8_enabled());
       watched.watch({});
       engine.reset();
-      engine = make_engine(setup, setup.parallel);
+      engine = make_engine(setup, setup.parallel, ParameterStart::set_by_caller);
       watched.watch(engine->nccl_comms());
       restore_training_state(*engine, state);
       if (first_rank)
