@@ -85,3 +85,28 @@ TEST_CASE("numerics_runs.sh --gpus: each run once, one at a time per GPU, from o
   shared << std::ifstream(dir.file("shared.txt")).rdbuf();
   CHECK_THAT(shared.str(), ContainsSubstring("warning: --parallel 2 runs several processes on one GPU"));
 }
+
+TEST_CASE("numerics_runs.sh --fp8-stats: statistics on the FP8 runs, not on BF16 or block scaling", "[scripts]") {
+  testing::TempDir dir;
+  const std::string bin = dir.file("fp8lm");
+  // This stand-in records each run's metrics file and whether it was asked for statistics.
+  std::ofstream(bin) << R"(#!/usr/bin/env bash
+metrics=""; stats=none
+while [ $# -gt 0 ]; do case $1 in --metrics-file) metrics=$2; shift 2 ;; --fp8-stats-interval) stats=$2; shift 2 ;; *) shift ;; esac; done
+echo "$(basename "$metrics" .jsonl) $stats" >> "$(dirname "$0")/stats.txt"
+echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
+)";
+  REQUIRE(std::system(("chmod +x " + bin).c_str()) == 0);
+  std::filesystem::create_directories(dir.file("data"));
+  std::ofstream(dir.file("data/train_000000.bin")) << "x";
+  std::ofstream(dir.file("data/val_000000.bin")) << "x";
+  const std::string command = testing::source_path("scripts/numerics_runs.sh") + " --bin " + bin + " --data " +
+                              dir.file("data") + " --runs 'bf16 fp8-delayed blockwise auto-precision' --seeds 7 " +
+                              "--parallel 1 --fp8-stats 100 --out " + dir.file("out") + " > /dev/null 2>&1";
+  REQUIRE(WEXITSTATUS(std::system(command.c_str())) == 0);
+  std::map<std::string, std::string> stats;
+  std::ifstream records(dir.file("stats.txt"));
+  for (std::string tag, interval; records >> tag >> interval;) stats[tag] = interval;
+  CHECK(stats == std::map<std::string, std::string>{
+                     {"bf16_s7", "none"}, {"fp8-delayed_s7", "100"}, {"blockwise_s7", "none"}, {"auto-precision_s7", "100"}});
+}
