@@ -59,7 +59,25 @@ def check():
          387051476 + 420205056),
         ("gpt2-1558m DP=2 BF16 grads (no overlap)", data_parallel_bytes("gpt2-1558m", 2)[0] * 2, 3115392004),
     ]
-    for name, predicted, measured in rows:
+    # Four H200s, device call 16 (scripts/bench_node.sh 4): FP8 GEMMs, overlapped traffic.
+    rows4 = [
+        ("gpt2-1558m DP=4 FP32 grads", sum(data_parallel_bytes("gpt2-1558m", 4, grads="fp32")), 7009744896),
+        ("gpt2-1558m DP=4 BF16 grads", sum(data_parallel_bytes("gpt2-1558m", 4)), 4673163264),
+        ("gpt2-1558m DP=4 FP8 grads", sum(data_parallel_bytes("gpt2-1558m", 4, grads="fp8")), 3504875928),
+        ("gpt2-1558m DP=4 FP8 grads + FP8 weights", sum(data_parallel_bytes("gpt2-1558m", 4, grads="fp8", weights="fp8")),
+         2398955928),
+        # Without the distributed optimizer: one FP32 all-reduce, 2(n-1)/n of the gradients.
+        ("gpt2-1558m DP=4 all-reduce (no ZeRO-1)", 2 * data_parallel_bytes("gpt2-1558m", 4, grads="fp32")[0], 9346326528),
+        ("gpt2-774m TP=4", tensor_parallel_bytes("gpt2-774m", 4, B, T, False), 4624515234),
+        ("gpt2-774m TP=4 SP", tensor_parallel_bytes("gpt2-774m", 4, B, T, True), 4051541154),
+        ("gpt2-774m TP=2 x DP=2: TP", tensor_parallel_bytes("gpt2-774m", 2, B, T, False), 3082911852),
+        ("gpt2-774m TP=2 x DP=2: DP FP32 grads", sum(data_parallel_bytes("gpt2-774m", 2, tp=2, grads="fp32")), 1163533824),
+    ]
+    for row in rows + [None] + rows4:
+        if row is None:
+            print("  and on 4 H200s")
+            continue
+        name, predicted, measured = row
         print(f"  {name:40s} predicted {predicted / 1e9:7.3f} GB  measured {measured / 1e9:7.3f} GB  "
               f"({100 * (predicted / measured - 1):+.2f}%)")
 
@@ -72,7 +90,7 @@ def extrapolate(model="gpt2-1558m", compute_ms=151.3, measured_overhead=0.042, i
     print(f"\n{model}, micro-batch 8 per GPU, {compute_ms} ms of compute per step (one H200),"
           f" ring bus bandwidth {intra_node_gbs:.0f} GB/s inside a node, {inter_node_gbs:.0f} GB/s across nodes")
     print(f"  {'GPUs':>5s} {'grads/weights':>14s} {'GB sent':>8s} {'RS ms':>7s} {'AG ms':>7s} {'step ms':>8s} {'efficiency':>10s}")
-    for n in [2, 8, 64, 256, 1024]:
+    for n in [2, 4, 8, 64, 256, 1024]:
         bandwidth = intra_node_gbs if n <= gpus_per_node else inter_node_gbs
         # "fp8*": FP8 gradients reduced at the end of the step, as measured before they were
         # overlapped; "fp8/fp8": bucket by bucket during the backward, as fp8lm does now.
