@@ -13,8 +13,9 @@
 #        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
 # The loss runs use lr 1e-4 (10 warm-up steps): at 6e-4 with 5, gpt2-124m on mock data spikes at
 # steps 4 and 20 on one GPU, and a spike magnifies the layouts' rounding differences into
-# different curves (device call 16, docs/DEVICE_RUNS.md). LOSS_LR and LOSS_WARMUP override them.
-# --losses-only runs only those (4 GPUs and more).
+# different curves (device call 16, docs/DEVICE_RUNS.md). LOSS_LR and LOSS_WARMUP override them;
+# LOSS_PRECISION=bf16 runs them in BF16 (default fp8-hybrid); LOSS_DATA=DIR trains on the llm.c
+# shards DIR/train_*.bin instead of mock data. --losses-only runs only those (4 GPUs and more).
 # --dry-run prints the commands instead of running them (no GPU needed). Needs build-gpu/fp8lm
 # (scripts/gpu_test.sh builds it). Writes bench_node.jsonl and bench_node.md to $OUT (or
 # build-gpu/logs).
@@ -103,9 +104,11 @@ fi  # losses_only
 
 # Losses across layouts and a resume across layouts (4 GPUs and more).
 if [ "$gpus" -ge 4 ]; then
-  loss=(--config configs/gpt2-124m.json --mock-data --micro-batch-size 4 --global-batch-size 16 --seq-length 512
-        --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --log-interval 1 --eval-interval 0 --eval-iters 0
-        --log-level warn --fp8-hybrid)
+  data=(--mock-data)
+  [ -n "${LOSS_DATA:-}" ] && data=(--train-data-path "$LOSS_DATA/train_*.bin")
+  loss=(--config configs/gpt2-124m.json "${data[@]}" --micro-batch-size 4 --global-batch-size 16 --seq-length 512
+        --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --log-interval 1 --eval-interval 0
+        --eval-iters 0 --log-level warn "--${LOSS_PRECISION:-fp8-hybrid}")
   run loss-dp1 1 "${loss[@]}" --metrics-file "$logs/loss-dp1.jsonl"
   for tp in 4 2; do
     for sp in "" --sequence-parallel; do
