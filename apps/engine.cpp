@@ -313,6 +313,14 @@ struct TrainingEngine::State {
   std::vector<T> shard_from_canonical(const std::vector<T>& canonical);
   template <typename T>
   std::vector<T> slab_from_canonical(const std::vector<T>& canonical);
+  // This rank's optimizer shard of its slab (the slab itself without the distributed optimizer).
+  template <typename T>
+  std::vector<T> shard_of_slab(std::vector<T> own);
+  // This rank's slab of --seed's initial weights, drawn tensor by tensor: no rank holds the
+  // whole canonical model (27 GB of FP32 at 6.7B parameters) to keep its part of it.
+  std::vector<float> initial_slab(const GptConfig& config, uint64_t seed);
+  // The working copy and the master weights from this rank's slab of values.
+  void set_slab_parameters(const std::vector<float>& own);
   std::vector<float> canonical_tensor_scales(const float* memory_order);
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
@@ -473,9 +481,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
 
   if (start == ParameterStart::set_by_caller) return;
-  std::vector<float> params(s.canonical.total_elements(), 0.0f);
-  init_gpt_parameters(params.data(), s.canonical, setup.model, o.seed);
-  set_parameters(params);
+  s.set_slab_parameters(s.initial_slab(setup.model, o.seed));
 }
 
 TrainingEngine::~TrainingEngine() {
@@ -892,13 +898,35 @@ std::vector<T> TrainingEngine::State::slab_from_canonical(const std::vector<T>& 
 }
 
 template <typename T>
-std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>& canonical_values) {
-  std::vector<T> own = slab_from_canonical(canonical_values);
+std::vector<T> TrainingEngine::State::shard_of_slab(std::vector<T> own) {
   if (!sharded) return own;
   std::vector<T> part(shard.size, T{});
   for (const ShardPlan::Part& p : shard.parts)
     std::copy_n(own.begin() + p.part_begin, p.size, part.begin() + p.shard_offset);
   return part;
+}
+
+template <typename T>
+std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>& canonical_values) {
+  return shard_of_slab(slab_from_canonical(canonical_values));
+}
+
+std::vector<float> TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t seed) {
+  const TensorLayout& slab = model->layout();
+  std::vector<float> own(slab.total_elements(), 0.0f);
+  std::vector<float> whole_values;
+  for (const TensorInfo& t : slab.tensors()) {
+    const size_t index = size_t(canonical.index_of(t.name));
+    const TensorInfo& whole = canonical.tensors()[index];
+    if (t.numel == whole.numel) {  // held whole: drawn in place
+      init_gpt_tensor(own.data() + t.offset, whole, index, config, seed);
+      continue;
+    }
+    whole_values.resize(whole.numel);
+    init_gpt_tensor(whole_values.data(), whole, index, config, seed);
+    copy_part_from_full(t, whole_values.data(), own.data() + t.offset, parallel.tp_rank, parallel.tp_size);
+  }
+  return own;
 }
 
 // Per-tensor scales between the model's tensor order and the canonical one (every rank of
@@ -938,27 +966,32 @@ std::vector<float> TrainingEngine::gradients() {
 }
 
 void TrainingEngine::set_parameters(const std::vector<float>& values) {
-  State& s = *state_;
-  GptModel& model = *s.model;
-  s.ops->synchronize();
-  const std::vector<float> own = s.slab_from_canonical(values);
+  state_->set_slab_parameters(state_->slab_from_canonical(values));
+}
+
+void TrainingEngine::State::set_slab_parameters(const std::vector<float>& own) {
+  ops->synchronize();
   Tensor working;
-  working.data = model.working();
-  working.dtype = s.activation_dtype();
+  working.data = model->working();
+  working.dtype = activation_dtype();
   working.rows = 1;
   working.cols = int64_t(own.size());
-  s.ops->upload_values(working, own.data());
-  if (s.master != model.working()) {
-    const std::vector<float> master = s.shard_from_canonical(values);
-    s.ops->upload(s.master, master.data(), master.size() * sizeof(float));
+  ops->upload_values(working, own.data());
+  if (master != model->working()) {
+    if (sharded) {
+      const std::vector<float> part = shard_of_slab(own);
+      ops->upload(master, part.data(), part.size() * sizeof(float));
+    } else {
+      ops->upload(master, own.data(), own.size() * sizeof(float));
+    }
   }
   // Every rank holds the whole weights here: every operand is cast from them now (uncounted:
   // a step that collects FP8 statistics counts them again at its start).
-  s.stop_fp8_statistics(/*keep=*/false);
-  model.refresh_weight_operands();
-  s.weights_from_refresh = true;
-  std::fill(s.refresh_pending.begin(), s.refresh_pending.end(), false);
-  s.ops->synchronize();
+  stop_fp8_statistics(/*keep=*/false);
+  model->refresh_weight_operands();
+  weights_from_refresh = true;
+  std::fill(refresh_pending.begin(), refresh_pending.end(), false);
+  ops->synchronize();
 }
 
 OptimizerSnapshot TrainingEngine::optimizer_state() {

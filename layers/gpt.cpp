@@ -48,38 +48,39 @@ bool is_linear_input_state(const std::string& state_name) {
                             kInputStateSuffix) == 0;
 }
 
-void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {
-  const double residual_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
+void init_gpt_tensor(float* p, const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed) {
   auto ends_with = [](const std::string& s, const std::string& suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
+  if (ends_with(t.name, ".bias")) {
+    std::fill(p, p + t.numel, 0.0f);
+    return;
+  }
+  if (t.shape.size() == 1) {  // LayerNorm gains
+    std::fill(p, p + t.numel, 1.0f);
+    return;
+  }
+  const double residual_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
+  const double std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
+  // Padded vocabulary rows stay 0: they never see a token.
+  const size_t filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
   // Each chunk of a tensor draws from its own stream, keyed by (seed, tensor, chunk), so
   // a 1.5B-parameter model initialises in parallel and identically for any thread count.
   constexpr size_t kChunk = 1 << 16;
-  const auto& tensors = layout.tensors();
-  for (size_t index = 0; index < tensors.size(); ++index) {
-    const TensorInfo& t = tensors[index];
-    float* p = params + t.offset;
-    if (ends_with(t.name, ".bias")) {
-      std::fill(p, p + t.numel, 0.0f);
-      continue;
-    }
-    if (t.shape.size() == 1) {  // LayerNorm gains
-      std::fill(p, p + t.numel, 1.0f);
-      continue;
-    }
-    const double std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
-    // Padded vocabulary rows stay 0: they never see a token.
-    const size_t filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
-    const size_t chunks = (t.numel + kChunk - 1) / kChunk;
+  const size_t chunks = (t.numel + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)
-    for (size_t chunk = 0; chunk < chunks; ++chunk) {
-      Random random(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull + chunk);
-      random.next_u64();  // decorrelate neighbouring keys
-      const size_t end = std::min(t.numel, (chunk + 1) * kChunk);
-      for (size_t i = chunk * kChunk; i < end; ++i) p[i] = i < filled ? static_cast<float>(random.normal() * std_dev) : 0.0f;
-    }
+  for (size_t chunk = 0; chunk < chunks; ++chunk) {
+    Random random(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull + chunk);
+    random.next_u64();  // decorrelate neighbouring keys
+    const size_t end = std::min(t.numel, (chunk + 1) * kChunk);
+    for (size_t i = chunk * kChunk; i < end; ++i) p[i] = i < filled ? static_cast<float>(random.normal() * std_dev) : 0.0f;
   }
+}
+
+void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {
+  const auto& tensors = layout.tensors();
+  for (size_t index = 0; index < tensors.size(); ++index)
+    init_gpt_tensor(params + tensors[index].offset, tensors[index], index, cfg, seed);
 }
 
 TensorLayout make_gpt_shard_layout(const GptConfig& cfg, int tp, int dp, std::vector<ParameterBucket>* buckets) {

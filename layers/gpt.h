@@ -82,6 +82,10 @@ void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_ra
 // padded vocabulary rows 0. Deterministic in `seed` on every platform. Over the canonical
 // layout, so every parallel layout starts from the same weights.
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& config, uint64_t seed);
+// The same for one tensor of the canonical layout, the `index`-th (its random streams are
+// keyed by it), so a rank can draw the tensors it holds without the whole model.
+//   values [tensor.numel]
+void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config, uint64_t seed);
 
 // Whether a scaling state is a Linear's input operand, an activation ("h.3.mlp.c_fc.input"),
 // rather than its weight or its output gradient.

@@ -6,6 +6,7 @@
 // "mpi:" cases run the CPU backend over MPI; "nccl:" cases the CUDA backend over NCCL, and skip
 // on every rank alike without a GPU per rank.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -160,5 +161,26 @@ TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model s
     CHECK(sums == 2 * config.n_layer + 1);  // c_attn and c_fc of every block, and the LM head
     if (sequence_parallel)
       CHECK(std::count(backward, log.end(), "tp.all_gather f32 x" + rows) == 2 * config.n_layer + 1);
+  }
+}
+
+TEST_CASE("mpi: every layout starts from the canonical model's initial weights, drawn rank by rank",
+          "[mpi][parallel]") {
+  // Each rank draws only the tensors it holds (TrainingEngine::State::initial_slab); gathered
+  // back, they are the one-process initialisation bit for bit, with and without the
+  // distributed optimizer.
+  for (int tp : {1, 2}) {
+    for (const char* optimizer : {"--use-distributed-optimizer", "--no-use-distributed-optimizer"}) {
+      const ParallelLayout layout = detect_parallel_layout(tp);
+      const RunSetup setup = tiny_setup(layout, "cpu", {"--fp8-hybrid", "--seed", "31", optimizer});
+      TrainingEngine engine(setup, layout);
+      const TensorLayout canonical = make_gpt_layout(setup.model);
+      std::vector<float> expected(canonical.total_elements(), 0.0f);
+      init_gpt_parameters(expected.data(), canonical, setup.model, 31);
+      INFO("tp " << tp << ", " << optimizer);
+      const std::vector<float> actual = engine.parameters();
+      REQUIRE(actual.size() == expected.size());
+      CHECK(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(float)) == 0);
+    }
   }
 }
