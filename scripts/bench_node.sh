@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node's parallel table in one device call, for the GPUs it has (2, 4 or 8), T as each
 # config sets it, mock data, FP8 hybrid unless a row says BF16; mean step after warm-up.
-#   scripts/bench_node.sh N [--dry-run] [--losses-only]
+#   scripts/bench_node.sh N [--dry-run] [--losses-only | --6.7b-only]
 # N = 2: gpt2-1558m at DP = 1 and 2 with FP32, BF16 and FP8 gradients (FP8 with and without
 #        --fp8-param-gather), both overlaps; gpt2-774m at TP = 2 with and without sequence
 #        parallelism (25 heads at 1558M: no TP size of 2 or 4 divides them).
@@ -11,6 +11,8 @@
 #        TP = 2 x DP = 2 resumed at TP = 4.
 # N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
 #        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
+# --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4 and TP = 2 x DP = 2): the same
+#        model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
 # The loss runs use lr 1e-4 (10 warm-up steps): at 6e-4 with 5, gpt2-124m on mock data spikes at
 # steps 4 and 20 on one GPU, and a spike magnifies the layouts' rounding differences into
 # different curves (device call 16, docs/DEVICE_RUNS.md). LOSS_LR and LOSS_WARMUP override them;
@@ -22,13 +24,14 @@
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-gpus=${1:?usage: scripts/bench_node.sh N [--dry-run] [--losses-only]}
+gpus=${1:?usage: scripts/bench_node.sh N [--dry-run] [--losses-only | --6.7b-only]}
 shift
-dry="" losses_only=""
+dry="" losses_only="" only_6_7b=""
 for arg in "$@"; do
   case $arg in
     --dry-run) dry=1 ;;
     --losses-only) losses_only=1 ;;
+    --6.7b-only) only_6_7b=1 ;;
     *) echo "bench_node.sh: unknown argument $arg"; exit 2 ;;
   esac
 done
@@ -57,8 +60,8 @@ bench() {  # tag ranks config micro-batch flags...
 }
 overlap=(--overlap-grad-reduce --overlap-param-gather)
 
-# Data parallelism at gpt2-1558m, micro-batch 8.
-if [ -z "$losses_only" ]; then
+# Data parallelism at gpt2-1558m, micro-batch 8 (this block and the next: the gpt2 rows).
+if [ -z "$losses_only" ] && [ -z "$only_6_7b" ]; then
 bench dp1 1 gpt2-1558m 8 --fp8-hybrid
 for dp in 2 4 8; do
   [ "$dp" -le "$gpus" ] || continue
@@ -85,25 +88,30 @@ if [ "$gpus" -le 4 ]; then
   done
 fi
 
-# gpt-6.7b across the node, micro-batch 1, T = 2048.
-if [ "$gpus" = 8 ]; then
-  for layout in "8 1" "4 2" "2 4"; do
+fi  # the gpt2 rows
+
+# gpt-6.7b across the node, micro-batch 1, T = 2048: every layout of N GPUs with TP >= 2.
+if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
+  layouts="8 1|4 2|2 4"
+  [ "$gpus" = 4 ] && layouts="4 1|2 2"
+  [ "$gpus" = 2 ] && layouts="2 1"
+  IFS='|' read -ra layout_list <<< "$layouts"
+  for layout in "${layout_list[@]}"; do
     set -- $layout
     tp=$1 dp=$2
     for sp in "" --sequence-parallel; do
       for variant in "fp8|--fp8-hybrid" "fp8-fp8grads|--fp8-hybrid --fp8-grad-comm" "bf16|--bf16 --grad-reduce-in-bf16"; do
         name=${variant%%|*} precision=${variant#*|}
         [ "$dp" = 1 ] && [ "$name" = fp8-fp8grads ] && continue  # nothing to reduce across data-parallel ranks
-        bench "6.7b-tp$tp-dp$dp${sp:+-sp}-$name" 8 gpt-6.7b 1 --tensor-model-parallel-size "$tp" $sp $precision \
+        bench "6.7b-tp$tp-dp$dp${sp:+-sp}-$name" "$gpus" gpt-6.7b 1 --tensor-model-parallel-size "$tp" $sp $precision \
           $([ "$dp" -gt 1 ] && echo "${overlap[@]}")
       done
     done
   done
 fi
-fi  # losses_only
 
 # Losses across layouts and a resume across layouts (4 GPUs and more).
-if [ "$gpus" -ge 4 ]; then
+if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
   data=(--mock-data)
   [ -n "${LOSS_DATA:-}" ] && data=(--train-data-path "$LOSS_DATA/train_*.bin")
   loss=(--config configs/gpt2-124m.json "${data[@]}" --micro-batch-size 4 --global-batch-size 16 --seq-length 512
