@@ -131,45 +131,5 @@ if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
 fi
 [ -n "$dry" ] && exit 0
 
-python3 - "$jsonl" "$logs" <<'PY' | tee "$logs/bench_node.md"
-import glob, json, os, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-one = {r["model"]: r["step_ms"] for r in rows if r.get("ranks") == 1 and "step_ms" in r}
-print("| run | model | ranks | tp x dp | step | tokens/s per GPU | model TFLOP/s per GPU | DP efficiency | peak memory per rank | optimizer memory per rank | bytes sent per rank per step |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-for r in rows:
-    if "step_ms" not in r:
-        continue
-    eff = f"{one[r['model']] / r['step_ms'] * 100:.1f}%" if r["tp"] == 1 and r["dp"] > 1 and r["model"] in one else "-"
-    sent = r.get("bytes_per_step", {})
-    traffic = " + ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sent.items() if v > 1e6) or "-"
-    print(f"| {r['tag']} | {r['model']} | {r['ranks']} | {r['tp']} x {r['dp']} | {r['step_ms']:.2f} ms | "
-          f"{r['tok_s_per_gpu']:,.0f} | {r['tflops'] / r['ranks']:.0f} | {eff} | {r['peak_gib']:.2f} GiB | {r.get('optimizer_gib', 0):.2f} GiB | {traffic} |")
-def losses(path):
-    return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l] if os.path.exists(path) else []
-def gap(run, ref):  # the largest relative gap over the steps both have, and how many
-    n = min(len(run), len(ref))
-    return (max(abs(a - b) / abs(b) for a, b in zip(run[:n], ref[:n])) if n else float("nan")), n
-def verdict(value, n, expected):  # the parallelism issue's tolerance: 2e-3 relative
-    return "ok" if n == expected and n > 0 and value < 2e-3 else "FAIL"
-ref = losses(os.path.join(sys.argv[2], "loss-dp1.jsonl"))
-if ref:
-    print()
-for name in ("loss-tp4", "loss-tp4-sp", "loss-tp2dp2", "loss-tp2dp2-sp"):
-    run = losses(os.path.join(sys.argv[2], name + ".jsonl"))
-    if ref and run:
-        g, n = gap(run, ref)
-        print(f"{verdict(g, n, len(ref))} {name}: {n}/{len(ref)} steps, largest relative loss gap to one GPU {g:.2e}")
-first, resumed, whole = (losses(os.path.join(sys.argv[2], n + ".jsonl")) for n in ("resume-first", "resume-tp4", "loss-tp2dp2"))
-if whole and first and resumed:
-    # The resumed run continues the TP = 2 x DP = 2 run it was saved from: the uninterrupted
-    # run's later steps are its reference; one GPU's are beside them.
-    g, n = gap(resumed, whole[len(first):])
-    print(f"{verdict(g, n, len(whole) - len(first))} saved at TP=2 x DP=2 (step {len(first)}), resumed at TP=4: "
-          f"{n} steps, largest relative gap to the uninterrupted TP=2 x DP=2 run {g:.2e}", end="")
-    if ref:
-        print(f", to one GPU {gap(resumed, ref[len(first):])[0]:.2e}")
-    else:
-        print()
-PY
+python3 "$repo/scripts/bench_node_report.py" "$jsonl" "$logs" | tee "$logs/bench_node.md" || status=1
 exit $status

@@ -1,0 +1,67 @@
+// scripts/bench_node_report.py: the node table (data-parallel efficiency against the same
+// model's one-GPU row, optimizer memory, traffic) and the loss rows against the 2e-3
+// tolerance, on hand-made benchmark lines and loss curves; a failed loss row exits 1.
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include "cli_testing.h"
+#include "temp_dir.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+const std::string kScript = testing::source_path("scripts/bench_node_report.py");
+
+std::string bench_line(const char* tag, int ranks, int tp, int dp, double step_ms, double optimizer_gib) {
+  return std::string("{\"tag\":\"") + tag + "\",\"ranks\":" + std::to_string(ranks) + ",\"model\":\"gpt2-1558m\",\"tp\":" +
+         std::to_string(tp) + ",\"dp\":" + std::to_string(dp) + ",\"step_ms\":" + std::to_string(step_ms) +
+         ",\"tok_s_per_gpu\":1000.0,\"tflops\":" + std::to_string(500.0 * ranks) + ",\"peak_gib\":30.0,\"optimizer_gib\":" +
+         std::to_string(optimizer_gib) + ",\"bytes_per_step\":{\"dp_overlapped\":4673088000.0,\"world\":6952.0}}\n";
+}
+
+void write_losses(const std::string& path, const std::vector<double>& losses) {
+  std::ofstream file(path);
+  for (size_t i = 0; i < losses.size(); ++i)
+    file << "{\"iter\":" << i + 1 << ",\"loss\":" << losses[i] << ",\"lr\":0.0001}\n";
+}
+
+}  // namespace
+
+TEST_CASE("bench_node_report.py: the node table and the loss rows against the tolerance", "[scripts]") {
+  if (std::system("command -v python3 > /dev/null 2>&1") != 0) SKIP("python3 is not installed");
+  testing::TempDir dir;
+  std::ofstream(dir.file("bench.jsonl")) << bench_line("dp1", 1, 1, 1, 150.0, 10.0) << bench_line("dp4", 4, 1, 4, 160.0, 2.5)
+                                         << "not a benchmark line\n";
+  const std::vector<double> one_gpu = {10.0, 9.0, 8.0, 7.0};
+  write_losses(dir.file("loss-dp1.jsonl"), one_gpu);
+  write_losses(dir.file("loss-tp4.jsonl"), {10.0, 9.0, 8.001, 7.0});      // 1.25e-4: ok
+  write_losses(dir.file("loss-tp2dp2.jsonl"), {10.0, 9.0, 8.0, 7.0});      // identical
+  write_losses(dir.file("resume-first.jsonl"), {10.0, 9.0});               // saved after 2 steps
+  write_losses(dir.file("resume-tp4.jsonl"), {8.0, 7.007});                // 1e-3 from loss-tp2dp2's steps 3-4
+
+  const std::string run = kScript + " " + dir.file("bench.jsonl") + " " + dir.file("");
+  auto result = testing::run_command(run);
+  INFO(result.output);
+  CHECK(result.exit_code == 0);
+  CHECK_THAT(result.output, ContainsSubstring("| dp4 | gpt2-1558m | 4 | 1 x 4 | 160.00 ms | 1,000 | 500 | 93.8% | "
+                                              "30.00 GiB | 2.50 GiB | dp_overlapped 4.673 GB |"));
+  CHECK_THAT(result.output, ContainsSubstring("ok loss-tp4: 4/4 steps, largest relative loss gap to one GPU 1.25e-04"));
+  CHECK_THAT(result.output, ContainsSubstring("ok loss-tp2dp2: 4/4 steps, largest relative loss gap to one GPU 0.00e+00"));
+  CHECK_THAT(result.output, ContainsSubstring("ok saved at TP=2 x DP=2 (step 2), resumed at TP=4: 2 steps, largest "
+                                              "relative gap to the uninterrupted TP=2 x DP=2 run 1.00e-03"));
+
+  // A gap over the tolerance, or a run cut short, fails the report.
+  write_losses(dir.file("loss-tp4-sp.jsonl"), {10.0, 9.03, 8.0, 7.0});  // 3.3e-3
+  write_losses(dir.file("loss-tp2dp2-sp.jsonl"), {10.0, 9.0, 8.0});     // 3 of 4 steps
+  result = testing::run_command(run);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp4-sp: 4/4 steps, largest relative loss gap to one GPU 3.33e-03"));
+  CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp2dp2-sp: 3/4 steps"));
+}
