@@ -332,16 +332,33 @@ class GptModel {
 namespace detail {
 // The canonical element index of element `i` of a tensor-parallel part.
 size_t full_index_of_part_element(const TensorInfo& info, size_t i, int tp_rank, int tp_size);
+
+// The part as runs of elements contiguous in both layouts: fn(part_index, full_index, count).
+// A row of a 2-D part is contiguous in the whole tensor under every split; a replicated
+// tensor, or any with one rank, is one run. (Element by element, a 1.5B-parameter snapshot
+// spent seconds per pass in the index arithmetic.)
+template <typename Fn>
+void for_each_part_run(const TensorInfo& info, int tp_rank, int tp_size, Fn&& fn) {
+  if (info.split == TensorSplit::replicated || tp_size == 1) {
+    fn(size_t{0}, size_t{0}, info.numel);
+    return;
+  }
+  const size_t run = info.full_shape.size() == 2 ? size_t(info.shape[1]) : 1;
+  for (size_t begin = 0; begin < info.numel; begin += run)
+    fn(begin, full_index_of_part_element(info, begin, tp_rank, tp_size), run);
+}
 }  // namespace detail
 
 template <typename T>
 void copy_part_from_full(const TensorInfo& info, const T* full, T* part, int tp_rank, int tp_size) {
-  for (size_t i = 0; i < info.numel; ++i) part[i] = full[detail::full_index_of_part_element(info, i, tp_rank, tp_size)];
+  detail::for_each_part_run(info, tp_rank, tp_size,
+                            [&](size_t p, size_t f, size_t count) { std::copy_n(full + f, count, part + p); });
 }
 
 template <typename T>
 void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_rank, int tp_size) {
-  for (size_t i = 0; i < info.numel; ++i) full[detail::full_index_of_part_element(info, i, tp_rank, tp_size)] = part[i];
+  detail::for_each_part_run(info, tp_rank, tp_size,
+                            [&](size_t p, size_t f, size_t count) { std::copy_n(part + p, count, full + f); });
 }
 
 }  // namespace fp8lm
