@@ -313,9 +313,9 @@ struct TrainingEngine::State {
   std::vector<T> shard_from_canonical(const std::vector<T>& canonical);
   template <typename T>
   std::vector<T> slab_from_canonical(const std::vector<T>& canonical);
-  // This rank's optimizer shard of its slab (the slab itself without the distributed optimizer).
+  // The distributed optimizer's parts of this rank's slab, its shard.
   template <typename T>
-  std::vector<T> shard_of_slab(std::vector<T> own);
+  std::vector<T> shard_parts(const std::vector<T>& own);
   // This rank's slab of --seed's initial weights, drawn tensor by tensor: no rank holds the
   // whole canonical model (27 GB of FP32 at 6.7B parameters) to keep its part of it.
   std::vector<float> initial_slab(const GptConfig& config, uint64_t seed);
@@ -898,8 +898,7 @@ std::vector<T> TrainingEngine::State::slab_from_canonical(const std::vector<T>& 
 }
 
 template <typename T>
-std::vector<T> TrainingEngine::State::shard_of_slab(std::vector<T> own) {
-  if (!sharded) return own;
+std::vector<T> TrainingEngine::State::shard_parts(const std::vector<T>& own) {
   std::vector<T> part(shard.size, T{});
   for (const ShardPlan::Part& p : shard.parts)
     std::copy_n(own.begin() + p.part_begin, p.size, part.begin() + p.shard_offset);
@@ -908,7 +907,8 @@ std::vector<T> TrainingEngine::State::shard_of_slab(std::vector<T> own) {
 
 template <typename T>
 std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>& canonical_values) {
-  return shard_of_slab(slab_from_canonical(canonical_values));
+  std::vector<T> own = slab_from_canonical(canonical_values);
+  return sharded ? shard_parts(own) : own;
 }
 
 std::vector<float> TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t seed) {
@@ -979,7 +979,7 @@ void TrainingEngine::State::set_slab_parameters(const std::vector<float>& own) {
   ops->upload_values(working, own.data());
   if (master != model->working()) {
     if (sharded) {
-      const std::vector<float> part = shard_of_slab(own);
+      const std::vector<float> part = shard_parts(own);
       ops->upload(master, part.data(), part.size() * sizeof(float));
     } else {
       ops->upload(master, own.data(), own.size() * sizeof(float));

@@ -66,8 +66,8 @@ struct StepMetrics {
 };
 
 // How a new engine's parameters begin: drawn from --seed, or left for the caller, who sets
-// every parameter (set_parameters, as a restore does) before any step. Skipping the draw cut
-// an --fp8-auto-precision switch at gpt2-1558m from about 70 s to 55 s (docs/NUMERICS.md).
+// every parameter (set_parameters, as a restore does) before any step: an
+// --fp8-auto-precision switch restores into an engine that need not draw weights first.
 enum class ParameterStart { seeded, set_by_caller };
 
 // The training step, written once over the Ops interface: the CPU reference backend or

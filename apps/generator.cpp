@@ -44,7 +44,7 @@ struct Generator::State {
     ScalingTable& table = model->scaling();
     for (int i = 0; i < table.size(); ++i) {
       if (!is_linear_input_state(table.name(i))) continue;
-      const float amax = table.history()[size_t(i)];  // row 0 of [history, states]
+      const float amax = table.amax_at(i, /*slot=*/0);
       const float scale = compute_scale(amax, fp8_max(table.dtype(i)), /*margin=*/1, /*previous_scale=*/1.0f);
       table.scales()[size_t(i)] = scale;
       table.scale_invs()[size_t(i)] = 1.0f / scale;
@@ -178,7 +178,7 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
       // amax and record it into a cleared row 0.
       ScalingTable& table = s.model->scaling();
       s.ops->download_scaling();
-      std::fill(table.history().begin(), table.history().begin() + table.size(), 0.0f);
+      table.discard_current_amaxes();
       std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), uint8_t{0});
       s.ops->upload_scaling();
       s.model->forward_cached(batch, 0, /*record_amaxes=*/true);
