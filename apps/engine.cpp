@@ -531,8 +531,9 @@ void TrainingEngine::begin_step(int64_t step) {
   s.micro_batches = 0;
 }
 
-void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets, float dloss) {
+void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
+  const float dloss = 1.0f / (s.tokens_per_micro_batch * float(s.grad_accum_steps));
   GptModel& model = *s.model;
   const TokenBatch batch =
       s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
@@ -724,10 +725,12 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
 
   // The global norm over every rank's share (tensors replicated across tensor-parallel
   // ranks counted once), and the step's loss over the data-parallel ranks: every rank
-  // takes the same decision.
+  // takes the same decision. Sharded, each data-parallel rank holds a piece of the reduced
+  // gradients; otherwise each holds all of them, and only the tensor-parallel pieces add up.
   ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
-  if (s.world().size() > 1)
-    s.world().all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
+  Communicator& norm_group = s.sharded ? s.world() : s.groups->tp();
+  if (norm_group.size() > 1)
+    norm_group.all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
   if (s.dp().size() > 1) s.dp().all_reduce(&scalars->loss_sum, &scalars->loss_sum, 1, CommDtype::f32, ReduceOp::sum);
   ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum,
                     s.tokens_per_micro_batch * float(std::max(s.micro_batches, 1)), clip_grad);

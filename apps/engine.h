@@ -100,9 +100,10 @@ class TrainingEngine {
   // accumulator. Without `step`: the step after the last end_step (0 at first).
   void begin_step(int64_t step);
   void begin_step();
-  // One micro-batch: forward and backward, gradients accumulated with weight `dloss`
-  // per token loss (1 / (B*T*accumulation steps)). inputs/targets [B,T] on the host.
-  void forward_backward(const int32_t* inputs, const int32_t* targets, float dloss);
+  // One micro-batch: forward and backward. Each token's loss weighs 1 / (the step's tokens
+  // over every data-parallel rank), so that the reduced gradients are those of the global
+  // batch's mean loss. inputs/targets [B,T] on the host.
+  void forward_backward(const int32_t* inputs, const int32_t* targets);
   // Ends the step: gradient norm, clipping, and (unless the loss or gradient is not
   // finite) the AdamW update and the FP8 scale update. `step` is 0-based. Never waits
   // for the device.

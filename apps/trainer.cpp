@@ -371,7 +371,6 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
-  const float dloss = 1.0f / (float(B) * T * setup.grad_accum_steps);
   const int64_t tokens_per_step = int64_t{setup.global_batch_size} * T;
 
   auto evaluate = [&](int64_t iteration) -> double {
@@ -398,7 +397,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
     engine->begin_step(step);
     for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
       data.train->next_batch(inputs.data(), targets.data());
-      engine->forward_backward(inputs.data(), targets.data(), dloss);
+      engine->forward_backward(inputs.data(), targets.data());
     }
     engine->end_step(hyperparams_at(o, lr), o.clip_grad, step);
     if (o.benchmark) {

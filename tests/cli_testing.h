@@ -66,16 +66,19 @@ inline TimedRun run_fp8lm_timed(const std::string& arguments) {
 
 inline std::string source_path(const std::string& relative) { return std::string(FP8LM_SOURCE_DIR) + "/" + relative; }
 
-// The training losses a run wrote to its metrics file (JSONL), in order.
-inline std::vector<double> metrics_losses(const std::string& metrics_file) {
+// One field of every line of a run's metrics file (JSONL) that has it, in order.
+inline std::vector<double> metrics_field(const std::string& metrics_file, const std::string& field) {
   std::vector<double> values;
   std::ifstream file(metrics_file);
   std::string line;
   while (std::getline(file, line)) {
     const auto json = nlohmann::json::parse(line);
-    if (json.contains("loss")) values.push_back(json["loss"].get<double>());
+    if (json.contains(field)) values.push_back(json[field].get<double>());
   }
   return values;
 }
+
+// The training losses.
+inline std::vector<double> metrics_losses(const std::string& metrics_file) { return metrics_field(metrics_file, "loss"); }
 
 }  // namespace fp8lm::testing

@@ -38,14 +38,14 @@ struct TwoSteps {
   StepMetrics first, second;
 };
 
-TwoSteps two_steps(TrainingEngine& engine, const std::vector<int32_t>& x, const std::vector<int32_t>& y, float dloss) {
+TwoSteps two_steps(TrainingEngine& engine, const std::vector<int32_t>& x, const std::vector<int32_t>& y) {
   AdamWHyperparams hp;
   hp.lr = 1e-3f;
   hp.weight_decay = 0.1f;
   TwoSteps result;
   for (int step = 0; step < 2; ++step) {
     engine.begin_step();
-    engine.forward_backward(x.data(), y.data(), dloss);
+    engine.forward_backward(x.data(), y.data());
     engine.end_step(hp, 1.0, step);
     (step == 0 ? result.first : result.second) = engine.step_metrics();
   }
@@ -85,9 +85,8 @@ TEST_CASE("gpt2-124m: GPU training steps match the CPU reference", "[gpu][model]
     flags.insert(flags.end(), mode.extra.begin(), mode.extra.end());
     auto cpu = make_engine(setup_for("gpt2-124m.json", "cpu", flags));
     auto gpu = make_engine(setup_for("gpt2-124m.json", "cuda", flags));
-    const float dloss = 1.0f / (B * T);
-    const TwoSteps c = two_steps(*cpu, x, y, dloss);
-    const TwoSteps g = two_steps(*gpu, x, y, dloss);
+    const TwoSteps c = two_steps(*cpu, x, y);
+    const TwoSteps g = two_steps(*gpu, x, y);
     INFO(mode.flag << " " << mode.recipe << (mode.fp8_lm_head ? " fp8-lm-head" : "")
                    << (mode.extra.empty() ? "" : " " + mode.extra[1]) << ": cpu loss " << c.first.loss << " -> " << c.second.loss << ", gpu " << g.first.loss << " -> "
                    << g.second.loss << "; grad norm cpu " << c.first.grad_norm << " gpu " << g.first.grad_norm);
@@ -130,7 +129,7 @@ TEST_CASE("50 GPU steps: FP8 and BF16 losses stay together", "[gpu][model]") {
       hp.lr = 3e-4f * std::min(1.0f, (step + 1) / 20.0f);
       data.train.next_batch(x.data(), y.data());
       engine->begin_step();
-      engine->forward_backward(x.data(), y.data(), 1.0f / (B * T));
+      engine->forward_backward(x.data(), y.data());
       engine->end_step(hp, 1.0, step);
       losses[m].push_back(engine->step_metrics().loss);
     }
@@ -168,8 +167,8 @@ TEST_CASE("GPU training is bit-reproducible: two identical runs give identical w
     std::vector<std::vector<float>> weights;
     std::vector<double> losses;
     for (int run = 0; run < 2; ++run) {
-      std::vector<std::string> flags = {"--micro-batch-size", std::to_string(B), "--seq-length", std::to_string(T),
-                                        "--seed", "8"};
+      std::vector<std::string> flags = {"--micro-batch-size", std::to_string(B), "--global-batch-size",
+                                        std::to_string(2 * B), "--seq-length", std::to_string(T), "--seed", "8"};
       if (std::string(mode) == "blockwise") {
         flags.insert(flags.end(), {"--fp8-hybrid", "--fp8-recipe", "blockwise"});
       } else {
@@ -180,8 +179,8 @@ TEST_CASE("GPU training is bit-reproducible: two identical runs give identical w
       hp.lr = 3e-4f;
       for (int step = 0; step < 4; ++step) {
         engine->begin_step();
-        engine->forward_backward(x.data(), y.data(), 1.0f / (B * T));
-        engine->forward_backward(y.data(), x.data(), 1.0f / (B * T));  // two micro-batches
+        engine->forward_backward(x.data(), y.data());
+        engine->forward_backward(y.data(), x.data());  // two micro-batches
         engine->end_step(hp, 1.0, step);
       }
       losses.push_back(engine->step_metrics().loss);
@@ -234,7 +233,7 @@ TEST_CASE("debug: GPU steps on changing batches stay finite", "[.debug][gpu]") {
     for (int step = 0; step < 3; ++step) {
       const auto x = random_tokens(B * T, V, 100 + step), y = random_tokens(B * T, V, 200 + step);
       engine->begin_step();
-      engine->forward_backward(x.data(), y.data(), 1.0f / (B * T));
+      engine->forward_backward(x.data(), y.data());
       const std::vector<float> grads = engine->gradients();
       engine->end_step(hp, 1.0, step);
       const StepMetrics m = engine->step_metrics();

@@ -158,7 +158,7 @@ TEST_CASE("the training step: norm, decision, AdamW, scale update, weight casts,
   const int layers = setup.model.n_layer;
   for (int step = 0; step < 2; ++step) {
     engine.begin_step();
-    engine.forward_backward(x.data(), y.data(), 1.0f / 32);
+    engine.forward_backward(x.data(), y.data());
     log.clear();
     engine.end_step(hp, 1.0, step);
     // --fp8-interval 2: step 0 keeps accumulating amaxes (discarded only if skipped),
@@ -228,7 +228,7 @@ void check_step_weight_casts(const std::vector<std::string>& precision_flags,
   AdamWHyperparams hp;
   hp.lr = 1e-3f;
   engine.begin_step();
-  engine.forward_backward(x.data(), y.data(), 1.0f / 32);
+  engine.forward_backward(x.data(), y.data());
   log.clear();
   engine.end_step(hp, 1.0, 0);
   std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "adamw_moment_amaxes", "adamw_apply",

@@ -54,6 +54,7 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
     REQUIRE(testing::run_fp8lm(base_args(precision) + " --metrics-file " + single).exit_code == 0);
     const std::vector<double> fp32_reference = losses(single);
     REQUIRE(fp32_reference.size() == 12);
+    const std::vector<double> reference_norms = testing::metrics_field(single, "grad_norm");
     // --grad-reduce-in-bf16 makes the gradient slab BF16 at any DP size (Megatron's BF16
     // main_grad): its layouts match the one-process run with the same flag.
     const std::string single_bf16 = dir.file(std::string("single-bf16-gradients") + precision + ".jsonl");
@@ -109,6 +110,13 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
       // The same initial weights and batch: only the order of the partial sums differs.
       CHECK(std::fabs(parallel[0] - reference[0]) < 1e-5 * reference[0]);
       CHECK(largest_relative_gap(parallel, reference) < 2e-3);
+      // The gradient norm is the global batch's: not multiplied by the data-parallel size
+      // (a sum of the ranks' gradients instead of their mean) nor counted once per
+      // data-parallel rank without the distributed optimizer. Clipping hides both from the
+      // losses, since AdamW does not see a constant factor; the first step's norm shows them.
+      const std::vector<double> norms = testing::metrics_field(metrics, "grad_norm");
+      REQUIRE(norms.size() == 12);
+      CHECK(std::fabs(norms[0] - reference_norms[0]) < 2e-2 * reference_norms[0]);
       const size_t index = layout_losses.size();
       if (same_as.count(index)) CHECK(parallel == layout_losses[same_as[index]]);
       layout_losses.push_back(parallel);
