@@ -7,8 +7,8 @@
 #        parallelism (25 heads at 1558M: no TP size of 2 or 4 divides them).
 # N = 4: the same at DP = 4 and TP = 4, TP = 2 x DP = 2, each with and without sequence
 #        parallelism; the distributed optimizer off at DP = 4; 50-step losses of TP = 4 and
-#        TP = 2 x DP = 2, each with and without sequence parallelism, against one GPU; a save at
-#        TP = 2 x DP = 2 resumed at TP = 4.
+#        TP = 2 x DP = 2, each with and without sequence parallelism, against one GPU (and one GPU
+#        at half the micro-batch, the noise floor); a save at TP = 2 x DP = 2 resumed at TP = 4.
 # N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
 #        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4 and TP = 2 x DP = 2): the same
@@ -114,10 +114,14 @@ fi
 if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
   data=(--mock-data)
   [ -n "${LOSS_DATA:-}" ] && data=(--train-data-path "$LOSS_DATA/train_*.bin")
-  loss=(--config configs/gpt2-124m.json "${data[@]}" --micro-batch-size 4 --global-batch-size 16 --seq-length 512
+  common=(--config configs/gpt2-124m.json "${data[@]}" --global-batch-size 16 --seq-length 512
         --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --log-interval 1 --eval-interval 0
         --eval-iters 0 --log-level warn "--${LOSS_PRECISION:-fp8-hybrid}")
+  loss=("${common[@]}" --micro-batch-size 4)
   run loss-dp1 1 "${loss[@]}" --metrics-file "$logs/loss-dp1.jsonl"
+  # The noise floor: one GPU again, the same batches in micro-batches of 2, so that only the
+  # order of the sums (GEMM shapes, gradient accumulation) differs, as it does across layouts.
+  run loss-dp1-mb2 1 "${common[@]}" --micro-batch-size 2 --metrics-file "$logs/loss-dp1-mb2.jsonl"
   for tp in 4 2; do
     for sp in "" --sequence-parallel; do
       tag=loss-tp$tp$([ "$tp" = 2 ] && echo dp2)${sp:+-sp}

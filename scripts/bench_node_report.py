@@ -30,8 +30,15 @@ def table(rows):
               f"{r.get('optimizer_gib', 0):.2f} GiB | {traffic} |")
 
 
+def field(path, name):
+    """One field of every line of a metrics file that has it, in order ([] without the file)."""
+    if not os.path.exists(path):
+        return []
+    return [line[name] for line in map(json.loads, open(path)) if name in line]
+
+
 def losses(path):
-    return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l] if os.path.exists(path) else []
+    return field(path, "loss")
 
 
 def largest_gap(run, ref):
@@ -48,15 +55,29 @@ def loss_rows(logs):
     """Prints each layout's gap to one GPU and the resume's; returns whether all are ok."""
     ok = True
     ref = losses(os.path.join(logs, "loss-dp1.jsonl"))
+    ref_norm = field(os.path.join(logs, "loss-dp1.jsonl"), "grad_norm")
     if ref:
         print()
+    floor = losses(os.path.join(logs, "loss-dp1-mb2.jsonl"))
+    if ref and floor:
+        gap, n = largest_gap(floor, ref)
+        print(f"noise floor: one GPU at micro-batch 2 (the same batches, summed in another order): {n}/{len(ref)} "
+              f"steps, largest relative loss gap {gap:.2e}")
     for name in LOSS_RUNS:
-        run = losses(os.path.join(logs, name + ".jsonl"))
+        path = os.path.join(logs, name + ".jsonl")
+        run = losses(path)
         if ref and run:
             gap, n = largest_gap(run, ref)
             v = verdict(gap, n, len(ref))
+            # The first step's gradient norm is the global batch's on every layout (the same
+            # weights and batch; 2% leaves room for FP8 gradients).
+            norm = field(path, "grad_norm")
+            norm_gap = abs(norm[0] - ref_norm[0]) / ref_norm[0] if norm and ref_norm else float("nan")
+            if not norm_gap < 2e-2:
+                v = "FAIL"
             ok &= v == "ok"
-            print(f"{v} {name}: {n}/{len(ref)} steps, largest relative loss gap to one GPU {gap:.2e}")
+            print(f"{v} {name}: {n}/{len(ref)} steps, largest relative loss gap to one GPU {gap:.2e}, "
+                  f"first gradient norm's {norm_gap:.1e}")
     first, resumed, whole = (losses(os.path.join(logs, n + ".jsonl")) for n in ("resume-first", "resume-tp4", "loss-tp2dp2"))
     if whole and first and resumed:
         # The resumed run continues the TP = 2 x DP = 2 run it was saved from: the uninterrupted

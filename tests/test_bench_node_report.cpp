@@ -26,10 +26,12 @@ std::string bench_line(const char* tag, int ranks, int tp, int dp, double step_m
          std::to_string(optimizer_gib) + ",\"bytes_per_step\":{\"dp_overlapped\":4673088000.0,\"world\":6952.0}}\n";
 }
 
-void write_losses(const std::string& path, const std::vector<double>& losses) {
+// A metrics file: the losses, each step with gradient norm 2 (first_norm at the first step).
+void write_losses(const std::string& path, const std::vector<double>& losses, double first_norm = 2.0) {
   std::ofstream file(path);
   for (size_t i = 0; i < losses.size(); ++i)
-    file << "{\"iter\":" << i + 1 << ",\"loss\":" << losses[i] << ",\"lr\":0.0001}\n";
+    file << "{\"iter\":" << i + 1 << ",\"loss\":" << losses[i] << ",\"grad_norm\":" << (i == 0 ? first_norm : 2.0)
+         << ",\"lr\":0.0001}\n";
 }
 
 }  // namespace
@@ -43,6 +45,7 @@ TEST_CASE("bench_node_report.py: the node table and the loss rows against the to
   write_losses(dir.file("loss-dp1.jsonl"), one_gpu);
   write_losses(dir.file("loss-tp4.jsonl"), {10.0, 9.0, 8.001, 7.0});      // 1.25e-4: ok
   write_losses(dir.file("loss-tp2dp2.jsonl"), {10.0, 9.0, 8.0, 7.0});      // identical
+  write_losses(dir.file("loss-dp1-mb2.jsonl"), {10.0, 9.0, 8.0, 7.014});   // the noise floor, 2e-3: not judged
   write_losses(dir.file("resume-first.jsonl"), {10.0, 9.0});               // saved after 2 steps
   write_losses(dir.file("resume-tp4.jsonl"), {8.0, 7.007});                // 1e-3 from loss-tp2dp2's steps 3-4
 
@@ -52,16 +55,27 @@ TEST_CASE("bench_node_report.py: the node table and the loss rows against the to
   CHECK(result.exit_code == 0);
   CHECK_THAT(result.output, ContainsSubstring("| dp4 | gpt2-1558m | 4 | 1 x 4 | 160.00 ms | 1,000 | 500 | 93.8% | "
                                               "30.00 GiB | 2.50 GiB | dp_overlapped 4.673 GB |"));
-  CHECK_THAT(result.output, ContainsSubstring("ok loss-tp4: 4/4 steps, largest relative loss gap to one GPU 1.25e-04"));
+  CHECK_THAT(result.output, ContainsSubstring("noise floor: one GPU at micro-batch 2 (the same batches, summed in another "
+                                              "order): 4/4 steps, largest relative loss gap 2.00e-03"));
+  CHECK_THAT(result.output, ContainsSubstring("ok loss-tp4: 4/4 steps, largest relative loss gap to one GPU 1.25e-04, "
+                                              "first gradient norm's 0.0e+00"));
   CHECK_THAT(result.output, ContainsSubstring("ok loss-tp2dp2: 4/4 steps, largest relative loss gap to one GPU 0.00e+00"));
   CHECK_THAT(result.output, ContainsSubstring("ok saved at TP=2 x DP=2 (step 2), resumed at TP=4: 2 steps, largest "
                                               "relative gap to the uninterrupted TP=2 x DP=2 run 1.00e-03"));
 
-  // A gap over the tolerance, or a run cut short, fails the report.
+  // A gap over the tolerance, a run cut short, or a first gradient norm off by the
+  // data-parallel size (the same losses: clipping and AdamW hide a constant factor) fails the report.
   write_losses(dir.file("loss-tp4-sp.jsonl"), {10.0, 9.03, 8.0, 7.0});  // 3.3e-3
   write_losses(dir.file("loss-tp2dp2-sp.jsonl"), {10.0, 9.0, 8.0});     // 3 of 4 steps
   result = testing::run_command(run);
   CHECK(result.exit_code == 1);
   CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp4-sp: 4/4 steps, largest relative loss gap to one GPU 3.33e-03"));
   CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp2dp2-sp: 3/4 steps"));
+  write_losses(dir.file("loss-tp4-sp.jsonl"), one_gpu);
+  write_losses(dir.file("loss-tp2dp2-sp.jsonl"), one_gpu, 4.0);
+  result = testing::run_command(run);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.output, ContainsSubstring("ok loss-tp4-sp: 4/4 steps"));
+  CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp2dp2-sp: 4/4 steps, largest relative loss gap to one GPU "
+                                              "0.00e+00, first gradient norm's 1.0e+00"));
 }
