@@ -14,9 +14,8 @@ namespace fp8lm::cuda::device {
 
 using bf16 = __nv_bfloat16;
 
-// Eight BF16 values (16 bytes, 16-byte aligned) to and from FP32.
-__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+// Eight BF16 values packed in 16 bytes, to and from FP32 (packing rounds to nearest even).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
@@ -26,12 +25,21 @@ __device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
   }
 }
 
-__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
   uint4 raw;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
+  return raw;
+}
+
+// Eight BF16 values (16 bytes, 16-byte aligned) to and from FP32.
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
+  *reinterpret_cast<uint4*>(p) = pack_bf16x8(f);
 }
 
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }

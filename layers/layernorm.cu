@@ -1,7 +1,9 @@
 // LayerNorm kernels (see layers/layernorm.h and docs/GPU_DESIGN.md).
 //
 // Forward: one warp per row; each lane holds chunks lane, lane+32, ... of 8 bf16 (one
-// 16-byte load each) in registers, so the row is read from memory once. Mean and variance
+// 16-byte load each) in registers, packed as BF16 (every row value is a BF16 number, so
+// nothing is lost, and a 4096-wide row takes 64 registers a lane), so the row is read from
+// memory once. Mean and variance
 // are FP32 warp reductions in two passes over the registers (as the CPU reference).
 // The FP8 variant rounds each output to BF16 first and quantizes that, so its codes are
 // those of a cast of the BF16 output. The residual variant builds the row from
@@ -78,14 +80,15 @@ __global__ void __launch_bounds__(kThreads)
   Fp8CastTally tally;
 
   if (row < N) {  // warp-uniform
-    float xv[K][8];
+    uint4 packed[K];  // the row's chunks, BF16
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; k++) {
       const int i = lane + 32 * k;
       if (i < chunks) {
+        const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
+        float x[8];
         if constexpr (kResidual) {
-          const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
           float r[8], b[8];
           load_bf16x8(residual.in + offset, r);
           load_bf16x8(residual.branch + offset, b);
@@ -97,13 +100,16 @@ __global__ void __launch_bounds__(kThreads)
           }
           // One rounding: the BF16 value stored is the value normalized below.
 #pragma unroll
-          for (int j = 0; j < 8; j++) xv[k][j] = round_bf16(r[j] + b[j]);
-          store_bf16x8(residual.out + offset, xv[k]);  // exact: already BF16 values
+          for (int j = 0; j < 8; j++) x[j] = r[j] + b[j];
+          packed[k] = pack_bf16x8(x);
+          *reinterpret_cast<uint4*>(residual.out + offset) = packed[k];
+          unpack_bf16x8(packed[k], x);
         } else {
-          load_bf16x8(inp + static_cast<size_t>(row) * C + i * 8, xv[k]);
+          packed[k] = *reinterpret_cast<const uint4*>(inp + offset);
+          unpack_bf16x8(packed[k], x);
         }
 #pragma unroll
-        for (int j = 0; j < 8; j++) sum += xv[k][j];
+        for (int j = 0; j < 8; j++) sum += x[j];
       }
     }
     sum = warp_sum(sum);
@@ -113,9 +119,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < K; k++) {
       if (lane + 32 * k < chunks) {
+        float x[8];
+        unpack_bf16x8(packed[k], x);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          const float d = xv[k][j] - row_mean;
+          const float d = x[j] - row_mean;
           squared_deviation += d * d;
         }
       }
@@ -128,11 +136,12 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < K; k++) {
       const int i = lane + 32 * k;
       if (i < chunks) {
-        float w[8], b[8], y[8];
+        float x[8], w[8], b[8], y[8];
+        unpack_bf16x8(packed[k], x);
         load_bf16x8(weight + i * 8, w);
         load_bf16x8(bias + i * 8, b);
 #pragma unroll
-        for (int j = 0; j < 8; j++) y[j] = (xv[k][j] - row_mean) * row_rstd * w[j] + b[j];
+        for (int j = 0; j < 8; j++) y[j] = (x[j] - row_mean) * row_rstd * w[j] + b[j];
         const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
         if constexpr (kFp8) {
           uint32_t word[2];
@@ -282,7 +291,7 @@ __nv_fp8_interpretation_t interpretation(Fp8Dtype dtype) {
 // Chunks of 8 per lane for a row of C: the smallest instantiated K >= ceil(C / 256).
 int chunks_per_lane(int C) {
   const int needed = (C / 8 + 31) / 32;
-  for (int k : {1, 2, 3, 4, 6, 8}) {
+  for (int k : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}) {
     if (k >= needed) return k;
   }
   return -1;
@@ -343,6 +352,10 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
     case 4: FP8LM_LN_FORWARD(4); break;
     case 6: FP8LM_LN_FORWARD(6); break;
     case 8: FP8LM_LN_FORWARD(8); break;
+    case 12: FP8LM_LN_FORWARD(12); break;
+    case 16: FP8LM_LN_FORWARD(16); break;
+    case 24: FP8LM_LN_FORWARD(24); break;
+    case 32: FP8LM_LN_FORWARD(32); break;
     default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
   }
 #undef FP8LM_LN_FORWARD
@@ -432,6 +445,10 @@ void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, cons
     case 4: FP8LM_LN_BACKWARD(4); break;
     case 6: FP8LM_LN_BACKWARD(6); break;
     case 8: FP8LM_LN_BACKWARD(8); break;
+    case 12: FP8LM_LN_BACKWARD(12); break;
+    case 16: FP8LM_LN_BACKWARD(16); break;
+    case 24: FP8LM_LN_BACKWARD(24); break;
+    case 32: FP8LM_LN_BACKWARD(32); break;
     default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
   }
 #undef FP8LM_LN_BACKWARD

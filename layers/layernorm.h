@@ -41,12 +41,13 @@ void residual_layernorm_forward(float* out, float* residual_out, float* mean, fl
 // ---- GPU (layers/layernorm.cu) -------------------------------------------------------
 // One warp per row, 16-byte loads (8 bf16), the row kept in registers, FP32 statistics
 // (two passes over the registers, as the CPU reference). Requirements, checked on the host
-// before launch (FP8LM_CHECK): C % 8 == 0 and 8 <= C <= 2048; bf16 pointers 16-byte
+// before launch (FP8LM_CHECK): C % 8 == 0 and 8 <= C <= 8192; bf16 pointers 16-byte
 // aligned, FP8 outputs 8-byte aligned, FP32 accumulators 4-byte aligned.
 namespace fp8lm::cuda {
 
-// The largest row width the LayerNorm kernels take (8 bf16 per lane x 8 chunks x 32 lanes).
-inline constexpr int kLayerNormMaxC = 2048;
+// The largest row width the LayerNorm kernels take (8 bf16 per chunk x 32 chunks per lane x
+// 32 lanes): 4096 (6.7B) and 8192 (70B-class) widths included.
+inline constexpr int kLayerNormMaxC = 8192;
 
 // out [N,C] = bf16(LayerNorm(inp)); mean [N], rstd [N] (written; either may be nullptr).
 // inp [N,C], weight [C], bias [C].

@@ -108,7 +108,8 @@ TEST_CASE("layernorm forward (bf16 and fused fp8 cast) matches the CPU reference
   FP8LM_REQUIRE_GPU();
   const int N = 77;
   const float eps = 1e-5f;
-  for (int C : {64, 768}) {
+  // 4096 and 8192: the 6.7B and 70B-class widths (32 chunks a lane at 8192).
+  for (int C : {64, 768, 4096, 8192}) {
     CAPTURE(C);
     const LayerNormInputs in = layernorm_inputs(N, C, 100 + C);
     std::vector<float> ref(static_cast<size_t>(N) * C), ref_mean(N), ref_rstd(N);
@@ -200,9 +201,10 @@ TEST_CASE("layernorm fp8 amax is a running max and shows NaN", "[gpu][layernorm]
 TEST_CASE("layernorm backward matches the CPU reference and is deterministic", "[gpu][layernorm]") {
   FP8LM_REQUIRE_GPU();
   const float eps = 1e-5f;
-  // The widths of gpt2-124m, -774m and -1558m; rows enough for several row splits of the
-  // weight and bias gradients.
-  for (const auto [N, C] : {std::pair{77, 64}, std::pair{77, 768}, std::pair{333, 1280}, std::pair{1000, 1600}}) {
+  // The widths of gpt2-124m, -774m, -1558m and gpt-6.7b, and 8192; rows enough for several
+  // row splits of the weight and bias gradients.
+  for (const auto [N, C] : {std::pair{77, 64}, std::pair{77, 768}, std::pair{333, 1280}, std::pair{1000, 1600},
+                            std::pair{300, 4096}, std::pair{70, 8192}}) {
     CAPTURE(N, C);
     const size_t n = static_cast<size_t>(N) * C;
     const LayerNormInputs in = layernorm_inputs(N, C, 200 + C);
@@ -495,7 +497,7 @@ TEST_CASE("encoder backward index groups positions by token in ascending order",
 TEST_CASE("encoder forward and deterministic backward match the CPU reference", "[gpu][encoder]") {
   FP8LM_REQUIRE_GPU();
   const int B = 3, T = 29, maxT = 32, Vp = 384;
-  for (int C : {64, 768}) {
+  for (int C : {64, 768, 4096}) {
     CAPTURE(C);
     const size_t n = static_cast<size_t>(B) * T * C;
     // Tokens from a small range so that most repeat (the case the index exists for).

@@ -215,7 +215,7 @@ TEST_CASE("residual layernorm bf16 equals residual add then layernorm_forward_bf
           "[gpu][layernorm]") {
   FP8LM_REQUIRE_GPU();
   const int N = 77;
-  for (int C : {64, 200, 768, 2048}) {
+  for (int C : {64, 200, 768, 2048, 4096, 8192}) {
     const Inputs in = make_inputs(N, C, 3000 + C);
     const DeviceInputs d(in);
     for (bool with_bias : {true, false}) {
@@ -238,7 +238,7 @@ TEST_CASE("residual layernorm fp8 equals residual add then layernorm_forward_fp8
           "[gpu][layernorm]") {
   FP8LM_REQUIRE_GPU();
   const int N = 77;
-  for (int C : {64, 200, 768, 2048}) {
+  for (int C : {64, 200, 768, 2048, 4096, 8192}) {
     const Inputs in = make_inputs(N, C, 3100 + C);
     const DeviceInputs d(in);
     for (bool with_bias : {true, false}) {
