@@ -13,11 +13,13 @@
 #        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4 and TP = 2 x DP = 2): the same
 #        model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
-# The loss runs use lr 1e-4 (10 warm-up steps): at 6e-4 with 5, gpt2-124m on mock data spikes at
-# steps 4 and 20 on one GPU, and a spike magnifies the layouts' rounding differences into
-# different curves (device call 16, docs/DEVICE_RUNS.md). LOSS_LR and LOSS_WARMUP override them;
-# LOSS_PRECISION=bf16 runs them in BF16 (default fp8-hybrid); LOSS_DATA=DIR trains on the llm.c
-# shards DIR/train_*.bin instead of mock data. --losses-only runs only those (4 GPUs and more).
+# The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
+# data/nlp-corpus, made by scripts/prepare_data.sh), at lr 1e-4 after 10 warm-up steps.
+# LOSS_DATA=mock trains on --mock-data instead: its loss falls from 10.9 to 2.5 in 25 steps, and
+# in FP8 one GPU then differs from itself at half the micro-batch by 5e-3, above the 2e-3
+# tolerance the layouts are judged by (device call 19, docs/PERFORMANCE.md); at lr 6e-4 it
+# spikes (call 16). LOSS_LR and LOSS_WARMUP override the schedule; LOSS_PRECISION=bf16 runs them
+# in BF16 (default fp8-hybrid). --losses-only runs only those (4 GPUs and more).
 # --dry-run prints the commands instead of running them (no GPU needed). Needs build-gpu/fp8lm
 # (scripts/gpu_test.sh builds it). Writes bench_node.jsonl and bench_node.md to $OUT (or
 # build-gpu/logs).
@@ -36,6 +38,14 @@ for arg in "$@"; do
   esac
 done
 case "$gpus" in 2|4|8) ;; *) echo "bench_node.sh: N must be 2, 4 or 8 (got $gpus)"; exit 2 ;; esac
+# The loss rows' data, checked before any run.
+loss_data=${LOSS_DATA:-$repo/data/nlp-corpus}
+if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ] && [ -z "$dry" ] && [ "$loss_data" != mock ] &&
+   ! compgen -G "$loss_data/train_*.bin" > /dev/null; then
+  echo "bench_node.sh: no training shards $loss_data/train_*.bin for the loss rows." \
+       "HINT: run scripts/prepare_data.sh, or set LOSS_DATA=DIR (or LOSS_DATA=mock)" >&2
+  exit 2
+fi
 logs=${OUT:-$repo/build-gpu/logs}
 mkdir -p "$logs"
 jsonl=$logs/bench_node.jsonl
@@ -113,7 +123,7 @@ fi
 # Losses across layouts and a resume across layouts (4 GPUs and more).
 if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
   data=(--mock-data)
-  [ -n "${LOSS_DATA:-}" ] && data=(--train-data-path "$LOSS_DATA/train_*.bin")
+  [ "$loss_data" != mock ] && data=(--train-data-path "$loss_data/train_*.bin")
   common=(--config configs/gpt2-124m.json "${data[@]}" --global-batch-size 16 --seq-length 512
         --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --log-interval 1 --eval-interval 0
         --eval-iters 0 --log-level warn "--${LOSS_PRECISION:-fp8-hybrid}")
