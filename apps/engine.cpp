@@ -926,7 +926,7 @@ std::vector<float> TrainingEngine::State::initial_slab(const GptConfig& config, 
       continue;
     }
     whole_values.resize(whole.numel);
-    init_gpt_tensor(whole_values.data(), whole, index, config, seed);
+    init_gpt_tensor_for_part(whole_values.data(), whole, index, config, seed, t, parallel.tp_rank, parallel.tp_size);
     copy_part_from_full(t, whole_values.data(), own.data() + t.offset, parallel.tp_rank, parallel.tp_size);
   }
   return own;

@@ -48,7 +48,11 @@ bool is_linear_input_state(const std::string& state_name) {
                             kInputStateSuffix) == 0;
 }
 
-void init_gpt_tensor(float* p, const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed) {
+namespace {
+
+// init_gpt_tensor over the chunks `wanted` marks (every chunk when it is empty).
+void init_gpt_chunks(float* p, const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed,
+                     const std::vector<uint8_t>& wanted) {
   auto ends_with = [](const std::string& s, const std::string& suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
@@ -66,15 +70,33 @@ void init_gpt_tensor(float* p, const TensorInfo& t, size_t index, const GptConfi
   const size_t filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
   // Each chunk of a tensor draws from its own stream, keyed by (seed, tensor, chunk), so
   // a 1.5B-parameter model initialises in parallel and identically for any thread count.
-  constexpr size_t kChunk = 1 << 16;
+  constexpr size_t kChunk = kInitChunkElements;
   const size_t chunks = (t.numel + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)
   for (size_t chunk = 0; chunk < chunks; ++chunk) {
+    if (!wanted.empty() && !wanted[chunk]) continue;
     Random random(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull + chunk);
     random.next_u64();  // decorrelate neighbouring keys
     const size_t end = std::min(t.numel, (chunk + 1) * kChunk);
     for (size_t i = chunk * kChunk; i < end; ++i) p[i] = i < filled ? static_cast<float>(random.normal() * std_dev) : 0.0f;
   }
+}
+
+}  // namespace
+
+void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config, uint64_t seed) {
+  init_gpt_chunks(values, tensor, index, config, seed, {});
+}
+
+void init_gpt_tensor_for_part(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                              uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size) {
+  std::vector<uint8_t> wanted((tensor.numel + kInitChunkElements - 1) / kInitChunkElements, 0);
+  detail::for_each_part_run(part, tp_rank, tp_size, [&](size_t, size_t full, size_t count) {
+    if (count == 0) return;
+    for (size_t chunk = full / kInitChunkElements; chunk <= (full + count - 1) / kInitChunkElements; ++chunk)
+      wanted[chunk] = 1;
+  });
+  init_gpt_chunks(values, tensor, index, config, seed, wanted);
 }
 
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {

@@ -86,6 +86,13 @@ void init_gpt_parameters(float* params, const TensorLayout& layout, const GptCon
 // keyed by it), so a rank can draw the tensors it holds without the whole model.
 //   values [tensor.numel]
 void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config, uint64_t seed);
+// Only the chunks of kInitChunkElements elements (each its own random stream) that hold an
+// element of this tensor-parallel rank's part (`part`, TensorInfo of the part), so that a
+// rank of a column-parallel weight draws 1/tp of it; the other chunks of values are left as
+// they are. The part's elements equal init_gpt_tensor's.
+inline constexpr size_t kInitChunkElements = size_t{1} << 16;
+void init_gpt_tensor_for_part(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                              uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size);
 
 // Whether a scaling state is a Linear's input operand, an activation ("h.3.mlp.c_fc.input"),
 // rather than its weight or its output gradient.

@@ -51,7 +51,9 @@ mkdir -p "$logs"
 jsonl=$logs/bench_node.jsonl
 [ -n "$dry" ] || : > "$jsonl"
 export NCCL_NVLS_ENABLE=0
-mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE=0 -x OMP_NUM_THREADS=8
+# The host's cores shared by the ranks: start-up draws each rank's initial values on them.
+threads=$(( $(nproc) / gpus )); [ "$threads" -ge 1 ] || threads=1
+mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE=0 -x OMP_NUM_THREADS=$threads
      -x PATH -x LD_LIBRARY_PATH)
 status=0
 

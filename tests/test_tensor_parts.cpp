@@ -2,6 +2,7 @@
 // (copy_part_from_full, copy_part_to_full) move every element where the element-wise
 // index (detail::full_index_of_part_element) says, for every split and tensor-parallel size,
 // and the parts of all ranks tile the whole tensor exactly once.
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -62,6 +63,41 @@ TEST_CASE("a rank's part of a tensor copies run by run as the element index plac
       // Split tensors are tiled once by the ranks' parts; a replicated one is held whole by each.
       const int expected = c.split == TensorSplit::replicated ? tp : 1;
       for (size_t f = 0; f < full_numel; ++f) REQUIRE(covered[f] == expected);
+    }
+  }
+}
+
+TEST_CASE("a rank draws only the initialisation chunks its part holds, to the same values", "[parallel][layout]") {
+  // Weights of width 512 whose chunks (65,536 elements, 128 rows) each hold whole rows: a
+  // rank of a row split draws only its rows' chunks; a column split needs every chunk.
+  GptConfig config;
+  config.n_layer = 2;
+  const size_t chunk_rows = kInitChunkElements / 512;
+  for (TensorSplit split : {TensorSplit::rows, TensorSplit::qkv_rows, TensorSplit::columns}) {
+    for (int tp : {2, 4}) {
+      const std::vector<int64_t> full_shape = {int64_t(chunk_rows * 12), 512};
+      const TensorInfo part = part_info(split, full_shape, tp);
+      TensorInfo whole = part;
+      whole.name = "h.0.mlp.c_fc.weight";
+      whole.shape = whole.full_shape;
+      whole.numel = size_t(full_shape[0] * full_shape[1]);
+      std::vector<float> reference(whole.numel);
+      init_gpt_tensor(reference.data(), whole, 7, config, 1234);
+      for (int rank = 0; rank < tp; ++rank) {
+        INFO("split " << int(split) << ", tp " << tp << ", rank " << rank);
+        std::vector<float> drawn(whole.numel, -100.0f);  // -100: not drawn
+        init_gpt_tensor_for_part(drawn.data(), whole, 7, config, 1234, part, rank, tp);
+        std::vector<float> mine(part.numel), expected(part.numel);
+        copy_part_from_full(part, drawn.data(), mine.data(), rank, tp);
+        copy_part_from_full(part, reference.data(), expected.data(), rank, tp);
+        REQUIRE(mine == expected);
+        const size_t skipped = size_t(std::count(drawn.begin(), drawn.end(), -100.0f));
+        if (split == TensorSplit::columns) {
+          CHECK(skipped == 0);
+        } else {
+          CHECK(skipped == whole.numel - whole.numel / size_t(tp));  // rows of 1/tp only
+        }
+      }
     }
   }
 }
