@@ -10,7 +10,8 @@
 #        TP = 2 x DP = 2, each with and without sequence parallelism, against one GPU (and one GPU
 #        at half the micro-batch, the noise floor); a save at TP = 2 x DP = 2 resumed at TP = 4.
 # N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
-#        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8.
+#        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8;
+#        the loss rows of N = 4 plus TP = 4 x DP = 2 on all eight, with and without SP.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4 and TP = 2 x DP = 2): the same
 #        model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
@@ -140,6 +141,13 @@ if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
       run "$tag" 4 "${loss[@]}" --tensor-model-parallel-size "$tp" $sp --metrics-file "$logs/$tag.jsonl"
     done
   done
+  # Issue 16's layout on a full node, TP = 4 x DP = 2, against the same one GPU.
+  if [ "$gpus" = 8 ]; then
+    for sp in "" --sequence-parallel; do
+      run "loss-tp4dp2${sp:+-sp}" 8 "${loss[@]}" --tensor-model-parallel-size 4 $sp \
+        --metrics-file "$logs/loss-tp4dp2${sp:+-sp}.jsonl"
+    done
+  fi
   ckpt=$logs/ckpt-tp2dp2
   run save-tp2dp2 4 "${loss[@]}" --tensor-model-parallel-size 2 --exit-interval 25 --save "$ckpt" --save-interval 25 \
     --metrics-file "$logs/resume-first.jsonl"

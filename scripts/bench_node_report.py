@@ -10,7 +10,7 @@ import os
 import sys
 
 TOLERANCE = 2e-3
-LOSS_RUNS = ("loss-tp4", "loss-tp4-sp", "loss-tp2dp2", "loss-tp2dp2-sp")
+LOSS_RUNS = ("loss-tp4", "loss-tp4-sp", "loss-tp2dp2", "loss-tp2dp2-sp", "loss-tp4dp2", "loss-tp4dp2-sp")  # each when present
 
 
 def table(rows):
