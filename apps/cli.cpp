@@ -204,6 +204,17 @@ void validate_options(const TrainOptions& o) {
     require(o.num_layers_at_end_in_bf16 >= 0,
             "--num-layers-at-end-in-bf16 must be >= 0 (got " + num(o.num_layers_at_end_in_bf16) + ")");
   }
+  // Activation recomputation, as Megatron takes it; the layer count against the model in
+  // resolve_run_setup.
+  require(o.recompute_method.empty() || o.recompute_granularity == "full",
+          "--recompute-method needs --recompute-granularity full (selective recomputation has no method)");
+  require(!o.given("--recompute-num-layers") || o.recompute_granularity == "full",
+          "--recompute-num-layers needs --recompute-granularity full");
+  require(o.recompute_granularity != "full" || !o.recompute_method.empty(),
+          "--recompute-granularity full needs --recompute-method uniform (every block, in groups of "
+          "--recompute-num-layers) or block (the first --recompute-num-layers blocks)");
+  require(o.recompute_num_layers >= 1,
+          "--recompute-num-layers must be >= 1 (got " + num(o.recompute_num_layers) + ")");
   // Block numbers are checked against the model's layers once the config is known (resolve_run_setup).
   require(o.bf16_blocks.empty() || o.fp8_enabled(),
           "--bf16-blocks needs --fp8-format: without FP8 GEMMs every block already runs in BF16 (or FP32)");
@@ -332,6 +343,24 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   // ---- Batch and schedule
   const char* training = "Training";
   app.add_option("--micro-batch-size", o.micro_batch_size, "Sequences per GPU per forward/backward")->group(training);
+  app.add_option("--recompute-granularity", o.recompute_granularity,
+                 "Activation recomputation: full (a recomputed block keeps only its input; its backward reruns "
+                 "its forward) or selective (core attention, already fused here)")
+      ->check(CLI::IsMember({"full", "selective"}))
+      ->group(training);
+  app.add_flag_callback(
+         "--recompute-activations", [&o] { o.recompute_granularity = "selective"; },
+         "Megatron's shorthand for --recompute-granularity selective")
+      ->group(training);
+  app.add_option("--recompute-method", o.recompute_method,
+                 "With --recompute-granularity full: uniform (every block, in groups of --recompute-num-layers "
+                 "whose first block keeps its input) or block (the first --recompute-num-layers blocks)")
+      ->check(CLI::IsMember({"uniform", "block"}))
+      ->group(training);
+  app.add_option("--recompute-num-layers", o.recompute_num_layers,
+                 "With --recompute-granularity full: the group size (uniform) or the blocks recomputed (block); "
+                 "default 1")
+      ->group(training);
   app.add_option("--global-batch-size", o.global_batch_size,
                  "Sequences per optimizer step (0: micro-batch x data-parallel size)")
       ->group(training);

@@ -355,7 +355,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
   s.ops->set_amax_group(tp_group);
   s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, model_precision(o), *s.ops,
-                                       ModelParallelism{s.tp.get(), layout.dp_size});
+                                       ModelParallelism{s.tp.get(), layout.dp_size}, activation_recompute(o));
   s.canonical = make_gpt_layout(setup.model);
   s.state_precision = o.optimizer_state;
   s.recipe = o.fp8;

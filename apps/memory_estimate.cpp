@@ -162,7 +162,20 @@ std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x,
   return blocks;
 }
 
-uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+// The blocks [begin, end)'s GEMM precisions with how many blocks take each (counted).
+std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions_in(const Shape& x, const GptPrecision& precision,
+                                                                     uint64_t begin, uint64_t end) {
+  if (end <= begin) return {};
+  if (precision.gemm != GemmPrecision::fp8) return {{precision.gemm, end - begin}};
+  const uint64_t bf16 = uint64_t(precision.bf16_block_count_in(int64_t(begin), int64_t(end), int64_t(x.L)));
+  std::vector<std::pair<GemmPrecision, uint64_t>> blocks;
+  if (bf16 > 0) blocks.push_back({GemmPrecision::bf16, bf16});
+  if (end - begin > bf16) blocks.push_back({GemmPrecision::fp8, end - begin - bf16});
+  return blocks;
+}
+
+uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
+                          const ActivationRecompute& recompute) {
   const DType head_input = forward_operand_dtype(precision.lm_head());
   const DType head_grad = gradient_operand_dtype(precision.lm_head(), precision.fp8.format);
   // Under --fp8-recipe blockwise an FP8 input operand keeps its own transposed copy and tile scales.
@@ -173,15 +186,18 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   };
   // Each block's saved activations, with its own GEMM operand dtype (BF16 blocks under
   // --first-last-layers-bf16), and one gradient operand buffer per dtype the blocks use.
-  uint64_t layers = 0;
+  // Recomputed blocks (ActivationRecompute) keep their input at a group's start and share
+  // buffer sets: one per position in a group for each precision among them.
   std::vector<DType> grad_dtypes;
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
-    const DType block_input = forward_operand_dtype(gemm);
     const DType block_grad = gradient_operand_dtype(gemm, precision.fp8.format);
     if (std::find(grad_dtypes.begin(), grad_dtypes.end(), block_grad) == grad_dtypes.end())
       grad_dtypes.push_back(block_grad);
-    const uint64_t per_layer = sum({
-        tensor_bytes(eb, x.N, x.C, act),               // residual (the first layer's is the encoder output)
+  }
+  const uint64_t residual = tensor_bytes(eb, x.N, x.C, act);  // a block's input (the first's is the encoder output)
+  auto block_buffers = [&](GemmPrecision gemm) {  // all but the input
+    const DType block_input = forward_operand_dtype(gemm);
+    return sum({
         input_operand(x.BT, x.C, block_input),         // ln1
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
         tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
@@ -194,7 +210,22 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
         tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
         input_operand(x.BT, x.Fl, block_input),     // gelu
     });
-    layers = add(layers, mul(count, per_layer));
+  };
+  const uint64_t recomputed = recompute.method == ActivationRecompute::Method::uniform ? x.L
+                              : recompute.method == ActivationRecompute::Method::block
+                                  ? std::min<uint64_t>(x.L, uint64_t(recompute.layers))
+                                  : 0;
+  uint64_t layers = 0;
+  for (const auto& [gemm, count] : block_precisions_in(x, precision, recomputed, x.L))
+    layers = add(layers, mul(count, add(residual, block_buffers(gemm))));
+  if (recomputed > 0) {
+    const uint64_t group = uint64_t(recompute.layers);
+    const uint64_t kept_inputs =
+        recompute.method == ActivationRecompute::Method::uniform ? (x.L + group - 1) / group : recomputed;
+    const uint64_t sets = uint64_t(recompute.buffer_sets(int(std::min<uint64_t>(x.L, INT32_MAX))));
+    layers = add(layers, mul(kept_inputs, residual));
+    for (const auto& [gemm, count] : block_precisions_in(x, precision, 0, recomputed))
+      layers = add(layers, add(mul(sets, block_buffers(gemm)), mul(sets - 1, residual)));
   }
   uint64_t grad_operands = 0;
   for (DType grad_dtype : grad_dtypes)
@@ -404,7 +435,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   add_backend_consumer(
       estimate, cuda,
       "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) + " layers)",
-      activation_bytes(x, eb, act, precision),
+      activation_bytes(x, eb, act, precision, activation_recompute(o)),
       eval
           ? "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)"
           : "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);

@@ -58,6 +58,13 @@ struct TrainOptions {
   bool first_last_layers_bf16 = false;
   int num_layers_at_start_in_bf16 = 1;
   int num_layers_at_end_in_bf16 = 1;
+  // Activation recomputation (Megatron's flags, layers/gpt.h ActivationRecompute):
+  // --recompute-granularity full with --recompute-method uniform|block and
+  // --recompute-num-layers N; selective (--recompute-activations too) recomputes core attention
+  // in Megatron, whose fused kernels here keep no score matrix to drop.
+  std::string recompute_granularity;  // "", "full" or "selective"
+  std::string recompute_method;       // "", "uniform" or "block"
+  int recompute_num_layers = 1;
   // --bf16-blocks 0,5,11: under FP8, these blocks run their four Linear GEMMs in BF16 (fp8lm's
   // own flag; Megatron has none). --fp8-auto-precision adds the blocks it switches, and
   // checkpoints record the set, so a resume, `fp8lm eval` and `fp8lm sample` use it.

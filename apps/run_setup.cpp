@@ -132,6 +132,11 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                        "the two counts may cover each block once at most (--bf16 runs every block in BF16)");
   }
 
+  if (o.recompute_granularity == "full" && o.recompute_num_layers > m.n_layer)
+    throw InputError("--recompute-num-layers " + std::to_string(o.recompute_num_layers) + " exceeds the model's " +
+                         std::to_string(m.n_layer) + " layers",
+                     "--recompute-method uniform --recompute-num-layers 1 recomputes every block");
+
   if (!o.bf16_blocks.empty() && *o.bf16_blocks.rbegin() >= m.n_layer)
     throw InputError("--bf16-blocks names block " + std::to_string(*o.bf16_blocks.rbegin()) + " but the model has " +
                          std::to_string(m.n_layer) + " blocks",
@@ -211,6 +216,27 @@ GptPrecision model_precision(const TrainOptions& o) {
                       .gradients = o.grad_reduce_in_bf16 ? DType::bf16 : DType::f32};
 }
 
+ActivationRecompute activation_recompute(const TrainOptions& o) {
+  if (o.recompute_granularity != "full") return {};
+  return ActivationRecompute{.method = o.recompute_method == "uniform" ? ActivationRecompute::Method::uniform
+                                                                       : ActivationRecompute::Method::block,
+                             .layers = o.recompute_num_layers};
+}
+
+namespace {
+std::string recompute_description(const TrainOptions& o, int n_layer) {
+  if (o.recompute_granularity == "selective")
+    return "selective: nothing to recompute (the fused attention keeps no score matrix, only its output and "
+           "log-sum-exp)";
+  if (o.recompute_granularity != "full") return "off";
+  if (o.recompute_method == "block")
+    return "full, block: blocks 0-" + std::to_string(o.recompute_num_layers - 1) + " of " + std::to_string(n_layer) +
+           " keep only their input";
+  return "full, uniform: every block, in groups of " + std::to_string(o.recompute_num_layers) +
+         " whose first block keeps its input";
+}
+}  // namespace
+
 SettingsTable settings_table(const RunSetup& s) {
   const TrainOptions& o = s.options;
   const GptConfig& m = s.model;
@@ -253,6 +279,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"fp8-auto-precision", !fp8 ? "(fp8 off)" : auto_precision_description(o)},
       {"optimizer-state-precision", std::string(to_string(o.optimizer_state))},
       {"micro-batch-size", str(o.micro_batch_size)},
+      {"recompute (activations)", recompute_description(o, m.n_layer)},
       {"global-batch-size", str(s.global_batch_size)},
       {"gradient accumulation steps", str(s.grad_accum_steps)},
       {"seq-length", str(s.seq_length)},

@@ -40,6 +40,9 @@ void check_run_memory(const RunSetup& setup);
 
 // How the flags' precision maps onto the model's GEMMs (the training and decoding models).
 GptPrecision model_precision(const TrainOptions& options);
+// The training model's activation recomputation from the --recompute-* flags (none unless
+// --recompute-granularity full).
+ActivationRecompute activation_recompute(const TrainOptions& options);
 
 // Every setting, one row each, for the startup table.
 SettingsTable settings_table(const RunSetup& setup);

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <string>
+#include <tuple>
 #include <string_view>
 
 #include "core/block_scaling.h"
@@ -358,19 +360,20 @@ Tensor slab_view(void* slab, DType dtype, size_t element_bytes, const TensorInfo
 }  // namespace
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
-                   Ops& ops, const ModelParallelism& parallelism)
+                   Ops& ops, const ModelParallelism& parallelism, const ActivationRecompute& recompute)
     : GptModel(config, micro_batch_size, seq_length, precision, ops, parallelism,
-               InferenceShape{.batch = 0, .max_prompt = 0, .capacity = 0}) {}
+               InferenceShape{.batch = 0, .max_prompt = 0, .capacity = 0}, recompute) {}
 
 GptModel::GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops)
-    : GptModel(config, shape.batch, shape.max_prompt, precision, ops, ModelParallelism{}, shape) {
+    : GptModel(config, shape.batch, shape.max_prompt, precision, ops, ModelParallelism{}, shape, ActivationRecompute{}) {
   FP8LM_CHECK(shape.capacity >= shape.max_prompt && shape.capacity <= config.n_positions,
               "inference model: cache capacity ", shape.capacity, " outside [", shape.max_prompt, ", ",
               config.n_positions, "]");
 }
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
-                   Ops& ops, const ModelParallelism& parallelism, const InferenceShape& inference)
+                   Ops& ops, const ModelParallelism& parallelism, const InferenceShape& inference,
+                   const ActivationRecompute& recompute)
     : config_(config),
       B_(micro_batch_size),
       T_(seq_length),
@@ -379,7 +382,10 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
       scaling_(precision.fp8),
       activation_dtype_(ops.activation_dtype()),
       gradient_dtype_(precision.gradients),
-      inference_(inference) {
+      inference_(inference),
+      recompute_(recompute) {
+  FP8LM_CHECK(recompute.method == ActivationRecompute::Method::none || (!is_inference() && recompute.layers >= 1),
+              "activation recomputation: a training model and at least one layer per group");
   FP8LM_CHECK(gradient_dtype_ == DType::f32 || gradient_dtype_ == DType::bf16, "gradients in ",
               to_string(gradient_dtype_), ": FP32 or BF16 only");
   FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
@@ -529,6 +535,38 @@ void GptModel::plan_memory() {
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
     Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
+    // Recomputed blocks share `sets` sets of buffers per operand dtype combination, set k
+    // taking the k-th block of every group (its input buffer too, for k > 0: only a group's
+    // first block keeps its own). Every position for every combination among the recomputed
+    // blocks (the memory estimate counts them so), carved in the order first met, the same in
+    // both carving passes.
+    using OperandDtypes = std::tuple<DType, DType, DType, DType>;
+    auto operand_dtypes = [](const BlockParams& w) {
+      return OperandDtypes{w.qkv.input_dtype, w.proj.input_dtype, w.fc.input_dtype, w.fc2.input_dtype};
+    };
+    std::map<std::pair<OperandDtypes, int>, BlockActivations> recompute_sets;
+    const int sets = training ? recompute_.buffer_sets(int(L)) : 0;
+    for (int64_t l = 0; l < L && sets > 0; ++l) {
+      if (!recompute_.recomputes(int(l)) || recompute_sets.count({operand_dtypes(blocks_[l]), 0})) continue;
+      for (int position = 0; position < sets; ++position) {
+        BlockActivations& set = recompute_sets[{operand_dtypes(blocks_[l]), position}];
+        const BlockParams& w = blocks_[l];
+        if (position > 0) set.residual = c.take(N, C, act);
+        set.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+        set.ln1_mean = c.take(N, 1, DType::f32);
+        set.ln1_rstd = c.take(N, 1, DType::f32);
+        set.qkv = c.take(BT, 3 * Cl, act);
+        set.atty = c.take(BT, Cl, act);
+        set.atty_operand = w.proj.input_dtype == act ? set.atty : operand(BT, Cl, w.proj.input_dtype, w.proj.input_state);
+        set.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
+        set.residual_mid = c.take(N, C, act);
+        set.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+        set.ln2_mean = c.take(N, 1, DType::f32);
+        set.ln2_rstd = c.take(N, 1, DType::f32);
+        set.fc_pre = c.take(BT, F, act);
+        set.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      }
+    }
     for (int64_t l = 0; l < L; ++l) {
       const BlockParams& w = blocks_[l];
       BlockActivations& a = saved_[l];
@@ -538,6 +576,17 @@ void GptModel::plan_memory() {
         a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
         a.atty_operand = w.proj.input_dtype == act ? a.atty
                                                    : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state);
+        a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
+        a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
+        continue;
+      }
+      if (sets > 0 && recompute_.recomputes(int(l))) {
+        // The set's buffers with this block's scaling states; its own input at a group's start.
+        const int position = int(l) - recompute_.group_begin(int(l));
+        a = recompute_sets.at({operand_dtypes(w), position});
+        if (position == 0) a.residual = l == 0 ? s.encoded : c.take(N, C, act);
+        a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
+        if (w.proj.input_dtype != act) a.atty_operand = stamped(a.atty_operand, w.proj.input_dtype, w.proj.input_state);
         a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
         a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
         continue;
@@ -708,8 +757,6 @@ void GptModel::block_forward(int l, const Chunk& chunk) {
   const BlockParams& w = blocks_[l];
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
-  const int tp = tp_->size();
-  const AttentionShape heads{chunk.B, chunk.T, config_.n_head / tp, config_.n_embd / config_.n_head};
   // A chunk of an inference model fills the first rows of the buffers.
   const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
   auto rows = [&](const Tensor& t) { return chunk.cached ? first_rows(t, chunk_rows) : t; };
@@ -717,6 +764,19 @@ void GptModel::block_forward(int l, const Chunk& chunk) {
   // ln_1 adds the previous block's MLP output (and its bias) into the residual stream,
   // when its GEMM did not.
   const ResidualAdd input = l == 0 ? ResidualAdd{.residual_in = rows(s.encoded)} : block_output_;
+  block_forward_to_mlp(l, chunk, input);
+  const bool last = l + 1 == config_.n_layer;
+  block_output_ = row_parallel_forward(w.fc2, rows(a.gelu), rows(a.residual_mid),
+                                       rows(last ? s.residual_final : saved_[l + 1].residual));
+}
+
+void GptModel::block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd& input) {
+  const BlockParams& w = blocks_[l];
+  const BlockActivations& a = saved_[l];
+  const int tp = tp_->size();
+  const AttentionShape heads{chunk.B, chunk.T, config_.n_head / tp, config_.n_embd / config_.n_head};
+  const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
+  auto rows = [&](const Tensor& t) { return chunk.cached ? first_rows(t, chunk_rows) : t; };
   layernorm_forward(w.ln1, input, rows(a.ln1), rows(a.ln1_mean), rows(a.ln1_rstd));
   ops_.gemm({.pass = GemmPass::forward, .out = rows(a.qkv), .input = rows(a.ln1), .weight = w.qkv.weight_operand,
              .bias = w.qkv.bias});
@@ -731,9 +791,21 @@ void GptModel::block_forward(int l, const Chunk& chunk) {
   // c_fc's bias joins the GELU, which also casts the next GEMM's input.
   ops_.gemm({.pass = GemmPass::forward, .out = rows(a.fc_pre), .input = rows(a.ln2), .weight = w.fc.weight_operand});
   ops_.bias_gelu_forward(rows(a.gelu), rows(a.fc_pre), w.fc.bias);
-  const bool last = l + 1 == config_.n_layer;
-  block_output_ = row_parallel_forward(w.fc2, rows(a.gelu), rows(a.residual_mid),
-                                       rows(last ? s.residual_final : saved_[l + 1].residual));
+}
+
+void GptModel::recompute_forward(int begin, int last) {
+  // The same values as the forward's, cast with the same scales: nothing to record (nor count).
+  ops_.set_amax_recording(false);
+  const Chunk whole{.B = B_, .T = T_};
+  ResidualAdd input{.residual_in = saved_[begin].residual};
+  for (int l = begin; l <= last; ++l) {
+    block_forward_to_mlp(l, whole, input);
+    if (l < last) {
+      const BlockActivations& a = saved_[l];
+      input = row_parallel_forward(blocks_[l].fc2, a.gelu, a.residual_mid, saved_[l + 1].residual);
+    }
+  }
+  ops_.set_amax_recording(true);
 }
 
 void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape& heads) {
@@ -832,6 +904,14 @@ void GptModel::backward(const TokenBatch& batch) {
   layernorm_backward(*ln_f_, s.residual_final, s.lnf_mean, s.lnf_rstd);
   after_backward(config_.n_layer);
   for (int l = config_.n_layer - 1; l >= 0; --l) {
+    // A recomputed group's forwards rerun before the backward of its last block.
+    if (recompute_.recomputes(l)) {
+      const int begin = recompute_.group_begin(l);
+      const int group_last = recompute_.method == ActivationRecompute::Method::uniform
+                                 ? std::min(begin + recompute_.layers, config_.n_layer) - 1
+                                 : l;
+      if (l == group_last) recompute_forward(begin, l);
+    }
     block_backward(l);
     after_backward(l);
   }

@@ -123,12 +123,15 @@ struct GptPrecision {
     return runs_block_in_bf16(layer, n_layer) ? GemmPrecision::bf16 : GemmPrecision::fp8;
   }
   // How many of `n_layer` blocks run BF16 under fp8 (the ranges and the set, each block once).
-  int64_t bf16_block_count(int64_t n_layer) const {
+  int64_t bf16_block_count(int64_t n_layer) const { return bf16_block_count_in(0, n_layer, n_layer); }
+  // ... of the blocks [begin, end).
+  int64_t bf16_block_count_in(int64_t begin, int64_t end, int64_t n_layer) const {
     const int64_t start = std::min<int64_t>(n_layer, bf16_layers_at_start);
-    const int64_t end = std::min<int64_t>(n_layer - start, bf16_layers_at_end);
-    int64_t count = start + end;
+    const int64_t tail = std::max<int64_t>(start, n_layer - bf16_layers_at_end);  // [tail, n_layer) BF16
+    auto overlap = [&](int64_t a, int64_t b) { return std::max<int64_t>(0, std::min(b, end) - std::max(a, begin)); };
+    int64_t count = overlap(0, start) + overlap(tail, n_layer);
     for (int layer : bf16_blocks)
-      if (layer >= start && layer < n_layer - end) ++count;
+      if (layer >= start && layer < tail && layer >= begin && layer < end) ++count;
     return count;
   }
   // The LM head's GEMM precision: FP8 only when asked, BF16 under fp8 otherwise.
@@ -155,6 +158,28 @@ DType gradient_operand_dtype(GemmPrecision precision, Fp8Format format);
 struct ModelParallelism {
   const TensorParallelMappings* tensor_parallel = nullptr;  // nullptr: one rank
   int data_parallel_size = 1;                               // pads the buckets
+};
+
+// Full activation recomputation (Megatron's --recompute-granularity full): a recomputed
+// block keeps no activations for the backward but its input, and the backward reruns its
+// forward first (without recording amaxes: the same values, with the same scales).
+//   uniform: every block, in groups of `layers` consecutive blocks; only a group's first
+//            block keeps its input, and the group's forwards rerun together (`layers` sets
+//            of block buffers, shared by the groups);
+//   block:   the first `layers` blocks, each keeping its input (one set of buffers).
+struct ActivationRecompute {
+  enum class Method : uint8_t { none, uniform, block };
+  Method method = Method::none;
+  int layers = 1;
+  bool recomputes(int layer) const {
+    return method == Method::uniform || (method == Method::block && layer < layers);
+  }
+  // The first block of `layer`'s group, and the number of block buffer sets the groups share.
+  int group_begin(int layer) const { return method == Method::uniform ? layer - layer % layers : layer; }
+  int buffer_sets(int n_layer) const {
+    if (method == Method::none) return 0;
+    return method == Method::uniform ? std::min(layers, n_layer) : 1;
+  }
 };
 
 // A Linear weight's GEMM operand, for the engine's FP8 weight gather.
@@ -187,7 +212,7 @@ class GptModel {
   // A model to train (and evaluate): gradients, and every block's activations kept for the
   // backward.
   GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
-           const ModelParallelism& parallelism = {});
+           const ModelParallelism& parallelism = {}, const ActivationRecompute& recompute = {});
   // A model to decode with: no gradients, one block's activations shared by all blocks, and
   // a key/value cache. One rank (no tensor parallelism).
   GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops);
@@ -262,7 +287,7 @@ class GptModel {
 
  private:
   GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
-           const ModelParallelism& parallelism, const InferenceShape& inference);
+           const ModelParallelism& parallelism, const InferenceShape& inference, const ActivationRecompute& recompute);
   // The rows one forward pass covers: the whole [B,T] batch (training and evaluation), or
   // in an inference model n new tokens of each sequence at `position`, through the cache.
   struct Chunk {
@@ -287,6 +312,11 @@ class GptModel {
   };
   ResidualAdd row_parallel_forward(const LinearParams& linear, const Tensor& input, const Tensor& residual_in,
                                    const Tensor& residual_out);
+  // Block l's forward up to the GELU (everything its backward reads) from `input`, the
+  // residual stream with its pending add.
+  void block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd& input);
+  // Reruns the forwards of recomputed blocks [begin, last] for their backward.
+  void recompute_forward(int begin, int last);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);
@@ -311,6 +341,7 @@ class GptModel {
 
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
   InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // capacity 0: a training model
+  ActivationRecompute recompute_;
   std::unique_ptr<Allocation> kv_cache_;
   std::vector<KvCache> kv_;  // per block
 

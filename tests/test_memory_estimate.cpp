@@ -63,6 +63,11 @@ TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[m
       {"--fp8-format", "e4m3", "--fp8-lm-head", "--num-layers", "3", "--seq-length", "32"},
       // Blocks 0 and 3 BF16: their own operand dtypes, and a second gradient operand buffer.
       {"--fp8-hybrid", "--num-layers", "4", "--first-last-layers-bf16", "--seq-length", "32"},
+      // Activation recomputation over BF16 and FP8 blocks: shared buffer sets for each.
+      {"--fp8-hybrid", "--num-layers", "6", "--first-last-layers-bf16", "--recompute-granularity", "full",
+       "--recompute-method", "uniform", "--recompute-num-layers", "2"},
+      {"--fp8-hybrid", "--num-layers", "6", "--recompute-granularity", "full", "--recompute-method", "block",
+       "--recompute-num-layers", "4"},
       // Block scaling: transposed copies and FP32 tile scales for every FP8 operand (widths of 128).
       {"--fp8-hybrid", "--fp8-recipe", "blockwise", "--fp8-lm-head", "--seq-length", "32", "--config",
        testing::source_path("configs/tiny-128.json")},

@@ -1,0 +1,181 @@
+// Activation recomputation (--recompute-granularity full, layers/gpt.h ActivationRecompute):
+// a recomputed block's backward reruns its forward from the block's saved input with the same
+// kernels and scales, so training is the same, bit for bit, as without it, on either backend;
+// the activations shrink as the memory estimate says; the flags are checked as Megatron's are.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include "apps/cli.h"
+#include "apps/engine.h"
+#include "apps/run_setup.h"
+#include "cli_testing.h"
+#include "core/error.h"
+#include "core/random.h"
+#include "gpu_testing.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+RunSetup recompute_setup(const std::string& device, std::vector<std::string> flags) {
+  std::vector<std::string> args = {"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device",
+                                   device, "--num-layers", "5", "--seq-length", "32", "--micro-batch-size", "2",
+                                   "--global-batch-size", "4", "--seed", "5"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return resolve_run_setup(parse_train_command_line(args).options);
+}
+
+std::vector<int32_t> tokens(size_t n, uint64_t seed) {
+  Random random(seed);
+  std::vector<int32_t> values(n);
+  for (int32_t& t : values) t = int32_t(random.next_u64() % 256);
+  return values;
+}
+
+struct Trained {
+  std::vector<float> losses, norms, parameters;
+  std::vector<Fp8TensorStatistics> statistics;  // of the last step (statistics every step)
+};
+
+// Three steps of two micro-batches.
+Trained train(const std::string& device, const std::vector<std::string>& flags) {
+  const RunSetup setup = recompute_setup(device, flags);
+  auto engine = make_engine(setup);
+  AdamWHyperparams hp;
+  hp.lr = 3e-3f;
+  hp.weight_decay = 0.1f;
+  Trained out;
+  for (int step = 0; step < 3; ++step) {
+    engine->begin_step(step);
+    for (int micro = 0; micro < 2; ++micro) {
+      const auto x = tokens(64, 10 * step + micro), y = tokens(64, 10 * step + micro + 100);
+      engine->forward_backward(x.data(), y.data());
+    }
+    engine->end_step(hp, 1.0, step);
+    const StepMetrics metrics = engine->step_metrics();
+    out.losses.push_back(float(metrics.loss));
+    out.norms.push_back(float(metrics.grad_norm));
+    if (engine->collects_fp8_statistics(step)) out.statistics = engine->fp8_statistics();
+  }
+  out.parameters = engine->parameters();
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void check_recompute_changes_nothing(const std::string& device) {
+  // Delayed scaling with BF16 first and last blocks (two operand dtype combinations among the
+  // recomputed blocks), current scaling with statistics, block scaling, BF16.
+  const std::vector<std::vector<std::string>> precisions = {
+      {"--fp8-hybrid", "--first-last-layers-bf16"},
+      {"--fp8-hybrid", "--fp8-recipe", "tensorwise", "--fp8-stats-interval", "1"},
+      {"--fp8-hybrid", "--fp8-stats-interval", "1"},
+      {"--fp8-hybrid", "--fp8-recipe", "blockwise"},
+      {"--bf16"}};
+  const std::vector<std::vector<std::string>> recomputes = {
+      {"--recompute-granularity", "full", "--recompute-method", "uniform"},
+      {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"},
+      {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"}};
+  for (const auto& precision : precisions) {
+    const Trained plain = train(device, precision);
+    for (const auto& recompute : recomputes) {
+      std::vector<std::string> flags = precision;
+      flags.insert(flags.end(), recompute.begin(), recompute.end());
+      INFO(device << ":" << [&] {
+        std::string text;
+        for (const std::string& f : flags) text += " " + f;
+        return text;
+      }());
+      const Trained recomputed = train(device, flags);
+      CHECK(same_bits(recomputed.losses, plain.losses));
+      CHECK(same_bits(recomputed.norms, plain.norms));
+      CHECK(same_bits(recomputed.parameters, plain.parameters));
+      // The reruns record no amax and count no cast: the statistics are the forward's.
+      REQUIRE(recomputed.statistics.size() == plain.statistics.size());
+      for (size_t k = 0; k < plain.statistics.size(); ++k) {
+        CHECK(recomputed.statistics[k].elements == plain.statistics[k].elements);
+        CHECK(recomputed.statistics[k].amax == plain.statistics[k].amax);
+        CHECK(recomputed.statistics[k].saturated == plain.statistics[k].saturated);
+      }
+    }
+  }
+}
+
+uint64_t estimated_activations(const RunSetup& setup) {
+  for (const MemoryConsumer& consumer : setup.memory.consumers)
+    if (consumer.name.rfind("activations", 0) == 0) return consumer.host_bytes;
+  FAIL("no activations line in the memory estimate");
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("activation recomputation trains bit for bit as without it (CPU backend)", "[recompute][cpu]") {
+  check_recompute_changes_nothing("cpu");
+}
+
+TEST_CASE("activation recomputation trains bit for bit as without it (GPU backend)", "[recompute][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  check_recompute_changes_nothing("cuda");
+}
+
+TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated and allocated", "[recompute][cpu]") {
+  // The engine allocates what the estimate says: uniform groups of 1 keep every block's input
+  // and one set of block buffers, groups of 4 keep 3 inputs and 4 sets, block 6 keeps 6
+  // inputs, 1 set and 6 whole blocks.
+  auto activations = [](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--num-layers", "12", "--fp8-hybrid"});
+    const RunSetup setup = recompute_setup("cpu", flags);
+    auto engine = make_engine(setup);
+    // As tests/test_memory_estimate.cpp: within 2% (alignment and small tables).
+    const double measured = double(engine->benchmark_memory().allocated_bytes);
+    CHECK(std::fabs(double(setup.memory.engine_bytes(/*device=*/false)) - measured) <= 0.02 * measured);
+    return estimated_activations(setup);
+  };
+  const uint64_t plain = activations({});
+  const uint64_t every = activations({"--recompute-granularity", "full", "--recompute-method", "uniform"});
+  const uint64_t groups = activations(
+      {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "4"});
+  const uint64_t first_six = activations(
+      {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "6"});
+  // With r a block's input and b the rest of its buffers: plain 12 (r + b), every 12 r + b,
+  // groups 3 r + 4 b + 3 r (sets 1-3 hold the inputs of the groups' later blocks), first_six
+  // 6 (r + b) + 6 r + b; all with the same rest of the model.
+  REQUIRE(plain > every);
+  REQUIRE((plain - every) % 11 == 0);
+  const uint64_t block = (plain - every) / 11;
+  const uint64_t residual = 2 * 32 * 64 * sizeof(float);  // N x C, FP32 on the CPU
+  CHECK(first_six - every == 6 * block);
+  CHECK(groups - every == 3 * block - 6 * residual);
+  CHECK(block > 8 * residual);  // what recomputation saves dwarfs what it keeps
+}
+
+TEST_CASE("activation recomputation flags are checked as Megatron's are, before any work", "[recompute][cpu][cli]") {
+  auto refused = [](std::vector<std::string> flags, const std::string& message) {
+    INFO(message);
+    CHECK_THROWS_WITH(recompute_setup("cpu", flags), ContainsSubstring(message));
+  };
+  refused({"--recompute-method", "uniform"}, "--recompute-method needs --recompute-granularity full");
+  refused({"--recompute-activations", "--recompute-method", "block"}, "--recompute-method needs");
+  refused({"--recompute-granularity", "full"}, "--recompute-granularity full needs --recompute-method");
+  refused({"--recompute-num-layers", "2"}, "--recompute-num-layers needs --recompute-granularity full");
+  refused({"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"},
+          "--recompute-num-layers must be >= 1");
+  refused({"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "6"},
+          "--recompute-num-layers 6 exceeds the model's 5 layers");
+  // Selective recomputation (Megatron's core attention) is accepted and said to be a no-op here.
+  const RunSetup selective = recompute_setup("cpu", {"--recompute-activations"});
+  bool described = false;
+  for (const auto& [name, value] : settings_table(selective))
+    if (name == "recompute (activations)") described = value.rfind("selective: nothing to recompute", 0) == 0;
+  CHECK(described);
+  CHECK(activation_recompute(selective.options).method == ActivationRecompute::Method::none);
+}
