@@ -535,6 +535,26 @@ void GptModel::plan_memory() {
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
     Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
+    // A block's buffers but its input, with block w's operand dtypes and scaling states.
+    auto carve_block = [&](BlockActivations& a, const BlockParams& w) {
+      a.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+      a.ln1_mean = c.take(N, 1, DType::f32);
+      a.ln1_rstd = c.take(N, 1, DType::f32);
+      a.qkv = c.take(BT, 3 * Cl, act);
+      a.atty = c.take(BT, Cl, act);
+      if (!training) shared_atty_operand = c.take(BT, Cl, act);
+      a.atty_operand = w.proj.input_dtype == act
+                           ? a.atty
+                           : (training ? operand(BT, Cl, w.proj.input_dtype, w.proj.input_state)
+                                       : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
+      a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
+      a.residual_mid = c.take(N, C, act);
+      a.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+      a.ln2_mean = c.take(N, 1, DType::f32);
+      a.ln2_rstd = c.take(N, 1, DType::f32);
+      a.fc_pre = c.take(BT, F, act);
+      a.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+    };
     // Recomputed blocks share `sets` sets of buffers per operand dtype combination, set k
     // taking the k-th block of every group (its input buffer too, for k > 0: only a group's
     // first block keeps its own). Every position for every combination among the recomputed
@@ -550,21 +570,8 @@ void GptModel::plan_memory() {
       if (!recompute_.recomputes(int(l)) || recompute_sets.count({operand_dtypes(blocks_[l]), 0})) continue;
       for (int position = 0; position < sets; ++position) {
         BlockActivations& set = recompute_sets[{operand_dtypes(blocks_[l]), position}];
-        const BlockParams& w = blocks_[l];
         if (position > 0) set.residual = c.take(N, C, act);
-        set.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
-        set.ln1_mean = c.take(N, 1, DType::f32);
-        set.ln1_rstd = c.take(N, 1, DType::f32);
-        set.qkv = c.take(BT, 3 * Cl, act);
-        set.atty = c.take(BT, Cl, act);
-        set.atty_operand = w.proj.input_dtype == act ? set.atty : operand(BT, Cl, w.proj.input_dtype, w.proj.input_state);
-        set.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
-        set.residual_mid = c.take(N, C, act);
-        set.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
-        set.ln2_mean = c.take(N, 1, DType::f32);
-        set.ln2_rstd = c.take(N, 1, DType::f32);
-        set.fc_pre = c.take(BT, F, act);
-        set.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+        carve_block(set, blocks_[l]);
       }
     }
     for (int64_t l = 0; l < L; ++l) {
@@ -592,23 +599,7 @@ void GptModel::plan_memory() {
         continue;
       }
       a.residual = l == 0 ? s.encoded : c.take(N, C, act);
-      a.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
-      a.ln1_mean = c.take(N, 1, DType::f32);
-      a.ln1_rstd = c.take(N, 1, DType::f32);
-      a.qkv = c.take(BT, 3 * Cl, act);
-      a.atty = c.take(BT, Cl, act);
-      if (!training) shared_atty_operand = c.take(BT, Cl, act);
-      a.atty_operand = w.proj.input_dtype == act
-                           ? a.atty
-                           : (training ? operand(BT, Cl, w.proj.input_dtype, w.proj.input_state)
-                                       : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
-      a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
-      a.residual_mid = c.take(N, C, act);
-      a.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
-      a.ln2_mean = c.take(N, 1, DType::f32);
-      a.ln2_rstd = c.take(N, 1, DType::f32);
-      a.fc_pre = c.take(BT, F, act);
-      a.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      carve_block(a, w);
     }
     s.branch = c.take(BT, C, act);
     s.branch_rows = sp ? c.take(N, C, act) : s.branch;
