@@ -213,6 +213,8 @@ void validate_options(const TrainOptions& o) {
   require(o.recompute_granularity != "full" || !o.recompute_method.empty(),
           "--recompute-granularity full needs --recompute-method uniform (every block, in groups of "
           "--recompute-num-layers) or block (the first --recompute-num-layers blocks)");
+  require(!o.given("--recompute-modules") || o.recompute_granularity == "selective",
+          "--recompute-modules needs --recompute-granularity selective (or --recompute-activations)");
   require(o.recompute_num_layers >= 1,
           "--recompute-num-layers must be >= 1 (got " + num(o.recompute_num_layers) + ")");
   // Block numbers are checked against the model's layers once the config is known (resolve_run_setup).
@@ -345,12 +347,18 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--micro-batch-size", o.micro_batch_size, "Sequences per GPU per forward/backward")->group(training);
   app.add_option("--recompute-granularity", o.recompute_granularity,
                  "Activation recomputation: full (a recomputed block keeps only its input; its backward reruns "
-                 "its forward) or selective (core attention, already fused here)")
+                 "its forward) or selective (--recompute-modules)")
       ->check(CLI::IsMember({"full", "selective"}))
       ->group(training);
   app.add_flag_callback(
          "--recompute-activations", [&o] { o.recompute_granularity = "selective"; },
          "Megatron's shorthand for --recompute-granularity selective")
+      ->group(training);
+  app.add_option("--recompute-modules", o.recompute_modules,
+                 "With --recompute-granularity selective: what each block's backward recomputes: core_attn "
+                 "(default; nothing here, the fused attention keeps no score matrix), layernorm (the LayerNorm "
+                 "outputs), mlp (c_fc's and the GELU's outputs, one c_fc GEMM more)")
+      ->check(CLI::IsMember({"core_attn", "layernorm", "mlp"}))
       ->group(training);
   app.add_option("--recompute-method", o.recompute_method,
                  "With --recompute-granularity full: uniform (every block, in groups of --recompute-num-layers "

@@ -195,20 +195,29 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       grad_dtypes.push_back(block_grad);
   }
   const uint64_t residual = tensor_bytes(eb, x.N, x.C, act);  // a block's input (the first's is the encoder output)
-  auto block_buffers = [&](GemmPrecision gemm) {  // all but the input
+  // Selective recomputation's tensors (the LayerNorm outputs, c_fc's and the GELU's), which
+  // one set per precision holds for every block.
+  auto layernorm_outputs = [&](GemmPrecision gemm) {
+    return mul(2, input_operand(x.BT, x.C, forward_operand_dtype(gemm)));  // ln1, ln2
+  };
+  auto mlp_outputs = [&](GemmPrecision gemm) {
+    return add(tensor_bytes(eb, x.BT, x.Fl, act), input_operand(x.BT, x.Fl, forward_operand_dtype(gemm)));
+  };
+  auto selectively_recomputed = [&](GemmPrecision gemm) {
+    return add(recompute.layernorm ? layernorm_outputs(gemm) : 0, recompute.mlp ? mlp_outputs(gemm) : 0);
+  };
+  auto block_buffers = [&](GemmPrecision gemm) {  // all but the input (and what one set holds)
     const DType block_input = forward_operand_dtype(gemm);
     return sum({
-        input_operand(x.BT, x.C, block_input),         // ln1
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
         tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
         tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
         block_input == act ? 0 : input_operand(x.BT, x.Cl, block_input),
         tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
         tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
-        input_operand(x.BT, x.C, block_input),                // ln2
-        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
-        tensor_bytes(eb, x.BT, x.Fl, act),          // fc_pre
-        input_operand(x.BT, x.Fl, block_input),     // gelu
+        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),         // ln2 mean, rstd
+        recompute.layernorm ? 0 : layernorm_outputs(gemm),
+        recompute.mlp ? 0 : mlp_outputs(gemm),
     });
   };
   const uint64_t recomputed = recompute.method == ActivationRecompute::Method::uniform ? x.L
@@ -218,6 +227,8 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   uint64_t layers = 0;
   for (const auto& [gemm, count] : block_precisions_in(x, precision, recomputed, x.L))
     layers = add(layers, mul(count, add(residual, block_buffers(gemm))));
+  if (recompute.selective())
+    for (const auto& [gemm, count] : block_precisions(x, precision)) layers = add(layers, selectively_recomputed(gemm));
   if (recomputed > 0) {
     const uint64_t group = uint64_t(recompute.layers);
     const uint64_t kept_inputs =

@@ -60,11 +60,14 @@ struct TrainOptions {
   int num_layers_at_end_in_bf16 = 1;
   // Activation recomputation (Megatron's flags, layers/gpt.h ActivationRecompute):
   // --recompute-granularity full with --recompute-method uniform|block and
-  // --recompute-num-layers N; selective (--recompute-activations too) recomputes core attention
-  // in Megatron, whose fused kernels here keep no score matrix to drop.
+  // --recompute-num-layers N; or --recompute-granularity selective (--recompute-activations
+  // too) with --recompute-modules: core_attn (Megatron's default; a no-op here, the fused
+  // attention keeps no score matrix), layernorm, mlp.
   std::string recompute_granularity;  // "", "full" or "selective"
   std::string recompute_method;       // "", "uniform" or "block"
   int recompute_num_layers = 1;
+  // --recompute-modules under selective granularity (Megatron's default: core_attn).
+  std::vector<std::string> recompute_modules = {"core_attn"};
   // --bf16-blocks 0,5,11: under FP8, these blocks run their four Linear GEMMs in BF16 (fp8lm's
   // own flag; Megatron has none). --fp8-auto-precision adds the blocks it switches, and
   // checkpoints record the set, so a resume, `fp8lm eval` and `fp8lm sample` use it.

@@ -1,5 +1,6 @@
 #include "apps/run_setup.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -217,6 +218,12 @@ GptPrecision model_precision(const TrainOptions& o) {
 }
 
 ActivationRecompute activation_recompute(const TrainOptions& o) {
+  if (o.recompute_granularity == "selective") {
+    auto has = [&](const char* module) {
+      return std::find(o.recompute_modules.begin(), o.recompute_modules.end(), module) != o.recompute_modules.end();
+    };
+    return ActivationRecompute{.layernorm = has("layernorm"), .mlp = has("mlp")};
+  }
   if (o.recompute_granularity != "full") return {};
   return ActivationRecompute{.method = o.recompute_method == "uniform" ? ActivationRecompute::Method::uniform
                                                                        : ActivationRecompute::Method::block,
@@ -225,9 +232,16 @@ ActivationRecompute activation_recompute(const TrainOptions& o) {
 
 namespace {
 std::string recompute_description(const TrainOptions& o, int n_layer) {
-  if (o.recompute_granularity == "selective")
-    return "selective: nothing to recompute (the fused attention keeps no score matrix, only its output and "
-           "log-sum-exp)";
+  if (o.recompute_granularity == "selective") {
+    const ActivationRecompute r = activation_recompute(o);
+    std::string what;
+    if (r.layernorm) what += "the LayerNorm outputs";
+    if (r.mlp) what += std::string(what.empty() ? "" : " and ") + "c_fc's and the GELU's outputs";
+    if (what.empty())
+      return "selective (core_attn): nothing to recompute (the fused attention keeps no score matrix, only its "
+             "output and log-sum-exp)";
+    return "selective: every block's backward recomputes " + what;
+  }
   if (o.recompute_granularity != "full") return "off";
   if (o.recompute_method == "block")
     return "full, block: blocks 0-" + std::to_string(o.recompute_num_layers - 1) + " of " + std::to_string(n_layer) +

@@ -386,6 +386,8 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
       recompute_(recompute) {
   FP8LM_CHECK(recompute.method == ActivationRecompute::Method::none || (!is_inference() && recompute.layers >= 1),
               "activation recomputation: a training model and at least one layer per group");
+  FP8LM_CHECK(!recompute.selective() || (!is_inference() && recompute.method == ActivationRecompute::Method::none),
+              "selective recomputation: a training model, and not with full recomputation");
   FP8LM_CHECK(gradient_dtype_ == DType::f32 || gradient_dtype_ == DType::bf16, "gradients in ",
               to_string(gradient_dtype_), ": FP32 or BF16 only");
   FP8LM_CHECK(seq_length <= config.n_positions && micro_batch_size > 0);
@@ -535,9 +537,17 @@ void GptModel::plan_memory() {
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
     Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
-    // A block's buffers but its input, with block w's operand dtypes and scaling states.
-    auto carve_block = [&](BlockActivations& a, const BlockParams& w) {
-      a.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+    // Blocks whose GEMM operands have the same dtypes can share buffers.
+    using OperandDtypes = std::tuple<DType, DType, DType, DType>;
+    auto operand_dtypes = [](const BlockParams& w) {
+      return OperandDtypes{w.qkv.input_dtype, w.proj.input_dtype, w.fc.input_dtype, w.fc2.input_dtype};
+    };
+    // A block's buffers but its input, with block w's operand dtypes and scaling states; the
+    // tensors selective recomputation rewrites are those of `shared` when given.
+    auto carve_block = [&](BlockActivations& a, const BlockParams& w, const BlockActivations* shared = nullptr) {
+      const bool share_ln = shared && recompute_.layernorm, share_mlp = shared && recompute_.mlp;
+      a.ln1 = share_ln ? stamped(shared->ln1, w.qkv.input_dtype, w.qkv.input_state)
+                       : operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
       a.ln1_mean = c.take(N, 1, DType::f32);
       a.ln1_rstd = c.take(N, 1, DType::f32);
       a.qkv = c.take(BT, 3 * Cl, act);
@@ -549,21 +559,35 @@ void GptModel::plan_memory() {
                                        : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
-      a.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+      a.ln2 = share_ln ? stamped(shared->ln2, w.fc.input_dtype, w.fc.input_state)
+                       : operand(BT, C, w.fc.input_dtype, w.fc.input_state);
       a.ln2_mean = c.take(N, 1, DType::f32);
       a.ln2_rstd = c.take(N, 1, DType::f32);
-      a.fc_pre = c.take(BT, F, act);
-      a.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      a.fc_pre = share_mlp ? shared->fc_pre : c.take(BT, F, act);
+      a.gelu = share_mlp ? stamped(shared->gelu, w.fc2.input_dtype, w.fc2.input_state)
+                         : operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+    };
+    // Selective recomputation's sets, carved when first needed (the same order in both passes).
+    std::map<OperandDtypes, BlockActivations> selective_sets;
+    auto selective_set = [&](const BlockParams& w) -> const BlockActivations* {
+      if (!training || !recompute_.selective()) return nullptr;
+      const auto [found, fresh] = selective_sets.try_emplace(operand_dtypes(w));
+      BlockActivations& set = found->second;
+      if (fresh && recompute_.layernorm) {
+        set.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+        set.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+      }
+      if (fresh && recompute_.mlp) {
+        set.fc_pre = c.take(BT, F, act);
+        set.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      }
+      return &set;
     };
     // Recomputed blocks share `sets` sets of buffers per operand dtype combination, set k
     // taking the k-th block of every group (its input buffer too, for k > 0: only a group's
     // first block keeps its own). Every position for every combination among the recomputed
     // blocks (the memory estimate counts them so), carved in the order first met, the same in
     // both carving passes.
-    using OperandDtypes = std::tuple<DType, DType, DType, DType>;
-    auto operand_dtypes = [](const BlockParams& w) {
-      return OperandDtypes{w.qkv.input_dtype, w.proj.input_dtype, w.fc.input_dtype, w.fc2.input_dtype};
-    };
     std::map<std::pair<OperandDtypes, int>, BlockActivations> recompute_sets;
     const int sets = training ? recompute_.buffer_sets(int(L)) : 0;
     for (int64_t l = 0; l < L && sets > 0; ++l) {
@@ -599,7 +623,7 @@ void GptModel::plan_memory() {
         continue;
       }
       a.residual = l == 0 ? s.encoded : c.take(N, C, act);
-      carve_block(a, w);
+      carve_block(a, w, selective_set(w));
     }
     s.branch = c.take(BT, C, act);
     s.branch_rows = sp ? c.take(N, C, act) : s.branch;
@@ -799,6 +823,24 @@ void GptModel::recompute_forward(int begin, int last) {
   ops_.set_amax_recording(true);
 }
 
+void GptModel::recompute_selective(int l) {
+  const BlockParams& w = blocks_[l];
+  const BlockActivations& a = saved_[l];
+  // The forward's values from its kept inputs: the plain LayerNorm of the stored residual
+  // stream is the fused add's output bit for bit (layers/layernorm.h), and the scales have not
+  // moved since the forward. Nothing is recorded or counted twice.
+  ops_.set_amax_recording(false);
+  if (recompute_.layernorm) {
+    layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
+    layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
+  }
+  if (recompute_.mlp) {
+    ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
+    ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
+  }
+  ops_.set_amax_recording(true);
+}
+
 void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape& heads) {
   const BlockActivations& a = saved_[l];
   const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
@@ -919,6 +961,7 @@ void GptModel::block_backward(int l) {
   const Scratch& s = *scratch_;
   const int tp = tp_->size();
   const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
+  if (recompute_.selective()) recompute_selective(l);
 
   // mlp.c_proj, GELU, mlp.c_fc, ln_2.
   row_parallel_backward(w.fc2, s.dgelu, a.gelu);

@@ -167,10 +167,19 @@ struct ModelParallelism {
 //            block keeps its input, and the group's forwards rerun together (`layers` sets
 //            of block buffers, shared by the groups);
 //   block:   the first `layers` blocks, each keeping its input (one set of buffers).
+// Selective recomputation (Megatron's --recompute-granularity selective --recompute-modules)
+// keeps every block's other tensors and recomputes, in the block's backward, the outputs of
+//   layernorm: ln_1 and ln_2 (their FP8 or BF16 GEMM operands) from the kept residual stream;
+//   mlp:       c_fc's output and the GELU's (the largest tensors, 12 of about 27 bytes per
+//              channel in FP8) from ln_2's output, one c_fc GEMM more per block.
+// Those tensors live in one set per operand dtype combination, rewritten by every block.
 struct ActivationRecompute {
   enum class Method : uint8_t { none, uniform, block };
   Method method = Method::none;
   int layers = 1;
+  bool layernorm = false;  // selective: the LayerNorm outputs
+  bool mlp = false;        // selective: c_fc's output and the GELU output
+  bool selective() const { return layernorm || mlp; }
   bool recomputes(int layer) const {
     return method == Method::uniform || (method == Method::block && layer < layers);
   }
@@ -317,6 +326,8 @@ class GptModel {
   void block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd& input);
   // Reruns the forwards of recomputed blocks [begin, last] for their backward.
   void recompute_forward(int begin, int last);
+  // Selective recomputation: block l's LayerNorm and/or MLP outputs again, for its backward.
+  void recompute_selective(int l);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);

@@ -81,10 +81,14 @@ TEST_CASE("every parallel layout matches the one-process run's losses within 2e-
     // Overlapped FP8 gradients reduce bucket by bucket during the backward: the same numbers as
     // the reduction at the end of the step, bit for bit (the run they must equal: same_as).
     std::map<size_t, size_t> same_as;
-    // Activation recomputation reruns each block's forward, its collectives included, before
-    // its backward: the same numbers as layout 3 (TP = 2 with sequence parallelism), bit for bit.
+    // Activation recomputation reruns each block's forward (or its LayerNorms and MLP input
+    // side), collectives included, before its backward: the same numbers as layout 3 (TP = 2
+    // with sequence parallelism), bit for bit.
     layouts.push_back({2, "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full "
                           "--recompute-method uniform --recompute-num-layers 2"});
+    same_as[layouts.size() - 1] = 3;
+    layouts.push_back({2, "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity selective "
+                          "--recompute-modules layernorm mlp"});
     same_as[layouts.size() - 1] = 3;
     if (std::string(precision) == "--fp8-hybrid") {
       layouts.push_back({2, "--fp8-grad-comm"});

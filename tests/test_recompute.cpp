@@ -1,7 +1,8 @@
-// Activation recomputation (--recompute-granularity full, layers/gpt.h ActivationRecompute):
-// a recomputed block's backward reruns its forward from the block's saved input with the same
-// kernels and scales, so training is the same, bit for bit, as without it, on either backend;
-// the activations shrink as the memory estimate says; the flags are checked as Megatron's are.
+// Activation recomputation (--recompute-granularity full or selective, layers/gpt.h
+// ActivationRecompute): a block's backward reruns its forward (or, selectively, its
+// LayerNorms and MLP input side) from what the block kept, with the same kernels and scales,
+// so training is the same, bit for bit, as without it, on either backend; the activations
+// shrink as the memory estimate says; the flags are checked as Megatron's are.
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -83,7 +84,10 @@ void check_recompute_changes_nothing(const std::string& device) {
   const std::vector<std::vector<std::string>> recomputes = {
       {"--recompute-granularity", "full", "--recompute-method", "uniform"},
       {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"},
-      {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"}};
+      {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"},
+      {"--recompute-granularity", "selective", "--recompute-modules", "layernorm"},
+      {"--recompute-granularity", "selective", "--recompute-modules", "mlp"},
+      {"--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"}};
   for (const auto& precision : precisions) {
     const Trained plain = train(device, precision);
     for (const auto& recompute : recomputes) {
@@ -156,6 +160,19 @@ TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated 
   CHECK(first_six - every == 6 * block);
   CHECK(groups - every == 3 * block - 6 * residual);
   CHECK(block > 8 * residual);  // what recomputation saves dwarfs what it keeps
+
+  // Selective: the LayerNorm outputs (two BT x C operands) and c_fc's and the GELU's outputs
+  // (BT x 4C each) are held once instead of once per block.
+  const uint64_t layernorm = activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm"});
+  const uint64_t mlp = activations({"--recompute-granularity", "selective", "--recompute-modules", "mlp"});
+  const uint64_t both =
+      activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"});
+  REQUIRE(plain > layernorm);
+  REQUIRE(plain > mlp);
+  CHECK((plain - layernorm) % 11 == 0);
+  CHECK((plain - mlp) % 11 == 0);
+  CHECK(plain - both == (plain - layernorm) + (plain - mlp));
+  CHECK(plain - mlp > plain - layernorm);  // 4 C wide twice against C wide twice
 }
 
 TEST_CASE("activation recomputation flags are checked as Megatron's are, before any work", "[recompute][cpu][cli]") {
@@ -167,15 +184,29 @@ TEST_CASE("activation recomputation flags are checked as Megatron's are, before 
   refused({"--recompute-activations", "--recompute-method", "block"}, "--recompute-method needs");
   refused({"--recompute-granularity", "full"}, "--recompute-granularity full needs --recompute-method");
   refused({"--recompute-num-layers", "2"}, "--recompute-num-layers needs --recompute-granularity full");
+  refused({"--recompute-modules", "mlp"}, "--recompute-modules needs --recompute-granularity selective");
+  refused({"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-modules", "mlp"},
+          "--recompute-modules needs --recompute-granularity selective");
   refused({"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"},
           "--recompute-num-layers must be >= 1");
   refused({"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "6"},
           "--recompute-num-layers 6 exceeds the model's 5 layers");
-  // Selective recomputation (Megatron's core attention) is accepted and said to be a no-op here.
+  CHECK_THROWS_WITH(recompute_setup("cpu", {"--recompute-activations", "--recompute-modules", "moe"}),
+                    ContainsSubstring("--recompute-modules"));
+  // Selective recomputation of Megatron's default module, core attention, is accepted and
+  // said to be a no-op here; layernorm and mlp are not.
+  auto described = [](const RunSetup& setup) {
+    for (const auto& [name, value] : settings_table(setup))
+      if (name == "recompute (activations)") return value;
+    return std::string();
+  };
   const RunSetup selective = recompute_setup("cpu", {"--recompute-activations"});
-  bool described = false;
-  for (const auto& [name, value] : settings_table(selective))
-    if (name == "recompute (activations)") described = value.rfind("selective: nothing to recompute", 0) == 0;
-  CHECK(described);
-  CHECK(activation_recompute(selective.options).method == ActivationRecompute::Method::none);
+  CHECK(described(selective).rfind("selective (core_attn): nothing to recompute", 0) == 0);
+  const ActivationRecompute none = activation_recompute(selective.options);
+  CHECK(none.method == ActivationRecompute::Method::none);
+  CHECK_FALSE(none.selective());
+  const RunSetup modules = recompute_setup("cpu", {"--recompute-granularity", "selective", "--recompute-modules", "mlp"});
+  CHECK(described(modules) == "selective: every block's backward recomputes c_fc's and the GELU's outputs");
+  CHECK(activation_recompute(modules.options).mlp);
+  CHECK_FALSE(activation_recompute(modules.options).layernorm);
 }
