@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/random.h"
 #include "gpu_testing.h"
+#include "layers/gpt.h"
 
 using namespace fp8lm;
 using Catch::Matchers::ContainsSubstring;
@@ -209,4 +210,30 @@ TEST_CASE("activation recomputation flags are checked as Megatron's are, before 
   CHECK(described(modules) == "selective: every block's backward recomputes c_fc's and the GELU's outputs");
   CHECK(activation_recompute(modules.options).mlp);
   CHECK_FALSE(activation_recompute(modules.options).layernorm);
+}
+
+TEST_CASE("GptPrecision counts the BF16 blocks of a range, as the estimate of recomputed blocks needs", "[recompute][cpu]") {
+  // 10 blocks under FP8: 0-1 and 9 in BF16 by the ranges, 4 and 9 by the set (9 counted once).
+  GptPrecision precision;
+  precision.gemm = GemmPrecision::fp8;
+  precision.bf16_layers_at_start = 2;
+  precision.bf16_layers_at_end = 1;
+  precision.bf16_blocks = {4, 9};
+  const int n = 10;
+  auto by_loop = [&](int begin, int end) {
+    int64_t count = 0;
+    for (int l = begin; l < end; ++l) count += precision.runs_block_in_bf16(l, n) ? 1 : 0;
+    return count;
+  };
+  for (int begin = 0; begin <= n; ++begin)
+    for (int end = begin; end <= n; ++end) {
+      INFO("[" << begin << ", " << end << ")");
+      CHECK(precision.bf16_block_count_in(begin, end, n) == by_loop(begin, end));
+    }
+  CHECK(precision.bf16_block_count(n) == 4);
+  // Ranges that overlap (start + end > n) count each block once.
+  precision.bf16_layers_at_start = 8;
+  precision.bf16_layers_at_end = 5;
+  CHECK(precision.bf16_block_count(n) == by_loop(0, n));
+  CHECK(precision.bf16_block_count_in(3, 7, n) == by_loop(3, 7));
 }
