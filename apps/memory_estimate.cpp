@@ -152,17 +152,8 @@ uint64_t operand_bytes(const ElementBytes& eb, uint64_t rows, uint64_t cols, DTy
   return bytes;
 }
 
-// The blocks' GEMM precisions with how many blocks take each: one entry, or two when some
-// blocks run BF16 under fp8 (counted, not looped: the estimate also sizes absurd layer counts).
-std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x, const GptPrecision& precision) {
-  const uint64_t bf16 = uint64_t(precision.bf16_block_count(int64_t(x.L)));
-  if (precision.gemm != GemmPrecision::fp8 || bf16 == 0) return {{precision.gemm, x.L}};
-  std::vector<std::pair<GemmPrecision, uint64_t>> blocks = {{GemmPrecision::bf16, bf16}};
-  if (x.L > bf16) blocks.push_back({GemmPrecision::fp8, x.L - bf16});
-  return blocks;
-}
-
-// The blocks [begin, end)'s GEMM precisions with how many blocks take each (counted).
+// The blocks [begin, end)'s GEMM precisions with how many blocks take each: one entry, or two
+// when some run BF16 under fp8 (counted, not looped: the estimate also sizes absurd layer counts).
 std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions_in(const Shape& x, const GptPrecision& precision,
                                                                      uint64_t begin, uint64_t end) {
   if (end <= begin) return {};
@@ -172,6 +163,11 @@ std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions_in(const Shape&
   if (bf16 > 0) blocks.push_back({GemmPrecision::bf16, bf16});
   if (end - begin > bf16) blocks.push_back({GemmPrecision::fp8, end - begin - bf16});
   return blocks;
+}
+
+// ... of every block.
+std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x, const GptPrecision& precision) {
+  return block_precisions_in(x, precision, 0, x.L);
 }
 
 uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
@@ -220,21 +216,15 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
         recompute.mlp ? 0 : mlp_outputs(gemm),
     });
   };
-  const uint64_t recomputed = recompute.method == ActivationRecompute::Method::uniform ? x.L
-                              : recompute.method == ActivationRecompute::Method::block
-                                  ? std::min<uint64_t>(x.L, uint64_t(recompute.layers))
-                                  : 0;
+  const uint64_t recomputed = uint64_t(recompute.recomputed_blocks(int64_t(x.L)));
   uint64_t layers = 0;
   for (const auto& [gemm, count] : block_precisions_in(x, precision, recomputed, x.L))
     layers = add(layers, mul(count, add(residual, block_buffers(gemm))));
   if (recompute.selective())
     for (const auto& [gemm, count] : block_precisions(x, precision)) layers = add(layers, selectively_recomputed(gemm));
   if (recomputed > 0) {
-    const uint64_t group = uint64_t(recompute.layers);
-    const uint64_t kept_inputs =
-        recompute.method == ActivationRecompute::Method::uniform ? (x.L + group - 1) / group : recomputed;
-    const uint64_t sets = uint64_t(recompute.buffer_sets(int(std::min<uint64_t>(x.L, INT32_MAX))));
-    layers = add(layers, mul(kept_inputs, residual));
+    const uint64_t sets = uint64_t(recompute.buffer_sets(int64_t(x.L)));
+    layers = add(layers, mul(uint64_t(recompute.kept_inputs(int64_t(x.L))), residual));
     for (const auto& [gemm, count] : block_precisions_in(x, precision, 0, recomputed))
       layers = add(layers, add(mul(sets, block_buffers(gemm)), mul(sets - 1, residual)));
   }

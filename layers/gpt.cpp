@@ -589,7 +589,7 @@ void GptModel::plan_memory() {
     // blocks (the memory estimate counts them so), carved in the order first met, the same in
     // both carving passes.
     std::map<std::pair<OperandDtypes, int>, BlockActivations> recompute_sets;
-    const int sets = training ? recompute_.buffer_sets(int(L)) : 0;
+    const int sets = training ? int(recompute_.buffer_sets(L)) : 0;
     for (int64_t l = 0; l < L && sets > 0; ++l) {
       if (!recompute_.recomputes(int(l)) || recompute_sets.count({operand_dtypes(blocks_[l]), 0})) continue;
       for (int position = 0; position < sets; ++position) {
@@ -938,13 +938,8 @@ void GptModel::backward(const TokenBatch& batch) {
   after_backward(config_.n_layer);
   for (int l = config_.n_layer - 1; l >= 0; --l) {
     // A recomputed group's forwards rerun before the backward of its last block.
-    if (recompute_.recomputes(l)) {
-      const int begin = recompute_.group_begin(l);
-      const int group_last = recompute_.method == ActivationRecompute::Method::uniform
-                                 ? std::min(begin + recompute_.layers, config_.n_layer) - 1
-                                 : l;
-      if (l == group_last) recompute_forward(begin, l);
-    }
+    if (recompute_.recomputes(l) && l == recompute_.group_last(l, config_.n_layer))
+      recompute_forward(recompute_.group_begin(l), l);
     block_backward(l);
     after_backward(l);
   }

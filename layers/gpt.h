@@ -183,11 +183,23 @@ struct ActivationRecompute {
   bool recomputes(int layer) const {
     return method == Method::uniform || (method == Method::block && layer < layers);
   }
-  // The first block of `layer`'s group, and the number of block buffer sets the groups share.
+  // The first and last blocks of `layer`'s group: the backward of the last reruns the group.
   int group_begin(int layer) const { return method == Method::uniform ? layer - layer % layers : layer; }
-  int buffer_sets(int n_layer) const {
+  int group_last(int layer, int n_layer) const {
+    return method == Method::uniform ? std::min(group_begin(layer) + layers, n_layer) - 1 : layer;
+  }
+  // Of n_layer blocks: how many are recomputed, how many of those keep their input (a group's
+  // first), and how many block buffer sets the groups share (per operand dtype combination).
+  int64_t recomputed_blocks(int64_t n_layer) const {
     if (method == Method::none) return 0;
-    return method == Method::uniform ? std::min(layers, n_layer) : 1;
+    return method == Method::uniform ? n_layer : std::min<int64_t>(n_layer, layers);
+  }
+  int64_t kept_inputs(int64_t n_layer) const {
+    return method == Method::uniform ? (n_layer + layers - 1) / layers : recomputed_blocks(n_layer);
+  }
+  int64_t buffer_sets(int64_t n_layer) const {
+    if (method == Method::none) return 0;
+    return method == Method::uniform ? std::min<int64_t>(layers, n_layer) : 1;
   }
 };
 
