@@ -59,13 +59,20 @@ bool same_on_every_rank(const std::vector<float>& values, MPI_Comm comm) {
   return true;
 }
 
-void check_ranks_agree(const std::string& device, const std::vector<std::string>& flags) {
+struct RankRun {
+  std::vector<float> metrics;     // loss, gradient norm, skipped of every step
+  std::vector<float> parameters;  // gathered, as one process holds them
+};
+
+// Four steps; checks that every rank holds the same scales, weights and metrics after them.
+RankRun check_ranks_agree(const std::string& device, const std::vector<std::string>& flags) {
   const ParallelLayout layout = detect_parallel_layout(2);
   const RunSetup setup = tiny_setup(layout, device, flags);
   TrainingEngine engine(setup, layout);
   AdamWHyperparams hp;
   hp.lr = 3e-3f;
   const int tokens_per_micro_batch = 2 * 32;
+  RankRun run;
   for (int step = 0; step < 4; ++step) {
     engine.begin_step();
     // Each data-parallel rank reads its own batch; tensor-parallel ranks read the same one.
@@ -75,14 +82,47 @@ void check_ranks_agree(const std::string& device, const std::vector<std::string>
     engine.end_step(hp, 1.0, step);
     const StepMetrics m = engine.step_metrics();
     INFO("step " << step << " loss " << m.loss);
-    CHECK(same_on_every_rank({float(m.loss), float(m.grad_norm), float(m.skipped)}, MPI_COMM_WORLD));
+    const std::vector<float> metrics = {float(m.loss), float(m.grad_norm), float(m.skipped)};
+    CHECK(same_on_every_rank(metrics, MPI_COMM_WORLD));
+    run.metrics.insert(run.metrics.end(), metrics.begin(), metrics.end());
   }
   const ScalingSnapshot scaling = engine.scaling_state();
   REQUIRE(!scaling.names.empty());
   CHECK(same_on_every_rank(scaling.scale, MPI_COMM_WORLD));
   CHECK(same_on_every_rank(scaling.scale_inv, MPI_COMM_WORLD));
   CHECK(same_on_every_rank(scaling.history, MPI_COMM_WORLD));
-  CHECK(same_on_every_rank(engine.parameters(), MPI_COMM_WORLD));
+  run.parameters = engine.parameters();
+  CHECK(same_on_every_rank(run.parameters, MPI_COMM_WORLD));
+  return run;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Recomputing a block's forward inside its backward reruns its collectives too (the
+// sequence-parallel all-gather of the LayerNorm output, the row-parallel sums): training is
+// the same, bit for bit, as without recomputation.
+void check_recompute_changes_nothing(const std::string& device) {
+  const std::vector<std::string> layout = {"--fp8-hybrid", "--sequence-parallel", "--num-layers", "4"};
+  const RankRun plain = check_ranks_agree(device, layout);
+  for (const std::vector<std::string>& recompute :
+       {std::vector<std::string>{"--recompute-granularity", "full", "--recompute-method", "uniform",
+                                 "--recompute-num-layers", "2"},
+        std::vector<std::string>{"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"}}) {
+    std::vector<std::string> flags = layout;
+    flags.insert(flags.end(), recompute.begin(), recompute.end());
+    INFO(recompute[1]);
+    const RankRun recomputed = check_ranks_agree(device, flags);
+    CHECK(same_bits(recomputed.metrics, plain.metrics));
+    CHECK(same_bits(recomputed.parameters, plain.parameters));
+  }
+}
+
+bool every_rank_has_a_gpu() {
+  int gpus = cuda_availability().device_count, fewest = gpus;
+  MPI_Allreduce(&gpus, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return fewest >= world_size();
 }
 
 }  // namespace
@@ -93,11 +133,18 @@ TEST_CASE("mpi: FP8 scales, weights and metrics agree on every rank (delayed sca
 }
 
 TEST_CASE("nccl: FP8 scales, weights and metrics agree on every rank (delayed scaling)", "[nccl][parallel]") {
-  int gpus = cuda_availability().device_count, fewest = gpus;
-  MPI_Allreduce(&gpus, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (fewest < world_size()) SKIP("needs a GPU per rank");
+  if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
   check_ranks_agree("cuda", {"--fp8-hybrid"});
   check_ranks_agree("cuda", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+}
+
+TEST_CASE("mpi: activation recomputation under TP=2 with sequence parallelism changes nothing", "[mpi][parallel]") {
+  check_recompute_changes_nothing("cpu");
+}
+
+TEST_CASE("nccl: activation recomputation under TP=2 with sequence parallelism changes nothing", "[nccl][parallel]") {
+  if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
+  check_recompute_changes_nothing("cuda");
 }
 
 TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model states them", "[mpi][parallel]") {
