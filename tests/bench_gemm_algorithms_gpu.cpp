@@ -1,0 +1,180 @@
+// A measurement, not a check (hidden tag [.bench]): for the training GEMMs of gpt2-1558m at
+// micro-batch 8 (8,192 rows), how fast is each algorithm cuBLASLt's heuristic offers against
+// the first one, the one GemmEngine takes, and does it give the same bits? The answer decides
+// whether choosing among the candidates by timing is worth its cost to reproducibility.
+//
+//   build-gpu/tests/fp8lm_tests "[gemm-algorithms]"
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_test_macros.hpp>
+
+#include "core/check_cuda.h"
+#include "core/random.h"
+#include "tests/gpu_testing.h"
+
+namespace {
+
+#define BENCH_CUBLAS(call)                                                         \
+  do {                                                                             \
+    const cublasStatus_t status_ = (call);                                         \
+    REQUIRE(status_ == CUBLAS_STATUS_SUCCESS);                                     \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int M, N, K;
+  cudaDataType_t a_type, b_type, d_type;  // A [M,K], B [N,K], both K-contiguous
+  bool fast_accum;
+  bool accumulate;  // D += (wgrad into FP32 gradients)
+};
+
+// Finite FP8 codes in both formats: exponent field below all-ones, either sign.
+std::vector<uint8_t> random_fp8(size_t n, uint64_t seed) {
+  fp8lm::Random random(seed);
+  std::vector<uint8_t> bytes(n);
+  for (auto& b : bytes) b = uint8_t(random.next_u64() % 0x70) | uint8_t((random.next_u64() & 1) << 7);
+  return bytes;
+}
+
+void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, size_t workspace_bytes) {
+  const size_t a_bytes = size_t(s.M) * s.K, b_bytes = size_t(s.N) * s.K;
+  const size_t d_elem = s.d_type == CUDA_R_32F ? 4 : 2, d_bytes = size_t(s.M) * s.N * d_elem;
+  void *A = nullptr, *B = nullptr, *D = nullptr, *D0 = nullptr;
+  CUDA_CHECK(cudaMalloc(&A, a_bytes));
+  CUDA_CHECK(cudaMalloc(&B, b_bytes));
+  CUDA_CHECK(cudaMalloc(&D, d_bytes));
+  CUDA_CHECK(cudaMalloc(&D0, d_bytes));
+  const auto a_host = random_fp8(a_bytes, 1), b_host = random_fp8(b_bytes, 2);
+  CUDA_CHECK(cudaMemcpy(A, a_host.data(), a_bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(B, b_host.data(), b_bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(D0, 0, d_bytes));
+  float* scales = nullptr;
+  CUDA_CHECK(cudaMalloc(&scales, 64));
+  const float host_scales[2] = {0.01f, 0.02f};
+  CUDA_CHECK(cudaMemcpy(scales, host_scales, sizeof host_scales, cudaMemcpyHostToDevice));
+
+  // GemmEngine's arrangement: cuBLASLt's A is our B [N,K] (op T), its B our A [M,K] (op N).
+  cublasLtMatmulDesc_t desc;
+  BENCH_CUBLAS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
+  BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n));
+  const int8_t fast = s.fast_accum ? 1 : 0;
+  BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+  const void* b_scale = scales;
+  const void* a_scale = scales + 1;
+  BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale));
+  BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale));
+  cublasLtMatrixLayout_t la, lb, ld;
+  BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&la, s.b_type, s.K, s.N, s.K));
+  BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&lb, s.a_type, s.K, s.M, s.K));
+  BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&ld, s.d_type, s.N, s.M, s.N));
+  cublasLtMatmulPreference_t pref;
+  BENCH_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  BENCH_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                                    sizeof workspace_bytes));
+  constexpr int kRequested = 16;
+  cublasLtMatmulHeuristicResult_t results[kRequested] = {};
+  int returned = 0;
+  BENCH_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, kRequested, results, &returned));
+
+  const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<uint8_t> first(d_bytes), out(d_bytes);
+  double first_us = 0.0, best_us = 1e30;
+  int best = -1;
+  const double flops = 2.0 * s.M * s.N * s.K;
+  for (int i = 0; i < returned; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const cublasLtMatmulAlgo_t* algo = &results[i].algo;
+    int tile = -1, stages = -1, splitk = -1, reduction = -1, cluster = -1;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &written);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &written);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &written);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof reduction,
+                                         &written);
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster,
+                                         &written);
+    // One call from the zeroed output, for the bits; then the timing.
+    CUDA_CHECK(cudaMemcpy(D, D0, d_bytes, cudaMemcpyDeviceToDevice));
+    BENCH_CUBLAS(cublasLtMatmul(handle, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, algo, workspace,
+                                workspace_bytes, nullptr));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(i == 0 ? first.data() : out.data(), D, d_bytes, cudaMemcpyDeviceToHost));
+    const bool same = i == 0 || std::memcmp(first.data(), out.data(), d_bytes) == 0;
+    for (int w = 0; w < 3; ++w)
+      BENCH_CUBLAS(cublasLtMatmul(handle, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, algo, workspace,
+                                  workspace_bytes, nullptr));
+    constexpr int kIterations = 20;
+    CUDA_CHECK(cudaEventRecord(start));
+    for (int it = 0; it < kIterations; ++it)
+      BENCH_CUBLAS(cublasLtMatmul(handle, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, algo, workspace,
+                                  workspace_bytes, nullptr));
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    const double us = 1000.0 * ms / kIterations;
+    if (i == 0) first_us = us;
+    if (same && us < best_us) {
+      best_us = us;
+      best = i;
+    }
+    std::printf("%-22s cand %2d tile %3d stages %3d splitk %2d red %d cluster %2d ws %8zu  %8.1f us %6.0f TFLOP/s %s\n",
+                s.name, i, tile, stages, splitk, reduction, cluster, results[i].workspaceSize, us, flops / us * 1e-6,
+                same ? "same bits" : "DIFFERENT bits");
+  }
+  std::printf("%-22s heuristic's first %.1f us; fastest with the same bits: cand %d, %.1f us (%.3fx)\n\n", s.name,
+              first_us, best, best_us, first_us / best_us);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(desc);
+  cudaFree(scales);
+  cudaFree(A);
+  cudaFree(B);
+  cudaFree(D);
+  cudaFree(D0);
+}
+
+}  // namespace
+
+TEST_CASE("cuBLASLt's candidate algorithms for gpt2-1558m's training GEMMs, timed", "[gemm-algorithms][.bench][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  const int rows = 8192, C = 1600;
+  const cudaDataType_t e4m3 = CUDA_R_8F_E4M3, e5m2 = CUDA_R_8F_E5M2, bf16 = CUDA_R_16BF, f32 = CUDA_R_32F;
+  const std::vector<Shape> shapes = {
+      {"fwd c_attn", rows, 3 * C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd attn.c_proj", rows, C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd c_fc", rows, 4 * C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd mlp.c_proj", rows, C, 4 * C, e4m3, e4m3, bf16, true, false},
+      {"dgrad c_attn", rows, C, 3 * C, e5m2, e4m3, bf16, false, false},
+      {"dgrad attn.c_proj", rows, C, C, e5m2, e4m3, bf16, false, false},
+      {"dgrad c_fc", rows, C, 4 * C, e5m2, e4m3, bf16, false, false},
+      {"dgrad mlp.c_proj", rows, 4 * C, C, e5m2, e4m3, bf16, false, false},
+      {"wgrad c_attn", 3 * C, C, rows, e5m2, e4m3, f32, false, true},
+      {"wgrad attn.c_proj", C, C, rows, e5m2, e4m3, f32, false, true},
+      {"wgrad c_fc", 4 * C, C, rows, e5m2, e4m3, f32, false, true},
+      {"wgrad mlp.c_proj", C, 4 * C, rows, e5m2, e4m3, f32, false, true},
+  };
+  cublasLtHandle_t handle;
+  BENCH_CUBLAS(cublasLtCreate(&handle));
+  const size_t workspace_bytes = size_t{32} << 20;
+  void* workspace = nullptr;
+  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  for (const Shape& s : shapes) time_candidates(handle, s, workspace, workspace_bytes);
+  cudaFree(workspace);
+  cublasLtDestroy(handle);
+}
