@@ -482,6 +482,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "End the job when a rank makes no progress for this long")
       ->group(system);
   std::string device = "auto";
+  std::string gemm_algorithm = "timed";
   app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->group(system);
@@ -491,6 +492,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "Time every step (synchronised) and report the median step, tokens/s, MFU and peak memory")
       ->group(system);
   app.add_option("--benchmark-warmup", o.benchmark_warmup, "Steps left out of the benchmark timing")->group(system);
+  app.add_option("--gemm-algorithm", gemm_algorithm,
+                 "timed: cuBLASLt's candidate algorithms timed once per GEMM shape, the fastest with the heuristic's "
+                 "bits kept (default); heuristic: the heuristic's first")
+      ->check(CLI::IsMember({"timed", "heuristic"}))
+      ->group(system);
   app.add_flag("--profile-ops", o.profile_ops,
                "With --benchmark: time every op class of the timed steps (GEMMs by precision and pass, LayerNorm, "
                "attention, GELU, casts, loss, optimizer) against its floor")
@@ -550,6 +556,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     bad_flag("--data-format names the llm.c shard format; --data-path's indexed datasets name their dtype in PREFIX.idx");
   o.device = lookup<DeviceKind>(
       {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
+  o.gemm_algorithm = gemm_algorithm == "heuristic" ? GemmAlgorithmChoice::heuristic : GemmAlgorithmChoice::timed;
   validate_options(o);
   return parsed;
 }

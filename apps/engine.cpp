@@ -125,7 +125,7 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
 std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
-  return make_cuda_ops(device);
+  return make_cuda_ops(device, SmallMGemm::on, setup.options.gemm_algorithm);
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ const std::vector<ForwardedFlag> kRuntimeFlags = {
     {"--device", true, "auto (CUDA if a GPU is present), cuda or cpu"},
     {"--num-threads", true, "CPU threads (0: OpenMP default)"},
     {"--log-level", true, "trace, debug, info, warn or error"},
+    {"--gemm-algorithm", true, "timed (cuBLASLt's candidates timed once per shape; default) or heuristic"},
 };
 
 const std::vector<ForwardedFlag> kPrecisionFlags = {

@@ -77,7 +77,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   s.replay_steps = o.decode_graph && !o.profile_ops;
   if (setup.use_cuda) {
     check_cuda_model_support(setup.model, o.precision == GemmPrecision::fp32);
-    s.ops = make_cuda_ops(0, o.small_m_gemm);
+    s.ops = make_cuda_ops(0, o.small_m_gemm, o.gemm_algorithm);
   } else {
     s.ops = make_cpu_ops();
   }

@@ -152,6 +152,8 @@ struct TrainOptions {
   bool profile_ops = false;            // --profile-ops: time every op class of the timed steps
   // fp8lm sample --small-m-gemm: decoding steps' GEMMs through the small-M kernel (on) or cuBLASLt
   SmallMGemm small_m_gemm = SmallMGemm::on;
+  // --gemm-algorithm: cuBLASLt's candidates timed once per GEMM shape (default), or its heuristic's first
+  GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed;
   // fp8lm sample --cuda-graph: decoding steps after the first replay one recorded step (a CUDA
   // graph on the GPU) instead of launching op by op. Off under --profile-ops, which times each op.
   bool decode_graph = true;

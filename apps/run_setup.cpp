@@ -342,6 +342,7 @@ SettingsTable settings_table(const RunSetup& s) {
                           " (this process may run on " + str(affinity_cpus()) + " of " + str(hardware_threads()) +
                           " hardware threads)"},
       {"log-level", o.log_level},
+      {"gemm-algorithm", std::string(to_string(o.gemm_algorithm))},
       {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps" +
                                      (o.profile_ops ? ", every op class profiled)" : ")")
                                : "off"},

@@ -17,6 +17,10 @@ std::string_view to_string(GemmPrecision precision) {
   return "?";
 }
 
+std::string_view to_string(GemmAlgorithmChoice choice) {
+  return choice == GemmAlgorithmChoice::timed ? "timed" : "heuristic";
+}
+
 namespace cpu {
 
 namespace {

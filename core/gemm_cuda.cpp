@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <cublasLt.h>
 
@@ -147,7 +149,6 @@ struct GemmEngine::Plan {
   cublasLtMatrixLayout_t c = nullptr;  // [N,M], ld N (used when C is another buffer)
   cublasLtMatrixLayout_t d = nullptr;  // [N,M], ld N
   cublasLtMatmulAlgo_t algo{};
-  size_t workspace_bytes = 0;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -161,7 +162,8 @@ struct GemmEngine::Plan {
   }
 };
 
-GemmEngine::GemmEngine(SmallMGemm small_m) : small_m_(small_m) {
+GemmEngine::GemmEngine(SmallMGemm small_m, GemmAlgorithmChoice algorithm_choice)
+    : small_m_(small_m), algorithm_choice_(algorithm_choice) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   handle_ = handle;
@@ -185,7 +187,7 @@ GemmEngine::~GemmEngine() {
   if (handle_) cublasLtDestroy(handle_);
 }
 
-GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
+GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args, cudaStream_t stream) {
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
 
@@ -248,24 +250,109 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args) {
   cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan->c : plan->d;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, c_layout,
                                                                plan->d, preference.pref, kRequested, results, &returned);
-  const cublasLtMatmulHeuristicResult_t* chosen = nullptr;
+  // The usable candidates, the heuristic's order kept (its first is candidates[0]).
+  cublasLtMatmulAlgo_t candidates[kRequested];
+  int usable = 0;
   if (status == CUBLAS_STATUS_SUCCESS) {
-    for (int i = 0; i < returned; ++i) {
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes) {
-        chosen = &results[i];
-        break;
-      }
-    }
+    for (int i = 0; i < returned; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes)
+        candidates[usable++] = results[i].algo;
   }
-  if (!chosen) {
+  if (usable == 0) {
     throw RuntimeError("cuBLASLt has no algorithm for " + describe(key) + " (heuristic status " +
                            std::to_string(static_cast<int>(status)) + ", " + std::to_string(returned) + " results)",
                        alignment_hint(key));
   }
-  plan->algo = chosen->algo;
-  plan->workspace_bytes = chosen->workspaceSize;
+  plan->algo = candidates[0];
+  if (usable > 1) plan->algo = candidates[choose_by_timing(key, *plan, args, candidates, usable, stream)];
 
   return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+namespace {
+
+// A split-K candidate sums K in another order: never the heuristic's bits.
+bool splits_k(const cublasLtMatmulAlgo_t& algo) {
+  int splits = 1;
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits, &written);
+  return splits > 1;
+}
+
+// Large enough that a few percent is worth the one-time timing: a training GEMM, not a test's
+// or a decoding prompt's small one.
+constexpr double kTimedMinFlops = 2.0 * 1024 * 1024 * 1024 * 4;
+
+}  // namespace
+
+int GemmEngine::choose_by_timing(const Key& key, Plan& plan, const GemmArgs& args, const void* candidate_array,
+                                 int count, cudaStream_t stream) {
+  const auto* candidates = static_cast<const cublasLtMatmulAlgo_t*>(candidate_array);
+  if (algorithm_choice_ != GemmAlgorithmChoice::timed || key.c_mode == 1 || is_block(key.a_scaling) ||
+      2.0 * key.M * key.N * key.K < kTimedMinFlops)
+    return 0;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return 0;
+
+  // The call as gemm() makes it, with one candidate's algorithm. D is this call's output, about
+  // to be written anyway, and without C == D every run writes the same D.
+  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
+  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
+  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  const float alpha = args.alpha, beta = args.C == nullptr ? 0.0f : args.beta;
+  const void* c_pointer = args.C == nullptr ? args.D : args.C;
+  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan.c : plan.d;
+  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer, c_layout,
+                          args.D, plan.d, &algo, workspace_, kWorkspaceBytes, stream);
+  };
+  const size_t d_bytes = size_t(key.M) * key.N * gemm_type_bytes(key.d_type);
+  auto output = [&] {
+    std::vector<unsigned char> bytes(d_bytes);
+    CUDA_CHECK(cudaMemcpyAsync(bytes.data(), args.D, d_bytes, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return bytes;
+  };
+
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  constexpr int kRuns = 3;
+  std::vector<std::pair<float, int>> timed;  // (ms for kRuns, candidate)
+  for (int i = 0; i < count; ++i) {
+    if (i > 0 && splits_k(candidates[i])) continue;
+    if (run(candidates[i]) != CUBLAS_STATUS_SUCCESS) {  // the warm-up; a refusal drops the candidate
+      if (i == 0) break;
+      continue;
+    }
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < kRuns; ++r) CUBLAS_CHECK(run(candidates[i]));
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    timed.push_back({ms, i});
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  ++timed_plans_;
+  if (timed.empty() || timed.front().second != 0) return 0;  // the first refused: leave it to gemm() to report
+  std::sort(timed.begin(), timed.end());
+  if (timed.front().second == 0) return 0;
+
+  // The fastest candidate whose output is the heuristic first's, bit for bit.
+  CUBLAS_CHECK(run(candidates[0]));
+  const std::vector<unsigned char> reference = output();
+  for (const auto& [ms, i] : timed) {
+    if (i == 0) return 0;
+    CUBLAS_CHECK(run(candidates[i]));
+    if (output() == reference) {
+      ++plans_not_first_;
+      return i;
+    }
+  }
+  return 0;
 }
 
 void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream) {
@@ -370,7 +457,7 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
     call.b_scale_inv = scale_staging_ + 4;
   }
 
-  Plan& plan = plan_for(key, call);
+  Plan& plan = plan_for(key, call, stream);
 
   // Per-call pointers: host-side attribute writes on the cached descriptor.
   if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(call.a_scale_inv));

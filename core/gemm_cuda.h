@@ -117,7 +117,8 @@ class GemmEngine {
   // Hopper's recommended cuBLASLt workspace.
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-  explicit GemmEngine(SmallMGemm small_m = SmallMGemm::on);
+  explicit GemmEngine(SmallMGemm small_m = SmallMGemm::on,
+                      GemmAlgorithmChoice algorithm_choice = GemmAlgorithmChoice::timed);
   ~GemmEngine();
   GemmEngine(const GemmEngine&) = delete;
   GemmEngine& operator=(const GemmEngine&) = delete;
@@ -130,6 +131,10 @@ class GemmEngine {
   size_t cache_size() const { return plans_.size(); }
   // GEMMs served by the small-M kernel so far (tests: which path a call took).
   size_t small_m_calls() const { return small_m_calls_; }
+  // Plans whose algorithm was chosen by timing, and of those, the ones that kept another
+  // candidate than the heuristic's first (tests, and the record of what the choice did).
+  size_t timed_plans() const { return timed_plans_; }
+  size_t plans_not_first() const { return plans_not_first_; }
 
   struct Key {
     int M, N, K;
@@ -143,12 +148,18 @@ class GemmEngine {
   struct Plan;
 
  private:
-  Plan& plan_for(const Key& key, const GemmArgs& args);
+  Plan& plan_for(const Key& key, const GemmArgs& args, cudaStream_t stream);
+  // Times the candidates on the call's operands; returns the index of the one to keep.
+  int choose_by_timing(const Key& key, Plan& plan, const GemmArgs& args, const void* candidates, int count,
+                       cudaStream_t stream);
 
   static constexpr int kScaleStagingFloats = 64;  // slots at [0] (A) and [4] (B), 16-byte aligned
 
   SmallMGemm small_m_;
+  GemmAlgorithmChoice algorithm_choice_;
   size_t small_m_calls_ = 0;
+  size_t timed_plans_ = 0;
+  size_t plans_not_first_ = 0;
   cublasLtContext* handle_ = nullptr;
   void* workspace_ = nullptr;
   float* scale_staging_ = nullptr;

@@ -147,7 +147,8 @@ cuda::GemmType gemm_type_of(DType dtype) {
 
 class CudaOps final : public Ops {
  public:
-  explicit CudaOps(SmallMGemm small_m) : gemm_(std::make_unique<cuda::GemmEngine>(small_m)) {
+  CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm)
+      : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     amax_sink_.allocate(1);
@@ -831,9 +832,9 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m) {
+std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm) {
   CUDA_CHECK(cudaSetDevice(device));
-  return std::make_unique<CudaOps>(small_m);
+  return std::make_unique<CudaOps>(small_m, gemm_algorithm);
 }
 
 }  // namespace fp8lm

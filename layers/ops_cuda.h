@@ -15,7 +15,8 @@ namespace fp8lm {
 
 // On CUDA device `device` (this rank's local rank in a parallel run). small_m: whether GEMMs of
 // a few rows (decoding steps) run the small-M kernel or cuBLASLt (core/gemm_cuda.h).
-std::unique_ptr<Ops> make_cuda_ops(int device = 0, SmallMGemm small_m = SmallMGemm::on);
+std::unique_ptr<Ops> make_cuda_ops(int device = 0, SmallMGemm small_m = SmallMGemm::on,
+                                   GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed);
 
 // Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
 // LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).
