@@ -10,10 +10,13 @@
 #        TP = 2 x DP = 2, each with and without sequence parallelism, against one GPU (and one GPU
 #        at half the micro-batch, the noise floor); a save at TP = 2 x DP = 2 resumed at TP = 4.
 # N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
-#        without sequence parallelism, FP8 and BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8;
-#        the loss rows of N = 4 plus TP = 4 x DP = 2 on all eight, with and without SP.
-# --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4 and TP = 2 x DP = 2): the same
-#        model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
+#        without sequence parallelism, and at DP = 8 (the distributed optimizer, no TP), FP8 and
+#        BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8; the loss rows of N = 4 plus TP = 4 x
+#        DP = 2 on all eight, with and without SP.
+# --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4, TP = 2 x DP = 2, DP = 4): the
+#        same model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
+# ROWS=REGEX runs only the rows whose tag matches (grep -E), for a table split over calls; the
+# tags are in --dry-run's output.
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
 # data/nlp-corpus, made by scripts/prepare_data.sh), at lr 1e-4 after 10 warm-up steps.
 # LOSS_DATA=mock trains on --mock-data instead: its loss falls from 10.9 to 2.5 in 25 steps, and
@@ -60,6 +63,7 @@ status=0
 
 run() {  # tag ranks args...: one fp8lm run, its JSON line tagged into bench_node.jsonl
   local tag=$1 ranks=$2; shift 2
+  [ -n "${ROWS:-}" ] && ! grep -qE -- "$ROWS" <<< "$tag" && return
   local cmd=(build-gpu/fp8lm "$@")
   [ "$ranks" -gt 1 ] && cmd=("${mpi[@]}" -np "$ranks" "${cmd[@]}")
   if [ -n "$dry" ]; then echo "$tag: ${cmd[*]}"; return; fi
@@ -103,16 +107,18 @@ fi
 
 fi  # the gpt2 rows
 
-# gpt-6.7b across the node, micro-batch 1, T = 2048: every layout of N GPUs with TP >= 2.
+# gpt-6.7b across the node, micro-batch 1, T = 2048: every layout of N GPUs with TP >= 2, and
+# data parallelism alone (the whole model on each GPU, its optimizer state sharded).
 if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
-  layouts="8 1|4 2|2 4"
-  [ "$gpus" = 4 ] && layouts="4 1|2 2"
-  [ "$gpus" = 2 ] && layouts="2 1"
+  layouts="8 1|4 2|2 4|1 8"
+  [ "$gpus" = 4 ] && layouts="4 1|2 2|1 4"
+  [ "$gpus" = 2 ] && layouts="2 1|1 2"
   IFS='|' read -ra layout_list <<< "$layouts"
   for layout in "${layout_list[@]}"; do
     set -- $layout
     tp=$1 dp=$2
     for sp in "" --sequence-parallel; do
+      [ "$tp" = 1 ] && [ -n "$sp" ] && continue  # sequence parallelism splits a tensor-parallel group's rows
       for variant in "fp8|--fp8-hybrid" "fp8-fp8grads|--fp8-hybrid --fp8-grad-comm" "bf16|--bf16 --grad-reduce-in-bf16"; do
         name=${variant%%|*} precision=${variant#*|}
         [ "$dp" = 1 ] && [ "$name" = fp8-fp8grads ] && continue  # nothing to reduce across data-parallel ranks
