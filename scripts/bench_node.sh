@@ -67,8 +67,11 @@ run() {  # tag ranks args...: one fp8lm run, its JSON line tagged into bench_nod
   local cmd=(build-gpu/fp8lm "$@")
   [ "$ranks" -gt 1 ] && cmd=("${mpi[@]}" -np "$ranks" "${cmd[@]}")
   if [ -n "$dry" ]; then echo "$tag: ${cmd[*]}"; return; fi
-  timeout 300 "${cmd[@]}" < /dev/null 2>> "$logs/bench_node.err" | grep '^{' |
-    sed "s/^{/{\"tag\":\"$tag\",\"ranks\":$ranks,/" | tee -a "$jsonl" || status=1
+  local started=$SECONDS  # wall_s: the whole run, start-up (initial values, NCCL) included
+  local lines
+  lines=$(timeout 300 "${cmd[@]}" < /dev/null 2>> "$logs/bench_node.err" | grep '^{') || status=1
+  [ -n "$lines" ] && sed "s/^{/{\"tag\":\"$tag\",\"ranks\":$ranks,\"wall_s\":$((SECONDS - started)),/" <<< "$lines" |
+    tee -a "$jsonl"
 }
 bench() {  # tag ranks config micro-batch flags...
   local tag=$1 ranks=$2 config=$3 batch=$4; shift 4
