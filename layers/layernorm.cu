@@ -255,32 +255,15 @@ __global__ void __launch_bounds__(kThreads)
   const int row_end = min(N, row_begin + rows_per_split);
   float dw0 = 0.0f, dw1 = 0.0f, db0 = 0.0f, db1 = 0.0f;
   if (col < C) {  // C is even: col + 1 < C too
-    // kRowsInFlight rows' loads are issued before any is summed (one row's 4-byte loads left
-    // the loop latency-bound); the sums still run row after row, in the same order.
-    constexpr int kRowsInFlight = 4;
-    for (int first = row_begin + ty; first < row_end; first += 8 * kRowsInFlight) {
-      float2 x[kRowsInFlight], dy[kRowsInFlight];
-      float row_mean[kRowsInFlight], row_rstd[kRowsInFlight];
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int row = first + 8 * u;
-        if (row < row_end) {
-          const size_t at = static_cast<size_t>(row) * C + col;
-          x[u] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp + at));
-          dy[u] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + at));
-          row_mean[u] = mean[row];
-          row_rstd[u] = rstd[row];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        if (first + 8 * u < row_end) {
-          dw0 += dy[u].x * ((x[u].x - row_mean[u]) * row_rstd[u]);
-          dw1 += dy[u].y * ((x[u].y - row_mean[u]) * row_rstd[u]);
-          db0 += dy[u].x;
-          db1 += dy[u].y;
-        }
-      }
+    for (int row = row_begin + ty; row < row_end; row += 8) {
+      const size_t at = static_cast<size_t>(row) * C + col;
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp + at));
+      const float2 dy = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + at));
+      const float row_mean = mean[row], row_rstd = rstd[row];
+      dw0 += dy.x * ((x.x - row_mean) * row_rstd);
+      dw1 += dy.y * ((x.y - row_mean) * row_rstd);
+      db0 += dy.x;
+      db1 += dy.y;
     }
   }
   sums[ty][0][tx] = dw0;
