@@ -330,7 +330,12 @@ TEST_CASE("attention throughput", "[gpu][attention][.bench]") {
     const double bwd_flops = 2.5 * fwd_flops;
     std::printf("attention %s: forward %.3f ms (%.1f TFLOP/s, with FP8 out), backward %.3f ms (%.1f TFLOP/s)\n",
                 describe(s).c_str(), fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9);
-    const std::vector<float> dq = from_bf16(dqkv.download());
+    const std::vector<__nv_bfloat16> gradient_bits = dqkv.download();
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a of dqkv's bytes: equal bits across builds
+    const auto* bytes = reinterpret_cast<const unsigned char*>(gradient_bits.data());
+    for (size_t i = 0; i < gradient_bits.size() * sizeof(__nv_bfloat16); ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
+    std::printf("attention %s: dqkv FNV-1a %016llx\n", describe(s).c_str(), static_cast<unsigned long long>(hash));
+    const std::vector<float> dq = from_bf16(gradient_bits);
     bool finite = true;
     for (size_t i = 0; i < dq.size(); i += 997) finite = finite && std::isfinite(dq[i]);
     CHECK(finite);
