@@ -26,11 +26,6 @@
 //   The dQ kernel recomputes S and dP (7 GEMM-shaped products in all instead of FA2's 5):
 //   the price of determinism without a T x T buffer or floating-point atomics.
 
-// Warps of the dK/dV kernel (16 keys each): the Q and dO tiles a block loads serve all of them.
-#ifndef FP8LM_DKDV_WARPS
-#define FP8LM_DKDV_WARPS 8
-#endif
-
 #include <cstdint>
 #include <string>
 
@@ -130,12 +125,11 @@ void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float*
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   const float sl2 = kLog2e * scale;
   {
-    constexpr int kDkDvWarps = FP8LM_DKDV_WARPS;
-    using Cfg = DkDvConfig<HS, kDkDvWarps>;
-    auto kernel = attention_backward_dkdv_kernel<HS, kDkDvWarps>;
+    using Cfg = DkDvConfig<HS>;
+    auto kernel = attention_backward_dkdv_kernel<HS>;
     set_smem(kernel, Cfg::smem_bytes);
     const dim3 grid((T + Cfg::BK - 1) / Cfg::BK, NH, B);
-    kernel<<<grid, Cfg::THREADS, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
     CUDA_CHECK_LAUNCH();
   }
   {

@@ -24,11 +24,10 @@ namespace fp8lm::cuda {
 
 namespace {
 
-template <int HS, int WARPS>
+template <int HS>
 struct DkDvConfig {
-  static constexpr int THREADS = 32 * WARPS;
   static constexpr int LD = HS + 8;
-  static constexpr int BK = 16 * WARPS;        // keys per block (16 per warp)
+  static constexpr int BK = kKeyTile;          // keys per block (16 per warp)
   static constexpr int BQ = HS <= 64 ? 64 : 32;  // queries per tile (32: measured slower for HS=64)
   static constexpr bool kv_in_regs = HS <= 64;   // K/V fragments held in registers
   static constexpr size_t smem_bytes =
@@ -37,12 +36,12 @@ struct DkDvConfig {
 
 // dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
 // D [B,NH,T]. sl2 = log2(e)/sqrt(HS), scale = 1/sqrt(HS).
-template <int HS, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS)
+template <int HS>
+__global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
                                    const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                    const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
-  using Cfg = DkDvConfig<HS, WARPS>;
+  using Cfg = DkDvConfig<HS>;
   constexpr int LD = Cfg::LD, BK = Cfg::BK, BQ = Cfg::BQ;
   constexpr int KT = HS / 16;  // k-steps over the head dim
   constexpr int NT = HS / 8;   // n-tiles over the head dim (dK, dV)
@@ -79,17 +78,17 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int n_qt = (T + BQ - 1) / BQ;
 
   auto load_query_tile = [&](int qt, int buf) {
-    load_tile_async<HS, BQ, Cfg::THREADS>(sQ + buf * BQ * LD, q_base, stride, qt * BQ, T);
-    load_tile_async<HS, BQ, Cfg::THREADS>(sdO + buf * BQ * LD, do_base, static_cast<size_t>(C), qt * BQ, T);
-    for (int i = threadIdx.x; i < BQ; i += Cfg::THREADS) {
+    load_tile_async<HS, BQ>(sQ + buf * BQ * LD, q_base, stride, qt * BQ, T);
+    load_tile_async<HS, BQ>(sdO + buf * BQ * LD, do_base, static_cast<size_t>(C), qt * BQ, T);
+    for (int i = threadIdx.x; i < BQ; i += kThreads) {
       const int t = qt * BQ + i;
       sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
       sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
     }
   };
 
-  load_tile_async<HS, BK, Cfg::THREADS>(sK, k_base, stride, k0, T);
-  load_tile_async<HS, BK, Cfg::THREADS>(sV, v_base, stride, k0, T);
+  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
+  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 

@@ -123,15 +123,15 @@ __device__ __forceinline__ uint32_t ldsm_bt_addr(uint32_t tile, int n0, int k0, 
 // Async copy of ROWS rows x HS bf16 (rows row0.. of a head's q, k, v or dout, row stride
 // `stride` elements from `base` = the head's row 0) into a [ROWS][HS+8] shared tile.
 // Rows >= T are zero-filled and read nothing (the source address stays `base`).
-template <int HS, int ROWS, int THREADS = kThreads>
+template <int HS, int ROWS>
 __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, size_t stride, int row0, int T) {
   constexpr int kChunks = HS / 8;  // 16-byte chunks per row
   constexpr int LD = HS + 8;
-  static_assert((ROWS * kChunks) % THREADS == 0, "every thread copies the same number of chunks");
+  static_assert((ROWS * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
   const uint32_t tile_addr = smem_u32(tile);
 #pragma unroll
-  for (int j = 0; j < ROWS * kChunks / THREADS; ++j) {
-    const int i = j * THREADS + static_cast<int>(threadIdx.x);
+  for (int j = 0; j < ROWS * kChunks / kThreads; ++j) {
+    const int i = j * kThreads + static_cast<int>(threadIdx.x);
     const int r = i / kChunks;
     const int c = i % kChunks;
     const bool valid = row0 + r < T;
