@@ -384,3 +384,22 @@ TEST_CASE("the FP8 margin takes every value of its range, 64 included, with fini
     CHECK(lines == 2);
   }
 }
+
+TEST_CASE("--gemm-algorithm chooses how cuBLASLt's algorithm is kept: timed by default, or the heuristic's first",
+          "[cli]") {
+  CHECK(parse({"--mock-data"}).gemm_algorithm == GemmAlgorithmChoice::timed);
+  CHECK(parse({"--mock-data", "--gemm-algorithm", "heuristic"}).gemm_algorithm == GemmAlgorithmChoice::heuristic);
+  CHECK(parse({"--mock-data", "--gemm-algorithm", "timed"}).gemm_algorithm == GemmAlgorithmChoice::timed);
+  CHECK_THAT(parse_error({"--mock-data", "--gemm-algorithm", "fastest"}), ContainsSubstring("--gemm-algorithm"));
+  // The startup table says which, and sample and eval take the flag too.
+  const auto run = testing::run_fp8lm("--config " + kTiny + " --mock-data --train-iters 0 --device cpu --gemm-algorithm heuristic");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("gemm-algorithm"));
+  CHECK_THAT(run.output, ContainsSubstring("heuristic"));
+  const auto sample = testing::run_fp8lm("sample --config " + kTiny +
+                                         " --random-weights --random-prompt 4 --max-new-tokens 2 --device cpu "
+                                         "--gemm-algorithm fastest");
+  CHECK(sample.exit_code == 2);
+  CHECK_THAT(sample.output, ContainsSubstring("--gemm-algorithm"));
+}
