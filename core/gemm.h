@@ -32,13 +32,13 @@ std::string_view to_string(GemmPrecision precision);
 // and test the kernel against cuBLASLt (fp8lm sample --small-m-gemm off).
 enum class SmallMGemm : uint8_t { on, off };
 
-// Which of cuBLASLt's candidate algorithms a plan keeps. The heuristic's first is not always
-// the fastest: on gpt2-1558m's forward GEMMs another candidate was up to 11% faster (H200,
-// tests/bench_gemm_algorithms_gpu.cpp; core/gemm_cuda.cpp). `timed` (the default) times the candidates once, when
-// a large GEMM that overwrites its output (no C == D accumulation) first runs, and keeps the
-// fastest among those whose output equals the heuristic's first, bit for bit, on that call's
-// operands: training stays bit-reproducible whichever candidate wins. It waits for the device
-// once per new plan (the first step), and never while a CUDA graph is being captured.
+// Which of cuBLASLt's candidate algorithms a plan keeps (core/gemm_cuda.cpp). The heuristic's
+// first is not always the fastest: on gpt2-1558m's forward GEMMs another candidate was up to 11%
+// faster (H200, tests/bench_gemm_algorithms_gpu.cpp). `timed` (the default) times the candidates
+// once, when a large GEMM that overwrites its output (no C == D accumulation) first runs, and
+// keeps the fastest among those whose output equals the heuristic's first, bit for bit, on that
+// call's operands: training stays bit-reproducible whichever candidate wins. It waits for the
+// device once per new plan (the first step), and never while a CUDA graph is being captured.
 // --gemm-algorithm timed|heuristic.
 enum class GemmAlgorithmChoice : uint8_t { timed, heuristic };
 std::string_view to_string(GemmAlgorithmChoice choice);
