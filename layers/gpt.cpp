@@ -567,6 +567,15 @@ void GptModel::plan_memory() {
       a.gelu = share_mlp ? stamped(shared->gelu, w.fc2.input_dtype, w.fc2.input_state)
                          : operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
     };
+    // Buffers shared with other blocks, stamped with block w's operand dtypes and scaling
+    // states (c_proj's input, when not the activation itself, from `atty_operand_buffer`).
+    auto stamp_operands = [&](BlockActivations& a, const BlockParams& w, const Tensor& atty_operand_buffer) {
+      a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
+      a.atty_operand = w.proj.input_dtype == act ? a.atty
+                                                 : stamped(atty_operand_buffer, w.proj.input_dtype, w.proj.input_state);
+      a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
+      a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
+    };
     // Selective recomputation's sets, carved when first needed (the same order in both passes).
     std::map<OperandDtypes, BlockActivations> selective_sets;
     auto selective_set = [&](const BlockParams& w) -> const BlockActivations* {
@@ -604,11 +613,7 @@ void GptModel::plan_memory() {
       if (!training && l > 0) {
         // Block l runs after block l-1 is done with the buffers: the same ones, its own dtypes.
         a = saved_[0];
-        a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
-        a.atty_operand = w.proj.input_dtype == act ? a.atty
-                                                   : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state);
-        a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
-        a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
+        stamp_operands(a, w, shared_atty_operand);
         continue;
       }
       if (sets > 0 && recompute_.recomputes(int(l))) {
@@ -616,10 +621,7 @@ void GptModel::plan_memory() {
         const int position = int(l) - recompute_.group_begin(int(l));
         a = recompute_sets.at({operand_dtypes(w), position});
         if (position == 0) a.residual = l == 0 ? s.encoded : c.take(N, C, act);
-        a.ln1 = stamped(a.ln1, w.qkv.input_dtype, w.qkv.input_state);
-        if (w.proj.input_dtype != act) a.atty_operand = stamped(a.atty_operand, w.proj.input_dtype, w.proj.input_state);
-        a.ln2 = stamped(a.ln2, w.fc.input_dtype, w.fc.input_state);
-        a.gelu = stamped(a.gelu, w.fc2.input_dtype, w.fc2.input_state);
+        stamp_operands(a, w, a.atty_operand);
         continue;
       }
       a.residual = l == 0 ? s.encoded : c.take(N, C, act);

@@ -6,7 +6,6 @@
 //   build-gpu/tests/fp8lm_tests "[gemm-algorithms]"
 #include <cublasLt.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -15,7 +14,6 @@
 #include <catch2/catch_test_macros.hpp>
 
 #include "core/check_cuda.h"
-#include "core/random.h"
 #include "tests/gpu_testing.h"
 
 namespace {
@@ -34,14 +32,6 @@ struct Shape {
   bool accumulate;  // D += (wgrad into FP32 gradients)
 };
 
-// Finite FP8 codes in both formats: exponent field below all-ones, either sign.
-std::vector<uint8_t> random_fp8(size_t n, uint64_t seed) {
-  fp8lm::Random random(seed);
-  std::vector<uint8_t> bytes(n);
-  for (auto& b : bytes) b = uint8_t(random.next_u64() % 0x70) | uint8_t((random.next_u64() & 1) << 7);
-  return bytes;
-}
-
 void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, size_t workspace_bytes) {
   const size_t a_bytes = size_t(s.M) * s.K, b_bytes = size_t(s.N) * s.K;
   const size_t d_elem = s.d_type == CUDA_R_32F ? 4 : 2, d_bytes = size_t(s.M) * s.N * d_elem;
@@ -50,7 +40,8 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
   CUDA_CHECK(cudaMalloc(&B, b_bytes));
   CUDA_CHECK(cudaMalloc(&D, d_bytes));
   CUDA_CHECK(cudaMalloc(&D0, d_bytes));
-  const auto a_host = random_fp8(a_bytes, 1), b_host = random_fp8(b_bytes, 2);
+  const auto a_host = fp8lm::testing::random_fp8_codes(a_bytes, 1);
+  const auto b_host = fp8lm::testing::random_fp8_codes(b_bytes, 2);
   CUDA_CHECK(cudaMemcpy(A, a_host.data(), a_bytes, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(B, b_host.data(), b_bytes, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(D0, 0, d_bytes));

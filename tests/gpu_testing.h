@@ -36,6 +36,14 @@ inline std::vector<float> random_floats(size_t n, uint64_t seed, float std_dev =
   return values;
 }
 
+// n random FP8 codes, finite in both E4M3 and E5M2 (exponent field below all-ones), either sign.
+inline std::vector<uint8_t> random_fp8_codes(size_t n, uint64_t seed) {
+  Random random(seed);
+  std::vector<uint8_t> codes(n);
+  for (auto& c : codes) c = uint8_t(random.next_u64() % 0x70) | uint8_t((random.next_u64() & 1) << 7);
+  return codes;
+}
+
 // Values rounded to BF16, so CPU references see exactly what the GPU reads.
 inline std::vector<float> bf16_rounded(std::vector<float> values) {
   for (float& v : values) v = round_to_bf16(v);

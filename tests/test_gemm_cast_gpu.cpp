@@ -327,23 +327,12 @@ TEST_CASE("GEMM algorithms chosen by timing give the heuristic's first's bits", 
   uint64_t seed = 40;
   for (const Shape& shape : shapes) {
     INFO("M " << shape.M << " N " << shape.N << " K " << shape.K);
-    auto codes = [&](size_t n) {  // finite codes of both formats
-      Random random(seed++);
-      std::vector<uint8_t> bytes(n);
-      for (auto& b : bytes) b = uint8_t(random.next_u64() % 0x70) | uint8_t((random.next_u64() & 1) << 7);
-      return bytes;
-    };
-    const auto A = device_copy(codes(size_t(shape.M) * shape.K)), B = device_copy(codes(size_t(shape.N) * shape.K));
+    const auto A = device_copy(testing::random_fp8_codes(size_t(shape.M) * shape.K, seed++));
+    const auto B = device_copy(testing::random_fp8_codes(size_t(shape.N) * shape.K, seed++));
     const auto bias = device_copy(encode(random_floats(size_t(shape.N), seed++), GemmType::bf16));
     const auto a_scale = device_copy(std::vector<float>{0.01f}), b_scale = device_copy(std::vector<float>{0.03f});
-    GemmDesc desc;
-    desc.M = shape.M;
-    desc.N = shape.N;
-    desc.K = shape.K;
-    desc.a_type = shape.a;
-    desc.b_type = shape.b;
-    desc.d_type = GemmType::bf16;
-    desc.fast_accum = shape.fast_accum;
+    const GemmDesc desc{.M = shape.M, .N = shape.N, .K = shape.K, .a_type = shape.a, .b_type = shape.b,
+                        .d_type = GemmType::bf16, .fast_accum = shape.fast_accum};
     std::vector<std::vector<uint8_t>> outputs;
     for (GemmEngine* engine : {&timed, &heuristic}) {
       DeviceBuffer<uint8_t> D(size_t(shape.M) * shape.N * 2);
