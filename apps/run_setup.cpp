@@ -232,8 +232,8 @@ ActivationRecompute activation_recompute(const TrainOptions& o) {
 
 namespace {
 std::string recompute_description(const TrainOptions& o, int n_layer) {
+  const ActivationRecompute r = activation_recompute(o);
   if (o.recompute_granularity == "selective") {
-    const ActivationRecompute r = activation_recompute(o);
     std::string what;
     if (r.layernorm) what += "the LayerNorm outputs";
     if (r.mlp) what += std::string(what.empty() ? "" : " and ") + "c_fc's and the GELU's outputs";
@@ -242,12 +242,11 @@ std::string recompute_description(const TrainOptions& o, int n_layer) {
              "output and log-sum-exp)";
     return "selective: every block's backward recomputes " + what;
   }
-  if (o.recompute_granularity != "full") return "off";
-  if (o.recompute_method == "block")
-    return "full, block: blocks 0-" + std::to_string(o.recompute_num_layers - 1) + " of " + std::to_string(n_layer) +
+  if (r.method == ActivationRecompute::Method::none) return "off";
+  if (r.method == ActivationRecompute::Method::block)
+    return "full, block: blocks 0-" + std::to_string(r.layers - 1) + " of " + std::to_string(n_layer) +
            " keep only their input";
-  return "full, uniform: every block, in groups of " + std::to_string(o.recompute_num_layers) +
-         " whose first block keeps its input";
+  return "full, uniform: every block, in groups of " + std::to_string(r.layers) + " whose first block keeps its input";
 }
 }  // namespace
 
