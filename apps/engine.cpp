@@ -15,12 +15,14 @@
 #include "apps/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
 #include "apps/run_setup.h"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/host_values.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "layers/ops_cuda.h"
@@ -140,6 +142,7 @@ struct TrainingEngine::State {
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
   ShardPlan shard;
+  StartupSeconds startup;
   // The shard's layout (master, optimizer state), this rank's pieces at their slab positions
   // (gradients, working copy) and for the norm; per bucket, its tensors whole and this rank's
   // pieces of them (FP8 gradients and weights travel bucket by bucket).
@@ -315,12 +318,12 @@ struct TrainingEngine::State {
   std::vector<T> slab_from_canonical(const std::vector<T>& canonical);
   // The distributed optimizer's parts of this rank's slab, its shard.
   template <typename T>
-  std::vector<T> shard_parts(const std::vector<T>& own);
+  std::vector<T> shard_parts(std::span<const T> own);
   // This rank's slab of --seed's initial weights, drawn tensor by tensor: no rank holds the
   // whole canonical model (27 GB of FP32 at 6.7B parameters) to keep its part of it.
-  std::vector<float> initial_slab(const GptConfig& config, uint64_t seed);
+  HostValues initial_slab(const GptConfig& config, uint64_t seed);
   // The working copy and the master weights from this rank's slab of values.
-  void set_slab_parameters(const std::vector<float>& own);
+  void set_slab_parameters(std::span<const float> own);
   std::vector<float> canonical_tensor_scales(const float* memory_order);
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
@@ -481,8 +484,15 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
 
   if (start == ParameterStart::set_by_caller) return;
-  s.set_slab_parameters(s.initial_slab(setup.model, o.seed));
+  const auto began = std::chrono::steady_clock::now();
+  const HostValues initial = s.initial_slab(setup.model, o.seed);
+  const auto drawn = std::chrono::steady_clock::now();
+  s.set_slab_parameters(initial);
+  s.startup.draw_initial_values = std::chrono::duration<double>(drawn - began).count();
+  s.startup.set_parameters = std::chrono::duration<double>(std::chrono::steady_clock::now() - drawn).count();
 }
+
+TrainingEngine::StartupSeconds TrainingEngine::startup_seconds() const { return state_->startup; }
 
 TrainingEngine::~TrainingEngine() {
   if (!state_) return;
@@ -901,7 +911,7 @@ std::vector<T> TrainingEngine::State::slab_from_canonical(const std::vector<T>& 
 }
 
 template <typename T>
-std::vector<T> TrainingEngine::State::shard_parts(const std::vector<T>& own) {
+std::vector<T> TrainingEngine::State::shard_parts(std::span<const T> own) {
   std::vector<T> part(shard.size, T{});
   for (const ShardPlan::Part& p : shard.parts)
     std::copy_n(own.begin() + p.part_begin, p.size, part.begin() + p.shard_offset);
@@ -911,12 +921,12 @@ std::vector<T> TrainingEngine::State::shard_parts(const std::vector<T>& own) {
 template <typename T>
 std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>& canonical_values) {
   std::vector<T> own = slab_from_canonical(canonical_values);
-  return sharded ? shard_parts(own) : own;
+  return sharded ? shard_parts<T>(own) : own;
 }
 
-std::vector<float> TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t seed) {
+HostValues TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t seed) {
   const TensorLayout& slab = model->layout();
-  std::vector<float> own(slab.total_elements(), 0.0f);
+  HostValues own = HostValues::zeros(slab.total_elements());
   std::vector<float> whole_values;
   for (const TensorInfo& t : slab.tensors()) {
     const size_t index = size_t(canonical.index_of(t.name));
@@ -972,7 +982,7 @@ void TrainingEngine::set_parameters(const std::vector<float>& values) {
   state_->set_slab_parameters(state_->slab_from_canonical(values));
 }
 
-void TrainingEngine::State::set_slab_parameters(const std::vector<float>& own) {
+void TrainingEngine::State::set_slab_parameters(std::span<const float> own) {
   ops->synchronize();
   Tensor working;
   working.data = model->working();
@@ -982,7 +992,7 @@ void TrainingEngine::State::set_slab_parameters(const std::vector<float>& own) {
   ops->upload_values(working, own.data());
   if (master != model->working()) {
     if (sharded) {
-      const std::vector<float> part = shard_parts(own);
+      const std::vector<float> part = shard_parts<float>(own);
       ops->upload(master, part.data(), part.size() * sizeof(float));
     } else {
       ops->upload(master, own.data(), own.size() * sizeof(float));

@@ -95,6 +95,13 @@ class TrainingEngine {
   void reset_traffic();
   // The device communicators a Watchdog should watch (empty on the CPU and for one rank).
   std::vector<ncclComm_t> nccl_comms() const;
+  // Where a seeded engine's construction went: drawing this rank's initial values on the
+  // host, and making the working copy, master weights and FP8 operands from them.
+  struct StartupSeconds {
+    double draw_initial_values = 0;
+    double set_parameters = 0;
+  };
+  StartupSeconds startup_seconds() const;
 
   // Starts optimizer step `step` (0-based, as end_step's): clears gradients and the loss
   // accumulator. Without `step`: the step after the last end_step (0 at first).

@@ -226,7 +226,7 @@ struct BenchmarkTiming {
 // 6N + 12 L T C per token, over H100 SXM's dense BF16 peak of 989 TFLOP/s) and peak
 // memory, as a table and one JSON line.
 void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const BenchmarkTiming& timing, double loss,
-                      int64_t steps_run) {
+                      int64_t steps_run, double engine_seconds) {
   const TrainOptions& o = setup.options;
   // Every step sends the same bytes: the counters over the run, per step, for this rank.
   nlohmann::json bytes_per_step = nlohmann::json::object();
@@ -285,6 +285,9 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
                                {"device_used_gib", device_used / 1073741824.0},
                                {"optimizer_gib", optimizer / 1073741824.0},
                                {"bytes_per_step", bytes_per_step},
+                               {"startup_s", {{"engine", engine_seconds},
+                                              {"draw_initial_values", engine.startup_seconds().draw_initial_values},
+                                              {"set_parameters", engine.startup_seconds().set_parameters}}},
                                {"loss", loss}};
   std::printf("%s\n", line.dump().c_str());
   if (const OpProfiler* profiler = engine.op_profiler()) log_op_profile(*profiler, median_ms, "step", setup.use_cuda);
@@ -315,7 +318,14 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
     spdlog::info("no --valid-data-path: evaluation is off");
 
+  const auto engine_began = std::chrono::steady_clock::now();
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
+  const double engine_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - engine_began).count();
+  {
+    const TrainingEngine::StartupSeconds startup = engine->startup_seconds();
+    spdlog::info("engine ready in {:.1f} s: initial values drawn in {:.1f} s, set on the backend in {:.1f} s",
+                 engine_seconds, startup.draw_initial_values, startup.set_parameters);
+  }
   // The watchdog polls the engine's NCCL communicators while they live (and stops before
   // the engine destroys them: this guard goes first).
   struct Watched {
@@ -546,7 +556,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
                                 .method = "median of synchronised steps"};
   }
   if (o.benchmark && benchmark.steps > 0)
-    report_benchmark(setup, *engine, benchmark, summary.last_loss, summary.steps - start_step);
+    report_benchmark(setup, *engine, benchmark, summary.last_loss, summary.steps - start_step, engine_seconds);
   metrics_file.close();
   return summary;
 }
