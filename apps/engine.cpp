@@ -926,18 +926,13 @@ std::vector<T> TrainingEngine::State::shard_from_canonical(const std::vector<T>&
 
 HostValues TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t seed) {
   const TensorLayout& slab = model->layout();
+  const auto began = std::chrono::steady_clock::now();
   HostValues own = HostValues::zeros(slab.total_elements());
-  std::vector<float> whole_values;
+  startup.zero_host_values = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   for (const TensorInfo& t : slab.tensors()) {
     const size_t index = size_t(canonical.index_of(t.name));
-    const TensorInfo& whole = canonical.tensors()[index];
-    if (t.numel == whole.numel) {  // held whole: drawn in place
-      init_gpt_tensor(own.data() + t.offset, whole, index, config, seed);
-      continue;
-    }
-    whole_values.resize(whole.numel);
-    init_gpt_tensor_for_part(whole_values.data(), whole, index, config, seed, t, parallel.tp_rank, parallel.tp_size);
-    copy_part_from_full(t, whole_values.data(), own.data() + t.offset, parallel.tp_rank, parallel.tp_size);
+    init_gpt_tensor_part(own.data() + t.offset, canonical.tensors()[index], index, config, seed, t, parallel.tp_rank,
+                         parallel.tp_size);
   }
   return own;
 }

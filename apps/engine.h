@@ -98,6 +98,7 @@ class TrainingEngine {
   // Where a seeded engine's construction went: drawing this rank's initial values on the
   // host, and making the working copy, master weights and FP8 operands from them.
   struct StartupSeconds {
+    double zero_host_values = 0;     // of draw_initial_values: the host slab's first touch
     double draw_initial_values = 0;
     double set_parameters = 0;
   };

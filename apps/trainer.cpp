@@ -287,6 +287,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
                                {"bytes_per_step", bytes_per_step},
                                {"startup_s", {{"engine", engine_seconds},
                                               {"draw_initial_values", engine.startup_seconds().draw_initial_values},
+                                              {"zero_host_values", engine.startup_seconds().zero_host_values},
                                               {"set_parameters", engine.startup_seconds().set_parameters}}},
                                {"loss", loss}};
   std::printf("%s\n", line.dump().c_str());
@@ -323,8 +324,9 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   const double engine_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - engine_began).count();
   {
     const TrainingEngine::StartupSeconds startup = engine->startup_seconds();
-    spdlog::info("engine ready in {:.1f} s: initial values drawn in {:.1f} s, set on the backend in {:.1f} s",
-                 engine_seconds, startup.draw_initial_values, startup.set_parameters);
+    spdlog::info("engine ready in {:.1f} s: initial values drawn in {:.1f} s (host memory zeroed in {:.1f} s), set on "
+                 "the backend in {:.1f} s",
+                 engine_seconds, startup.draw_initial_values, startup.zero_host_values, startup.set_parameters);
   }
   // The watchdog polls the engine's NCCL communicators while they live (and stops before
   // the engine destroys them: this guard goes first).

@@ -20,7 +20,10 @@ class HostValues {
   operator std::span<const float>() const { return {values_.get(), size_}; }
 
  private:
-  std::unique_ptr<float[]> values_;
+  struct FreeValues {
+    void operator()(float* values) const;
+  };
+  std::unique_ptr<float, FreeValues> values_;
   size_t size_ = 0;
 };
 

@@ -5,8 +5,28 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace fp8lm {
+
+// SplitMix64's output for one counter value: a stateless hash, so that the k-th number of a
+// stream is drawn without the ones before it.
+inline uint64_t hash64(uint64_t counter) {
+  uint64_t z = counter + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Two independent standard normals from 64 random bits: Box-Muller on two 32-bit uniforms
+// (so |value| < 6.7).
+inline std::pair<double, double> normal_pair(uint64_t bits) {
+  const double u1 = (double(bits >> 32) + 0.5) * 0x1.0p-32;  // in (0, 1): log is finite
+  const double u2 = double(bits & 0xFFFFFFFFu) * 0x1.0p-32;
+  const double radius = std::sqrt(-2.0 * std::log(u1));
+  const double angle = 6.283185307179586 * u2;
+  return {radius * std::cos(angle), radius * std::sin(angle)};
+}
 
 // SplitMix64: a 64-bit mixer with a full-period counter. Good statistical quality for
 // initialisation and test data; not cryptographic.

@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 #include <string_view>
 
 #include "core/block_scaling.h"
@@ -52,53 +53,84 @@ bool is_linear_input_state(const std::string& state_name) {
 
 namespace {
 
-// init_gpt_tensor over the chunks `wanted` marks (every chunk when it is empty).
-void init_gpt_chunks(float* p, const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed,
-                     const std::vector<uint8_t>& wanted) {
+// How one tensor of the canonical layout has its initial values drawn: a constant for biases
+// and LayerNorm gains, else N(0, std_dev) below `filled` and 0 after it (the padded
+// vocabulary rows never see a token).
+struct TensorDraw {
+  enum class Kind { constant, normal } kind = Kind::normal;
+  float constant = 0.0f;
+  double std_dev = 0.0;
+  size_t filled = 0;
+  uint64_t key = 0;  // the tensor's stream: (seed, index in the canonical layout)
+};
+
+TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed) {
   auto ends_with = [](const std::string& s, const std::string& suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
-  if (ends_with(t.name, ".bias")) {
-    std::fill(p, p + t.numel, 0.0f);
-    return;
-  }
-  if (t.shape.size() == 1) {  // LayerNorm gains
-    std::fill(p, p + t.numel, 1.0f);
-    return;
+  TensorDraw draw;
+  if (ends_with(t.name, ".bias") || t.shape.size() == 1) {
+    draw.kind = TensorDraw::Kind::constant;
+    draw.constant = ends_with(t.name, ".bias") ? 0.0f : 1.0f;  // LayerNorm gains: 1
+    return draw;
   }
   const double residual_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
-  const double std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
-  // Padded vocabulary rows stay 0: they never see a token.
-  const size_t filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
-  // Each chunk of a tensor draws from its own stream, keyed by (seed, tensor, chunk), so
-  // a 1.5B-parameter model initialises in parallel and identically for any thread count.
-  constexpr size_t kChunk = kInitChunkElements;
-  const size_t chunks = (t.numel + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static)
-  for (size_t chunk = 0; chunk < chunks; ++chunk) {
-    if (!wanted.empty() && !wanted[chunk]) continue;
-    Random random(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull + chunk);
-    random.next_u64();  // decorrelate neighbouring keys
-    const size_t end = std::min(t.numel, (chunk + 1) * kChunk);
-    for (size_t i = chunk * kChunk; i < end; ++i) p[i] = i < filled ? static_cast<float>(random.normal() * std_dev) : 0.0f;
+  draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
+  draw.filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
+  draw.key = hash64(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull);
+  return draw;
+}
+
+// Canonical elements [begin, begin + count) of a tensor into out[0, count). Elements 2k and
+// 2k + 1 are the two normals of one hash of (key, k): any element can be drawn alone, so a
+// rank draws only the part it holds, threads split the work anywhere, and the values depend
+// on neither the thread count nor the parallel layout.
+void draw_elements(const TensorDraw& draw, size_t begin, size_t count, float* out) {
+  if (draw.kind == TensorDraw::Kind::constant) {
+    std::fill(out, out + count, draw.constant);
+    return;
   }
+  const size_t end = begin + count;
+  for (size_t pair = begin / 2; 2 * pair < end; ++pair) {
+    const auto [even, odd] = normal_pair(hash64(draw.key + pair));
+    const size_t i = 2 * pair;
+    if (i >= begin) out[i - begin] = i < draw.filled ? float(even * draw.std_dev) : 0.0f;
+    if (i + 1 >= begin && i + 1 < end) out[i + 1 - begin] = i + 1 < draw.filled ? float(odd * draw.std_dev) : 0.0f;
+  }
+}
+
+// (destination offset, canonical element, count) pieces of at most 64K elements, drawn in parallel.
+struct DrawPiece {
+  size_t destination, element, count;
+};
+
+void draw_pieces(const TensorDraw& draw, const std::vector<DrawPiece>& pieces, float* destination) {
+#pragma omp parallel for schedule(dynamic, 16)
+  for (size_t k = 0; k < pieces.size(); ++k)
+    draw_elements(draw, pieces[k].element, pieces[k].count, destination + pieces[k].destination);
+}
+
+void add_pieces(std::vector<DrawPiece>& pieces, size_t destination, size_t element, size_t count) {
+  constexpr size_t kPiece = size_t{1} << 16;
+  for (size_t done = 0; done < count; done += kPiece)
+    pieces.push_back({destination + done, element + done, std::min(kPiece, count - done)});
 }
 
 }  // namespace
 
 void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config, uint64_t seed) {
-  init_gpt_chunks(values, tensor, index, config, seed, {});
+  std::vector<DrawPiece> pieces;
+  add_pieces(pieces, 0, 0, tensor.numel);
+  draw_pieces(tensor_draw(tensor, index, config, seed), pieces, values);
 }
 
-void init_gpt_tensor_for_part(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
-                              uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size) {
-  std::vector<uint8_t> wanted((tensor.numel + kInitChunkElements - 1) / kInitChunkElements, 0);
-  detail::for_each_part_run(part, tp_rank, tp_size, [&](size_t, size_t full, size_t count) {
-    if (count == 0) return;
-    for (size_t chunk = full / kInitChunkElements; chunk <= (full + count - 1) / kInitChunkElements; ++chunk)
-      wanted[chunk] = 1;
+void init_gpt_tensor_part(float* part_values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                          uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size) {
+  std::vector<DrawPiece> pieces;
+  detail::for_each_part_run(part, tp_rank, tp_size, [&](size_t part_index, size_t full_index, size_t count) {
+    add_pieces(pieces, part_index, full_index, count);
   });
-  init_gpt_chunks(values, tensor, index, config, seed, wanted);
+  draw_pieces(tensor_draw(tensor, index, config, seed), pieces, part_values);
 }
 
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {

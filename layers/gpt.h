@@ -79,20 +79,19 @@ void copy_part_to_full(const TensorInfo& info, const T* part, T* full, int tp_ra
 
 // GPT-2 initialisation: N(0, 0.02) for embeddings and weights, N(0, 0.02/sqrt(2L)) for
 // the residual projections (attn.c_proj, mlp.c_proj), LayerNorm weight 1, biases 0,
-// padded vocabulary rows 0. Deterministic in `seed` on every platform. Over the canonical
-// layout, so every parallel layout starts from the same weights.
+// padded vocabulary rows 0. Deterministic in `seed` on every platform and for any thread
+// count. Over the canonical layout, so every parallel layout starts from the same weights.
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& config, uint64_t seed);
-// The same for one tensor of the canonical layout, the `index`-th (its random streams are
-// keyed by it), so a rank can draw the tensors it holds without the whole model.
+// The same for one tensor of the canonical layout, the `index`-th (its random stream is keyed
+// by it), so a rank can draw the tensors it holds without the whole model.
 //   values [tensor.numel]
 void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config, uint64_t seed);
-// Only the chunks of kInitChunkElements elements (each its own random stream) that hold an
-// element of this tensor-parallel rank's part (`part`, TensorInfo of the part), so that a
-// rank of a column-parallel weight draws 1/tp of it; the other chunks of values are left as
-// they are. The part's elements equal init_gpt_tensor's.
-inline constexpr size_t kInitChunkElements = size_t{1} << 16;
-void init_gpt_tensor_for_part(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
-                              uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size);
+// Only this tensor-parallel rank's part of it (`part`, TensorInfo of the part), in the part's
+// layout: the elements copy_part_from_full would take from init_gpt_tensor's values, drawn
+// alone (each element's value is a function of its canonical index).
+//   part_values [part.numel]
+void init_gpt_tensor_part(float* part_values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                          uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size);
 
 // Whether a scaling state is a Linear's input operand, an activation ("h.3.mlp.c_fc.input"),
 // rather than its weight or its output gradient.

@@ -3,8 +3,12 @@
 // index (detail::full_index_of_part_element) says, for every split and tensor-parallel size,
 // and the parts of all ranks tile the whole tensor exactly once.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
+#include <string>
 #include <vector>
+
+#include <omp.h>
 
 #include <catch2/catch_test_macros.hpp>
 
@@ -67,15 +71,12 @@ TEST_CASE("a rank's part of a tensor copies run by run as the element index plac
   }
 }
 
-TEST_CASE("a rank draws only the initialisation chunks its part holds, to the same values", "[parallel][layout]") {
-  // Weights of width 512 whose chunks (65,536 elements, 128 rows) each hold whole rows: a
-  // rank of a row split draws only its rows' chunks; a column split needs every chunk.
+TEST_CASE("a rank draws only its part of a tensor's initial values, to the same values", "[parallel][layout]") {
   GptConfig config;
   config.n_layer = 2;
-  const size_t chunk_rows = kInitChunkElements / 512;
   for (TensorSplit split : {TensorSplit::rows, TensorSplit::qkv_rows, TensorSplit::columns}) {
     for (int tp : {2, 4}) {
-      const std::vector<int64_t> full_shape = {int64_t(chunk_rows * 12), 512};
+      const std::vector<int64_t> full_shape = {12 * 37, 84};  // odd run lengths: pairs straddle parts
       const TensorInfo part = part_info(split, full_shape, tp);
       TensorInfo whole = part;
       whole.name = "h.0.mlp.c_fc.weight";
@@ -85,19 +86,57 @@ TEST_CASE("a rank draws only the initialisation chunks its part holds, to the sa
       init_gpt_tensor(reference.data(), whole, 7, config, 1234);
       for (int rank = 0; rank < tp; ++rank) {
         INFO("split " << int(split) << ", tp " << tp << ", rank " << rank);
-        std::vector<float> drawn(whole.numel, -100.0f);  // -100: not drawn
-        init_gpt_tensor_for_part(drawn.data(), whole, 7, config, 1234, part, rank, tp);
-        std::vector<float> mine(part.numel), expected(part.numel);
-        copy_part_from_full(part, drawn.data(), mine.data(), rank, tp);
+        std::vector<float> mine(part.numel, -100.0f), expected(part.numel);
+        init_gpt_tensor_part(mine.data(), whole, 7, config, 1234, part, rank, tp);
         copy_part_from_full(part, reference.data(), expected.data(), rank, tp);
         REQUIRE(mine == expected);
-        const size_t skipped = size_t(std::count(drawn.begin(), drawn.end(), -100.0f));
-        if (split == TensorSplit::columns) {
-          CHECK(skipped == 0);
-        } else {
-          CHECK(skipped == whole.numel - whole.numel / size_t(tp));  // rows of 1/tp only
-        }
       }
     }
   }
+}
+
+TEST_CASE("initial weights: GPT-2's distributions, the same for any thread count", "[layout]") {
+  GptConfig config;
+  config.n_layer = 4;
+  config.n_embd = 64;
+  config.n_inner = 256;
+  config.vocab_size = 1000;
+  const TensorLayout layout = make_gpt_layout(config);
+  std::vector<float> one_thread(layout.total_elements()), many(layout.total_elements());
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  init_gpt_parameters(one_thread.data(), layout, config, 99);
+  omp_set_num_threads(std::max(threads, 3));
+  init_gpt_parameters(many.data(), layout, config, 99);
+  omp_set_num_threads(threads);
+  REQUIRE(one_thread == many);
+
+  auto moments = [&](const std::string& name, size_t rows) {
+    const TensorInfo* t = layout.find(name);
+    REQUIRE(t != nullptr);
+    const size_t n = std::min(t->numel, rows * size_t(t->shape.back()));
+    double sum = 0, squares = 0;
+    for (size_t i = 0; i < n; ++i) {
+      sum += many[t->offset + i];
+      squares += double(many[t->offset + i]) * many[t->offset + i];
+    }
+    return std::pair{sum / double(n), std::sqrt(squares / double(n))};
+  };
+  const auto [wte_mean, wte_std] = moments("wte.weight", size_t(config.vocab_size));
+  CHECK(std::fabs(wte_mean) < 1e-3);
+  CHECK(std::fabs(wte_std - 0.02) < 0.02 * 0.02);
+  const auto [proj_mean, proj_std] = moments("h.1.mlp.c_proj.weight", 64);
+  CHECK(std::fabs(proj_std - 0.02 / std::sqrt(8.0)) < 0.02 * 0.02 / std::sqrt(8.0) * 2);
+  CHECK(std::fabs(proj_mean) < 1e-3);
+  // Padded vocabulary rows, biases and LayerNorm gains.
+  const TensorInfo& wte = *layout.find("wte.weight");
+  for (size_t i = size_t(config.vocab_size) * config.n_embd; i < wte.numel; ++i) REQUIRE(many[wte.offset + i] == 0.0f);
+  const TensorInfo& bias = *layout.find("h.2.mlp.c_fc.bias");
+  const TensorInfo& gain = *layout.find("h.2.ln_1.weight");
+  for (size_t i = 0; i < bias.numel; ++i) REQUIRE(many[bias.offset + i] == 0.0f);
+  for (size_t i = 0; i < gain.numel; ++i) REQUIRE(many[gain.offset + i] == 1.0f);
+  // Another seed, other values.
+  std::vector<float> other(layout.total_elements());
+  init_gpt_parameters(other.data(), layout, config, 100);
+  CHECK(other != many);
 }
