@@ -36,7 +36,7 @@ else
   say "no GPU: a 4-layer, 64-wide GPT (configs/quickstart-cpu.json), FP8 (hybrid) emulated on the CPU"
   model=(--config configs/quickstart-cpu.json --device cpu --micro-batch-size 8 --seq-length 64
          --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 40 --weight-decay 0)
-  iters=${FP8LM_QUICKSTART_ITERS:-1000}
+  iters=${FP8LM_QUICKSTART_ITERS:-800}
 fi
 
 build/fp8lm "${model[@]}" --fp8-hybrid --train-iters "$iters" \
