@@ -67,8 +67,6 @@ class DeviceAllocation final : public Allocation {
   size_t bytes_ = 0;
 };
 
-// A pinned host copy filled by an asynchronous device-to-host copy; an event says when
-// it has landed.
 // Uploads above this size go through pinned staging in chunks of it.
 constexpr size_t kLargeUploadBytes = size_t{128} << 20;
 
@@ -109,6 +107,8 @@ class DoubleBufferedStaging {
   cudaEvent_t copied_[2] = {};
 };
 
+// A pinned host copy filled by an asynchronous device-to-host copy; an event says when
+// it has landed.
 class PinnedReadback final : public HostReadback {
  public:
   PinnedReadback(size_t bytes, cudaStream_t stream) : bytes_(bytes), stream_(stream) {

@@ -14,7 +14,7 @@
 #        BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8; the loss rows of N = 4 plus TP = 4 x
 #        DP = 2 on all eight, with and without SP.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4, TP = 2 x DP = 2, DP = 4): the
-#        same model on fewer GPUs, in a call of its own (each of its ranks starts in tens of seconds).
+#        same model on fewer GPUs, in a call of its own (13 rows at N = 4: 293 s in device call 32).
 # ROWS=REGEX runs only the rows whose tag matches (grep -E), for a table split over calls; the
 # tags are in --dry-run's output.
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default

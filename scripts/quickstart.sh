@@ -58,5 +58,5 @@ awk -v l="$loss" -v h="$entropy" 'BEGIN { exit !(l < h - 0.5) }' ||
 say "a sample from $run/checkpoint:"
 build/fp8lm sample --load "$run/checkpoint" --vocab-file data/tokenizer/encoder.json \
   --merge-file data/tokenizer/vocab.bpe --prompt "The" --max-new-tokens 48 --top-k 40 --seed 1 \
-  --device "$device" --log-level warn
+  --device "$device" --ignore-eos --log-level warn
 say "done in $(( $(date +%s) - start )) s (training log: $run/train.jsonl; plot it with scripts/plot_loss.sh)"
