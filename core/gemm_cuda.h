@@ -16,10 +16,9 @@
 //   fp8  x fp8       bf16           bf16     fp8 = e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2
 //   fp8  x fp8       fp32           bf16     (e5m2 x e5m2 has no cuBLASLt kernel)
 // FP8 also needs K and N multiples of 16 and 16-byte-aligned A, B, C, D and bias pointers
-// (checked: RuntimeError). scale_inv pointers may have any alignment: cuBLASLt needs 16
-// bytes there, so the engine copies a misaligned one into an aligned slot first (one
-// 4-byte device copy on the stream); a scaling table whose scale_inv entries sit 16 bytes
-// apart avoids that copy.
+// (checked: RuntimeError). cuBLASLt needs 16-byte-aligned scale_inv pointers as well (also
+// checked; the small-M kernel, which cuBLASLt's rule does not bind, takes any): the CUDA
+// backend keeps every scaling state's scale_inv 16 bytes apart, so none is ever copied.
 //
 // Block scaling (--fp8-recipe blockwise, core/block_scaling.h): with a_scaling / b_scaling
 // tiles_1x128 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) or blocks_128x128
@@ -153,8 +152,6 @@ class GemmEngine {
   int choose_by_timing(const Key& key, Plan& plan, const GemmArgs& args, const void* candidates, int count,
                        cudaStream_t stream);
 
-  static constexpr int kScaleStagingFloats = 64;  // slots at [0] (A) and [4] (B), 16-byte aligned
-
   SmallMGemm small_m_;
   GemmAlgorithmChoice algorithm_choice_;
   size_t small_m_calls_ = 0;
@@ -162,7 +159,6 @@ class GemmEngine {
   size_t plans_not_first_ = 0;
   cublasLtContext* handle_ = nullptr;
   void* workspace_ = nullptr;
-  float* scale_staging_ = nullptr;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -15,7 +15,7 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     update_delayed_scales_kernel(float* __restrict__ history, float* __restrict__ scale,
                                  float* __restrict__ scale_inv, const float* __restrict__ format_max, int S, int L,
-                                 AmaxComputeAlgo algo, int margin, const int* __restrict__ skip) {
+                                 AmaxComputeAlgo algo, int margin, const int* __restrict__ skip, int scale_inv_stride) {
   extern __shared__ float window[];  // [L]
   if (skip != nullptr && *skip) {  // a skipped step: forget its amaxes, keep every scale
     if (threadIdx.x == 0) history[blockIdx.x] = 0.0f;
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float s = compute_scale(amax, format_max[blockIdx.x], margin, scale[blockIdx.x]);
     scale[blockIdx.x] = s;
-    scale_inv[blockIdx.x] = 1.0f / s;
+    scale_inv[static_cast<size_t>(blockIdx.x) * scale_inv_stride] = 1.0f / s;
   }
 
   // roll_history(): new[i] = old[i+1], new[L-1] = old[0], then new[0] = 0.
@@ -84,8 +84,9 @@ __global__ void current_scale_and_record_kernel(float* scale, float* scale_inv, 
 }  // namespace
 
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
-                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip) {
+                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip, int scale_inv_stride) {
   FP8LM_CHECK(S >= 0 && L >= 1, "update_delayed_scales: S=", S, " L=", L);
+  FP8LM_CHECK(scale_inv_stride >= 1, "update_delayed_scales: scale_inv_stride ", scale_inv_stride);
   FP8LM_CHECK(margin >= 0 && margin <= kMaxFp8Margin, "update_delayed_scales: margin ", margin);
   if (S == 0) return;
   FP8LM_CHECK(history && scale && scale_inv && format_max, "update_delayed_scales needs every array");
@@ -101,7 +102,7 @@ void update_delayed_scales(float* history, float* scale, float* scale_inv, const
                                     static_cast<int>(smem)));
   }
   update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, S, L, algo, margin,
-                                                                 skip);
+                                                                 skip, scale_inv_stride);
   CUDA_CHECK_LAUNCH();
 }
 

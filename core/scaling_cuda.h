@@ -15,10 +15,13 @@ namespace fp8lm::cuda {
 //   scale[s]      = compute_scale(amax, format_max[s], margin, scale[s])
 //   scale_inv[s]  = 1 / scale[s]
 //   history[:, s] rolled: new[i] = old[i+1], new[L-1] = old[0], then new[0] = 0.
-// history [L,S] (row 0: this step's amaxes), scale [S], scale_inv [S], format_max [S] (fp8_max of each state's dtype).
+// history [L,S] (row 0: this step's amaxes), scale [S], format_max [S] (fp8_max of each state's dtype),
+// scale_inv [S * scale_inv_stride] (state s at s * scale_inv_stride: the CUDA backend keeps
+// each 16 bytes apart, as cuBLASLt wants its scale pointers aligned).
 // The caller decides when to update (delayed recipe, interval boundaries), as update() does.
 void update_delayed_scales(float* history, float* scale, float* scale_inv, const float* format_max, int S, int L,
-                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip = nullptr);
+                           AmaxComputeAlgo algo, int margin, cudaStream_t stream, const int* skip = nullptr,
+                           int scale_inv_stride = 1);
 
 // history[0, s] = 0 for every state s < S (a skipped step leaves no amaxes behind).
 void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if = nullptr);

@@ -310,7 +310,7 @@ class CudaOps final : public Ops {
     const int S = table.size(), L = table.config().amax_history_len;
     history_.allocate(std::max<size_t>(1, size_t(S) * L));
     scale_.allocate(std::max(1, S));
-    scale_inv_.allocate(std::max(1, S));
+    scale_inv_.allocate(size_t(std::max(1, S)) * kScaleInvStride);
     format_max_.allocate(std::max(1, S));
     std::vector<float> maxima(std::max(1, S), 1.0f);
     for (int s = 0; s < S; ++s) maxima[s] = fp8_max(table.dtype(s));
@@ -322,14 +322,18 @@ class CudaOps final : public Ops {
     if (S == 0) return;
     download(table_->history().data(), history_.data(), table_->history().size() * sizeof(float));
     download(table_->scales().data(), scale_.data(), S * sizeof(float));
-    download(table_->scale_invs().data(), scale_inv_.data(), S * sizeof(float));
+    CUDA_CHECK(cudaMemcpy2DAsync(table_->scale_invs().data(), sizeof(float), scale_inv_.data(),
+                                 kScaleInvStride * sizeof(float), sizeof(float), S, cudaMemcpyDeviceToHost, stream_));
+    synchronize();
   }
   void upload_scaling() override {
     const size_t S = table_->size();
     if (S == 0) return;
     upload(history_.data(), table_->history().data(), table_->history().size() * sizeof(float));
     upload(scale_.data(), table_->scales().data(), S * sizeof(float));
-    upload(scale_inv_.data(), table_->scale_invs().data(), S * sizeof(float));
+    CUDA_CHECK(cudaMemcpy2DAsync(scale_inv_.data(), kScaleInvStride * sizeof(float), table_->scale_invs().data(),
+                                 sizeof(float), sizeof(float), S, cudaMemcpyHostToDevice, stream_));
+    synchronize();
   }
   void set_amax_recording(bool record) override { recording_ = record; }
   void set_fp8_statistics(Fp8CastCounts* counts) override { counts_ = counts; }
@@ -337,7 +341,7 @@ class CudaOps final : public Ops {
     const Fp8RecipeConfig& recipe = table_->config();
     cuda::update_delayed_scales(history_.data(), scale_.data(), scale_inv_.data(), format_max_.data(), table_->size(),
                                 recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, stream_,
-                                &control->skip);
+                                &control->skip, kScaleInvStride);
   }
   void discard_current_amaxes(const StepControl* control) override {
     cuda::discard_current_amaxes(history_.data(), table_->size(), table_->config().amax_history_len, stream_,
@@ -794,7 +798,7 @@ class CudaOps final : public Ops {
     switch (t.block_scaling) {
       case BlockScaling::none:
         scaling = cuda::GemmScaling::tensor;
-        return scale_inv_.data() + t.scaling_state;
+        return scale_inv_.data() + size_t(t.scaling_state) * kScaleInvStride;
       case BlockScaling::tiles_1x128: scaling = cuda::GemmScaling::tiles_1x128; break;
       case BlockScaling::blocks_128x128: scaling = cuda::GemmScaling::blocks_128x128; break;
     }
@@ -865,7 +869,7 @@ class CudaOps final : public Ops {
     }
     // A tensor shared by several ranks takes one scale: the amax of all their parts.
     if (amax_group_) amax_group_->all_reduce(tensor_amax_.data(), tensor_amax_.data(), 1, CommDtype::f32, ReduceOp::max);
-    cuda::current_scale_and_record(scale_.data() + s, scale_inv_.data() + s,
+    cuda::current_scale_and_record(scale_.data() + s, scale_inv_.data() + size_t(s) * kScaleInvStride,
                                    recording_ ? history_.data() + s : nullptr, tensor_amax_.data(), fp8_max(dtype),
                                    table_->config().margin, stream_);
     cast(out, amax_sink_.data(), in, in_dtype, dbias);
@@ -878,6 +882,10 @@ class CudaOps final : public Ops {
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
   Fp8CastCounts* counts_ = nullptr;  // [states] device memory while a statistics step runs
+  // scale_inv_ holds state s's at s * kScaleInvStride: 16 bytes apart, every one a pointer
+  // cuBLASLt takes as it is (it wants 16-byte-aligned scale pointers; packed, three states in
+  // four would need a copy into an aligned slot before each GEMM).
+  static constexpr int kScaleInvStride = 4;
   cuda::DeviceBuffer<float> history_, scale_, scale_inv_, format_max_;
   cuda::DeviceBuffer<float> amax_sink_;    // [1] where evaluation passes send amaxes
   cuda::DeviceBuffer<float> tensor_amax_;  // [1] current-scaling temporary

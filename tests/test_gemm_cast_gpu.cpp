@@ -111,7 +111,7 @@ struct GemmCase {
 
 // Where the GPU buffers start (bytes past a 256-byte-aligned allocation), to exercise
 // pointers carved out of slabs. B's scale_inv sits scale_b_floats after A's in one array
-// (1: a scaling table's contiguous scale_inv [S], not 16-byte aligned, staged by the engine).
+// (4: 16 bytes apart, as the CUDA backend lays out its scaling states).
 struct Placement {
   size_t scale_b_floats = 4;
   size_t operand_offset = 0;  // A, B, C, D
@@ -355,18 +355,15 @@ TEST_CASE("GEMM algorithms chosen by timing give the heuristic's first's bits", 
   WARN("plans that kept another candidate than the heuristic's first: " << timed.plans_not_first() << " of " << timed.timed_plans());
 }
 
-TEST_CASE("GEMM with slab-carved pointers: contiguous scale_inv, 16-byte operand offsets", "[gpu][gemm]") {
+TEST_CASE("GEMM with slab-carved pointers: 16-byte operand offsets and scale slots", "[gpu][gemm]") {
   FP8LM_REQUIRE_GPU();
   GemmEngine engine;
-  Placement packed;  // B's scale_inv right after A's: 4-byte aligned, staged by the engine
-  packed.scale_b_floats = 1;
-  Placement carved = packed;  // operands and bias 16 bytes past a 256-byte boundary
+  Placement carved;  // operands and bias 16 bytes past a 256-byte boundary
   carved.operand_offset = 16;
   carved.bias_offset = 16;
   uint64_t seed = 5000;
   for (const GemmCase& c : kGemmCases) {
     INFO(c.name << " " << c.M << "x" << c.N << "x" << c.K);
-    run_gemm_case(engine, c, seed += 10, packed);
     run_gemm_case(engine, c, seed += 10, carved);
   }
   // BF16 takes a 2-byte-aligned bias.
@@ -374,6 +371,33 @@ TEST_CASE("GEMM with slab-carved pointers: contiguous scale_inv, 16-byte operand
   odd_bias.bias_offset = 2;
   run_gemm_case(engine, kGemmCases[10], seed += 10, odd_bias);
   run_gemm_case(engine, kGemmCases[11], seed += 10, odd_bias);
+}
+
+TEST_CASE("FP8 GEMM refuses a scale_inv pointer that is not 16-byte aligned", "[gpu][gemm]") {
+  FP8LM_REQUIRE_GPU();
+  // cuBLASLt refuses such a pointer; the engine says so before anything is queued, rather
+  // than copying the scale into an aligned slot on every call.
+  GemmEngine engine;
+  DeviceBuffer<uint8_t> a(64 * 64), b(64 * 64), d(64 * 64 * 2);
+  DeviceBuffer<float> scales = device_copy(std::vector<float>(8, 1.0f));
+  GemmDesc desc;
+  desc.M = desc.N = desc.K = 64;
+  desc.a_type = GemmType::e4m3;
+  desc.b_type = GemmType::e4m3;
+  desc.d_type = GemmType::bf16;
+  GemmArgs args;
+  args.A = a.data();
+  args.B = b.data();
+  args.D = d.data();
+  args.a_scale_inv = scales.data();
+  args.b_scale_inv = scales.data() + 1;  // packed after A's: 4-byte aligned
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.a_scale_inv = scales.data() + 2;
+  args.b_scale_inv = scales.data() + 4;
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.a_scale_inv = scales.data();  // both 16-byte aligned: runs
+  engine.gemm(desc, args, nullptr);
+  device_sync();
 }
 
 TEST_CASE("FP8 GEMM refuses a misaligned bias or operand instead of faulting", "[gpu][gemm]") {
@@ -756,6 +780,16 @@ TEST_CASE("update_delayed_scales matches ScalingTable::update bit for bit", "[gp
         for (int s = 0; s < kStates; ++s) format_max[s] = fp8_max(table.dtype(s));
         DeviceBuffer<float> d_format_max = device_copy(format_max);
 
+        // The CUDA backend's layout too: scale_inv 4 floats apart, the gaps left as they are.
+        constexpr int kStride = 4;
+        std::vector<float> strided(size_t(kStates) * kStride, -7.0f);
+        for (int s = 0; s < kStates; ++s) strided[size_t(s) * kStride] = table.scale_invs()[s];
+        DeviceBuffer<float> d_history_strided = device_copy(history);
+        DeviceBuffer<float> d_scale_strided = device_copy(table.scales());
+        DeviceBuffer<float> d_scale_inv_strided = device_copy(strided);
+        cuda::update_delayed_scales(d_history_strided.data(), d_scale_strided.data(), d_scale_inv_strided.data(),
+                                    d_format_max.data(), kStates, length, algo, margin, nullptr, nullptr, kStride);
+
         cuda::update_delayed_scales(d_history.data(), d_scale.data(), d_scale_inv.data(), d_format_max.data(), kStates,
                                     length, algo, margin, nullptr);
         table.update(0);
@@ -766,6 +800,9 @@ TEST_CASE("update_delayed_scales matches ScalingTable::update bit for bit", "[gp
         CHECK(same_bits(d_history.download(), table.history()));
         CHECK(same_bits(d_scale.download(), table.scales()));
         CHECK(same_bits(d_scale_inv.download(), table.scale_invs()));
+        CHECK(same_bits(d_scale_strided.download(), table.scales()));
+        for (int s = 0; s < kStates; ++s) strided[size_t(s) * kStride] = table.scale_invs()[s];
+        CHECK(same_bits(d_scale_inv_strided.download(), strided));
 
         // And a second update on the rolled windows.
         for (int s = 0; s < kStates; ++s) table.record_amax(s, static_cast<float>(random.uniform() * 3.0));
