@@ -27,7 +27,8 @@
 // whose row 0 is this step's amaxes, one per operand, contiguous, so one MAX all-reduce
 // of that row keeps every rank's scales identical; scale [S]; scale_inv [S]. The GPU
 // holds a device twin of the three arrays and updates all of them in one kernel with no
-// host sync.
+// host sync; its scale_inv keeps each state 16 bytes apart (layers/ops_cuda.cpp,
+// kScaleInvStride), the pointers cuBLASLt's FP8 GEMMs take as they are.
 // THE place where scales change: ScalingTable::update() on the CPU, and the kernel in
 // core/scaling.cu on the GPU (update_delayed_scales); both call compute_scale() below.
 // Current scaling writes a state's scale as it quantizes (scale_for() on the CPU,
