@@ -5,9 +5,9 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
-#include <string_view>
 
 #include "core/block_scaling.h"
 #include "core/error.h"
