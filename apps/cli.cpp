@@ -79,7 +79,10 @@ std::set<int> parse_block_list(const std::string& flag, const std::string& text)
 
 std::string block_list_text(const std::set<int>& blocks) {
   std::string text;
-  for (int block : blocks) text += (text.empty() ? "" : ",") + std::to_string(block);
+  for (int block : blocks) {
+    if (!text.empty()) text += ',';
+    text += std::to_string(block);
+  }
   return text;
 }
 

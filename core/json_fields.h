@@ -84,7 +84,11 @@ class JsonFields {
     if (text.size() > 60) text = text.substr(0, 57) + "...";
     return text;
   }
-  std::string quoted_prefix() const { return "\"" + prefix_.substr(0, prefix_.size() - 1) + "\""; }
+  std::string quoted_prefix() const {
+    std::string quoted(1, '"');
+    quoted.append(prefix_, 0, prefix_.size() - 1).append(1, '"');
+    return quoted;
+  }
 
   template <typename T>
   T convert(std::string_view key, const nlohmann::json& value, T min, T max) const {

@@ -29,7 +29,8 @@ void log_settings_table(const std::string& title, const SettingsTable& rows) {
     name_width = std::max(name_width, name.size());
     value_width = std::max(value_width, value.size());
   }
-  const std::string rule = "+" + std::string(name_width + 2, '-') + "+" + std::string(value_width + 2, '-') + "+";
+  std::string rule(1, '+');
+  rule.append(name_width + 2, '-').append(1, '+').append(value_width + 2, '-').append(1, '+');
   spdlog::info("{}", title);
   spdlog::info("{}", rule);
   spdlog::info("| {:<{}} | {:<{}} |", "setting", name_width, "value", value_width);

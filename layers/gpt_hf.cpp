@@ -53,7 +53,10 @@ void load_hf_parameters(const SafetensorsFile& file, const TensorLayout& layout,
     if (view.shape != expected) {
       auto text = [](const std::vector<int64_t>& shape) {
         std::string s = "[";
-        for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+        for (size_t i = 0; i < shape.size(); ++i) {
+          if (i) s += ',';
+          s += std::to_string(shape[i]);
+        }
         return s + "]";
       };
       throw InputError(path + ": tensor \"" + name + "\" has shape " + text(view.shape) + " but the config implies " +
