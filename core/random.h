@@ -5,12 +5,12 @@
 
 #include <cmath>
 #include <cstdint>
-#include <utility>
 
 namespace fp8lm {
 
-// SplitMix64's output for one counter value: a stateless hash, so that the k-th number of a
-// stream is drawn without the ones before it.
+// SplitMix64's output for one counter value: the k-th number (k >= 1) of Random(seed) is
+// hash64(seed + (k - 1) * 0x9E3779B97F4A7C15), so any number of a stream can be drawn
+// without the ones before it.
 inline uint64_t hash64(uint64_t counter) {
   uint64_t z = counter + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -18,15 +18,8 @@ inline uint64_t hash64(uint64_t counter) {
   return z ^ (z >> 31);
 }
 
-// Two independent standard normals from 64 random bits: Box-Muller on two 32-bit uniforms
-// (so |value| < 6.7).
-inline std::pair<double, double> normal_pair(uint64_t bits) {
-  const double u1 = (double(bits >> 32) + 0.5) * 0x1.0p-32;  // in (0, 1): log is finite
-  const double u2 = double(bits & 0xFFFFFFFFu) * 0x1.0p-32;
-  const double radius = std::sqrt(-2.0 * std::log(u1));
-  const double angle = 6.283185307179586 * u2;
-  return {radius * std::cos(angle), radius * std::sin(angle)};
-}
+// Uniform in [0, 1) with 53 random bits of `bits`.
+inline double uniform_of(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
 
 // SplitMix64: a 64-bit mixer with a full-period counter. Good statistical quality for
 // initialisation and test data; not cryptographic.
@@ -41,13 +34,12 @@ class Random {
   uint64_t operator()() { return next_u64(); }
 
   uint64_t next_u64() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    const uint64_t z = hash64(state_);
+    state_ += 0x9E3779B97F4A7C15ull;
+    return z;
   }
   // Uniform in [0, 1) with 53 random bits.
-  double uniform() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+  double uniform() { return uniform_of(next_u64()); }
   // Standard normal by Box-Muller (one of the pair; simple beats fast here).
   double normal() {
     double u1 = uniform();

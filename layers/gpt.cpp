@@ -61,7 +61,7 @@ struct TensorDraw {
   float constant = 0.0f;
   double std_dev = 0.0;
   size_t filled = 0;
-  uint64_t key = 0;  // the tensor's stream: (seed, index in the canonical layout)
+  uint64_t key = 0;  // the tensor's streams: (seed, index in the canonical layout)
 };
 
 TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, uint64_t seed) {
@@ -77,25 +77,36 @@ TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, 
   const double residual_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
   draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
   draw.filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
-  draw.key = hash64(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull);
+  draw.key = seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull;
   return draw;
 }
 
-// Canonical elements [begin, begin + count) of a tensor into out[0, count). Elements 2k and
-// 2k + 1 are the two normals of one hash of (key, k): any element can be drawn alone, so a
-// rank draws only the part it holds, threads split the work anywhere, and the values depend
-// on neither the thread count nor the parallel layout.
+// Canonical elements [begin, begin + count) of a tensor into out[0, count). Each run of
+// kInitStreamElements elements has its own SplitMix64 stream, Random(key + run): after one
+// number skipped (to decorrelate neighbouring keys), element j of the run is
+// Random::normal() of numbers 2j + 2 and 2j + 3. SplitMix64 is a counter, so those numbers
+// are computed directly (hash64): a rank draws only the elements it holds, threads split
+// the work anywhere, and the values are those of drawing each run in order.
 void draw_elements(const TensorDraw& draw, size_t begin, size_t count, float* out) {
   if (draw.kind == TensorDraw::Kind::constant) {
     std::fill(out, out + count, draw.constant);
     return;
   }
-  const size_t end = begin + count;
-  for (size_t pair = begin / 2; 2 * pair < end; ++pair) {
-    const auto [even, odd] = normal_pair(hash64(draw.key + pair));
-    const size_t i = 2 * pair;
-    if (i >= begin) out[i - begin] = i < draw.filled ? float(even * draw.std_dev) : 0.0f;
-    if (i + 1 >= begin && i + 1 < end) out[i + 1 - begin] = i + 1 < draw.filled ? float(odd * draw.std_dev) : 0.0f;
+  constexpr uint64_t kStep = 0x9E3779B97F4A7C15ull;  // SplitMix64's increment
+  for (size_t k = 0; k < count; ++k) {
+    const size_t i = begin + k;
+    if (i >= draw.filled) {
+      out[k] = 0.0f;
+      continue;
+    }
+    const uint64_t stream = draw.key + i / kInitStreamElements;
+    const uint64_t j = i % kInitStreamElements;
+    double u1 = uniform_of(hash64(stream + (2 * j + 1) * kStep));
+    // Random::normal() draws again after a 0 (p = 2^-53), which shifts the rest of a run;
+    // here the smallest positive uniform stands in, so only that element differs.
+    if (u1 <= 0.0) u1 = 0x1.0p-53;
+    const double u2 = uniform_of(hash64(stream + (2 * j + 2) * kStep));
+    out[k] = static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2) * draw.std_dev);
   }
 }
 

@@ -90,6 +90,8 @@ void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, cons
 // layout: the elements copy_part_from_full would take from init_gpt_tensor's values, drawn
 // alone (each element's value is a function of its canonical index).
 //   part_values [part.numel]
+// Each run of kInitStreamElements elements of a tensor has its own random stream.
+inline constexpr size_t kInitStreamElements = size_t{1} << 16;
 void init_gpt_tensor_part(float* part_values, const TensorInfo& tensor, size_t index, const GptConfig& config,
                           uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size);
 

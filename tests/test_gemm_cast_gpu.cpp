@@ -373,37 +373,11 @@ TEST_CASE("GEMM with slab-carved pointers: 16-byte operand offsets and scale slo
   run_gemm_case(engine, kGemmCases[11], seed += 10, odd_bias);
 }
 
-TEST_CASE("FP8 GEMM refuses a scale_inv pointer that is not 16-byte aligned", "[gpu][gemm]") {
-  FP8LM_REQUIRE_GPU();
-  // cuBLASLt refuses such a pointer; the engine says so before anything is queued, rather
-  // than copying the scale into an aligned slot on every call.
-  GemmEngine engine;
-  DeviceBuffer<uint8_t> a(64 * 64), b(64 * 64), d(64 * 64 * 2);
-  DeviceBuffer<float> scales = device_copy(std::vector<float>(8, 1.0f));
-  GemmDesc desc;
-  desc.M = desc.N = desc.K = 64;
-  desc.a_type = GemmType::e4m3;
-  desc.b_type = GemmType::e4m3;
-  desc.d_type = GemmType::bf16;
-  GemmArgs args;
-  args.A = a.data();
-  args.B = b.data();
-  args.D = d.data();
-  args.a_scale_inv = scales.data();
-  args.b_scale_inv = scales.data() + 1;  // packed after A's: 4-byte aligned
-  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
-  args.a_scale_inv = scales.data() + 2;
-  args.b_scale_inv = scales.data() + 4;
-  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
-  args.a_scale_inv = scales.data();  // both 16-byte aligned: runs
-  engine.gemm(desc, args, nullptr);
-  device_sync();
-}
-
-TEST_CASE("FP8 GEMM refuses a misaligned bias or operand instead of faulting", "[gpu][gemm]") {
+TEST_CASE("FP8 GEMM refuses a misaligned bias, operand or scale pointer instead of faulting", "[gpu][gemm]") {
   FP8LM_REQUIRE_GPU();
   GemmEngine engine;
   DeviceBuffer<uint8_t> a(64 * 64 + 256), b(64 * 64 + 256), d(64 * 64 * 4 + 256), bias(256);
+  DeviceBuffer<float> scales = device_copy(std::vector<float>(8, 1.0f));
   GemmDesc desc;
   desc.M = desc.N = desc.K = 64;
   desc.a_type = GemmType::e4m3;
@@ -418,8 +392,20 @@ TEST_CASE("FP8 GEMM refuses a misaligned bias or operand instead of faulting", "
   args.bias = nullptr;
   args.A = a.data() + 8;
   CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  // cuBLASLt refuses a scale pointer that is not 16-byte aligned; the engine says so, rather
+  // than copying the scale into an aligned slot on every call.
+  args.A = a.data();
+  args.a_scale_inv = scales.data();
+  args.b_scale_inv = scales.data() + 1;  // packed after A's: 4-byte aligned
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.a_scale_inv = scales.data() + 2;
+  args.b_scale_inv = scales.data() + 4;
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
   CHECK(engine.cache_size() == 0);
   device_sync();  // nothing was queued, nothing faulted
+  args.a_scale_inv = scales.data();  // everything 16-byte aligned: runs
+  engine.gemm(desc, args, nullptr);
+  device_sync();
 }
 
 TEST_CASE("GEMM rejects unsupported combinations with a RuntimeError", "[gpu][gemm]") {

@@ -12,6 +12,7 @@
 
 #include <catch2/catch_test_macros.hpp>
 
+#include "core/random.h"
 #include "layers/gpt.h"
 
 using namespace fp8lm;
@@ -93,6 +94,30 @@ TEST_CASE("a rank draws only its part of a tensor's initial values, to the same 
       }
     }
   }
+}
+
+TEST_CASE("initial weights drawn element by element equal each stream drawn in order", "[layout]") {
+  // The values the engine drew before it drew elements alone: per run of kInitStreamElements,
+  // Random(seed * C1 + index * C2 + run), one number skipped, then Random::normal() per element.
+  GptConfig config;
+  config.n_layer = 3;
+  TensorInfo t;
+  t.name = "h.1.mlp.c_proj.weight";  // the residual projections' smaller std
+  t.shape = t.full_shape = {3, int64_t(kInitStreamElements) + 333};
+  t.numel = size_t(t.shape[0] * t.shape[1]);
+  const uint64_t seed = 4321;
+  const size_t index = 17;
+  const double std_dev = 0.02 / std::sqrt(2.0 * config.n_layer);
+  std::vector<float> expected(t.numel);
+  for (size_t run = 0; run * kInitStreamElements < t.numel; ++run) {
+    Random random(seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull + run);
+    random.next_u64();
+    for (size_t i = run * kInitStreamElements; i < std::min(t.numel, (run + 1) * kInitStreamElements); ++i)
+      expected[i] = static_cast<float>(random.normal() * std_dev);
+  }
+  std::vector<float> drawn(t.numel);
+  init_gpt_tensor(drawn.data(), t, index, config, seed);
+  REQUIRE(drawn == expected);
 }
 
 TEST_CASE("initial weights: GPT-2's distributions, the same for any thread count", "[layout]") {
