@@ -21,6 +21,11 @@ inline uint64_t hash64(uint64_t counter) {
 // Uniform in [0, 1) with 53 random bits of `bits`.
 inline double uniform_of(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
 
+// A standard normal from two uniforms, u1 in (0, 1): one of Box-Muller's pair.
+inline double normal_of(double u1, double u2) {
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
 // SplitMix64: a 64-bit mixer with a full-period counter. Good statistical quality for
 // initialisation and test data; not cryptographic.
 class Random {
@@ -44,8 +49,7 @@ class Random {
   double normal() {
     double u1 = uniform();
     while (u1 <= 0.0) u1 = uniform();
-    const double u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    return normal_of(u1, uniform());
   }
 
  private:

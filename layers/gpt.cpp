@@ -106,7 +106,7 @@ void draw_elements(const TensorDraw& draw, size_t begin, size_t count, float* ou
     // here the smallest positive uniform stands in, so only that element differs.
     if (u1 <= 0.0) u1 = 0x1.0p-53;
     const double u2 = uniform_of(hash64(stream + (2 * j + 2) * kStep));
-    out[k] = static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2) * draw.std_dev);
+    out[k] = static_cast<float>(normal_of(u1, u2) * draw.std_dev);
   }
 }
 
