@@ -344,6 +344,13 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "AdamW moments: fp8-fp16 (E4M3 m, FP16 v, FP8-LLM) or fp32")
       ->check(CLI::IsMember({"fp8-fp16", "fp32"}))
       ->group(precision);
+  std::string weight_casts = "fused";
+  app.add_option("--optimizer-weight-casts", weight_casts,
+                 "fused: AdamW's update pass also writes the next step's FP8 Linear weights and their transposes "
+                 "(delayed scaling, fp8-fp16 state, no distributed optimizer; default); separate: cast from the "
+                 "master weights after the update")
+      ->check(CLI::IsMember({"fused", "separate"}))
+      ->group(precision);
 
   // ---- Batch and schedule
   const char* training = "Training";
@@ -545,6 +552,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
   o.optimizer_state =
       state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;
+  o.fused_weight_casts = weight_casts == "fused";
   o.lr_decay_style = lookup<LrDecayStyle>(
       {{"cosine", LrDecayStyle::cosine}, {"linear", LrDecayStyle::linear}, {"constant", LrDecayStyle::constant}},
       decay_style);

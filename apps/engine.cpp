@@ -174,6 +174,12 @@ struct TrainingEngine::State {
   std::vector<bool> bucket_reduced;                   // this step
   bool side_lane_busy = false;                        // this step's reductions were queued on the side lane
   std::vector<bool> refresh_pending;                  // [layer + 1]: gathered weights not cast yet
+  // The FP8 Linear weight operands AdamW writes in its update pass (--optimizer-weight-casts
+  // fused; the delayed recipe with every tensor whole on this rank and fp8-fp16 state), and
+  // whether this step's update wrote them (not on a step before FP8 statistics, which count
+  // casts only op by op): then publish_parameters casts no Linear weight again.
+  std::unique_ptr<WeightCastTable> weight_casts;
+  bool weights_cast_in_update = false;
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
@@ -442,6 +448,10 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   }
   s.scalars = device.allocate(sizeof(StepScalars));
   s.adamw_scratch = device.allocate(adamw_scratch_floats(count) * sizeof(float));
+  if (optimizer_writes_fp8_weights(o, s.sharded)) {
+    const std::vector<WeightOperand> operands = model.fp8_weight_operands();
+    if (!operands.empty()) s.weight_casts = device.make_weight_casts(*s.shard_table, operands);
+  }
 
   size_t largest_bucket = 0;
   for (const ParameterBucket& bucket : model.buckets()) largest_bucket = std::max(largest_bucket, bucket.end - bucket.begin);
@@ -719,7 +729,7 @@ void TrainingEngine::State::cast_weights_of(int layer) {
   refresh_pending[size_t(layer + 1)] = false;
   if (overlap_param_gather)
     for (size_t b : buckets_of(layer)) ops->wait(*gathered[b], Ops::Lane::main);
-  model->refresh_weight_operands(layer, /*fp8_linear_weights=*/!fp8_param_gather);
+  model->refresh_weight_operands(layer, /*fp8_linear_weights=*/!fp8_param_gather && !weights_cast_in_update);
   if (!fp8_param_gather) return;
   const auto* codes = static_cast<const uint8_t*>(weight_codes->data());
   for (const WeightOperand& w : model->fp8_weight_operands())
@@ -745,6 +755,27 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum,
                     s.tokens_per_micro_batch * float(std::max(s.micro_batches, 1)), clip_grad);
 
+  // The FP8 scale update: THE place scales change (core/scaling.h). Before the optimizer, so
+  // that its update pass can cast the next step's FP8 weights with them; nothing in the
+  // update reads or records an FP8 scale or amax otherwise. Every rank's amaxes of
+  // the step first become one row (the MAX), so every rank computes the same scales. A
+  // skipped step discards its amaxes instead; both decide on the device (control->skip).
+  if (s.fp8) {
+    const int states = model.scaling().size();
+    if (s.world().size() > 1 && states > 0)
+      s.world().all_reduce(ops.amax_history_row(), ops.amax_history_row(), states, CommDtype::f32, ReduceOp::max);
+    if (is_scale_update_step(s.recipe, step)) {
+      ops.update_scales(s.control());
+      model.scaling().mark_initialized();
+    } else {
+      ops.discard_current_amaxes(s.control());
+    }
+  }
+  // The statistics of this step end here, before the weights of the next are cast; the next
+  // step's start now, when it collects them, so that they count its weights' casts (which
+  // then run after the update, op by op: the fused casts count nothing).
+  s.stop_fp8_statistics(/*keep=*/s.counting_step == step);
+  if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
   std::vector<AdamWCall> updates;
   if (s.update_groups.empty()) {
     updates.push_back(s.adamw_call(*s.shard_table, s.slab_table.get(), 0, static_cast<float*>(s.adamw_scratch->data()),
@@ -762,6 +793,11 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       s.world().all_reduce(update.scratch, update.scratch, 2 * tensors, CommDtype::f32, ReduceOp::max);
     }
   }
+  // Not while the scales are still current scaling's (the first steps of --fp8-interval > 1),
+  // which need each weight's amax before its cast.
+  s.weights_cast_in_update =
+      s.weight_casts && !s.collects_fp8_statistics(step + 1) && !model.scaling().uses_current_scaling();
+  if (s.weights_cast_in_update) updates.front().weight_casts = s.weight_casts.get();
   for (size_t i = 0; i < updates.size(); ++i) {
     ops.adamw_apply(updates[i]);
     if (i > 0 || updates.size() == 1) continue;
@@ -772,24 +808,6 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
     s.gather_bucket(0, s.groups->dp_background(), Ops::Lane::side);
   }
 
-  // The FP8 scale update: THE place scales change (core/scaling.h). Every rank's amaxes of
-  // the step first become one row (the MAX), so every rank computes the same scales. A
-  // skipped step discards its amaxes instead; both decide on the device (control->skip).
-  if (s.fp8) {
-    const int states = model.scaling().size();
-    if (s.world().size() > 1 && states > 0)
-      s.world().all_reduce(ops.amax_history_row(), ops.amax_history_row(), states, CommDtype::f32, ReduceOp::max);
-    if (is_scale_update_step(s.recipe, step)) {
-      ops.update_scales(s.control());
-      model.scaling().mark_initialized();
-    } else {
-      ops.discard_current_amaxes(s.control());
-    }
-  }
-  // The statistics of this step end here, before the weights of the next are cast; the next
-  // step's start now, when it collects them, so that they count its weights' casts.
-  s.stop_fp8_statistics(/*keep=*/s.counting_step == step);
-  if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
   s.weights_from_refresh = false;
   s.next_step = step + 1;
   s.publish_parameters(/*first_bucket=*/s.update_groups.empty() ? 0 : 1);

@@ -154,6 +154,10 @@ struct TrainOptions {
   SmallMGemm small_m_gemm = SmallMGemm::on;
   // --gemm-algorithm: cuBLASLt's candidates timed once per GEMM shape (default), or its heuristic's first
   GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed;
+  // --optimizer-weight-casts: AdamW's update pass also writes the FP8 Linear weights (and their
+  // transposes) for the next step (fused, the default where it applies: delayed scaling, state
+  // not sharded, fp8-fp16 moments), or they are cast from the master after it (separate)
+  bool fused_weight_casts = true;
   // fp8lm sample --cuda-graph: decoding steps after the first replay one recorded step (a CUDA
   // graph on the GPU) instead of launching op by op. Off under --profile-ops, which times each op.
   bool decode_graph = true;
@@ -172,5 +176,14 @@ struct TrainOptions {
     return fp8_enabled() ? "fp8-" + std::string(to_string(fp8.format)) : std::string(to_string(precision));
   }
 };
+
+// Whether AdamW's update pass writes the next step's FP8 Linear weights
+// (--optimizer-weight-casts fused): the delayed recipe (the scale is known before the
+// update), every tensor whole on this rank (sharded_state: the distributed optimizer over
+// several data-parallel ranks), no FP8 weight gather, and fp8-fp16 moments.
+inline bool optimizer_writes_fp8_weights(const TrainOptions& o, bool sharded_state) {
+  return o.fused_weight_casts && o.fp8_enabled() && o.fp8.recipe == ScalingRecipe::delayed && !sharded_state &&
+         !o.fp8_param_gather && o.optimizer_state == OptimizerStatePrecision::fp8_fp16;
+}
 
 }  // namespace fp8lm

@@ -291,6 +291,13 @@ SettingsTable settings_table(const RunSetup& s) {
       {"bf16-blocks", !fp8 ? "(fp8 off)" : o.bf16_blocks.empty() ? "none" : block_list_text(o.bf16_blocks)},
       {"fp8-auto-precision", !fp8 ? "(fp8 off)" : auto_precision_description(o)},
       {"optimizer-state-precision", std::string(to_string(o.optimizer_state))},
+      {"optimizer-weight-casts",
+       !fp8 ? "(fp8 off)"
+       : optimizer_writes_fp8_weights(o, s.data_parallel_size > 1 && o.use_distributed_optimizer.value_or(true))
+           ? "fused (AdamW's update pass writes the FP8 Linear weights)"
+       : o.fused_weight_casts
+           ? "separate (fused needs the delayed recipe, fp8-fp16 state, no distributed optimizer, no FP8 weight gather)"
+           : "separate"},
       {"micro-batch-size", str(o.micro_batch_size)},
       {"recompute (activations)", recompute_description(o, m.n_layer)},
       {"global-batch-size", str(s.global_batch_size)},

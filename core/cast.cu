@@ -16,7 +16,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTile = kCastTile;  // 64 x 64 elements per block
-static_assert(kTile == 64 && kThreads == 256, "the thread mappings below assume 64x64 tiles and 256 threads");
+static_assert(kTile == 64 && kTile == device::kByteTile && kThreads == 256,
+              "the thread mappings below assume 64x64 tiles and 256 threads");
 
 // ---- element helpers -----------------------------------------------------------------
 
@@ -70,49 +71,7 @@ __device__ __forceinline__ void load_vector(float (&x)[kCount], const T* source)
   }
 }
 
-// kCount bytes (4, 8 or 16) to an address aligned to kCount.
-template <int kCount>
-__device__ __forceinline__ void store_bytes(uint8_t* target, const uint8_t (&q)[kCount]) {
-  if constexpr (kCount == 4) {
-    uint32_t word;
-    memcpy(&word, q, 4);
-    *reinterpret_cast<uint32_t*>(target) = word;
-  } else if constexpr (kCount == 8) {
-    uint2 word;
-    memcpy(&word, q, 8);
-    *reinterpret_cast<uint2*>(target) = word;
-  } else {
-    static_assert(kCount == 16, "4, 8 or 16 bytes");
-    uint4 word;
-    memcpy(&word, q, 16);
-    *reinterpret_cast<uint4*>(target) = word;
-  }
-}
-
 bool aligned(const void* pointer, size_t bytes) { return reinterpret_cast<uintptr_t>(pointer) % bytes == 0; }
-
-// ---- transposed write of a 64x64 byte tile ---------------------------------------------
-
-using ByteTile = uint8_t[kTile][kTile + 1];  // +1: the column reads below hit distinct banks
-
-// out_t [N,M] gets tile [r][c] (rows row0.., columns col0.. of the [M,N] source) at
-// out_t[(col0 + c) * M + row0 + r]. Thread t writes 16 consecutive bytes of one out_t row:
-// c = t / 4, r = 16 * (t % 4) .. +15, so 4 threads write one 64-byte run.
-__device__ __forceinline__ void write_transposed(uint8_t* __restrict__ out_t, const ByteTile& tile, int row0,
-                                                 int col0, int M, int N, bool full, bool vec_ok) {
-  const int c = threadIdx.x / 4;
-  const int r = (threadIdx.x % 4) * 16;
-  const int gc = col0 + c;
-  const int gr = row0 + r;
-  if (full && vec_ok) {
-    uint8_t q[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) q[i] = tile[r + i][c];
-    store_bytes<16>(out_t + static_cast<size_t>(gc) * M + gr, q);
-  } else if (gc < N) {
-    for (int i = 0; i < 16 && gr + i < M; ++i) out_t[static_cast<size_t>(gc) * M + gr + i] = tile[r + i][c];
-  }
-}
 
 // ---- cast + transpose + amax + dbias partials -----------------------------------------
 //
@@ -129,7 +88,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kThreadsPerRow = kTile / kVec;     // 8 or 16
   constexpr int kLanes = kThreads / kThreadsPerRow;  // 32 or 16 rows at a time
   constexpr int kPasses = kTile / kLanes;          // 2 or 4
-  __shared__ ByteTile tile;
+  __shared__ device::ByteTile tile;
   __shared__ float lane_sums[kLanes][kTile];
 
   const int row0 = blockIdx.y * kTile;
@@ -179,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (out) {
         if (full && vec_out) {
-          store_bytes<kVec>(out + offset, q);
+          device::store_bytes<kVec>(out + offset, q);
         } else {
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
@@ -205,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (out_t) {
     __syncthreads();
-    write_transposed(out_t, tile, row0, col0, M, N, full, vec_t);
+    device::write_transposed(out_t, tile, row0, col0, M, N, full, vec_t);
   }
   if (amax) commit_block_amax(amax, local_amax);
   if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
@@ -233,7 +192,7 @@ void launch_add_column_partials(GradientRef out, const float* partial, int tiles
 __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(uint8_t* __restrict__ out,
                                                                  const uint8_t* __restrict__ in, int M, int N,
                                                                  bool vec_in, bool vec_t) {
-  __shared__ ByteTile tile;
+  __shared__ device::ByteTile tile;
   const int row0 = blockIdx.y * kTile;
   const int col0 = blockIdx.x * kTile;
   const bool full = row0 + kTile <= M && col0 + kTile <= N;
@@ -253,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(uint8_t* __rest
     for (int j = 0; j < 16 && gc + j < N; ++j) tile[r][c + j] = in[offset + j];
   }
   __syncthreads();
-  write_transposed(out, tile, row0, col0, M, N, full, vec_t);
+  device::write_transposed(out, tile, row0, col0, M, N, full, vec_t);
 }
 
 // ---- element-wise cast / amax ------------------------------------------------------------
@@ -299,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ ou
       }
       if constexpr (kCast) {
         if (whole && vec_out) {
-          store_bytes<kChunk>(out + i0, q);
+          device::store_bytes<kChunk>(out + i0, q);
         } else {
 #pragma unroll
           for (int j = 0; j < kChunk; ++j)

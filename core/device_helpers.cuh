@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -128,6 +129,50 @@ __device__ __forceinline__ void load_gradient4(const bf16* gradients, uint64_t i
   out[1] = lo.y;
   out[2] = hi.x;
   out[3] = hi.y;
+}
+
+// kCount bytes (4, 8 or 16) to an address aligned to kCount.
+template <int kCount>
+__device__ __forceinline__ void store_bytes(uint8_t* target, const uint8_t (&q)[kCount]) {
+  if constexpr (kCount == 4) {
+    uint32_t word;
+    memcpy(&word, q, 4);
+    *reinterpret_cast<uint32_t*>(target) = word;
+  } else if constexpr (kCount == 8) {
+    uint2 word;
+    memcpy(&word, q, 8);
+    *reinterpret_cast<uint2*>(target) = word;
+  } else {
+    static_assert(kCount == 16, "4, 8 or 16 bytes");
+    uint4 word;
+    memcpy(&word, q, 16);
+    *reinterpret_cast<uint4*>(target) = word;
+  }
+}
+
+// A 64x64 tile of FP8 codes staged in shared memory, written transposed by a block of 256
+// threads (the cast-transpose kernels and the optimizer's weight casts).
+inline constexpr int kByteTile = 64;
+using ByteTile = uint8_t[kByteTile][kByteTile + 1];  // +1: the column reads below hit distinct banks
+
+// out_t [N,M] gets tile [r][c] (rows row0.., columns col0.. of the [M,N] source) at
+// out_t[(col0 + c) * M + row0 + r]. Thread t writes 16 consecutive bytes of one out_t row:
+// c = t / 4, r = 16 * (t % 4) .. +15, so 4 threads write one 64-byte run. full: the tile lies
+// inside [M,N]; vec_ok: M % 16 == 0 and out_t 16-byte aligned.
+__device__ __forceinline__ void write_transposed(uint8_t* __restrict__ out_t, const ByteTile& tile, int row0,
+                                                 int col0, int M, int N, bool full, bool vec_ok) {
+  const int c = threadIdx.x / 4;
+  const int r = (threadIdx.x % 4) * 16;
+  const int gc = col0 + c;
+  const int gr = row0 + r;
+  if (full && vec_ok) {
+    uint8_t q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) q[i] = tile[r + i][c];
+    store_bytes<16>(out_t + static_cast<size_t>(gc) * M + gr, q);
+  } else if (gc < N) {
+    for (int i = 0; i < 16 && gr + i < M; ++i) out_t[static_cast<size_t>(gc) * M + gr + i] = tile[r + i][c];
+  }
 }
 
 // One definition per translation unit (a .cu-only header, no relocatable device code).

@@ -204,13 +204,6 @@ struct ActivationRecompute {
   }
 };
 
-// A Linear weight's GEMM operand, for the engine's FP8 weight gather.
-struct WeightOperand {
-  int tensor = -1;  // index in layout()
-  int layer = -1;   // its block
-  Tensor operand;   // FP8 [N,K] with its transposed copy
-};
-
 // Where the step can act between the layers (overlapped data-parallel communication).
 // Layers are numbered as buckets are: -1 the embedding (and the tied LM head's weight),
 // 0..n_layer-1 the blocks, n_layer the head (ln_f).

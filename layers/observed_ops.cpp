@@ -18,6 +18,10 @@ class ObservedOps final : public Ops {
   std::unique_ptr<Allocation> allocate(size_t bytes) override { return inner_->allocate(bytes); }
   std::unique_ptr<HostReadback> make_readback(size_t bytes) override { return inner_->make_readback(bytes); }
   std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) override { return inner_->make_table(layout); }
+  std::unique_ptr<WeightCastTable> make_weight_casts(const TensorTable& table,
+                                                     const std::vector<WeightOperand>& operands) override {
+    return inner_->make_weight_casts(table, operands);
+  }
   void zero(void* data, size_t bytes) override {
     observed({"memory", Lane::main, [] { return std::string("zero"); }, [&] { return OpCost{0, double(bytes)}; }},
              [&] { inner_->zero(data, bytes); });
@@ -261,10 +265,15 @@ class ObservedOps final : public Ops {
   }
   void adamw_apply(const AdamWCall& call) override {
     // Reads the gradient; reads and writes the master weight and both moments; writes the
-    // working copy.
+    // working copy, and the FP8 weights and their transposes it casts (one byte each).
     const double working = call.working ? double(element_bytes(activation_dtype())) : 0.0;
-    observed(per_element("optimizer", "adamw_apply", *call.table,
-                         gradient_bytes(call) + 2.0 * (4.0 + moment_bytes(call)) + working),
+    const PerElement update = per_element("optimizer", "adamw_apply", *call.table,
+                                          gradient_bytes(call) + 2.0 * (4.0 + moment_bytes(call)) + working);
+    const size_t casts = call.weight_casts ? call.weight_casts->operands().size() : 0;
+    const double cast_bytes = call.weight_casts ? 2.0 * double(call.weight_casts->elements()) : 0.0;
+    observed({update.op_class, update.lane,
+              [&] { return casts ? "adamw_apply + " + std::to_string(casts) + " FP8 weights" : std::string("adamw_apply"); },
+              [&] { return OpCost{0, update.elements * update.bytes_per_element + cast_bytes}; }},
              [&] { inner_->adamw_apply(call); });
   }
 

@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "core/fp8_stats.h"
 #include "core/scaling.h"
@@ -192,6 +194,36 @@ struct ModelShape {
   int cache_capacity = 0;  // inference: the key/value cache's positions per sequence (0: training)
 };
 
+// A Linear weight's FP8 GEMM operand: the engine's FP8 weight gather, and the casts the
+// optimizer writes in its update pass.
+struct WeightOperand {
+  int tensor = -1;  // index in the parameter layout
+  int layer = -1;   // its block
+  Tensor operand;   // FP8 [N,K] with its transposed copy [K,N]
+};
+
+// FP8 weight operands in the form a backend's AdamW update pass writes them
+// (Ops::make_weight_casts, AdamWCall::weight_casts).
+class WeightCastTable {
+ public:
+  explicit WeightCastTable(std::vector<WeightOperand> operands) : operands_(std::move(operands)) {}
+  virtual ~WeightCastTable() = default;
+  const std::vector<WeightOperand>& operands() const { return operands_; }
+  // Elements cast (each written twice: the codes and their transpose).
+  size_t elements() const {
+    size_t n = 0;
+    for (const WeightOperand& w : operands_) n += size_t(w.operand.numel());
+    return n;
+  }
+
+ private:
+  std::vector<WeightOperand> operands_;
+};
+
+// The checks both backends' make_weight_casts make: each operand a delayed-scaling FP8
+// operand of a distinct tensor of `layout`, with the tensor's number of elements.
+void check_weight_casts(const TensorLayout& layout, const std::vector<WeightOperand>& operands);
+
 // One AdamW step over the tensors of `table` (optim/adamw.h), in two halves so that ranks
 // holding parts of a tensor agree on its moment scales in between; both are no-ops when
 // control->skip.
@@ -216,6 +248,14 @@ struct AdamWCall {
   // [adamw_scratch_floats(tensors)] backend memory; between the halves its first 2*tensors
   // floats are the moment amaxes (m then v) that the caller MAX-reduces across ranks.
   float* scratch = nullptr;
+  // Optional (make_weight_casts): FP8 weight operands that adamw_apply writes from their
+  // updated master values in the same pass, each exactly what quantize(operand, its FP32
+  // master tensor) would write after the update: the codes with the state's scale as it is
+  // now, the transposed copy, and the amax recorded. Also when control->skip, from the
+  // unchanged values, as a cast after a skipped step does. So the caller updates the FP8
+  // scales before the optimizer, and does not cast these operands again. The master must be
+  // every tensor whole (no sharded state).
+  const WeightCastTable* weight_casts = nullptr;
 };
 
 inline size_t adamw_scratch_floats(size_t tensors) { return 4 * tensors + 2; }
@@ -232,6 +272,10 @@ class Ops {
   virtual std::unique_ptr<Allocation> allocate(size_t bytes) = 0;
   virtual std::unique_ptr<HostReadback> make_readback(size_t bytes) = 0;
   virtual std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) = 0;
+  // The casts AdamWCall::weight_casts names, for the optimizer of `table`: delayed-scaling
+  // FP8 operands, each [N,K] with N*K the numel of its tensor in the table.
+  virtual std::unique_ptr<WeightCastTable> make_weight_casts(const TensorTable& table,
+                                                             const std::vector<WeightOperand>& operands) = 0;
   virtual void zero(void* data, size_t bytes) = 0;                        // in stream order
   virtual void copy(void* destination, const void* source, size_t bytes) = 0;  // backend to backend
   virtual void upload(void* destination, const void* host, size_t bytes) = 0;  // waits for the copy

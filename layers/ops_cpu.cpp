@@ -61,6 +61,7 @@ class HostTable final : public TensorTable {
   TensorLayout layout_;
 };
 
+
 // The CPU's ops finish before they return: a mark's time is the wall clock at record().
 struct TimingEvent final : Ops::LaneEvent {
   std::chrono::steady_clock::time_point reached;
@@ -97,6 +98,11 @@ class CpuOps final : public Ops {
   std::unique_ptr<HostReadback> make_readback(size_t bytes) override { return std::make_unique<HostCopy>(bytes); }
   std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) override {
     return std::make_unique<HostTable>(layout);
+  }
+  std::unique_ptr<WeightCastTable> make_weight_casts(const TensorTable& table,
+                                                     const std::vector<WeightOperand>& operands) override {
+    check_weight_casts(table.layout(), operands);
+    return std::make_unique<WeightCastTable>(operands);
   }
   void zero(void* data, size_t bytes) override { std::memset(data, 0, bytes); }
   void copy(void* destination, const void* source, size_t bytes) override { std::memmove(destination, source, bytes); }
@@ -464,6 +470,23 @@ class CpuOps final : public Ops {
   }
   void adamw_apply(const AdamWCall& call) override {
     check_adamw_hyperparams(call.hyperparams);
+    update_parameters(call);
+    if (!call.weight_casts) return;
+    // The specification of the fused casts: each operand quantized from its master tensor
+    // after the update (or after a skipped one), as a separate cast would be.
+    FP8LM_CHECK(call.slab_table == nullptr, "AdamW weight casts need every tensor whole (no sharded state)");
+    const TensorLayout& layout = call.table->layout();
+    for (const WeightOperand& w : call.weight_casts->operands()) {
+      Tensor master;
+      master.data = call.master + layout.tensors()[size_t(w.tensor)].offset;
+      master.rows = w.operand.rows;
+      master.cols = w.operand.cols;
+      quantize(w.operand, master, Tensor{});
+    }
+  }
+
+ private:
+  void update_parameters(const AdamWCall& call) {
     if (call.control->skip) return;
     const TensorLayout& layout = call.table->layout();
     cpu::adamw_apply(layout, call.precision, call.master, f32(call.grads), call.state, call.hyperparams,
@@ -477,8 +500,6 @@ class CpuOps final : public Ops {
       std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + working_layout.tensors()[k].offset);
     }
   }
-
- private:
   static const TensorLayout* slab_layout(const AdamWCall& call) {
     return call.slab_table ? &call.slab_table->layout() : nullptr;
   }

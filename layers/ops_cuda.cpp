@@ -159,6 +159,16 @@ class DeviceTable final : public TensorTable {
   cuda::DeviceBuffer<double> norm_scratch_;
 };
 
+class DeviceCastTable final : public WeightCastTable {
+ public:
+  DeviceCastTable(std::vector<WeightOperand> operands, std::vector<cuda::DeviceWeightCast> casts, int tensors)
+      : WeightCastTable(std::move(operands)), device_(std::move(casts), tensors) {}
+  const cuda::DeviceWeightCastTable& table() const { return device_.table(); }
+
+ private:
+  cuda::DeviceWeightCasts device_;
+};
+
 bf16* bf(const Tensor& t) { return static_cast<bf16*>(t.data); }
 const bf16* cbf(const Tensor& t) { return static_cast<const bf16*>(t.data); }
 float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
@@ -218,6 +228,24 @@ class CudaOps final : public Ops {
   std::unique_ptr<Allocation> allocate(size_t bytes) override { return std::make_unique<DeviceAllocation>(bytes); }
   std::unique_ptr<HostReadback> make_readback(size_t bytes) override {
     return std::make_unique<PinnedReadback>(bytes, stream_);
+  }
+  std::unique_ptr<WeightCastTable> make_weight_casts(const TensorTable& table,
+                                                     const std::vector<WeightOperand>& operands) override {
+    check_weight_casts(table.layout(), operands);
+    std::vector<cuda::DeviceWeightCast> casts;
+    for (const WeightOperand& w : operands) {
+      FP8LM_CHECK(w.operand.dtype == DType::e4m3, "AdamW weight casts write E4M3 operands, not ",
+                  to_string(w.operand.dtype));
+      cuda::DeviceWeightCast cast;
+      cast.codes = u8(w.operand);
+      cast.codes_t = static_cast<uint8_t*>(w.operand.transposed);
+      cast.tensor = w.tensor;
+      cast.state = w.operand.scaling_state;
+      cast.rows = rows(w.operand);
+      cast.cols = cols(w.operand);
+      casts.push_back(cast);
+    }
+    return std::make_unique<DeviceCastTable>(operands, std::move(casts), int(table.layout().tensors().size()));
   }
   std::unique_ptr<TensorTable> make_table(const TensorLayout& layout) override {
     return std::make_unique<DeviceTable>(layout);
@@ -749,10 +777,18 @@ class CudaOps final : public Ops {
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
-      cuda::adamw_fp8_fp16_apply(call.master, working, gradient_view(call.grads), call.state.m8, call.state.v16, call.state.m_scales,
-                                 call.state.v_scales, table, call.hyperparams, call.control, call.scratch, stream_,
-                                 slab_offsets(call));
+      const cuda::DeviceWeightCastTable* casts = nullptr;
+      if (call.weight_casts) {
+        FP8LM_CHECK(table_ != nullptr && !table_->uses_current_scaling() && counting() == nullptr,
+                    "AdamW weight casts need delayed scaling, and no FP8 statistics step (those cast separately)");
+        casts = &static_cast<const DeviceCastTable&>(*call.weight_casts).table();
+      }
+      cuda::adamw_fp8_fp16_apply(call.master, working, gradient_view(call.grads), call.state.m8, call.state.v16,
+                                 call.state.m_scales, call.state.v_scales, table, call.hyperparams, call.control,
+                                 call.scratch, stream_, slab_offsets(call), casts, casts ? scale_.data() : nullptr,
+                                 casts && recording_ ? history_.data() : nullptr);
     } else {
+      FP8LM_CHECK(call.weight_casts == nullptr, "AdamW weight casts are written by the fp8-fp16 update only");
       cuda::adamw_step_fp32(call.master, working, gradient_view(call.grads), call.state.m32, call.state.v32, table,
                             call.hyperparams, call.control, stream_, slab_offsets(call));
     }

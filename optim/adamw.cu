@@ -5,7 +5,10 @@
 // consecutive elements per thread per iteration with vector loads and stores, so the
 // kernels stream at close to memory bandwidth. Bytes moved per parameter:
 //   fp8_fp16: pass 1 reads grad, m, v (7 B); pass 2 reads grad, master, m, v (11 B) and
-//             writes master, bf16, m, v (9 B): 27 B.
+//             writes master, bf16, m, v (9 B): 27 B. A Linear weight whose FP8 operand the
+//             update writes (weight casts) adds its E4M3 code (1 B) and then, in the
+//             transpose kernel, reads it and writes W^T (2 B): 30 B, against 27 B plus a
+//             separate cast from the master (4 B read, 2 B written) after the update.
 //   fp32:     reads grad, master, m, v (16 B), writes master, bf16, m, v (14 B): 30 B.
 //
 // Exactness. The per-element arithmetic is adamw_moments()/adamw_param() of
@@ -21,6 +24,9 @@
 #include "optim/adamw_cuda.h"
 
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +43,10 @@ namespace {
 
 constexpr int kThreads = 256;       // per chunk block
 constexpr int kScaleThreads = 256;  // the one block of the scale update
+// 64x64 tiles of weight codes per block of their transpose: enough to look a tensor up once
+// per run, few enough for every multiprocessor to get many blocks (gpt2-124m has 21,000
+// tiles, gpt2-1558m 360,000).
+constexpr uint32_t kWeightTilesPerBlock = 8;
 constexpr float kMomentMMax = kE4M3Max;  // m is stored as E4M3 (kFirstMomentDtype)
 constexpr float kMomentVMax = kFp16Max;  // v is stored as FP16
 static_assert(kFirstMomentDtype == Fp8Dtype::e4m3, "the kernels store m as E4M3");
@@ -93,6 +103,22 @@ __device__ __forceinline__ uint16_t encode_v(float v, float scale) {
   return __half_as_ushort(__float2half_rn(scaled > kMomentVMax ? kMomentVMax : scaled));
 }
 __device__ __forceinline__ uint16_t bf16_bits(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+
+// Pass 2 of one element (fp8_fp16): the moments again from the stored codes, the parameter
+// update, and the re-quantized moments and BF16 copy.
+struct Pass2Scales {
+  float m_inv, v_inv;      // the scales the stored moments were quantized with, inverted
+  float m_scale, v_scale;  // the new ones
+};
+__device__ __forceinline__ void pass2_element(float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb,
+                                              const Pass2Scales& q, const AdamWStepScalars& s) {
+  float m = decode_m(mc, q.m_inv), v = decode_v(vb, q.v_inv);
+  adamw_moments(g, m, v, s);
+  p = adamw_param(p, m, v, s);
+  pb = bf16_bits(p);
+  mc = encode_m(m, q.m_scale);
+  vb = encode_v(v, q.v_scale);
+}
 
 // ---- vector packing ------------------------------------------------------------------------
 
@@ -227,16 +253,37 @@ __global__ void __launch_bounds__(kScaleThreads)
 }
 
 // Pass 2 (fp8_fp16): the same moments again, the parameter update, re-quantization.
-template <typename G>
+// kCasts: a tensor with an FP8 weight operand (casts.cast_of_tensor) also gets its codes
+// fp8_e4m3(master * scale) written in row-major order, and max |master| raised into its
+// state's amax slot: cast_transpose_fp8's values from the FP32 master (the transposed copy
+// follows in transpose_weight_codes_kernel). Under control->skip such a tensor is only cast,
+// from its unchanged master; the others are left alone.
+template <typename G, bool kCasts>
 __global__ void __launch_bounds__(kThreads)
     adamw_fp8_pass2_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16,
                            const G* __restrict__ grads, uint8_t* __restrict__ m_codes,
                            uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
-                           const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok) {
-  if (control->skip) return;
+                           const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok,
+                           DeviceWeightCastTable casts, const float* __restrict__ fp8_scales,
+                           float* __restrict__ amax_row) {
+  const bool skip = control->skip != 0;
+  if (!kCasts && skip) return;
   const ChunkRange c = chunk_of_block(table);
+  uint8_t* codes = nullptr;  // this chunk's first code
+  int state = -1;
+  float fp8_scale = 0.0f;
+  if constexpr (kCasts) {
+    const int cast = casts.cast_of_tensor[c.k];
+    if (cast >= 0) {
+      const DeviceWeightCast& w = casts.casts[cast];
+      codes = w.codes + (c.begin - table.offsets[c.k]);
+      state = w.state;
+      fp8_scale = fp8_scales[state];
+    }
+    if (skip && codes == nullptr) return;  // block-uniform
+  }
   const int count = table.count;
   const float m_inv = scratch[2 * count + c.k];  // the scales the stored moments were quantized with
   const float v_inv = scratch[3 * count + c.k];
@@ -245,48 +292,112 @@ __global__ void __launch_bounds__(kThreads)
   const AdamWStepScalars s =
       adamw_scalars(hp, table.decay[c.k] != 0, control->grad_scale, scratch[4 * count], scratch[4 * count + 1]);
 
-  auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) {
-    float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
-    adamw_moments(g, m, v, s);
-    p = adamw_param(p, m, v, s);
-    pb = bf16_bits(p);
-    mc = encode_m(m, m_scale);
-    vb = encode_v(v, v_scale);
-  };
+  const Pass2Scales q{m_inv, v_inv, m_scale, v_scale};
+  auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) { pass2_element(g, p, mc, vb, pb, q, s); };
+  unsigned local_amax = 0;
 
   const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads and params_bf16
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0 && gb % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0 && reinterpret_cast<uintptr_t>(codes) % 4 == 0) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
       const uint64_t i = b + 4ull * j, gi = gb + 4ull * j;
-      float g[4], p[4];
-      uint8_t mc[4];
-      uint16_t vb[4], pb[4];
-      device::load_gradient4(grads, gi, g);
+      float p[4];
       unpack4(load_vec<float4>(master, i), p);
-      unpack4(load_vec<uint32_t>(m_codes, i), mc);
-      unpack4(load_vec<uint2>(v_bits, i), vb);
+      if (!kCasts || !skip) {
+        float g[4];
+        uint8_t mc[4];
+        uint16_t vb[4], pb[4];
+        device::load_gradient4(grads, gi, g);
+        unpack4(load_vec<uint32_t>(m_codes, i), mc);
+        unpack4(load_vec<uint2>(v_bits, i), vb);
 #pragma unroll
-      for (int l = 0; l < 4; ++l) update(g[l], p[l], mc[l], vb[l], pb[l]);
-      store_vec(master, i, pack4(p));
-      store_vec(params_bf16, gi, pack4(pb));
-      store_vec(m_codes, i, pack4(mc));
-      store_vec(v_bits, i, pack4(vb));
+        for (int l = 0; l < 4; ++l) update(g[l], p[l], mc[l], vb[l], pb[l]);
+        store_vec(master, i, pack4(p));
+        store_vec(params_bf16, gi, pack4(pb));
+        store_vec(m_codes, i, pack4(mc));
+        store_vec(v_bits, i, pack4(vb));
+      }
+      if (kCasts && codes != nullptr) {
+        uint8_t q8[4];
+#pragma unroll
+        for (int l = 0; l < 4; l += 2) {
+          const uint32_t pair =
+              device::fp8x2(__fmul_rn(p[l], fp8_scale), __fmul_rn(p[l + 1], fp8_scale), __NV_E4M3);
+          q8[l] = static_cast<uint8_t>(pair & 0xFF);
+          q8[l + 1] = static_cast<uint8_t>(pair >> 8);
+          local_amax = max(local_amax, max(device::abs_bits(p[l]), device::abs_bits(p[l + 1])));
+        }
+        store_vec(codes, 4ull * j, pack4(q8));
+      }
     }
     scalar_from = nvec * 4;
   }
   for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
     const uint64_t e = b + i, ge = gb + i;
     float p = master[e];
-    uint8_t mc = m_codes[e];
-    uint16_t vb = v_bits[e], pb;
-    update(device::gradient_at(grads, ge), p, mc, vb, pb);
-    master[e] = p;
-    params_bf16[ge] = pb;
-    m_codes[e] = mc;
-    v_bits[e] = vb;
+    if (!kCasts || !skip) {
+      uint8_t mc = m_codes[e];
+      uint16_t vb = v_bits[e], pb;
+      update(device::gradient_at(grads, ge), p, mc, vb, pb);
+      master[e] = p;
+      params_bf16[ge] = pb;
+      m_codes[e] = mc;
+      v_bits[e] = vb;
+    }
+    if (kCasts && codes != nullptr) {
+      codes[i] = static_cast<uint8_t>(device::fp8x2(__fmul_rn(p, fp8_scale), 0.0f, __NV_E4M3) & 0xFF);
+      local_amax = max(local_amax, device::abs_bits(p));
+    }
+  }
+  if (kCasts && codes != nullptr) device::block_amax_update(amax_row == nullptr ? nullptr : amax_row + state, local_amax);
+}
+
+// The transposed copies of the weight codes pass 2 wrote: codes_t [cols, rows] of codes
+// [rows, cols], in 64x64 tiles through shared memory. Each block takes a contiguous run of
+// tiles_per_block tiles, so that it looks a cast up once per run. Thread t reads 16 bytes of
+// tile row t / 4.
+__global__ void __launch_bounds__(kThreads)
+    transpose_weight_codes_kernel(DeviceWeightCastTable casts, uint32_t tiles_per_block) {
+  static_assert(kThreads == 256 && device::kByteTile == 64, "4 threads of 16 bytes per tile row");
+  constexpr int kTile = device::kByteTile;
+  __shared__ device::ByteTile tile;
+  const uint32_t first = blockIdx.x * tiles_per_block;
+  const uint32_t end = min(first + tiles_per_block, casts.num_tiles);
+  if (first >= end) return;
+  int cast = 0, hi = casts.count - 1;  // the last cast whose first tile is <= first (block-uniform)
+  while (cast < hi) {
+    const int mid = (cast + hi + 1) / 2;
+    if (casts.casts[mid].first_tile <= first) cast = mid; else hi = mid - 1;
+  }
+  const int r = static_cast<int>(threadIdx.x / 4), c = static_cast<int>(threadIdx.x % 4) * 16;
+  for (uint32_t t = first; t < end; ++cast) {
+    const DeviceWeightCast w = casts.casts[cast];
+    const uint32_t cast_end = cast + 1 < casts.count ? min(casts.casts[cast + 1].first_tile, end) : end;
+    const int tiles_x = (w.cols + kTile - 1) / kTile;
+    const bool vec_in = w.cols % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes) % 16 == 0;
+    const bool vec_t = w.rows % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes_t) % 16 == 0;
+    for (; t < cast_end; ++t) {
+      const uint32_t index = t - w.first_tile;
+      const int row0 = static_cast<int>(index / tiles_x) * kTile;
+      const int col0 = static_cast<int>(index % tiles_x) * kTile;
+      const bool full = row0 + kTile <= w.rows && col0 + kTile <= w.cols;
+      const int gr = row0 + r, gc = col0 + c;
+      const uint8_t* row = w.codes + static_cast<size_t>(gr) * w.cols + gc;
+      if (full && vec_in) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(row);
+        uint8_t bytes[16];
+        memcpy(bytes, &raw, 16);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) tile[r][c + i] = bytes[i];
+      } else {
+        for (int i = 0; i < 16; ++i) tile[r][c + i] = (gr < w.rows && gc + i < w.cols) ? row[i] : 0;
+      }
+      __syncthreads();
+      device::write_transposed(w.codes_t, tile, row0, col0, w.rows, w.cols, full, vec_t);
+      __syncthreads();  // the tile is refilled by the next one
+    }
   }
 }
 
@@ -402,7 +513,8 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                          cudaStream_t stream, const uint64_t* slab_offsets) {
+                          cudaStream_t stream, const uint64_t* slab_offsets,
+                          const DeviceWeightCastTable* weight_casts, const float* fp8_scales, float* amax_row) {
   check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
@@ -414,14 +526,53 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
   adamw_fp8_scales_kernel<<<1, kScaleThreads, 0, stream>>>(m_scales, v_scales, scratch, table.count, hp.beta1,
                                                            hp.beta2, control);
   CUDA_CHECK_LAUNCH();
+  const bool casts = weight_casts != nullptr && weight_casts->count > 0;
+  if (casts)
+    FP8LM_CHECK(slab_offsets == nullptr && fp8_scales != nullptr,
+                "adamw_fp8_fp16_apply: weight casts need the tensors at the table's offsets and the FP8 scales");
   if (table.num_chunks > 0) {
+    const DeviceWeightCastTable none;
     with_gradient_type(grads, [&](const auto* typed) {
-      adamw_fp8_pass2_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, typed, m_codes, v_bits,
-                                                                        m_scales, v_scales, table, slab_offsets, hp,
-                                                                        control, scratch, vec_ok);
+      using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+      auto kernel = casts ? adamw_fp8_pass2_kernel<G, true> : adamw_fp8_pass2_kernel<G, false>;
+      kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, typed, m_codes, v_bits, m_scales, v_scales,
+                                                        table, slab_offsets, hp, control, scratch, vec_ok,
+                                                        casts ? *weight_casts : none, fp8_scales, amax_row);
     });
     CUDA_CHECK_LAUNCH();
   }
+  if (casts && weight_casts->num_tiles > 0) {
+    const uint32_t blocks = (weight_casts->num_tiles + kWeightTilesPerBlock - 1) / kWeightTilesPerBlock;
+    transpose_weight_codes_kernel<<<blocks, kThreads, 0, stream>>>(*weight_casts, kWeightTilesPerBlock);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+DeviceWeightCasts::DeviceWeightCasts(std::vector<DeviceWeightCast> casts, int tensors) {
+  std::vector<int32_t> cast_of_tensor(static_cast<size_t>(tensors), -1);
+  uint64_t tiles = 0;
+  for (size_t i = 0; i < casts.size(); ++i) {
+    DeviceWeightCast& w = casts[i];
+    FP8LM_CHECK(w.tensor >= 0 && w.tensor < tensors && cast_of_tensor[static_cast<size_t>(w.tensor)] < 0,
+                "AdamW weight cast of tensor ", w.tensor, ": not in the table of ", tensors, ", or cast twice");
+    FP8LM_CHECK(w.codes != nullptr && w.codes_t != nullptr && w.state >= 0 && w.rows > 0 && w.cols > 0,
+                "AdamW weight cast of tensor ", w.tensor, ": needs codes, a transposed copy, a state and a shape");
+    cast_of_tensor[static_cast<size_t>(w.tensor)] = static_cast<int32_t>(i);
+    w.first_tile = static_cast<uint32_t>(tiles);
+    tiles += static_cast<uint64_t>((w.rows + 63) / 64) * static_cast<uint64_t>((w.cols + 63) / 64);
+    FP8LM_CHECK(tiles < static_cast<uint64_t>(std::numeric_limits<int32_t>::max()),
+                "too many weight tiles for the optimizer kernels: ", tiles);
+  }
+  if (!casts.empty()) {
+    casts_.allocate(casts.size());
+    casts_.upload(casts);
+  }
+  cast_of_tensor_.allocate(cast_of_tensor.size());
+  cast_of_tensor_.upload(cast_of_tensor);
+  table_.casts = casts_.data();
+  table_.cast_of_tensor = cast_of_tensor_.data();
+  table_.count = static_cast<int>(casts.size());
+  table_.num_tiles = static_cast<uint32_t>(tiles);
 }
 
 void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,

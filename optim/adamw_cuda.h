@@ -30,11 +30,51 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <vector>
+
+#include "core/device_memory_cuda.h"
 #include "core/gradient_ref.h"
 #include "optim/adamw.h"
 #include "optim/grad_clip_cuda.h"
 
 namespace fp8lm::cuda {
+
+// FP8 weight operands that the fp8_fp16 update writes in its second pass
+// (AdamWCall::weight_casts): tensor `tensor` of the optimizer's table, [rows, cols] row-major
+// in the master, becomes codes [rows, cols] = fp8_e4m3(master * scales[state]) and codes_t
+// [cols, rows] its transpose, with max |master| raised into amax_row[state]: the values, the
+// rounding and the amax protocol of cast_transpose_fp8 (core/cast_cuda.h) from the FP32
+// master. first_tile: the cast's first 64x64 tile among all casts' (the transpose's grid).
+struct DeviceWeightCast {
+  uint8_t* codes = nullptr;
+  uint8_t* codes_t = nullptr;
+  int tensor = -1;
+  int state = -1;
+  int rows = 0;
+  int cols = 0;
+  uint32_t first_tile = 0;
+};
+
+struct DeviceWeightCastTable {
+  const DeviceWeightCast* casts = nullptr;   // [count], first_tile ascending
+  const int32_t* cast_of_tensor = nullptr;   // [table.count] index into casts, -1: none
+  int count = 0;
+  uint32_t num_tiles = 0;
+};
+
+// Owns the device arrays of a DeviceWeightCastTable (synchronous uploads, at set-up time).
+class DeviceWeightCasts {
+ public:
+  // casts: codes, codes_t, tensor, state, rows and cols set (first_tile is computed);
+  // tensors: the optimizer table's count.
+  DeviceWeightCasts(std::vector<DeviceWeightCast> casts, int tensors);
+  const DeviceWeightCastTable& table() const { return table_; }
+
+ private:
+  DeviceBuffer<DeviceWeightCast> casts_;
+  DeviceBuffer<int32_t> cast_of_tensor_;
+  DeviceWeightCastTable table_;
+};
 
 // Floats of scratch adamw_step_fp8_fp16() needs: 4 * table.count + 2
 // (per-tensor amax of m and v, the previous scale inverses, the two bias corrections).
@@ -75,10 +115,16 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
+// weight_casts (optional, with slab_offsets nullptr): its tensors are updated tile by tile and
+// their FP8 operands written in the same pass, with the FP8 scales `fp8_scales` [states]
+// and amaxes raised in `amax_row` [states] (nullptr: none recorded); under control->skip
+// only the operands are written, from the unchanged master.
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
-                          cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
+                          cudaStream_t stream, const uint64_t* slab_offsets = nullptr,
+                          const DeviceWeightCastTable* weight_casts = nullptr, const float* fp8_scales = nullptr,
+                          float* amax_row = nullptr);
 
 // One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView grads, float* m, float* v,

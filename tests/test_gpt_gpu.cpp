@@ -15,6 +15,7 @@
 #include "core/scaling_cuda.h"
 #include "core/scaling.h"
 #include "gpu_testing.h"
+#include "weight_cast_runs.h"
 
 using namespace fp8lm;
 
@@ -189,6 +190,19 @@ TEST_CASE("GPU training is bit-reproducible: two identical runs give identical w
     INFO(mode << ": losses " << losses[0] << " " << losses[1]);
     CHECK(losses[0] == losses[1]);
     CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("GPU: AdamW writing the FP8 weights in its update pass gives the separate casts' run bit for bit",
+          "[gpu][model]") {
+  FP8LM_REQUIRE_GPU();
+  // FP32 and BF16 gradients (the tile kernel reads both); --fp8-interval 2: step 0's update on
+  // current scaling casts separately; step 2 collects statistics, so step 1's does too.
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {}, {"--grad-reduce-in-bf16"}, {"--fp8-interval", "2", "--fp8-amax-history-len", "4"}}) {
+    INFO("flags: " << (flags.empty() ? std::string("(none)") : flags.front()));
+    testing::check_same_run(testing::run_weight_casts("separate", "cuda", "gpt2-124m.json", flags, 2, 64, 50257),
+                            testing::run_weight_casts("fused", "cuda", "gpt2-124m.json", flags, 2, 64, 50257));
   }
 }
 

@@ -32,6 +32,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/generators/catch_generators.hpp>
 
+#include "core/cast_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fp8.h"
@@ -48,6 +49,7 @@ using fp8lm::cuda::DeviceBuffer;
 using fp8lm::StepControl;
 using fp8lm::testing::device_copy;
 using fp8lm::testing::kPoisonByte;
+using fp8lm::testing::same_bytes;
 
 namespace {
 
@@ -122,6 +124,14 @@ std::vector<uint16_t> as_u16(const std::vector<T>& v) {
 
 // The optimizer state of one GPU "engine". `shift` > 0 offsets every slab pointer by that
 // many elements, which misaligns them for vector access: every tensor takes the scalar path.
+// FP8 weights the update pass writes too, with the FP8 scales fp8_scales and amaxes raised in
+// amax_row (optim/adamw_cuda.h).
+struct WeightCasts {
+  const cuda::DeviceWeightCastTable* table = nullptr;
+  const float* fp8_scales = nullptr;
+  float* amax_row = nullptr;
+};
+
 struct GpuOptimizer {
   const TensorLayout& layout;
   OptimizerStatePrecision precision;
@@ -180,15 +190,23 @@ struct GpuOptimizer {
 
   // The end of one training step: gradient norm, finalize_step, AdamW. No host sync
   // inside (the uploads before it are synchronous).
+  // casts (fp8_fp16): the update pass also writes those FP8 weights (WeightCasts).
   void step(const std::vector<float>& host_grads, const AdamWHyperparams& hp, double max_norm,
-            float loss_sum = 5.0f, float loss_divisor = 2.0f) {
+            float loss_sum = 5.0f, float loss_divisor = 2.0f, const WeightCasts& casts = {}) {
     REQUIRE(host_grads.size() == total);
     grads.upload(host_grads.data(), total, shift);
     loss.upload(std::vector<float>{loss_sum});
     sync();
     cuda::grad_norm_squared(sum.data(), grads.data() + shift, table(), norm_scratch.data(), nullptr);
     cuda::finalize_step(control.data(), sum.data(), loss.data(), loss_divisor, max_norm, nullptr);
-    if (precision == OptimizerStatePrecision::fp8_fp16) {
+    if (casts.table) {
+      REQUIRE(precision == OptimizerStatePrecision::fp8_fp16);
+      cuda::adamw_fp8_fp16_moment_amaxes(grads.data() + shift, m8.data() + shift, v16.data() + shift, m_scales.data(),
+                                         v_scales.data(), table(), hp, control.data(), scratch.data(), nullptr);
+      cuda::adamw_fp8_fp16_apply(master.data() + shift, bf16.data() + shift, grads.data() + shift, m8.data() + shift,
+                                 v16.data() + shift, m_scales.data(), v_scales.data(), table(), hp, control.data(),
+                                 scratch.data(), nullptr, nullptr, casts.table, casts.fp8_scales, casts.amax_row);
+    } else if (precision == OptimizerStatePrecision::fp8_fp16) {
       cuda::adamw_step_fp8_fp16(master.data() + shift, bf16.data() + shift, grads.data() + shift, m8.data() + shift,
                                 v16.data() + shift, m_scales.data(), v_scales.data(), table(), hp, control.data(),
                                 scratch.data(), nullptr);
@@ -635,6 +653,84 @@ TEST_CASE("GPU AdamW: a skipped step changes nothing and does not advance t", "[
   CHECK(c.step_count == 3);
   cpu.step(cpu_params.data(), grads.data(), hp, c.grad_scale);
   check_state(gpu, cpu, cpu_params, 3);
+}
+
+TEST_CASE("GPU AdamW weight casts: the update pass writes the separate cast's codes, transposes and amaxes",
+          "[gpu][optim]") {
+  FP8LM_REQUIRE_GPU();
+  // Cast: "wte" [37,29] and "odd" [5,3] take the scalar path (29 and 3 columns, odd's offset
+  // not a multiple of 4), "big" [97,211] partial tiles, "exact" [2,8192] a row of 128 tiles,
+  // "tail" [3,7] stays out (updated by the chunk kernel). States 0..3 with scales that fit,
+  // shrink and saturate; amax slots start at values both sides must keep or raise.
+  const TensorLayout layout = test_layout();
+  const size_t shift = GENERATE(size_t{0}, size_t{1});  // 1: no vectorized path anywhere
+  INFO("slab shift " << shift);
+  const std::vector<std::pair<const char*, int>> cast_tensors = {{"wte", 0}, {"odd", 1}, {"big", 2}, {"exact", 3}};
+  const std::vector<float> fp8_scales_host = {12.5f, 0.75f, 3000.0f, 1.0f};
+  const std::vector<float> amax_start = {0.0f, 0.01f, 100.0f, 0.0f};
+  const AdamWHyperparams hp = test_hyperparams();
+  const std::vector<float> params = random_params(layout, 41);
+  GpuOptimizer separate(layout, OptimizerStatePrecision::fp8_fp16, params, shift);
+  GpuOptimizer fused(layout, OptimizerStatePrecision::fp8_fp16, params, shift);
+  const DeviceBuffer<float> fp8_scales = device_copy(fp8_scales_host);
+
+  struct Operand {
+    DeviceBuffer<uint8_t> codes, codes_t;
+  };
+  auto make_operands = [&](std::vector<Operand>& operands, std::vector<cuda::DeviceWeightCast>* casts) {
+    for (const auto& [name, state] : cast_tensors) {
+      const TensorInfo& t = *layout.find(name);
+      Operand o;
+      o.codes = device_copy(std::vector<uint8_t>(t.numel, kPoisonByte));
+      o.codes_t = device_copy(std::vector<uint8_t>(t.numel, kPoisonByte));
+      if (casts) {
+        cuda::DeviceWeightCast w;
+        w.codes = o.codes.data();
+        w.codes_t = o.codes_t.data();
+        w.tensor = int(&t - layout.tensors().data());
+        w.state = state;
+        w.rows = int(t.shape[0]);
+        w.cols = int(t.shape[1]);
+        casts->push_back(w);
+      }
+      operands.push_back(std::move(o));
+    }
+  };
+  std::vector<Operand> separate_operands, fused_operands;
+  std::vector<cuda::DeviceWeightCast> casts;
+  make_operands(separate_operands, nullptr);
+  make_operands(fused_operands, &casts);
+  const cuda::DeviceWeightCasts cast_table(casts, int(layout.tensors().size()));
+
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step << (step == 1 ? " (skipped: a NaN gradient)" : ""));
+    std::vector<float> grads = random_grads(layout, 500 + step);
+    if (step == 1) grads[layout.find("big")->offset + 17] = NAN;
+    DeviceBuffer<float> separate_amax = device_copy(amax_start), fused_amax = device_copy(amax_start);
+    separate.step(grads, hp, 1.0);
+    for (size_t c = 0; c < cast_tensors.size(); ++c) {
+      const TensorInfo& t = *layout.find(cast_tensors[c].first);
+      const int state = cast_tensors[c].second;
+      cuda::cast_transpose_fp8(separate_operands[c].codes.data(), separate_operands[c].codes_t.data(), GradientRef{},
+                               separate_amax.data() + state, separate.master.data() + shift + t.offset,
+                               fp8_scales.data() + state, Fp8Dtype::e4m3, int(t.shape[0]), int(t.shape[1]), nullptr,
+                               nullptr);
+    }
+    fused.step(grads, hp, 1.0, 5.0f, 2.0f, {&cast_table.table(), fp8_scales.data(), fused_amax.data()});
+    sync();
+    CHECK(separate.read_control().skip == (step == 1 ? 1 : 0));
+    CHECK((separate.state_bytes() == fused.state_bytes()));
+    CHECK(same_bytes(separate_amax.download(), fused_amax.download()));
+    for (size_t c = 0; c < cast_tensors.size(); ++c) {
+      INFO("tensor " << cast_tensors[c].first);
+      CHECK(same_bytes(separate_operands[c].codes.download(), fused_operands[c].codes.download()));
+      CHECK(same_bytes(separate_operands[c].codes_t.download(), fused_operands[c].codes_t.download()));
+    }
+  }
+  // The saturating scale did saturate (E4M3's largest code, 448).
+  const std::vector<uint8_t> big_codes = fused_operands[2].codes.download();
+  CHECK(std::count(big_codes.begin(), big_codes.end(), uint8_t{0x7E}) > 0);
+  CHECK(separate.read_control().step_count == 2);
 }
 
 TEST_CASE("GPU AdamW fp8_fp16 is bit-reproducible", "[gpu][optim]") {

@@ -15,6 +15,7 @@
 #include "apps/run_setup.h"
 #include "apps/trainer.h"
 #include "cli_testing.h"
+#include "weight_cast_runs.h"
 #include "temp_dir.h"
 #include "core/dtype.h"
 #include "core/fp8.h"
@@ -277,6 +278,23 @@ TEST_CASE("BF16 gradients (--grad-reduce-in-bf16): the startup table and the eng
     CHECK(estimated > 0);
     CHECK(table_value == format_mib(estimated));
   }
+}
+
+TEST_CASE("AdamW writing the FP8 weights in its update pass gives the separate casts' run bit for bit",
+          "[training][cpu][fp8]") {
+  for (const std::vector<std::string>& flags :
+       std::vector<std::vector<std::string>>{{}, {"--fp8-interval", "2"}, {"--fp8-amax-history-len", "4"}}) {
+    INFO("flags: " << (flags.empty() ? std::string("(none)") : flags.front() + " " + flags.back()));
+    testing::check_same_run(testing::run_weight_casts("separate", "cpu", "tiny.json", flags, 2, 16, 256),
+                           testing::run_weight_casts("fused", "cpu", "tiny.json", flags, 2, 16, 256));
+  }
+  // Where it applies, and why not elsewhere: the startup table says.
+  const RunSetup fp32_state = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data",
+                                          "--fp8-hybrid", "--optimizer-state-precision", "fp32"});
+  CHECK_FALSE(optimizer_writes_fp8_weights(fp32_state.options, false));
+  const RunSetup fused = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--fp8-hybrid"});
+  CHECK(optimizer_writes_fp8_weights(fused.options, false));
+  CHECK_FALSE(optimizer_writes_fp8_weights(fused.options, /*sharded_state=*/true));
 }
 
 TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[training][cpu]") {
