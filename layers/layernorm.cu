@@ -12,10 +12,12 @@
 // there on the code is the plain kernel's, so the results are bit for bit those of the plain
 // kernel run on the stored residual.
 //
-// Backward: one warp per row as well (grid-strided over rows), which also adds the row's
-// weight and bias gradient terms into its warp's partial sums in shared memory; each block's
-// sums go to scratch, and a second kernel adds the blocks' in a fixed order into
-// dweight/dbias. No floating-point atomics: bit-reproducible.
+// Backward: one warp per row as well (grid-strided over rows). Rows up to 2048 wide: one pass,
+// which also adds the row's weight and bias gradient terms into its warp's partial sums in
+// shared memory, each block's sums to scratch; wider rows: the input gradient, then the
+// weight and bias gradients apart as a column reduction over row splits into scratch. Either
+// way a last kernel adds the partial sums in a fixed order into dweight/dbias. No
+// floating-point atomics: bit-reproducible.
 #include "layers/layernorm.h"
 
 #include <algorithm>
@@ -39,6 +41,7 @@ using namespace device;
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarpsPerBlock = 8;  // rows per block (forward), warps per block (backward)
+constexpr int kOnePassMaxK = 8;    // the widest rows (8 * 32 * K) the one-pass backward takes
 constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---- small device helpers ------------------------------------------------------------
@@ -177,20 +180,125 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward --------------------------------------------------------------------------
 
+// Rows wider than 2048 (K > 8): two kernels. dinp [N,C] += the input gradient, one warp per
+// row (grid-strided over rows); the weight and bias gradients are a column reduction over
+// the rows, done apart by the kernel below. (Kept in registers, their 16 * K per-lane partial
+// sums held a whole block and left one block per multiprocessor at C = 1600, 706 GB/s on an
+// H100; in shared memory, as the one-pass kernel keeps them, a 4096-wide row leaves two warps
+// a block and is 1.31x slower than these two kernels: device call 40.)
+template <int K>
+__global__ void __launch_bounds__(kThreads)
+    layernorm_backward_input_kernel(bf16* __restrict__ dinp, const bf16* __restrict__ dout,
+                                    const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+                                    const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunks = C / 8;
+  const int total_warps = gridDim.x * kWarpsPerBlock;
+  for (int row = blockIdx.x * kWarpsPerBlock + warp; row < N; row += total_warps) {  // warp-uniform
+    const size_t row_offset = static_cast<size_t>(row) * C;
+    const float row_mean = mean[row];
+    const float row_rstd = rstd[row];
+    // Pass 1: the two row sums. Pass 2 reloads the row (an L1/L2 hit) rather than keeping
+    // it in registers.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        float x[8], dy[8], w[8];
+        load_bf16x8(inp + row_offset + i * 8, x);
+        load_bf16x8(dout + row_offset + i * 8, dy);
+        load_bf16x8(weight + i * 8, w);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float xhat = (x[j] - row_mean) * row_rstd;
+          const float g = dy[j] * w[j];
+          sum_g += g;
+          sum_g_xhat += g * xhat;
+        }
+      }
+    }
+    sum_g = warp_sum(sum_g);
+    sum_g_xhat = warp_sum(sum_g_xhat);
+    const float mean_g = sum_g / C;
+    const float mean_g_xhat = sum_g_xhat / C;
+
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int i = lane + 32 * k;
+      if (i < chunks) {
+        float x[8], dy[8], w[8], dx[8];
+        load_bf16x8(inp + row_offset + i * 8, x);
+        load_bf16x8(dout + row_offset + i * 8, dy);
+        load_bf16x8(weight + i * 8, w);
+        load_bf16x8(dinp + row_offset + i * 8, dx);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float xhat = (x[j] - row_mean) * row_rstd;
+          const float g = dy[j] * w[j];
+          dx[j] += row_rstd * (g - mean_g - xhat * mean_g_xhat);
+        }
+        store_bf16x8(dinp + row_offset + i * 8, dx);
+      }
+    }
+  }
+}
+
+// The weight and bias gradients' partial sums: block (32, 8) over 64 columns (two per thread,
+// one 4-byte load of each operand) and row split blockIdx.y, rows [split * rows_per_split,
+// ...); thread row ty sums rows ty, ty + 8, ... of the split in order, then the 8 sums are
+// added in order. scratch [splits][2C]: dweight partials, then dbias partials. Deterministic.
+constexpr int kParamColumns = 64;
+__global__ void __launch_bounds__(kThreads)
+    layernorm_backward_params_kernel(float* __restrict__ scratch, const bf16* __restrict__ dout,
+                                     const bf16* __restrict__ inp, const float* __restrict__ mean,
+                                     const float* __restrict__ rstd, int N, int C, int rows_per_split) {
+  __shared__ float sums[8][4][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int col = blockIdx.x * kParamColumns + 2 * tx;
+  const int row_begin = blockIdx.y * rows_per_split;
+  const int row_end = min(N, row_begin + rows_per_split);
+  float dw0 = 0.0f, dw1 = 0.0f, db0 = 0.0f, db1 = 0.0f;
+  if (col < C) {  // C is even: col + 1 < C too
+    for (int row = row_begin + ty; row < row_end; row += 8) {
+      const size_t at = static_cast<size_t>(row) * C + col;
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp + at));
+      const float2 dy = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + at));
+      const float row_mean = mean[row], row_rstd = rstd[row];
+      dw0 += dy.x * ((x.x - row_mean) * row_rstd);
+      dw1 += dy.y * ((x.y - row_mean) * row_rstd);
+      db0 += dy.x;
+      db1 += dy.y;
+    }
+  }
+  sums[ty][0][tx] = dw0;
+  sums[ty][1][tx] = dw1;
+  sums[ty][2][tx] = db0;
+  sums[ty][3][tx] = db1;
+  __syncthreads();
+  if (ty < 4 && col < C) {  // thread row q finishes quantity q: dw0, dw1, db0, db1
+    float total = sums[0][ty][tx];
+#pragma unroll
+    for (int g = 1; g < 8; g++) total += sums[g][ty][tx];
+    float* partial = scratch + static_cast<size_t>(blockIdx.y) * 2 * C;
+    partial[(ty >= 2 ? C : 0) + col + (ty & 1)] = total;
+  }
+}
+
 // One pass: dinp [N,C] += the input gradient, one warp per row (grid-strided over rows), and
 // the weight and bias gradients' sums over the block's rows into partials [blocks][2C]
 // (dweight's, then dbias's). Each warp adds its rows, in order, into its own 2C floats of
 // shared memory (lane l owns columns 8 (l + 32 k) .. +7, so no two lanes share one); the block
 // then adds its warps' sums in warp order. So x and dy come from memory once, and the sums are
 // bit-reproducible for a given grid (a function of N and C: backward_blocks).
-// kCache: the row's x and dy stay in registers, packed BF16, between the two passes (K <= 8,
-// C <= 2048: 64 registers); wider rows reload them.
+// Rows up to 2048 wide (K <= 8); the row's x and dy stay in registers, packed BF16, between
+// the two passes (64 registers).
 template <int K>
 __global__ void __launch_bounds__(kThreads)
     layernorm_backward_kernel(bf16* __restrict__ dinp, float* __restrict__ partials, const bf16* __restrict__ dout,
                               const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                               const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C) {
-  constexpr bool kCache = K <= 8;
+  static_assert(K <= kOnePassMaxK, "wider rows take the two-kernel form");
   extern __shared__ float4 warp_sums_raw[];
   float* warp_sums = reinterpret_cast<float*>(warp_sums_raw);  // [warps][2C]
   const int warps = static_cast<int>(blockDim.x / 32);
@@ -206,7 +314,7 @@ __global__ void __launch_bounds__(kThreads)
     const size_t row_offset = static_cast<size_t>(row) * C;
     const float row_mean = mean[row];
     const float row_rstd = rstd[row];
-    uint4 x_raw[kCache ? K : 1], dy_raw[kCache ? K : 1];
+    uint4 x_raw[K], dy_raw[K];
     float sum_g = 0.0f, sum_g_xhat = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -214,10 +322,8 @@ __global__ void __launch_bounds__(kThreads)
       if (i < chunks) {
         const uint4 xr = *reinterpret_cast<const uint4*>(inp + row_offset + i * 8);
         const uint4 dyr = *reinterpret_cast<const uint4*>(dout + row_offset + i * 8);
-        if constexpr (kCache) {
-          x_raw[k] = xr;
-          dy_raw[k] = dyr;
-        }
+        x_raw[k] = xr;
+        dy_raw[k] = dyr;
         float x[8], dy[8], w[8];
         unpack_bf16x8(xr, x);
         unpack_bf16x8(dyr, dy);
@@ -241,13 +347,8 @@ __global__ void __launch_bounds__(kThreads)
       const int i = lane + 32 * k;
       if (i < chunks) {
         float x[8], dy[8], w[8], dx[8];
-        if constexpr (kCache) {
-          unpack_bf16x8(x_raw[k], x);
-          unpack_bf16x8(dy_raw[k], dy);
-        } else {
-          load_bf16x8(inp + row_offset + i * 8, x);
-          load_bf16x8(dout + row_offset + i * 8, dy);
-        }
+        unpack_bf16x8(x_raw[k], x);
+        unpack_bf16x8(dy_raw[k], dy);
         load_bf16x8(weight + i * 8, w);
         load_bf16x8(dinp + row_offset + i * 8, dx);
         float4* dw4 = reinterpret_cast<float4*>(sum_dw + i * 8);
@@ -361,7 +462,24 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   CUDA_CHECK_LAUNCH();
 }
 
-// The fused backward's block: as many warps (1 to 8) as fit their 2C floats of partial sums
+// The two-kernel form's grids.
+int input_blocks(int N) { return std::max(1, std::min((N + kWarpsPerBlock - 1) / kWarpsPerBlock, 65535)); }
+
+// Row splits of the weight and bias gradients: about kParamTargetBlocks blocks in all (a few
+// waves on 132 multiprocessors), at least 64 rows a split. A function of N and C only, so the
+// partial sums (and the gradients) are the same on every GPU.
+constexpr int kParamTargetBlocks = 512;
+int param_rows_per_split(int N, int C) {
+  const int tiles = (C + kParamColumns - 1) / kParamColumns;
+  const int splits = std::max(1, kParamTargetBlocks / tiles);
+  return std::max(64, (N + splits - 1) / splits);
+}
+int param_splits(int N, int C) {
+  const int rows = param_rows_per_split(N, C);
+  return std::max(1, (N + rows - 1) / rows);
+}
+
+// The one-pass backward's block: as many warps (1 to 8) as fit their 2C floats of partial sums
 // in 64 KB of shared memory (5 at C = 1600, 2 at C = 4096); and its grid: enough warps for
 // every row, at most kBackwardMaxBlocks, about three blocks on each of an H100's or H200's
 // multiprocessors in one wave. Functions of N and C only, so the partial sums (and the
@@ -369,6 +487,7 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
 constexpr int kBackwardSharedBytes = 64 * 1024;
 constexpr int kBackwardMaxBlocks = 384;
 int backward_warps(int C) { return std::clamp(kBackwardSharedBytes / (8 * C), 1, kWarpsPerBlock); }
+bool one_pass_backward(int C) { return chunks_per_lane(C) <= kOnePassMaxK; }
 int backward_blocks(int N, int C) {
   const int warps = backward_warps(C);
   return std::clamp((N + warps - 1) / warps, 1, kBackwardMaxBlocks);
@@ -440,7 +559,8 @@ void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scal
 }
 
 size_t layernorm_backward_scratch_floats(int N, int C) {
-  return static_cast<size_t>(backward_blocks(N, C)) * 2 * static_cast<size_t>(C);
+  const int rows = one_pass_backward(C) ? backward_blocks(N, C) : param_splits(N, C);
+  return static_cast<size_t>(rows) * 2 * static_cast<size_t>(C);
 }
 
 void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, const bf16* dout, const bf16* inp,
@@ -455,27 +575,44 @@ void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, cons
               ": dinp, dout, inp and weight must be 16-byte aligned");
   FP8LM_CHECK(dinp != dout && dinp != inp, what, ": dinp must not alias dout or inp");
   if (N == 0) return;
-  const int blocks = backward_blocks(N, C);
-  const int threads = 32 * backward_warps(C);
-  const size_t shared = static_cast<size_t>(backward_warps(C)) * 2 * C * sizeof(float);
-  const BackwardLaunch go{blocks, threads, shared, stream, dinp, scratch, dout, inp, weight, mean, rstd, N, C};
-  switch (chunks_per_lane(C)) {
-    case 1: launch_backward<1>(go); break;
-    case 2: launch_backward<2>(go); break;
-    case 3: launch_backward<3>(go); break;
-    case 4: launch_backward<4>(go); break;
-    case 6: launch_backward<6>(go); break;
-    case 8: launch_backward<8>(go); break;
-    case 12: launch_backward<12>(go); break;
-    case 16: launch_backward<16>(go); break;
-    case 24: launch_backward<24>(go); break;
-    case 32: launch_backward<32>(go); break;
-    default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
-  }
-  CUDA_CHECK_LAUNCH();
   const dim3 reduce_block(32, 8);
   const int reduce_blocks = (2 * C + 31) / 32;
-  add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, blocks, 2 * C);
+  if (one_pass_backward(C)) {
+    const int blocks = backward_blocks(N, C);
+    const BackwardLaunch go{blocks,  32 * backward_warps(C), static_cast<size_t>(backward_warps(C)) * 2 * C * sizeof(float),
+                            stream,  dinp, scratch, dout, inp, weight, mean, rstd, N, C};
+    switch (chunks_per_lane(C)) {
+      case 1: launch_backward<1>(go); break;
+      case 2: launch_backward<2>(go); break;
+      case 3: launch_backward<3>(go); break;
+      case 4: launch_backward<4>(go); break;
+      case 6: launch_backward<6>(go); break;
+      case 8: launch_backward<8>(go); break;
+      default: FP8LM_CHECK(false, what, ": no one-pass kernel for C=", C);
+    }
+    CUDA_CHECK_LAUNCH();
+    add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, blocks, 2 * C);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int blocks = input_blocks(N);
+#define FP8LM_LN_BACKWARD(K)                                                                                       \
+  layernorm_backward_input_kernel<K><<<blocks, kThreads, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C)
+  switch (chunks_per_lane(C)) {
+    case 12: FP8LM_LN_BACKWARD(12); break;
+    case 16: FP8LM_LN_BACKWARD(16); break;
+    case 24: FP8LM_LN_BACKWARD(24); break;
+    case 32: FP8LM_LN_BACKWARD(32); break;
+    default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
+  }
+#undef FP8LM_LN_BACKWARD
+  CUDA_CHECK_LAUNCH();
+  const int splits = param_splits(N, C);
+  const dim3 param_grid((C + kParamColumns - 1) / kParamColumns, splits);
+  layernorm_backward_params_kernel<<<param_grid, dim3(32, 8), 0, stream>>>(scratch, dout, inp, mean, rstd, N, C,
+                                                                           param_rows_per_split(N, C));
+  CUDA_CHECK_LAUNCH();
+  add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, splits, 2 * C);
   CUDA_CHECK_LAUNCH();
 }
 
