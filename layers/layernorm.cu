@@ -53,6 +53,30 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// LayerNorm backward of one row, in the two passes both backward kernels make over it:
+// first g = dy * w and the row sums of g and g * xhat (xhat = (x - mean) * rstd), then
+// dx += rstd * (g - mean(g) - xhat * mean(g * xhat)) with those means.
+__device__ __forceinline__ void add_row_sums(const float (&x)[8], const float (&dy)[8], const float (&w)[8],
+                                             float row_mean, float row_rstd, float& sum_g, float& sum_g_xhat) {
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const float xhat = (x[j] - row_mean) * row_rstd;
+    const float g = dy[j] * w[j];
+    sum_g += g;
+    sum_g_xhat += g * xhat;
+  }
+}
+__device__ __forceinline__ void add_input_gradient(float (&dx)[8], const float (&x)[8], const float (&dy)[8],
+                                                   const float (&w)[8], float row_mean, float row_rstd,
+                                                   float mean_g, float mean_g_xhat) {
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const float xhat = (x[j] - row_mean) * row_rstd;
+    const float g = dy[j] * w[j];
+    dx[j] += row_rstd * (g - mean_g - xhat * mean_g_xhat);
+  }
+}
+
 // ---- forward ---------------------------------------------------------------------------
 
 // The residual add of the residual variant (unused by the plain one). No __restrict__: out
@@ -209,13 +233,7 @@ __global__ void __launch_bounds__(kThreads)
         load_bf16x8(inp + row_offset + i * 8, x);
         load_bf16x8(dout + row_offset + i * 8, dy);
         load_bf16x8(weight + i * 8, w);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-          const float xhat = (x[j] - row_mean) * row_rstd;
-          const float g = dy[j] * w[j];
-          sum_g += g;
-          sum_g_xhat += g * xhat;
-        }
+        add_row_sums(x, dy, w, row_mean, row_rstd, sum_g, sum_g_xhat);
       }
     }
     sum_g = warp_sum(sum_g);
@@ -232,12 +250,7 @@ __global__ void __launch_bounds__(kThreads)
         load_bf16x8(dout + row_offset + i * 8, dy);
         load_bf16x8(weight + i * 8, w);
         load_bf16x8(dinp + row_offset + i * 8, dx);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-          const float xhat = (x[j] - row_mean) * row_rstd;
-          const float g = dy[j] * w[j];
-          dx[j] += row_rstd * (g - mean_g - xhat * mean_g_xhat);
-        }
+        add_input_gradient(dx, x, dy, w, row_mean, row_rstd, mean_g, mean_g_xhat);
         store_bf16x8(dinp + row_offset + i * 8, dx);
       }
     }
@@ -328,13 +341,7 @@ __global__ void __launch_bounds__(kThreads)
         unpack_bf16x8(xr, x);
         unpack_bf16x8(dyr, dy);
         load_bf16x8(weight + i * 8, w);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-          const float xhat = (x[j] - row_mean) * row_rstd;
-          const float g = dy[j] * w[j];
-          sum_g += g;
-          sum_g_xhat += g * xhat;
-        }
+        add_row_sums(x, dy, w, row_mean, row_rstd, sum_g, sum_g_xhat);
       }
     }
     sum_g = warp_sum(sum_g);
@@ -356,12 +363,10 @@ __global__ void __launch_bounds__(kThreads)
         float4 dw[2] = {dw4[0], dw4[1]}, db[2] = {db4[0], db4[1]};
         float* dwf = reinterpret_cast<float*>(dw);
         float* dbf = reinterpret_cast<float*>(db);
+        add_input_gradient(dx, x, dy, w, row_mean, row_rstd, mean_g, mean_g_xhat);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          const float xhat = (x[j] - row_mean) * row_rstd;
-          const float g = dy[j] * w[j];
-          dx[j] += row_rstd * (g - mean_g - xhat * mean_g_xhat);
-          dwf[j] += dy[j] * xhat;
+          dwf[j] += dy[j] * ((x[j] - row_mean) * row_rstd);
           dbf[j] += dy[j];
         }
         dw4[0] = dw[0];
