@@ -180,6 +180,10 @@ struct TrainingEngine::State {
   // casts only op by op): then publish_parameters casts no Linear weight again.
   std::unique_ptr<WeightCastTable> weight_casts;
   bool weights_cast_in_update = false;
+  // AdamW's first pass reads the gradients once for their norm too (fp8-fp16 state whose table
+  // is the norm's: every tensor whole and counted on this rank); the amaxes are redone after
+  // the decision only when it clips.
+  bool norm_in_first_pass = false;
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
@@ -448,6 +452,14 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   }
   s.scalars = device.allocate(sizeof(StepScalars));
   s.adamw_scratch = device.allocate(adamw_scratch_floats(count) * sizeof(float));
+  const auto same_tensors = [](const TensorLayout& a, const TensorLayout& b) {
+    if (a.tensors().size() != b.tensors().size()) return false;
+    for (size_t k = 0; k < a.tensors().size(); ++k)
+      if (a.tensors()[k].offset != b.tensors()[k].offset || a.tensors()[k].numel != b.tensors()[k].numel) return false;
+    return true;
+  };
+  s.norm_in_first_pass = s.state_precision == OptimizerStatePrecision::fp8_fp16 && !s.sharded &&
+                         s.update_groups.empty() && same_tensors(s.shard.layout, s.shard.norm_layout);
   if (optimizer_writes_fp8_weights(o, s.sharded)) {
     const std::vector<WeightOperand> operands = model.fp8_weight_operands();
     if (!operands.empty()) s.weight_casts = device.make_weight_casts(*s.shard_table, operands);
@@ -747,7 +759,20 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   // ranks counted once), and the step's loss over the data-parallel ranks: every rank
   // takes the same decision. Sharded, each data-parallel rank holds a piece of the reduced
   // gradients; otherwise each holds all of them, and only the tensor-parallel pieces add up.
-  ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
+  std::vector<AdamWCall> updates;
+  if (s.update_groups.empty()) {
+    updates.push_back(s.adamw_call(*s.shard_table, s.slab_table.get(), 0, static_cast<float*>(s.adamw_scratch->data()),
+                                   hyperparams));
+  } else {
+    for (const State::UpdateGroup& group : s.update_groups)
+      updates.push_back(s.adamw_call(*group.shard, group.slab.get(), group.first_tensor,
+                                     static_cast<float*>(group.scratch->data()), hyperparams));
+  }
+  if (s.norm_in_first_pass) {
+    ops.adamw_moment_amaxes_and_norm(updates.front(), &scalars->sum_of_squares);
+  } else {
+    ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
+  }
   Communicator& norm_group = s.sharded ? s.world() : s.groups->tp();
   if (norm_group.size() > 1)
     norm_group.all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
@@ -776,16 +801,11 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   // then run after the update, op by op: the fused casts count nothing).
   s.stop_fp8_statistics(/*keep=*/s.counting_step == step);
   if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
-  std::vector<AdamWCall> updates;
-  if (s.update_groups.empty()) {
-    updates.push_back(s.adamw_call(*s.shard_table, s.slab_table.get(), 0, static_cast<float*>(s.adamw_scratch->data()),
-                                   hyperparams));
+  if (s.norm_in_first_pass) {
+    ops.adamw_moment_amaxes_if_clipped(updates.front());
   } else {
-    for (const State::UpdateGroup& group : s.update_groups)
-      updates.push_back(s.adamw_call(*group.shard, group.slab.get(), group.first_tensor,
-                                     static_cast<float*>(group.scratch->data()), hyperparams));
+    for (const AdamWCall& update : updates) ops.adamw_moment_amaxes(update);
   }
-  for (const AdamWCall& update : updates) ops.adamw_moment_amaxes(update);
   // A tensor split across ranks gets one moment scale: the MAX of every part's amax.
   if (s.world().size() > 1 && s.state_precision == OptimizerStatePrecision::fp8_fp16) {
     for (const AdamWCall& update : updates) {

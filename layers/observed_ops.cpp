@@ -263,6 +263,15 @@ class ObservedOps final : public Ops {
     observed(per_element("optimizer", "adamw_moment_amaxes", *call.table, gradient_bytes(call) + moment_bytes(call)),
              [&] { inner_->adamw_moment_amaxes(call); });
   }
+  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
+    // Reads the gradient and both moments once: the norm's read and pass 1's.
+    observed(per_element("optimizer", "adamw_moment_amaxes + norm", *call.table, gradient_bytes(call) + moment_bytes(call)),
+             [&] { inner_->adamw_moment_amaxes_and_norm(call, sum_of_squares); });
+  }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    // Nothing unless the step clips (then pass 1 again); the profile counts no bytes.
+    observed(named("optimizer", "adamw_moment_amaxes if clipped"), [&] { inner_->adamw_moment_amaxes_if_clipped(call); });
+  }
   void adamw_apply(const AdamWCall& call) override {
     // Reads the gradient; reads and writes the master weight and both moments; writes the
     // working copy, and the FP8 weights and their transposes it casts (one byte each).

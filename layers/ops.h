@@ -452,6 +452,13 @@ class Ops {
   virtual void set_step_control(StepControl* control, const StepControl& value) = 0;
   // fp8_fp16 state: pass 1, the updated moments' amaxes into call.scratch. fp32: nothing.
   virtual void adamw_moment_amaxes(const AdamWCall& call) = 0;
+  // fp8_fp16 state, where call.table is also the norm's table: pass 1 before finalize_step, in
+  // the same read of the gradients as their norm: the amaxes as if the clip coefficient were
+  // 1, and *sum_of_squares = grad_sum_of_squares(call.grads, *call.table), bit for bit. After
+  // finalize_step, adamw_moment_amaxes_if_clipped redoes the amaxes when the coefficient is not
+  // 1 (decided in stream order; nothing runs otherwise). Together: adamw_moment_amaxes's amaxes.
+  virtual void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) = 0;
+  virtual void adamw_moment_amaxes_if_clipped(const AdamWCall& call) = 0;
   // The update: new moment scales from the (agreed) amaxes, parameters, moments, and the
   // working copy.
   virtual void adamw_apply(const AdamWCall& call) = 0;

@@ -463,10 +463,17 @@ class CpuOps final : public Ops {
   void set_step_control(StepControl* control, const StepControl& value) override { *control = value; }
   void adamw_moment_amaxes(const AdamWCall& call) override {
     if (call.control->skip || call.precision != OptimizerStatePrecision::fp8_fp16) return;
-    const size_t count = call.table->layout().tensors().size();
-    std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
-    cpu::adamw_moment_amaxes(call.table->layout(), f32(call.grads), call.state, call.hyperparams, call.control->step_count,
-                             call.control->grad_scale, call.scratch, slab_layout(call));
+    moment_amaxes(call, call.control->grad_scale);
+  }
+  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
+                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
+    grad_sum_of_squares(sum_of_squares, call.grads, *call.table);
+    moment_amaxes(call, /*grad_scale=*/1.0f);
+  }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    if (call.control->skip || call.control->grad_scale == 1.0f) return;
+    moment_amaxes(call, call.control->grad_scale);
   }
   void adamw_apply(const AdamWCall& call) override {
     check_adamw_hyperparams(call.hyperparams);
@@ -499,6 +506,16 @@ class CpuOps final : public Ops {
       const TensorInfo& t = layout.tensors()[k];
       std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + working_layout.tensors()[k].offset);
     }
+  }
+  // Pass 1 with `grad_scale` (the bias corrections it does not use come from the step count
+  // the step will have if applied).
+  void moment_amaxes(const AdamWCall& call, float grad_scale) {
+    check_adamw_hyperparams(call.hyperparams);
+    const size_t count = call.table->layout().tensors().size();
+    std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
+    cpu::adamw_moment_amaxes(call.table->layout(), f32(call.grads), call.state, call.hyperparams,
+                             std::max<int64_t>(call.control->step_count, 1), grad_scale, call.scratch,
+                             slab_layout(call));
   }
   static const TensorLayout* slab_layout(const AdamWCall& call) {
     return call.slab_table ? &call.slab_table->layout() : nullptr;

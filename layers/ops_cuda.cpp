@@ -772,6 +772,21 @@ class CudaOps final : public Ops {
                                        call.state.v_scales, device_table(*call.table), call.hyperparams, call.control,
                                        call.scratch, stream_, slab_offsets(call));
   }
+  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
+                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
+    cuda::adamw_fp8_fp16_moment_amaxes_and_norm(gradient_view(call.grads), call.state.m8, call.state.v16,
+                                                call.state.m_scales, call.state.v_scales, device.table(),
+                                                call.hyperparams, call.scratch, sum_of_squares, device.norm_scratch(),
+                                                stream_);
+  }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16, "fp8-fp16 state only");
+    cuda::adamw_fp8_fp16_moment_amaxes_if_clipped(gradient_view(call.grads), call.state.m8, call.state.v16,
+                                                  call.state.m_scales, call.state.v_scales, device_table(*call.table),
+                                                  call.hyperparams, call.control, call.scratch, stream_);
+  }
   void adamw_apply(const AdamWCall& call) override {
     const cuda::DeviceTensorTable& table = device_table(*call.table);
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");

@@ -37,6 +37,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "optim/grad_clip.h"
+#include "optim/grad_norm.cuh"
 
 namespace fp8lm::cuda {
 namespace {
@@ -162,22 +163,37 @@ __device__ __forceinline__ void store_vec(T* base, uint64_t i, V value) {
 // Pass 1 (fp8_fp16): the per-tensor amax of the updated moments; nothing but the amax is
 // written. amax_bits [2, count]: m then v, as float bits (values >= 0, so unsigned
 // comparison orders them; NaN never enters, as on the CPU's running_max).
-template <typename G>
+// kMode: after_decision, the pass as the step's decision (control) says; with_norm, before the
+// decision, as if the clip coefficient were 1, also writing each chunk's gradient sum of
+// squares to norm_partial exactly as grad_norm_squared's chunk kernel does (the same chunks,
+// the same per-thread order, the same block tree); if_clipped, after the decision, only when
+// it clips (the amaxes zeroed first by zero_amaxes_if_clipped_kernel).
+enum class Pass1 { after_decision, with_norm, if_clipped };
+
+template <typename G, Pass1 kMode>
 __global__ void __launch_bounds__(kThreads)
     adamw_fp8_pass1_kernel(const G* __restrict__ grads, const uint8_t* __restrict__ m_codes,
                            const uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
-                           const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok) {
-  if (control->skip) return;  // uniform over the grid
+                           const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok,
+                           double* __restrict__ norm_partial) {
+  float grad_scale = 1.0f;
+  if constexpr (kMode != Pass1::with_norm) {
+    if (control->skip) return;  // uniform over the grid
+    grad_scale = control->grad_scale;
+    if (kMode == Pass1::if_clipped && grad_scale == 1.0f) return;
+  }
   const ChunkRange c = chunk_of_block(table);
   // Moments need only beta and grad_scale (bias corrections enter the parameter update).
-  const AdamWStepScalars s = adamw_scalars(hp, false, control->grad_scale, 1.0f, 1.0f);
+  const AdamWStepScalars s = adamw_scalars(hp, false, grad_scale, 1.0f, 1.0f);
+  double sum_of_squares = 0.0;
   const float m_inv = __fdiv_rn(1.0f, m_scales[c.k]);
   const float v_inv = __fdiv_rn(1.0f, v_scales[c.k]);
 
   float amax_m = 0.0f, amax_v = 0.0f;
   auto element = [&](float g, uint8_t mc, uint16_t vb) {
+    if constexpr (kMode == Pass1::with_norm) sum_of_squares = device::add_square(sum_of_squares, g);
     float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
     adamw_moments(g, m, v, s);
     const float abs_m = fabsf(m);
@@ -205,6 +221,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(device::gradient_at(grads, gb + i), m_codes[b + i], v_bits[b + i]);
 
+  if constexpr (kMode == Pass1::with_norm) {
+    sum_of_squares = device::block_sum_fixed<kThreads>(sum_of_squares);
+    if (threadIdx.x == 0) norm_partial[blockIdx.x] = sum_of_squares;
+  }
   // Block max (exact, order-independent), then one atomic per block and moment.
   __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
 #pragma unroll
@@ -226,6 +246,13 @@ __global__ void __launch_bounds__(kThreads)
     if (block_m > 0.0f) atomicMax(amax_bits + c.k, __float_as_uint(block_m));
     if (block_v > 0.0f) atomicMax(amax_bits + table.count + c.k, __float_as_uint(block_v));
   }
+}
+
+// Before Pass1::if_clipped: the amaxes of the pass before the decision zeroed, when it clips.
+__global__ void zero_amaxes_if_clipped_kernel(unsigned* __restrict__ amax_bits, int n,
+                                              const StepControl* __restrict__ control) {
+  if (control->skip || control->grad_scale == 1.0f) return;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) amax_bits[i] = 0u;
 }
 
 // Between the passes (one block): for every tensor, keep the inverse of the old scales
@@ -489,6 +516,25 @@ void with_gradient_type(GradientView grads, Launch&& launch) {
 
 size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * static_cast<size_t>(table.count) + 2; }
 
+namespace {
+
+template <Pass1 kMode>
+void launch_pass1(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits, const float* m_scales,
+                  const float* v_scales, const DeviceTensorTable& table, const AdamWHyperparams& hp,
+                  const StepControl* control, unsigned* amax_bits, const uint64_t* slab_offsets, double* norm_partial,
+                  cudaStream_t stream) {
+  if (table.num_chunks == 0) return;
+  const bool vec_ok = gradients_aligned(grads) && aligned(m_codes, 4) && aligned(v_bits, 8);
+  with_gradient_type(grads, [&](const auto* typed) {
+    using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+    adamw_fp8_pass1_kernel<G, kMode><<<table.num_chunks, kThreads, 0, stream>>>(
+        typed, m_codes, v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial);
+  });
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
 void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
@@ -497,17 +543,47 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
   if (table.count == 0) return;
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_moment_amaxes needs every array");
-  const bool vec_ok = gradients_aligned(grads) && aligned(m_codes, 4) && aligned(v_bits, 8);
   unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
   CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
-  if (table.num_chunks > 0) {
-    with_gradient_type(grads, [&](const auto* typed) {
-      adamw_fp8_pass1_kernel<<<table.num_chunks, kThreads, 0, stream>>>(typed, m_codes, v_bits, m_scales, v_scales,
-                                                                        table, slab_offsets, hp, control, amax_bits,
-                                                                        vec_ok);
-    });
-    CUDA_CHECK_LAUNCH();
+  launch_pass1<Pass1::after_decision>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, amax_bits,
+                                      slab_offsets, nullptr, stream);
+}
+
+void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                           const float* m_scales, const float* v_scales,
+                                           const DeviceTensorTable& table, const AdamWHyperparams& hp, float* scratch,
+                                           double* sum_of_squares, double* norm_scratch, cudaStream_t stream) {
+  check_adamw_hyperparams(hp);
+  FP8LM_CHECK(sum_of_squares && (table.num_chunks == 0 || norm_scratch),
+              "adamw_fp8_fp16_moment_amaxes_and_norm needs the sum's output and scratch");
+  if (table.count > 0) {
+    FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && scratch,
+                "adamw_fp8_fp16_moment_amaxes_and_norm needs every array");
+    // The chunks' vector paths must be the norm kernel's (it looks at the gradients only), or
+    // the per-thread sums, hence the partials, would differ.
+    FP8LM_CHECK(!gradients_aligned(grads) || (aligned(m_codes, 4) && aligned(v_bits, 8)),
+                "adamw_fp8_fp16_moment_amaxes_and_norm: the moment slabs must be aligned as the gradients are");
+    unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
+    CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
+    launch_pass1<Pass1::with_norm>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, nullptr, amax_bits,
+                                   nullptr, norm_scratch, stream);
   }
+  grad_norm_finish(sum_of_squares, norm_scratch, table.num_chunks, stream);
+}
+
+void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                             const float* m_scales, const float* v_scales,
+                                             const DeviceTensorTable& table, const AdamWHyperparams& hp,
+                                             const StepControl* control, float* scratch, cudaStream_t stream) {
+  check_adamw_hyperparams(hp);
+  if (table.count == 0) return;
+  FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
+              "adamw_fp8_fp16_moment_amaxes_if_clipped needs every array");
+  unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
+  zero_amaxes_if_clipped_kernel<<<1, 256, 0, stream>>>(amax_bits, 2 * table.count, control);
+  CUDA_CHECK_LAUNCH();
+  launch_pass1<Pass1::if_clipped>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, amax_bits, nullptr,
+                                  nullptr, stream);
 }
 
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,

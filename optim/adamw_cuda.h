@@ -115,6 +115,20 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
                                   const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
+// The first half in the gradients' one read that also takes their norm, for an optimizer
+// whose table is the norm's (every tensor whole, counted once): before the step's decision,
+// the amaxes as if the clip coefficient were 1, and *sum_of_squares = what grad_norm_squared
+// computes over `table`, bit for bit (norm_scratch: grad_norm_scratch_size(table) doubles).
+// After finalize_step, adamw_fp8_fp16_moment_amaxes_if_clipped redoes the amaxes with the
+// coefficient when it is not 1 (decided on the device; nothing runs otherwise).
+void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                           const float* m_scales, const float* v_scales,
+                                           const DeviceTensorTable& table, const AdamWHyperparams& hp, float* scratch,
+                                           double* sum_of_squares, double* norm_scratch, cudaStream_t stream);
+void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                             const float* m_scales, const float* v_scales,
+                                             const DeviceTensorTable& table, const AdamWHyperparams& hp,
+                                             const StepControl* control, float* scratch, cudaStream_t stream);
 // weight_casts (optional, with slab_offsets nullptr): its tensors are updated tile by tile and
 // their FP8 operands written in the same pass, with the FP8 scales `fp8_scales` [states]
 // and amaxes raised in `amax_row` [states] (nullptr: none recorded); under control->skip

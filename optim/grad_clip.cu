@@ -7,6 +7,7 @@
 
 #include "core/check_cuda.h"
 #include "core/device_helpers.cuh"
+#include "optim/grad_norm.cuh"
 #include "core/error.h"
 
 namespace fp8lm::cuda {
@@ -70,27 +71,6 @@ namespace {
 constexpr int kThreads = 256;       // per chunk block
 constexpr int kFinalThreads = 1024;  // the one block of the final reduction
 
-// Sum over the block in a fixed order: a shuffle-down tree per warp, then warp 0's
-// thread 0 adds the warp sums in warp order. The result is valid in thread 0 only.
-template <int kBlock>
-__device__ double block_sum_fixed(double x) {
-  __shared__ double warp_sum[kBlock / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x = __dadd_rn(x, __shfl_down_sync(0xFFFFFFFFu, x, offset));
-  if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = x;
-  __syncthreads();
-  double total = 0.0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kBlock / 32; ++w) total = __dadd_rn(total, warp_sum[w]);
-  }
-  return total;
-}
-
-__device__ __forceinline__ double add_square(double sum, float g) {
-  const double d = static_cast<double>(g);
-  return __dadd_rn(sum, __dmul_rn(d, d));  // g*g rounded, then added (as the CPU, no FMA)
-}
-
 // One block per chunk: partial[c] = sum of squares of chunk c. G: the gradients' storage
 // (float, or bf16 under --grad-reduce-in-bf16), widened to FP32 on load.
 template <typename G>
@@ -112,16 +92,16 @@ __global__ void __launch_bounds__(kThreads)
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
       float v[4];
       device::load_gradient4(g, 4ull * j, v);
-      sum = add_square(sum, v[0]);
-      sum = add_square(sum, v[1]);
-      sum = add_square(sum, v[2]);
-      sum = add_square(sum, v[3]);
+      sum = device::add_square(sum, v[0]);
+      sum = device::add_square(sum, v[1]);
+      sum = device::add_square(sum, v[2]);
+      sum = device::add_square(sum, v[3]);
     }
     scalar_from = nvec * 4;
   }
-  for (uint32_t i = scalar_from + threadIdx.x; i < n; i += kThreads) sum = add_square(sum, device::gradient_at(g, i));
+  for (uint32_t i = scalar_from + threadIdx.x; i < n; i += kThreads) sum = device::add_square(sum, device::gradient_at(g, i));
 
-  sum = block_sum_fixed<kThreads>(sum);
+  sum = device::block_sum_fixed<kThreads>(sum);
   if (threadIdx.x == 0) partial[c] = sum;
 }
 
@@ -130,7 +110,7 @@ __global__ void __launch_bounds__(kFinalThreads)
     grad_norm_final_kernel(const double* __restrict__ partial, uint32_t n, double* __restrict__ out) {
   double sum = 0.0;
   for (uint32_t i = threadIdx.x; i < n; i += kFinalThreads) sum = __dadd_rn(sum, partial[i]);
-  sum = block_sum_fixed<kFinalThreads>(sum);
+  sum = device::block_sum_fixed<kFinalThreads>(sum);
   if (threadIdx.x == 0) *out = sum;
 }
 
@@ -173,7 +153,17 @@ void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const Dev
                                                                        scratch, vec_ok);
   }
   CUDA_CHECK_LAUNCH();
-  grad_norm_final_kernel<<<1, kFinalThreads, 0, stream>>>(scratch, table.num_chunks, out_sum_of_squares);
+  grad_norm_finish(out_sum_of_squares, scratch, table.num_chunks, stream);
+}
+
+void grad_norm_finish(double* out_sum_of_squares, const double* partials, uint32_t chunks, cudaStream_t stream) {
+  FP8LM_CHECK(out_sum_of_squares != nullptr, "grad_norm_finish needs an output");
+  if (chunks == 0) {
+    CUDA_CHECK(cudaMemsetAsync(out_sum_of_squares, 0, sizeof(double), stream));
+    return;
+  }
+  FP8LM_CHECK(partials != nullptr, "grad_norm_finish needs the partial sums");
+  grad_norm_final_kernel<<<1, kFinalThreads, 0, stream>>>(partials, chunks, out_sum_of_squares);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -77,6 +77,11 @@ size_t grad_norm_scratch_size(const DeviceTensorTable& table);
 void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const DeviceTensorTable& table,
                        double* scratch, cudaStream_t stream);
 
+// *out_sum_of_squares = partials [chunks] added in grad_norm_squared's fixed order: its
+// second half, for AdamW's first pass when that writes the per-chunk partials
+// (adamw_fp8_fp16_moment_amaxes_and_norm).
+void grad_norm_finish(double* out_sum_of_squares, const double* partials, uint32_t chunks, cudaStream_t stream);
+
 // One thread, no host sync. Reads *sum_of_squares and *loss_sum, then writes *control:
 //   grad_norm  = sqrt(sum)                                  (double, stored as float)
 //   loss       = *loss_sum / loss_divisor                   (float)

@@ -146,7 +146,8 @@ TEST_CASE("the model calls the ops in the order it states, for every precision",
   }
 }
 
-TEST_CASE("the training step: norm, decision, scale update, AdamW writing the FP8 weights, in that order",
+TEST_CASE("the training step: AdamW's first pass with the norm, decision, scale update, AdamW writing the FP8 "
+          "weights, in that order",
           "[model][cpu]") {
   const RunSetup setup = resolve_run_setup(
       parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
@@ -167,8 +168,11 @@ TEST_CASE("the training step: norm, decision, scale update, AdamW writing the FP
     // scales are still current scaling's, which need each weight's amax before its cast: the
     // weights are cast after the update. Step 1 updates the scales, then AdamW's update pass
     // casts the FP8 weights (and W^T) with them.
-    std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step",
-                                         step == 1 ? "update_scales" : "discard_current_amaxes", "adamw_moment_amaxes",
+    // AdamW's first pass reads the gradients for their norm too, before the decision; after
+    // it, the amaxes again only if the step clips.
+    std::vector<std::string> expected = {"adamw_moment_amaxes + norm", "finalize_step",
+                                         step == 1 ? "update_scales" : "discard_current_amaxes",
+                                         "adamw_moment_amaxes if clipped",
                                          step == 1 ? "adamw_apply + " + std::to_string(4 * layers) + " FP8 weights"
                                                    : "adamw_apply"};
     expected.push_back("quantize -> bf16");  // the LM head's BF16 copy (CPU)
@@ -217,8 +221,8 @@ TEST_CASE("BF16 first and last layers: the named blocks' GEMMs run BF16, the oth
 
 namespace {
 
-// The ops of one optimizer step's end (norm, scale update, AdamW writing the FP8 weights, the
-// other weight casts) in a 3-block FP8 run with `precision_flags`, checked against the blocks'
+// The ops of one optimizer step's end (AdamW's first pass with the norm, decision, scale
+// update, AdamW writing the FP8 weights, the other weight casts) in a 3-block FP8 run with `precision_flags`, checked against the blocks'
 // weights cast to `block_dtypes`: the FP8 ones by AdamW, the BF16 ones after it.
 void check_step_weight_casts(const std::vector<std::string>& precision_flags,
                              const std::vector<const char*>& block_dtypes) {
@@ -240,7 +244,8 @@ void check_step_weight_casts(const std::vector<std::string>& precision_flags,
   log.clear();
   engine.end_step(hp, 1.0, 0);
   const auto fp8_blocks = std::count(block_dtypes.begin(), block_dtypes.end(), std::string("e4m3"));
-  std::vector<std::string> expected = {"grad_sum_of_squares", "finalize_step", "update_scales", "adamw_moment_amaxes",
+  std::vector<std::string> expected = {"adamw_moment_amaxes + norm", "finalize_step", "update_scales",
+                                       "adamw_moment_amaxes if clipped",
                                        "adamw_apply + " + std::to_string(4 * fp8_blocks) + " FP8 weights",
                                        "quantize -> bf16"};  // ... and the LM head's BF16 copy
   for (const char* block : block_dtypes)

@@ -191,12 +191,29 @@ struct GpuOptimizer {
   // The end of one training step: gradient norm, finalize_step, AdamW. No host sync
   // inside (the uploads before it are synchronous).
   // casts (fp8_fp16): the update pass also writes those FP8 weights (WeightCasts).
+  // norm_in_first_pass (fp8_fp16): the norm taken in AdamW's first pass, before the decision.
+  bool norm_in_first_pass = false;
   void step(const std::vector<float>& host_grads, const AdamWHyperparams& hp, double max_norm,
             float loss_sum = 5.0f, float loss_divisor = 2.0f, const WeightCasts& casts = {}) {
     REQUIRE(host_grads.size() == total);
     grads.upload(host_grads.data(), total, shift);
     loss.upload(std::vector<float>{loss_sum});
     sync();
+    if (norm_in_first_pass) {
+      REQUIRE(precision == OptimizerStatePrecision::fp8_fp16);
+      cuda::adamw_fp8_fp16_moment_amaxes_and_norm(grads.data() + shift, m8.data() + shift, v16.data() + shift,
+                                                  m_scales.data(), v_scales.data(), table(), hp, scratch.data(),
+                                                  sum.data(), norm_scratch.data(), nullptr);
+      cuda::finalize_step(control.data(), sum.data(), loss.data(), loss_divisor, max_norm, nullptr);
+      cuda::adamw_fp8_fp16_moment_amaxes_if_clipped(grads.data() + shift, m8.data() + shift, v16.data() + shift,
+                                                    m_scales.data(), v_scales.data(), table(), hp, control.data(),
+                                                    scratch.data(), nullptr);
+      cuda::adamw_fp8_fp16_apply(master.data() + shift, bf16.data() + shift, grads.data() + shift, m8.data() + shift,
+                                 v16.data() + shift, m_scales.data(), v_scales.data(), table(), hp, control.data(),
+                                 scratch.data(), nullptr);
+      sync();
+      return;
+    }
     cuda::grad_norm_squared(sum.data(), grads.data() + shift, table(), norm_scratch.data(), nullptr);
     cuda::finalize_step(control.data(), sum.data(), loss.data(), loss_divisor, max_norm, nullptr);
     if (casts.table) {
@@ -731,6 +748,36 @@ TEST_CASE("GPU AdamW weight casts: the update pass writes the separate cast's co
   const std::vector<uint8_t> big_codes = fused_operands[2].codes.download();
   CHECK(std::count(big_codes.begin(), big_codes.end(), uint8_t{0x7E}) > 0);
   CHECK(separate.read_control().step_count == 2);
+}
+
+TEST_CASE("GPU AdamW's first pass with the norm: the norm kernel's sum and the decided pass's state, bit for bit",
+          "[gpu][optim]") {
+  FP8LM_REQUIRE_GPU();
+  // Clipped (max norm 1 against gradients of norm ~100), not clipped, and skipped (a NaN).
+  const TensorLayout layout = test_layout();
+  const size_t shift = GENERATE(size_t{0}, size_t{1});  // 1: every chunk on the scalar path
+  INFO("slab shift " << shift);
+  const AdamWHyperparams hp = test_hyperparams();
+  const std::vector<float> params = random_params(layout, 51);
+  GpuOptimizer separate(layout, OptimizerStatePrecision::fp8_fp16, params, shift);
+  GpuOptimizer fused(layout, OptimizerStatePrecision::fp8_fp16, params, shift);
+  fused.norm_in_first_pass = true;
+  const double max_norms[] = {1.0, 1e9, 1.0, 1e9, 1.0};
+  for (int step = 0; step < 5; ++step) {
+    INFO("step " << step << ", max norm " << max_norms[step] << (step == 2 ? ", a NaN gradient" : ""));
+    std::vector<float> grads = random_grads(layout, 600 + step);
+    if (step == 2) grads[layout.find("exact")->offset + 99] = NAN;
+    separate.step(grads, hp, max_norms[step]);
+    fused.step(grads, hp, max_norms[step]);
+    const double a = separate.read_sum(), b = fused.read_sum();
+    CHECK(std::memcmp(&a, &b, sizeof a) == 0);
+    const StepControl ca = separate.read_control(), cb = fused.read_control();
+    CHECK(std::memcmp(&ca, &cb, sizeof ca) == 0);
+    CHECK((separate.state_bytes() == fused.state_bytes()));
+    if (step == 0) CHECK(ca.grad_scale < 1.0f);
+    if (step == 1) CHECK(ca.grad_scale == 1.0f);
+    if (step == 2) CHECK(ca.skip == 1);
+  }
 }
 
 TEST_CASE("GPU AdamW fp8_fp16 is bit-reproducible", "[gpu][optim]") {
