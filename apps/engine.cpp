@@ -756,8 +756,8 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   s.reduce_gradients();
 
   // The global norm over every rank's share (tensors replicated across tensor-parallel
-  // ranks counted once), and the step's loss over the data-parallel ranks: every rank
-  // takes the same decision. Sharded, each data-parallel rank holds a piece of the reduced
+  // ranks counted once; in AdamW's first pass where its table is the norm's), and the step's
+  // loss over the data-parallel ranks: every rank takes the same decision. Sharded, each data-parallel rank holds a piece of the reduced
   // gradients; otherwise each holds all of them, and only the tensor-parallel pieces add up.
   std::vector<AdamWCall> updates;
   if (s.update_groups.empty()) {

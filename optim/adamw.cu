@@ -4,8 +4,10 @@
 // elements of one tensor (DeviceTensorTable: chunk -> tensor is one table load), 4
 // consecutive elements per thread per iteration with vector loads and stores, so the
 // kernels stream at close to memory bandwidth. Bytes moved per parameter:
-//   fp8_fp16: pass 1 reads grad, m, v (7 B); pass 2 reads grad, master, m, v (11 B) and
-//             writes master, bf16, m, v (9 B): 27 B. A Linear weight whose FP8 operand the
+//   fp8_fp16: pass 1 reads grad, m, v (7 B), and takes the gradient norm in that read where
+//             the table is the norm's (otherwise the norm kernel reads the gradients first,
+//             4 B more); pass 2 reads grad, master, m, v (11 B) and writes master, bf16, m,
+//             v (9 B): 27 B. A Linear weight whose FP8 operand the
 //             update writes (weight casts) adds its E4M3 code (1 B) and then, in the
 //             transpose kernel, reads it and writes W^T (2 B): 30 B, against 27 B plus a
 //             separate cast from the master (4 B read, 2 B written) after the update.
