@@ -757,8 +757,9 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
 
   // The global norm over every rank's share (tensors replicated across tensor-parallel
   // ranks counted once; in AdamW's first pass where its table is the norm's), and the step's
-  // loss over the data-parallel ranks: every rank takes the same decision. Sharded, each data-parallel rank holds a piece of the reduced
-  // gradients; otherwise each holds all of them, and only the tensor-parallel pieces add up.
+  // loss over the data-parallel ranks: every rank takes the same decision. Sharded, each
+  // data-parallel rank holds a piece of the reduced gradients; otherwise each holds all of
+  // them, and only the tensor-parallel pieces add up.
   std::vector<AdamWCall> updates;
   if (s.update_groups.empty()) {
     updates.push_back(s.adamw_call(*s.shard_table, s.slab_table.get(), 0, static_cast<float*>(s.adamw_scratch->data()),
