@@ -61,7 +61,6 @@ class HostTable final : public TensorTable {
   TensorLayout layout_;
 };
 
-
 // The CPU's ops finish before they return: a mark's time is the wall clock at record().
 struct TimingEvent final : Ops::LaneEvent {
   std::chrono::steady_clock::time_point reached;
