@@ -2,13 +2,11 @@
 //
 // One 512-thread block per row. Pass 1: each thread runs an online softmax (running max
 // and sum of exp(x - max)) over its 16-byte chunks of the first V columns; the block
-// combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread takes its own
-// chunks again and overwrites them with (softmax - onehot) * dloss in bf16, zeros in the
-// padded columns. A thread only ever writes the chunks it read, and the one cross-thread read
+// combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread re-reads its own
+// chunks and overwrites them with (softmax - onehot) * dloss in bf16, zeros in the padded
+// columns. A thread only ever writes the chunks it read, and the one cross-thread read
 // (the target logit, by thread 0) happens before the block's first barrier, so in place is
-// safe. The fused kernel reads the row from memory once: it first copies the row (up to
-// kRowCacheChunks chunks; wider rows re-read the rest) into shared memory with cp.async, each
-// thread its own chunks, and both passes read them there. Two rows fit a multiprocessor.
+// safe.
 //
 // Vocabulary-parallel halves: cross_entropy_partials_kernel is pass 1 and the block combine
 // above on one rank's slice (the same code, block_softmax_stats), writing (m, s, target
@@ -17,7 +15,6 @@
 // returns m and s unchanged, so lse, the losses and the dlogits are the fused kernel's bits.
 #include "layers/cross_entropy.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -39,18 +36,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSumThreads = 1024;
-constexpr int kRowCacheChunks = 7040;  // 110 KiB of a row in shared memory: two blocks a multiprocessor
-
-// The 16 bytes at src into shared memory at dst, asynchronously (cp.async.cg: through L2 only).
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
-  const auto shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(src) : "memory");
-}
-
-// Chunk c (8 values) of a row whose first `cached` chunks sit in shared memory at cache.
-__device__ __forceinline__ const bf16* chunk_at(const bf16* row, const bf16* cache, int cached, int c) {
-  return c < cached ? cache + c * 8 : row + c * 8;
-}
 
 // (m, s) <- the online-softmax union of (m, s) and (m2, s2): max and sum of exp(x - max).
 // A side with max -inf holds no elements and contributes nothing (avoids -inf - -inf).
@@ -64,20 +49,19 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
 }
 
 // Pass 1 and the block's combine: (m, s) = max and sum of exp(x - max) over row[0, real),
-// row [chunks * 8], its first `cached` chunks read from cache instead. Each thread runs an
-// online softmax over its chunks c = tid, tid + 512, ..., the lanes combine by butterfly, then
-// warp 0 combines the 16 warps' pairs. Every thread of the block calls it (it synchronises
-// once); the result is valid in warp 0 (every lane holds the same bits: the combine is
-// commutative). Shared by the fused kernel and the vocabulary-parallel partials, so that both
-// compute the same bits.
+// row [chunks * 8]. Each thread runs an online softmax over its chunks c = tid, tid + 512, ...,
+// the lanes combine by butterfly, then warp 0 combines the 16 warps' pairs. Every thread of
+// the block calls it (it synchronises once); the result is valid in warp 0 (every lane holds
+// the same bits: the combine is commutative). Shared by the fused kernel and the
+// vocabulary-parallel partials, so that both compute the same bits.
 __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks, int real, float& m_out,
-                                                    float& s_out, const bf16* cache = nullptr, int cached = 0) {
+                                                    float& s_out) {
   __shared__ float warp_m[kWarps], warp_s[kWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   float m = -INFINITY, s = 0.0f;
   for (int c = tid; c < chunks; c += kThreads) {
     float x[8];
-    load_bf16x8(chunk_at(row, cache, cached, c), x);
+    load_bf16x8(row + c * 8, x);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
       if (c * 8 + j < real) {
@@ -116,13 +100,12 @@ __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks,
 }
 
 // Pass 2 over this thread's own chunks of row [chunks * 8]: dlogits in place, column
-// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel); the
-// logits of the first `cached` chunks read from cache.
+// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel).
 __device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_col, int V, int target, float lse,
-                                              float dloss, const bf16* cache = nullptr, int cached = 0) {
+                                              float dloss) {
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
     float x[8];
-    load_bf16x8(chunk_at(row, cache, cached, c), x);
+    load_bf16x8(row + c * 8, x);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
       const int v = first_col + c * 8 + j;
@@ -133,22 +116,15 @@ __device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_c
   }
 }
 
-// cached = min(Vp / 8, kRowCacheChunks): the dynamic shared memory holds that many chunks.
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
-                         int V, int Vp, float dloss, int cached) {
+                         int V, int Vp, float dloss) {
   __shared__ float row_lse;
-  extern __shared__ uint4 row_cache[];  // [cached] chunks of the row
   const int tid = threadIdx.x;
   bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vp;
   const int chunks = Vp / 8;
   const int target = targets[blockIdx.x];
   const bool target_valid = target >= 0 && target < V;
-
-  // Each thread copies its own chunks, the ones it reads in both passes: no barrier needed.
-  for (int c = tid; c < cached; c += kThreads) copy_async_16(&row_cache[c], row + c * 8);
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-  const bf16* cache = reinterpret_cast<const bf16*>(row_cache);
 
   // Thread 0 reads the target logit before the first barrier (no thread writes before the last one).
   float target_logit = NAN;
@@ -156,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // Pass 1: online softmax over the elements v < V.
   float m, s;
-  block_softmax_stats(row, chunks, V, m, s, cache, cached);
+  block_softmax_stats(row, chunks, V, m, s);
   if (tid == 0) row_lse = m + logf(s);
   __syncthreads();
   const float lse = row_lse;
@@ -165,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
 
   // Pass 2: dlogits over this thread's own chunks.
-  write_dlogits(row, chunks, 0, V, target, lse, dloss, cache, cached);
+  write_dlogits(row, chunks, 0, V, target, lse, dloss);
 }
 
 // partials [N,3] = (m, s, target logit or 0) of this rank's slice logits [N,Vs], global
@@ -248,15 +224,7 @@ void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* 
   if (N == 0) return;
   FP8LM_CHECK(logits != nullptr && losses != nullptr && targets != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
-  const int cached = std::min(Vp / 8, kRowCacheChunks);
-  const size_t cache_bytes = static_cast<size_t>(cached) * sizeof(uint4);
-  static const bool raised = [] {  // beyond the default 48 KiB of dynamic shared memory, once
-    CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kRowCacheChunks * sizeof(uint4))));
-    return true;
-  }();
-  (void)raised;
-  cross_entropy_kernel<<<N, kThreads, cache_bytes, stream>>>(logits, losses, targets, V, Vp, dloss, cached);
+  cross_entropy_kernel<<<N, kThreads, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
   CUDA_CHECK_LAUNCH();
 }
 
