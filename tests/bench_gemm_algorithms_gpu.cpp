@@ -6,6 +6,7 @@
 //   build-gpu/tests/fp8lm_tests "[gemm-algorithms]"
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -32,7 +33,57 @@ struct Shape {
   bool accumulate;  // D += (wgrad into FP32 gradients)
 };
 
-void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, size_t workspace_bytes) {
+// Every configuration cuBLASLt accepts for the call beyond its heuristic's: each algorithm id
+// with each tile, stage count and cluster shape it lists or allows (no split-K: another
+// summation order), kept when cublasLtMatmulAlgoCheck accepts it.
+std::vector<cublasLtMatmulAlgo_t> all_configs(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                              cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                                              cublasLtMatrixLayout_t ld, const Shape& s, size_t workspace_bytes) {
+  std::vector<cublasLtMatmulAlgo_t> configs;
+  int ids[256];
+  int id_count = 0;
+  if (cublasLtMatmulAlgoGetIds(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, s.b_type, s.a_type, s.d_type, s.d_type, 256, ids,
+                               &id_count) != CUBLAS_STATUS_SUCCESS)
+    return configs;
+  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                               CUBLASLT_CLUSTER_SHAPE_1x2x1, CUBLASLT_CLUSTER_SHAPE_2x2x1};
+  for (int k = 0; k < id_count; ++k) {
+    cublasLtMatmulAlgo_t base;
+    if (cublasLtMatmulAlgoInit(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, s.b_type, s.a_type, s.d_type, s.d_type, ids[k],
+                               &base) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    uint32_t tiles[128], stages[128];
+    size_t written = 0;
+    int tile_count = 1, stage_count = 1;
+    tiles[0] = CUBLASLT_MATMUL_TILE_UNDEFINED;
+    stages[0] = CUBLASLT_MATMUL_STAGES_UNDEFINED;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_TILE_IDS, tiles, sizeof tiles, &written) ==
+            CUBLAS_STATUS_SUCCESS &&
+        written > 0)
+      tile_count = int(written / sizeof tiles[0]);
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_STAGES_IDS, stages, sizeof stages, &written) ==
+            CUBLAS_STATUS_SUCCESS &&
+        written > 0)
+      stage_count = int(written / sizeof stages[0]);
+    for (int t = 0; t < tile_count; ++t)
+      for (int g = 0; g < stage_count; ++g)
+        for (uint16_t cluster : clusters) {
+          cublasLtMatmulAlgo_t algo = base;
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tiles[t], sizeof tiles[t]);
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages[g], sizeof stages[g]);
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster);
+          cublasLtMatmulHeuristicResult_t check = {};
+          if (cublasLtMatmulAlgoCheck(handle, desc, la, lb, ld, ld, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
+              check.state == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= workspace_bytes)
+            configs.push_back(algo);
+        }
+  }
+  return configs;
+}
+
+// exhaustive: also every configuration of all_configs, with one summary line per shape.
+void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, size_t workspace_bytes,
+                     bool exhaustive = false) {
   const size_t a_bytes = size_t(s.M) * s.K, b_bytes = size_t(s.N) * s.K;
   const size_t d_elem = s.d_type == CUDA_R_32F ? 4 : 2, d_bytes = size_t(s.M) * s.N * d_elem;
   void *A = nullptr, *B = nullptr, *D = nullptr, *D0 = nullptr;
@@ -75,6 +126,13 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
   cublasLtMatmulHeuristicResult_t results[kRequested] = {};
   int returned = 0;
   BENCH_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, kRequested, results, &returned));
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  for (int i = 0; i < returned; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) algos.push_back(results[i].algo);
+  const size_t heuristic_count = algos.size();
+  if (exhaustive)
+    for (const cublasLtMatmulAlgo_t& algo : all_configs(handle, desc, la, lb, ld, s, workspace_bytes))
+      algos.push_back(algo);
 
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
   cudaEvent_t start, stop;
@@ -84,24 +142,29 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
   double first_us = 0.0, best_us = 1e30;
   int best = -1;
   const double flops = 2.0 * s.M * s.N * s.K;
-  for (int i = 0; i < returned; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const cublasLtMatmulAlgo_t* algo = &results[i].algo;
-    int tile = -1, stages = -1, splitk = -1, reduction = -1, cluster = -1;
+  double best_heuristic_us = 1e30;
+  int best_cluster = -1, best_tile = -1, best_stages = -1, best_id = -1;
+  for (int i = 0; i < int(algos.size()); ++i) {
+    const cublasLtMatmulAlgo_t* algo = &algos[size_t(i)];
+    int tile = -1, stages = -1, splitk = -1, reduction = -1, cluster = -1, id = -1;
     size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &written);
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &written);
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &written);
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &written);
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof reduction,
                                          &written);
-    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster,
+    uint16_t cluster16 = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster16, sizeof cluster16,
                                          &written);
+    cluster = cluster16;
+    if (i > 0 && splitk > 1) continue;
     // One call from the zeroed output, for the bits; then the timing.
     CUDA_CHECK(cudaMemcpy(D, D0, d_bytes, cudaMemcpyDeviceToDevice));
     const cublasStatus_t status = cublasLtMatmul(handle, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, algo,
                                                  workspace, workspace_bytes, nullptr);
     if (status != CUBLAS_STATUS_SUCCESS) {
-      std::printf("%-22s cand %2d refused the call (status %d)\n", s.name, i, int(status));
+      if (!exhaustive) std::printf("%-22s cand %2d refused the call (status %d)\n", s.name, i, int(status));
       continue;
     }
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -124,13 +187,25 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
     if (same && us < best_us) {
       best_us = us;
       best = i;
+      best_cluster = cluster;
+      best_tile = tile;
+      best_stages = stages;
+      best_id = id;
     }
-    std::printf("%-22s cand %2d tile %3d stages %3d splitk %2d red %d cluster %2d ws %8zu  %8.1f us %6.0f TFLOP/s %s\n",
+    if (same && size_t(i) < heuristic_count) best_heuristic_us = std::min(best_heuristic_us, us);
+    if (!exhaustive) std::printf("%-22s cand %2d tile %3d stages %3d splitk %2d red %d cluster %2d ws %8zu  %8.1f us %6.0f TFLOP/s %s\n",
                 s.name, i, tile, stages, splitk, reduction, cluster, results[i].workspaceSize, us, flops / us * 1e-6,
                 same ? "same bits" : "DIFFERENT bits");
   }
-  std::printf("%-22s heuristic's first %.1f us; fastest with the same bits: cand %d, %.1f us (%.3fx)\n\n", s.name,
-              first_us, best, best_us, first_us / best_us);
+  if (exhaustive) {
+    std::printf("%-22s %4zu configs: heuristic's first %.1f us, its best %.1f us; fastest with the same bits %.1f us "
+                "(%.3fx the heuristic's best; algo %d tile %d stages %d cluster %d)\n",
+                s.name, algos.size(), first_us, best_heuristic_us, best_us, best_heuristic_us / best_us, best_id,
+                best_tile, best_stages, best_cluster);
+  } else {
+    std::printf("%-22s heuristic's first %.1f us; fastest with the same bits: cand %d, %.1f us (%.3fx)\n\n", s.name,
+                first_us, best, best_us, first_us / best_us);
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cublasLtMatmulPreferenceDestroy(pref);
@@ -171,6 +246,31 @@ TEST_CASE("cuBLASLt's candidate algorithms for gpt2-1558m's training GEMMs, time
   void* workspace = nullptr;
   CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
   for (const Shape& s : shapes) time_candidates(handle, s, workspace, workspace_bytes);
+  cudaFree(workspace);
+  cublasLtDestroy(handle);
+}
+
+TEST_CASE("every cuBLASLt configuration for gpt2-1558m's training GEMMs, timed",
+          "[gemm-algorithms-exhaustive][.bench][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  const int rows = 8192, C = 1600;
+  const cudaDataType_t e4m3 = CUDA_R_8F_E4M3, e5m2 = CUDA_R_8F_E5M2, bf16 = CUDA_R_16BF, f32 = CUDA_R_32F;
+  const std::vector<Shape> shapes = {
+      {"fwd c_attn", rows, 3 * C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd attn.c_proj", rows, C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd c_fc", rows, 4 * C, C, e4m3, e4m3, bf16, true, false},
+      {"fwd mlp.c_proj", rows, C, 4 * C, e4m3, e4m3, bf16, true, false},
+      {"dgrad c_attn", rows, C, 3 * C, e5m2, e4m3, bf16, false, false},
+      {"dgrad mlp.c_proj", rows, 4 * C, C, e5m2, e4m3, bf16, false, false},
+      {"wgrad c_attn", 3 * C, C, rows, e5m2, e4m3, f32, false, true},
+      {"wgrad mlp.c_proj", C, 4 * C, rows, e5m2, e4m3, f32, false, true},
+  };
+  cublasLtHandle_t handle;
+  BENCH_CUBLAS(cublasLtCreate(&handle));
+  const size_t workspace_bytes = size_t{32} << 20;
+  void* workspace = nullptr;
+  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  for (const Shape& s : shapes) time_candidates(handle, s, workspace, workspace_bytes, /*exhaustive=*/true);
   cudaFree(workspace);
   cublasLtDestroy(handle);
 }
