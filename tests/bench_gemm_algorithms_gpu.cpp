@@ -36,9 +36,9 @@ struct Shape {
 // Every configuration cuBLASLt accepts for the call beyond its heuristic's: each algorithm id
 // with each tile, stage count and cluster shape it lists or allows (no split-K: another
 // summation order), kept when cublasLtMatmulAlgoCheck accepts it. On an H100 with cuBLASLt
-// 13.1 (device call 54) the check accepted 6 beyond the heuristic's 8 for the forward shapes
-// and none for dgrad and wgrad, and none was faster: the CTA-swizzling, custom-option and
-// inner-shape settings, left at their defaults here, may be what the others need.
+// 13.1 (device call 54) that made 14 configurations in all for the forward shapes and 8 for
+// dgrad and wgrad, and none was faster than the heuristic's best: the CTA-swizzling,
+// custom-option and inner-shape settings, left at their defaults here, may be what others need.
 std::vector<cublasLtMatmulAlgo_t> all_configs(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
                                               cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
                                               cublasLtMatrixLayout_t ld, const Shape& s, size_t workspace_bytes) {
@@ -130,8 +130,12 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
   int returned = 0;
   BENCH_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, kRequested, results, &returned));
   std::vector<cublasLtMatmulAlgo_t> algos;
+  std::vector<size_t> workspace_sizes;  // of the heuristic's candidates
   for (int i = 0; i < returned; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS) algos.push_back(results[i].algo);
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) {
+      algos.push_back(results[i].algo);
+      workspace_sizes.push_back(results[i].workspaceSize);
+    }
   const size_t heuristic_count = algos.size();
   if (exhaustive)
     for (const cublasLtMatmulAlgo_t& algo : all_configs(handle, desc, la, lb, ld, s, workspace_bytes))
@@ -161,7 +165,7 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
     cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster16, sizeof cluster16,
                                          &written);
     cluster = cluster16;
-    if (i > 0 && splitk > 1) continue;
+    if (exhaustive && i > 0 && splitk > 1) continue;
     // One call from the zeroed output, for the bits; then the timing.
     CUDA_CHECK(cudaMemcpy(D, D0, d_bytes, cudaMemcpyDeviceToDevice));
     const cublasStatus_t status = cublasLtMatmul(handle, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, algo,
@@ -196,9 +200,11 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
       best_id = id;
     }
     if (same && size_t(i) < heuristic_count) best_heuristic_us = std::min(best_heuristic_us, us);
-    if (!exhaustive) std::printf("%-22s cand %2d tile %3d stages %3d splitk %2d red %d cluster %2d ws %8zu  %8.1f us %6.0f TFLOP/s %s\n",
-                s.name, i, tile, stages, splitk, reduction, cluster, results[i].workspaceSize, us, flops / us * 1e-6,
-                same ? "same bits" : "DIFFERENT bits");
+    if (!exhaustive)
+      std::printf("%-22s cand %2d tile %3d stages %3d splitk %2d red %d cluster %2d ws %8zu  %8.1f us %6.0f TFLOP/s "
+                  "%s\n",
+                  s.name, i, tile, stages, splitk, reduction, cluster, workspace_sizes[size_t(i)], us,
+                  flops / us * 1e-6, same ? "same bits" : "DIFFERENT bits");
   }
   if (exhaustive) {
     std::printf("%-22s %4zu configs: heuristic's first %.1f us, its best %.1f us; fastest with the same bits %.1f us "
