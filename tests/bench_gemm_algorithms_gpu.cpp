@@ -229,13 +229,11 @@ void time_candidates(cublasLtHandle_t handle, const Shape& s, void* workspace, s
   cudaFree(D0);
 }
 
-}  // namespace
-
-TEST_CASE("cuBLASLt's candidate algorithms for gpt2-1558m's training GEMMs, timed", "[gemm-algorithms][.bench][gpu]") {
-  FP8LM_REQUIRE_GPU();
+// The twelve FP8 GEMMs of a gpt2-1558m training step at micro-batch 8 (8,192 rows).
+std::vector<Shape> training_shapes() {
   const int rows = 8192, C = 1600;
   const cudaDataType_t e4m3 = CUDA_R_8F_E4M3, e5m2 = CUDA_R_8F_E5M2, bf16 = CUDA_R_16BF, f32 = CUDA_R_32F;
-  const std::vector<Shape> shapes = {
+  return {
       {"fwd c_attn", rows, 3 * C, C, e4m3, e4m3, bf16, true, false},
       {"fwd attn.c_proj", rows, C, C, e4m3, e4m3, bf16, true, false},
       {"fwd c_fc", rows, 4 * C, C, e4m3, e4m3, bf16, true, false},
@@ -249,37 +247,29 @@ TEST_CASE("cuBLASLt's candidate algorithms for gpt2-1558m's training GEMMs, time
       {"wgrad c_fc", 4 * C, C, rows, e5m2, e4m3, f32, false, true},
       {"wgrad mlp.c_proj", C, 4 * C, rows, e5m2, e4m3, f32, false, true},
   };
+}
+
+// Times every training shape's candidates (exhaustive: and every configuration).
+void time_training_shapes(bool exhaustive) {
   cublasLtHandle_t handle;
   BENCH_CUBLAS(cublasLtCreate(&handle));
   const size_t workspace_bytes = size_t{32} << 20;
   void* workspace = nullptr;
   CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-  for (const Shape& s : shapes) time_candidates(handle, s, workspace, workspace_bytes);
+  for (const Shape& s : training_shapes()) time_candidates(handle, s, workspace, workspace_bytes, exhaustive);
   cudaFree(workspace);
   cublasLtDestroy(handle);
+}
+
+}  // namespace
+
+TEST_CASE("cuBLASLt's candidate algorithms for gpt2-1558m's training GEMMs, timed", "[gemm-algorithms][.bench][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  time_training_shapes(/*exhaustive=*/false);
 }
 
 TEST_CASE("every cuBLASLt configuration for gpt2-1558m's training GEMMs, timed",
           "[gemm-algorithms-exhaustive][.bench][gpu]") {
   FP8LM_REQUIRE_GPU();
-  const int rows = 8192, C = 1600;
-  const cudaDataType_t e4m3 = CUDA_R_8F_E4M3, e5m2 = CUDA_R_8F_E5M2, bf16 = CUDA_R_16BF, f32 = CUDA_R_32F;
-  const std::vector<Shape> shapes = {
-      {"fwd c_attn", rows, 3 * C, C, e4m3, e4m3, bf16, true, false},
-      {"fwd attn.c_proj", rows, C, C, e4m3, e4m3, bf16, true, false},
-      {"fwd c_fc", rows, 4 * C, C, e4m3, e4m3, bf16, true, false},
-      {"fwd mlp.c_proj", rows, C, 4 * C, e4m3, e4m3, bf16, true, false},
-      {"dgrad c_attn", rows, C, 3 * C, e5m2, e4m3, bf16, false, false},
-      {"dgrad mlp.c_proj", rows, 4 * C, C, e5m2, e4m3, bf16, false, false},
-      {"wgrad c_attn", 3 * C, C, rows, e5m2, e4m3, f32, false, true},
-      {"wgrad mlp.c_proj", C, 4 * C, rows, e5m2, e4m3, f32, false, true},
-  };
-  cublasLtHandle_t handle;
-  BENCH_CUBLAS(cublasLtCreate(&handle));
-  const size_t workspace_bytes = size_t{32} << 20;
-  void* workspace = nullptr;
-  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-  for (const Shape& s : shapes) time_candidates(handle, s, workspace, workspace_bytes, /*exhaustive=*/true);
-  cudaFree(workspace);
-  cublasLtDestroy(handle);
+  time_training_shapes(/*exhaustive=*/true);
 }
