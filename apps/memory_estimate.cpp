@@ -196,8 +196,14 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   auto layernorm_outputs = [&](GemmPrecision gemm) {
     return mul(2, input_operand(x.BT, x.C, forward_operand_dtype(gemm)));  // ln1, ln2
   };
+  // FP8 blocks with per-tensor scales keep no GELU output: their GELU backward recomputes it
+  // into one buffer (GptModel::recomputes_gelu_output), which is counted once below.
+  auto recomputes_gelu_output = [&](GemmPrecision gemm) {
+    return gemm == GemmPrecision::fp8 && !blockwise && !recompute.mlp;
+  };
   auto mlp_outputs = [&](GemmPrecision gemm) {
-    return add(tensor_bytes(eb, x.BT, x.Fl, act), input_operand(x.BT, x.Fl, forward_operand_dtype(gemm)));
+    return add(tensor_bytes(eb, x.BT, x.Fl, act),
+               recomputes_gelu_output(gemm) ? 0 : input_operand(x.BT, x.Fl, forward_operand_dtype(gemm)));
   };
   auto selectively_recomputed = [&](GemmPrecision gemm) {
     return add(recompute.layernorm ? layernorm_outputs(gemm) : 0, recompute.mlp ? mlp_outputs(gemm) : 0);
@@ -229,6 +235,12 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       layers = add(layers, add(mul(sets, block_buffers(gemm)), mul(sets - 1, residual)));
   }
   uint64_t grad_operands = 0;
+  for (const auto& [gemm, count] : block_precisions(x, precision)) {
+    if (!recomputes_gelu_output(gemm)) continue;
+    // The recomputed GELU output with its transpose, and mlp.c_proj's held gradient operand.
+    grad_operands = sum({grad_operands, tensor_bytes(eb, x.BT, x.Fl, forward_operand_dtype(gemm), true),
+                         tensor_bytes(eb, x.BT, x.C, gradient_operand_dtype(gemm, precision.fp8.format), true)});
+  }
   for (DType grad_dtype : grad_dtypes)
     grad_operands = add(grad_operands, operand_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
                                                      is_fp8(grad_dtype), tiles));

@@ -116,23 +116,56 @@ __global__ void __launch_bounds__(kForwardThreads)
 
 // ---- backward --------------------------------------------------------------------------
 
+// A 64x64 tile of codes, codes[row * kCodePitch + column] for tile rows m0.. and columns f0..,
+// stored transposed into out_t [F,M] (coalesced along m). All 256 threads call it.
+__device__ __forceinline__ void store_tile_transposed(uint8_t* __restrict__ out_t, const uint8_t* codes, int m0,
+                                                      int f0, int M, int F, int tid) {
+  if (M % 16 == 0 && m0 + kTile <= M) {
+    // 16-byte stores: thread -> (output row j = tid/4, rows m0 + seg*16 .. +15).
+    const int j = tid / 4, seg = tid % 4;
+    if (f0 + j < F) {
+      uint32_t word[4];
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        uint32_t v = 0u;
+#pragma unroll
+        for (int b = 0; b < 4; b++) v |= static_cast<uint32_t>(codes[(seg * 16 + w * 4 + b) * kCodePitch + j]) << (8 * b);
+        word[w] = v;
+      }
+      *reinterpret_cast<uint4*>(out_t + static_cast<size_t>(f0 + j) * M + m0 + seg * 16) =
+          make_uint4(word[0], word[1], word[2], word[3]);
+    }
+  } else {
+    // Edge tiles or M not a multiple of 16: byte stores, still coalesced along m.
+    for (int idx = tid; idx < kTile * kTile; idx += kTileThreads) {
+      const int j = idx / kTile, i = idx % kTile;
+      if (f0 + j < F && m0 + i < M) out_t[static_cast<size_t>(f0 + j) * M + m0 + i] = codes[i * kCodePitch + j];
+    }
+  }
+}
+
 // Grid (ceil(F/64), ceil(M/64)), 256 threads. partials [gridDim.y][F].
 // kStats (with kFp8): also tallies the FP8 cast statistics into *counts.
-template <bool kFp8, bool kStats = false>
+// kRecompute (with kFp8): also writes gelu(pre) cast with *gelu_scale, transposed, into gelu_t.
+template <bool kFp8, bool kStats = false, bool kRecompute = false>
 __global__ void __launch_bounds__(kTileThreads)
     gelu_backward_tile_kernel(uint8_t* dpre_fp8, uint8_t* __restrict__ dpre_t, bf16* dpre_bf16,
                               float* __restrict__ partials, float* amax, const float* __restrict__ scale,
                               __nv_fp8_interpretation_t interp, const bf16* dout, const bf16* __restrict__ pre, int M,
-                              int F, Fp8CastCounts* counts) {
+                              int F, Fp8CastCounts* counts, uint8_t* __restrict__ gelu_t,
+                              const float* __restrict__ gelu_scale, __nv_fp8_interpretation_t gelu_interp) {
   static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
+  static_assert(kFp8 || !kRecompute, "the recomputed output is the FP8 path's");
   __shared__ float column_sums[32][kTile];               // [row group][tile column]
   __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];  // [tile row][tile column], FP8 only
+  __shared__ alignas(16) uint8_t gelu_codes[kRecompute ? kTile * kCodePitch : 4];
   const int tid = threadIdx.x;
   const int chunk = tid % 8;       // column chunk: tile columns chunk*8 .. chunk*8+7
   const int row_group = tid / 8;   // tile rows row_group and row_group + 32
   const int m0 = blockIdx.y * kTile, f0 = blockIdx.x * kTile;
   const int f = f0 + chunk * 8;    // F % 8 == 0: a chunk is all in or all out
   const float s = kFp8 ? *scale : 1.0f;
+  const float gs = kRecompute ? *gelu_scale : 1.0f;
 
   float colsum[8];
 #pragma unroll
@@ -144,7 +177,7 @@ __global__ void __launch_bounds__(kTileThreads)
   for (int h = 0; h < 2; h++) {
     const int r = row_group + 32 * h;
     const int m = m0 + r;
-    uint2 packed = make_uint2(0u, 0u);
+    uint2 packed = make_uint2(0u, 0u), gelu_packed = make_uint2(0u, 0u);
     if (m < M && f < F) {
       const size_t offset = static_cast<size_t>(m) * F + f;
       float dy[8], x[8], d[8];
@@ -161,6 +194,12 @@ __global__ void __launch_bounds__(kTileThreads)
         packed = fp8x8(d, s, interp);
         *reinterpret_cast<uint2*>(dpre_fp8 + offset) = packed;
         if constexpr (kStats) tally_fp8x8(tally, d, s, packed, interp);
+        if constexpr (kRecompute) {
+          float g[8];  // as bias_gelu_forward_kernel computes and rounds it
+#pragma unroll
+          for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(x[j]));
+          gelu_packed = fp8x8(g, gs, gelu_interp);
+        }
       } else {
         store_bf16x8(dpre_bf16 + offset, d);  // same thread read this chunk of dout: in place is safe
       }
@@ -169,6 +208,11 @@ __global__ void __launch_bounds__(kTileThreads)
       uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodePitch + chunk * 8);
       code_words[0] = packed.x;
       code_words[1] = packed.y;
+    }
+    if constexpr (kRecompute) {
+      uint32_t* code_words = reinterpret_cast<uint32_t*>(gelu_codes + r * kCodePitch + chunk * 8);
+      code_words[0] = gelu_packed.x;
+      code_words[1] = gelu_packed.y;
     }
   }
 
@@ -186,31 +230,43 @@ __global__ void __launch_bounds__(kTileThreads)
 
   if constexpr (kFp8) {
     // Transposed codes: dpre_t[f][m] for the tile's 64 columns f and 64 rows m.
-    if (M % 16 == 0 && m0 + kTile <= M) {
-      // 16-byte stores: thread -> (output row j = tid/4, rows m0 + seg*16 .. +15).
-      const int j = tid / 4, seg = tid % 4;
-      if (f0 + j < F) {
-        uint32_t word[4];
-#pragma unroll
-        for (int w = 0; w < 4; w++) {
-          uint32_t v = 0u;
-#pragma unroll
-          for (int b = 0; b < 4; b++) v |= static_cast<uint32_t>(codes[(seg * 16 + w * 4 + b) * kCodePitch + j]) << (8 * b);
-          word[w] = v;
-        }
-        *reinterpret_cast<uint4*>(dpre_t + static_cast<size_t>(f0 + j) * M + m0 + seg * 16) =
-            make_uint4(word[0], word[1], word[2], word[3]);
-      }
-    } else {
-      // Edge tiles or M not a multiple of 16: byte stores, still coalesced along m.
-      for (int idx = tid; idx < kTile * kTile; idx += kTileThreads) {
-        const int j = idx / kTile, i = idx % kTile;
-        if (f0 + j < F && m0 + i < M) dpre_t[static_cast<size_t>(f0 + j) * M + m0 + i] = codes[i * kCodePitch + j];
-      }
-    }
+    store_tile_transposed(dpre_t, codes, m0, f0, M, F, tid);
+    if constexpr (kRecompute) store_tile_transposed(gelu_t, gelu_codes, m0, f0, M, F, tid);
     block_amax_update(amax, amax_local);
     if constexpr (kStats) commit_fp8_tally(counts, tally, s);
   }
+}
+
+// Grid (ceil(F/64), ceil(M/64)), 256 threads: gelu_t [F,M] = fp8(bf16(gelu(pre)) * *scale),
+// the forward's codes transposed, for the GELU backward's current-scaling path (whose gradient
+// is cast only once its amax is known, so it cannot share the fused kernel's pass).
+__global__ void __launch_bounds__(kTileThreads)
+    gelu_recompute_transposed_kernel(uint8_t* __restrict__ gelu_t, const float* __restrict__ scale,
+                                     __nv_fp8_interpretation_t interp, const bf16* __restrict__ pre, int M, int F) {
+  __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];
+  const int tid = threadIdx.x;
+  const int chunk = tid % 8, row_group = tid / 8;
+  const int m0 = blockIdx.y * kTile, f0 = blockIdx.x * kTile;
+  const int f = f0 + chunk * 8;
+  const float s = *scale;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row_group + 32 * h;
+    const int m = m0 + r;
+    uint2 packed = make_uint2(0u, 0u);
+    if (m < M && f < F) {
+      float x[8], g[8];
+      load_bf16x8(pre + static_cast<size_t>(m) * F + f, x);
+#pragma unroll
+      for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(x[j]));
+      packed = fp8x8(g, s, interp);
+    }
+    uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodePitch + chunk * 8);
+    code_words[0] = packed.x;
+    code_words[1] = packed.y;
+  }
+  __syncthreads();
+  store_tile_transposed(gelu_t, codes, m0, f0, M, F, tid);
 }
 
 // ---- host side -------------------------------------------------------------------------
@@ -251,10 +307,11 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   CUDA_CHECK_LAUNCH();
 }
 
-template <bool kFp8, bool kStats = false>
+template <bool kFp8, bool kStats = false, bool kRecompute = false>
 void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, GradientRef dbias, float* amax,
                      const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre, int M, int F,
-                     float* scratch, cudaStream_t stream, Fp8CastCounts* counts = nullptr) {
+                     float* scratch, cudaStream_t stream, Fp8CastCounts* counts = nullptr,
+                     GeluRecomputedOutput recomputed = {}) {
   const char* what = kFp8 ? "gelu_backward_cast_transpose_dbias_fp8" : "gelu_backward_dbias_bf16";
   check_shape(M, F, what);
   FP8LM_CHECK(dbias && dout != nullptr && pre != nullptr && scratch != nullptr, what, ": null pointer");
@@ -264,6 +321,11 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, Gradie
     FP8LM_CHECK(aligned(dpre_fp8, 8), what, ": dpre must be 8-byte aligned");
     FP8LM_CHECK(aligned(dpre_t, 16), what, ": dpre_t must be 16-byte aligned");
     FP8LM_CHECK(amax == nullptr || aligned(amax, 4), what, ": amax must be 4-byte aligned");
+    if constexpr (kRecompute) {
+      FP8LM_CHECK(recomputed.codes_t != nullptr && recomputed.scale != nullptr, what,
+                  ": null recomputed output or scale");
+      FP8LM_CHECK(aligned(recomputed.codes_t, 16), what, ": the recomputed output must be 16-byte aligned");
+    }
   } else {
     FP8LM_CHECK(dpre_bf16 != nullptr, what, ": null dpre");
     FP8LM_CHECK(aligned(dpre_bf16, 16), what, ": dpre must be 16-byte aligned");
@@ -271,8 +333,9 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, Gradie
   if (M == 0) return;
   const int row_tiles = (M + kTile - 1) / kTile;
   const dim3 grid((F + kTile - 1) / kTile, row_tiles);
-  gelu_backward_tile_kernel<kFp8, kStats><<<grid, kTileThreads, 0, stream>>>(
-      dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts);
+  gelu_backward_tile_kernel<kFp8, kStats, kRecompute><<<grid, kTileThreads, 0, stream>>>(
+      dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts,
+      recomputed.codes_t, recomputed.scale, interpretation(recomputed.dtype));
   CUDA_CHECK_LAUNCH();
   add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, GradientRef{}, F, scratch, row_tiles, F);
   CUDA_CHECK_LAUNCH();
@@ -297,12 +360,33 @@ size_t gelu_backward_scratch_floats(int M, int F) {
 void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, GradientRef dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const bf16* dout, const bf16* pre,
                                             int M, int F, float* scratch, cudaStream_t stream,
-                                            Fp8CastCounts* counts) {
+                                            Fp8CastCounts* counts, GeluRecomputedOutput recomputed) {
+  const bool recompute = recomputed.codes_t != nullptr;
+  if (counts && recompute) {
+    return launch_backward<true, true, true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F,
+                                             scratch, stream, counts, recomputed);
+  }
   if (counts) {
     return launch_backward<true, true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch,
                                        stream, counts);
   }
+  if (recompute) {
+    return launch_backward<true, false, true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F,
+                                              scratch, stream, nullptr, recomputed);
+  }
   launch_backward<true>(dpre, dpre_t, nullptr, dbias, amax, scale, dtype, dout, pre, M, F, scratch, stream);
+}
+
+void gelu_recompute_transposed_fp8(GeluRecomputedOutput out, const bf16* pre, int M, int F, cudaStream_t stream) {
+  const char* what = "gelu_recompute_transposed_fp8";
+  check_shape(M, F, what);
+  FP8LM_CHECK(out.codes_t != nullptr && out.scale != nullptr && pre != nullptr, what, ": null pointer");
+  FP8LM_CHECK(aligned(out.codes_t, 16) && aligned(pre, 16), what, ": codes_t and pre must be 16-byte aligned");
+  if (M == 0) return;
+  const dim3 grid((F + kTile - 1) / kTile, (M + kTile - 1) / kTile);
+  gelu_recompute_transposed_kernel<<<grid, kTileThreads, 0, stream>>>(out.codes_t, out.scale,
+                                                                       interpretation(out.dtype), pre, M, F);
+  CUDA_CHECK_LAUNCH();
 }
 
 void gelu_backward_dbias_bf16(bf16* dpre, GradientRef dbias, const bf16* dout, const bf16* pre, int M, int F,

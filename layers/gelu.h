@@ -59,12 +59,26 @@ size_t gelu_backward_scratch_floats(int M, int F);
 //                   once to an FP32 or BF16 gradient, core/gradient_ref.h)
 //   amax        running max of |bf16(dout * gelu'(pre))| (may be nullptr)
 //   counts     += the cast's statistics (core/fp8_stats.h)   (nullable: statistics steps only)
+//   recomputed.codes_t [F,M] = (optional) the forward's output again, transposed:
+//                   fp8(bf16(gelu(pre)) * *recomputed.scale), exactly bias_gelu_forward_fp8's codes
+//                   for the same pre and scale; no amax, no statistics (16-byte aligned)
 // dout [M,F], pre [M,F] (bf16(pre + bias) as saved by the forward).
 // scratch: gelu_backward_scratch_floats(M, F) floats (contents need not be initialised).
+struct GeluRecomputedOutput {
+  uint8_t* codes_t = nullptr;
+  const float* scale = nullptr;
+  Fp8Dtype dtype = Fp8Dtype::e4m3;
+};
 void gelu_backward_cast_transpose_dbias_fp8(uint8_t* dpre, uint8_t* dpre_t, GradientRef dbias, float* amax,
                                             const float* scale, Fp8Dtype dtype, const __nv_bfloat16* dout,
                                             const __nv_bfloat16* pre, int M, int F, float* scratch,
-                                            cudaStream_t stream, Fp8CastCounts* counts = nullptr);
+                                            cudaStream_t stream, Fp8CastCounts* counts = nullptr,
+                                            GeluRecomputedOutput recomputed = {});
+
+// The recomputed output alone (the current-scaling path, which casts the gradient in a pass
+// of its own): out.codes_t [F,M] = fp8(bf16(gelu(pre)) * *out.scale), transposed.
+void gelu_recompute_transposed_fp8(GeluRecomputedOutput out, const __nv_bfloat16* pre, int M, int F,
+                                   cudaStream_t stream);
 
 // BF16 twin: dpre [M,F] = bf16(dout * gelu'(pre)) (written); dbias [F] += its column sums
 // (deterministic, as above). dpre may alias dout (in place).

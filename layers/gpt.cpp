@@ -318,7 +318,8 @@ struct GptModel::BlockActivations {
   Tensor ln2;            // [BT,C] c_fc's input operand
   Tensor ln2_mean, ln2_rstd;  // [N]
   Tensor fc_pre;         // [BT,F'] c_fc output + bias, GELU's input
-  Tensor gelu;           // [BT,F'] mlp.c_proj's input operand
+  Tensor gelu;           // [BT,F'] mlp.c_proj's input operand (Scratch::gelu_operand's data when
+                         // the backward recomputes it)
 };
 
 // Buffers shared by every block, and the head's.
@@ -347,6 +348,13 @@ struct GptModel::Scratch {
   // take (FP8 with its transpose, BF16, or the activation dtype); two when some blocks run
   // BF16 GEMMs under FP8 (--first-last-layers-bf16).
   std::vector<Tensor> grad_operands;
+  // Blocks whose backward recomputes the GELU output (GptModel::recomputes_gelu_output): [BT,F']
+  // mlp.c_proj's FP8 input, which every such block's forward writes and its GEMM reads at
+  // once, with the transposed copy [F',BT] the GELU backward rewrites for its wgrad; and
+  // mlp.c_proj's output-gradient operand [BT,C] (FP8 with its transpose), held from its dgrad
+  // past the GELU backward (which writes c_fc's into grad_operands) to its wgrad.
+  Tensor gelu_operand;
+  Tensor fc2_grad_operand;
 };
 
 namespace {
@@ -580,6 +588,16 @@ void GptModel::plan_memory() {
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
     Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
+    // Carved when a block first needs it (the same place in both carving passes).
+    auto gelu_operand = [&]() -> const Tensor& {
+      if (!s.gelu_operand) {
+        const BlockParams& fp8_block = *std::find_if(blocks_.begin(), blocks_.end(),
+                                                     [&](const BlockParams& w) { return recomputes_gelu_output(w); });
+        s.gelu_operand = c.take(BT, F, fp8_block.fc2.input_dtype, fp8_block.fc2.input_state, /*with_transpose=*/true);
+        s.fc2_grad_operand = c.take(BT, C, fp8_block.fc2.grad_dtype, -1, /*with_transpose=*/true);
+      }
+      return s.gelu_operand;
+    };
     // Blocks whose GEMM operands have the same dtypes can share buffers.
     using OperandDtypes = std::tuple<DType, DType, DType, DType>;
     auto operand_dtypes = [](const BlockParams& w) {
@@ -607,8 +625,13 @@ void GptModel::plan_memory() {
       a.ln2_mean = c.take(N, 1, DType::f32);
       a.ln2_rstd = c.take(N, 1, DType::f32);
       a.fc_pre = share_mlp ? shared->fc_pre : c.take(BT, F, act);
-      a.gelu = share_mlp ? stamped(shared->gelu, w.fc2.input_dtype, w.fc2.input_state)
-                         : operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      if (recomputes_gelu_output(w)) {
+        a.gelu = stamped(gelu_operand(), w.fc2.input_dtype, w.fc2.input_state);
+        a.gelu.transposed = nullptr;  // the forward writes the codes; the backward the transpose
+      } else {
+        a.gelu = share_mlp ? stamped(shared->gelu, w.fc2.input_dtype, w.fc2.input_state)
+                           : operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+      }
     };
     // Buffers shared with other blocks, stamped with block w's operand dtypes and scaling
     // states (c_proj's input, when not the activation itself, from `atty_operand_buffer`).
@@ -1003,11 +1026,23 @@ void GptModel::block_backward(int l) {
   const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
   if (recompute_.selective()) recompute_selective(l);
 
-  // mlp.c_proj, GELU, mlp.c_fc, ln_2.
-  row_parallel_backward(w.fc2, s.dgelu, a.gelu);
-  // GELU backward writes c_fc's output-gradient operand and its bias gradient.
+  // mlp.c_proj, GELU, mlp.c_fc, ln_2. The GELU backward writes c_fc's output-gradient operand
+  // and its bias gradient, and, when this block keeps no GELU output, mlp.c_proj's wgrad input.
   const Tensor dy_fc = gradient_operand_buffer(s.dgelu.rows, s.dgelu.cols, w.fc);
-  ops_.gelu_backward(dy_fc, w.fc.grad_bias, s.dgelu, a.fc_pre);
+  if (recomputes_gelu_output(w)) {
+    const Tensor dy_fc2 = row_parallel_dgrad(w.fc2, s.dgelu, s.fc2_grad_operand);
+    Tensor gelu_wgrad_input = a.gelu;
+    gelu_wgrad_input.transposed = s.gelu_operand.transposed;
+    ops_.gelu_backward({.dpre = dy_fc,
+                        .dbias = w.fc.grad_bias,
+                        .dout = s.dgelu,
+                        .pre = a.fc_pre,
+                        .recomputed_output = gelu_wgrad_input});
+    weight_gradient(w.fc2, gelu_wgrad_input, dy_fc2);
+  } else {
+    row_parallel_backward(w.fc2, s.dgelu, a.gelu);
+    ops_.gelu_backward({.dpre = dy_fc, .dbias = w.fc.grad_bias, .dout = s.dgelu, .pre = a.fc_pre});
+  }
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.fc.grad_weight,
@@ -1034,15 +1069,40 @@ void GptModel::block_backward(int l) {
 // gradient, of all rows, is its output gradient (and its bias's).
 void GptModel::row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input) {
   const Scratch& s = *scratch_;
+  const Tensor dy = row_parallel_dgrad(linear, dinput,
+                                       gradient_operand_buffer(s.dresidual_full.rows, s.dresidual_full.cols, linear));
+  weight_gradient(linear, input, dy);
+}
+
+Tensor GptModel::row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput, const Tensor& operand_buffer) {
+  const Scratch& s = *scratch_;
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
-  const Tensor dy = gradient_operand(s.dresidual_full, linear);
+  Tensor dy = s.dresidual_full;
+  if (linear.grad_dtype != dy.dtype) {
+    FP8LM_CHECK(operand_buffer.dtype == linear.grad_dtype && operand_buffer.numel() >= dy.numel(),
+                "row_parallel_dgrad: an operand buffer of ", to_string(linear.grad_dtype), " for [", dy.rows, ",",
+                dy.cols, "]");
+    dy = operand_buffer;
+    dy.rows = s.dresidual_full.rows;
+    dy.cols = s.dresidual_full.cols;
+    dy.scaling_state = linear.grad_state;
+  }
   ops_.quantize(dy, s.dresidual_full, linear.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = linear.weight_operand, .grad = dy});
+  return dy;
+}
+
+void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad) {
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = linear.grad_weight,
              .input = input,
-             .grad = dy,
+             .grad = grad,
              .accumulate = block_weight_gradients_written_});
+}
+
+bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
+  return !is_inference() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise &&
+         !recompute_.mlp;
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed

@@ -335,6 +335,17 @@ class GptModel {
   // Selective recomputation: block l's LayerNorm and/or MLP outputs again, for its backward.
   void recompute_selective(int l);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
+  // Its two halves: the dgrad, which returns the output-gradient operand (quantized into
+  // `operand_buffer`, or the gradient itself when not cast), and the wgrad that takes it.
+  Tensor row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput, const Tensor& operand_buffer);
+  void weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad);
+  // Whether block w's backward recomputes its FP8 GELU output from c_fc's saved output instead
+  // of keeping it: in the GELU backward's kernel, which reads that output anyway and writes
+  // the transposed copy mlp.c_proj's wgrad reads (one buffer for all blocks, not one each).
+  // FP8 blocks with per-tensor scales (delayed or current: either is the forward's scale when
+  // the backward runs; block scales would be tiles of the transpose), training, unless
+  // selective recomputation reruns the MLP anyway.
+  bool recomputes_gelu_output(const BlockParams& w) const;
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);

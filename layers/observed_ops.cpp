@@ -180,11 +180,18 @@ class ObservedOps final : public Ops {
               [&] { return OpCost{0, 2.0 * bytes(pre) + written(out)}; }},
              [&] { inner_->bias_gelu_forward(out, pre, bias); });
   }
-  void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
+  void gelu_backward(const GeluBackward& call) override {
     observed({"gelu backward", Lane::main,
-              [&] { return "gelu_backward -> " + name(dpre) + (dbias ? " +dbias" : ""); },
-              [&] { return OpCost{0, bytes(dout) + bytes(pre) + written(dpre)}; }},
-             [&] { inner_->gelu_backward(dpre, dbias, dout, pre); });
+              [&] {
+                return "gelu_backward -> " + name(call.dpre) + (call.dbias ? " +dbias" : "") +
+                       (call.recomputed_output ? " +recomputed " + name(call.recomputed_output) : "");
+              },
+              [&] {
+                // The recomputed output: its transposed copy only (the GPU's; the reference also writes the codes).
+                const double recomputed = call.recomputed_output ? bytes(call.recomputed_output) : 0.0;
+                return OpCost{0, bytes(call.dout) + bytes(call.pre) + written(call.dpre) + recomputed};
+              }},
+             [&] { inner_->gelu_backward(call); });
   }
 
   // ---- Attention

@@ -166,6 +166,23 @@ struct GemmCall {
   bool accumulate = true;
 };
 
+// dpre [M,F] = dout * gelu'(pre) in dpre's dtype (an FP8 gradient operand with its
+// transpose, or the activation dtype); dbias [F] += its column sums.
+struct GeluBackward {
+  Tensor dpre;
+  Tensor dbias;  // optional
+  Tensor dout;   // [M,F] activation
+  Tensor pre;    // [M,F] activation, bf16(c_fc's output + bias) as the forward saved it
+  // Optional: gelu(pre) again, as the next GEMM's wgrad input (mlp.c_proj's), so the forward's
+  // FP8 GELU output need not be kept for the backward. A per-tensor-scaled FP8 operand with its
+  // transposed copy: the same codes the forward's cast wrote (the same values with the same
+  // scale: a delayed scale changes only after the step, and a current one is the forward's,
+  // left in the state or computed again from the same amax), and no amax recorded. The backend
+  // writes the form its wgrad GEMM reads: the GPU the transposed copy only ([F,M]), the CPU
+  // the values and their transpose.
+  Tensor recomputed_output;
+};
+
 // Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.
 struct AttentionShape {
   int B = 0, T = 0, heads = 0, head_size = 0;
@@ -403,9 +420,7 @@ class Ops {
   // ---- MLP ------------------------------------------------------------------------
   // pre [M,F] += bias (saved for backward); out [M,F] = gelu(pre) in out's dtype.
   virtual void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) = 0;
-  // dpre [M,F] = dout * gelu'(pre) in dpre's dtype (an FP8 gradient operand with its
-  // transpose, or the activation dtype); dbias [F] += its column sums.
-  virtual void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) = 0;
+  virtual void gelu_backward(const GeluBackward& call) = 0;
 
   // ---- Attention ------------------------------------------------------------------
   // out [B*T,C'] activation (kept for backward), operand = out in the next GEMM's dtype

@@ -371,14 +371,23 @@ class CpuOps final : public Ops {
     cpu::gelu_forward(activated.data(), p, size_t(M) * F);
     store(out, activated.data(), recording_);
   }
-  void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
+  void gelu_backward(const GeluBackward& call) override {
+    const Tensor& pre = call.pre;
     std::vector<float>& gradient = scratch(size_t(pre.numel()));
-    cpu::gelu_backward(gradient.data(), f32(pre), f32(dout), size_t(pre.numel()));
-    if (dbias) {
-      add_column_sums(f32(dbias), gradient.data(), pre.rows, pre.cols);
-      hold_in_dtype(dbias);
+    cpu::gelu_backward(gradient.data(), f32(pre), f32(call.dout), size_t(pre.numel()));
+    if (call.dbias) {
+      add_column_sums(f32(call.dbias), gradient.data(), pre.rows, pre.cols);
+      hold_in_dtype(call.dbias);
     }
-    store(dpre, gradient.data(), recording_);
+    store(call.dpre, gradient.data(), recording_);
+    if (call.recomputed_output) {
+      const Tensor& out = call.recomputed_output;
+      FP8LM_CHECK(is_fp8(out.dtype) && !block_scaled(out) && out.transposed && out.rows == pre.rows &&
+                      out.cols == pre.cols,
+                  "gelu_backward: the recomputed output is a per-tensor FP8 operand [M,F] with its transpose");
+      cpu::gelu_forward(gradient.data(), f32(pre), size_t(pre.numel()));
+      store(out, gradient.data(), /*record=*/false);  // the forward's codes; its amax is recorded
+    }
   }
 
   // ---- Attention

@@ -670,20 +670,34 @@ class CudaOps final : public Ops {
     cuda::bias_gelu_forward_fp8(u8(out), amax_slot(s), scale_.data() + s, fp8_dtype_of(out.dtype), bf(pre), cbf(bias),
                                 M, F, stream_, counts_of(s));
   }
-  void gelu_backward(const Tensor& dpre, const Tensor& dbias, const Tensor& dout, const Tensor& pre) override {
+  void gelu_backward(const GeluBackward& call) override {
+    const Tensor &dpre = call.dpre, &dbias = call.dbias, &dout = call.dout, &pre = call.pre;
     const int M = rows(pre), F = cols(pre);
     float* scratch = float_scratch_.data();
+    cuda::GeluRecomputedOutput recomputed;
+    if (const Tensor& out = call.recomputed_output) {
+      // Only the fused FP8 kernel below rewrites the forward's output: no other path may be asked to.
+      FP8LM_CHECK(is_fp8(out.dtype) && is_fp8(dpre.dtype) && !block_scaled(out) && !block_scaled(dpre) &&
+                      out.transposed && rows(out) == M && cols(out) == F,
+                  "gelu_backward: the recomputed output needs per-tensor FP8 operands, [M,F] with a transpose");
+      recomputed = {.codes_t = static_cast<uint8_t*>(out.transposed),
+                    .scale = scale_.data() + out.scaling_state,
+                    .dtype = fp8_dtype_of(out.dtype)};
+    }
     if (!is_fp8(dpre.dtype))
       return cuda::gelu_backward_dbias_bf16(bf(dpre), gradient(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
     if (block_scaled(dpre) || table_->uses_current_scaling()) {
       cuda::gelu_backward_dbias_bf16(staging_.data(), gradient(dbias), cbf(dout), cbf(pre), M, F, scratch, stream_);
       if (block_scaled(dpre)) return cast_blockwise(dpre, staging_.data(), DType::bf16);
-      return quantize_current(dpre, staging_.data(), Tensor{});
+      quantize_current(dpre, staging_.data(), Tensor{});
+      // The forward's quantize_current left its scale in the state's slot.
+      if (recomputed.codes_t) cuda::gelu_recompute_transposed_fp8(recomputed, cbf(pre), M, F, stream_);
+      return;
     }
     const int s = dpre.scaling_state;
     cuda::gelu_backward_cast_transpose_dbias_fp8(u8(dpre), static_cast<uint8_t*>(dpre.transposed), gradient(dbias),
                                                  amax_slot(s), scale_.data() + s, fp8_dtype_of(dpre.dtype), cbf(dout),
-                                                 cbf(pre), M, F, scratch, stream_, counts_of(s));
+                                                 cbf(pre), M, F, scratch, stream_, counts_of(s), recomputed);
   }
 
   // ---- Attention

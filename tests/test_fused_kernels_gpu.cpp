@@ -402,6 +402,69 @@ TEST_CASE("gelu backward fused with the fp8 cast, transpose and dbias matches th
   }
 }
 
+TEST_CASE("gelu backward's recomputed output: the forward's FP8 codes, transposed, bit for bit", "[gpu][gelu]") {
+  FP8LM_REQUIRE_GPU();
+  // The model keeps no FP8 GELU output under delayed scaling: mlp.c_proj's wgrad reads what the
+  // GELU backward recomputes, so it must be exactly what bias_gelu_forward_fp8 wrote from the
+  // same (saved) pre with the same scale. Shapes as above, and one of gpt2-124m's MLP tiles.
+  const std::pair<int, int> shapes[] = {{70, 256}, {80, 200}, {128, 256}, {1024, 3072}};
+  for (const auto& [M, F] : shapes) {
+    CAPTURE(M, F);
+    const size_t n = static_cast<size_t>(M) * F;
+    const GeluBackwardInputs in = gelu_backward_inputs(M, F, 1900 + M + F);
+    // Wide inputs: the GELU's flat negative tail, its curve and its linear part.
+    const std::vector<float> pre_in = bf16_rounded(random_floats(n, 2900 + M, 4.0f));
+    const std::vector<float> bias = bf16_rounded(random_floats(F, 3900 + F, 0.5f));
+    auto d_bias = device_copy(to_bf16(bias));
+    auto d_dout = device_copy(to_bf16(in.dout));
+    for (float gelu_scale : {1.0f / 16.0f, 3.0f, 100.0f}) {
+      CAPTURE(gelu_scale);
+      auto d_pre = device_copy(to_bf16(pre_in));
+      auto d_forward_codes = poisoned<uint8_t>(n);
+      auto d_forward_amax = device_scalar(0.0f);
+      auto d_gelu_scale = device_scalar(gelu_scale);
+      cuda::bias_gelu_forward_fp8(d_forward_codes.data(), d_forward_amax.data(), d_gelu_scale.data(), Fp8Dtype::e4m3,
+                                  d_pre.data(), d_bias.data(), M, F, kStream);
+
+      auto d_dpre = poisoned<uint8_t>(n);
+      auto d_dpre_t = poisoned<uint8_t>(n);
+      auto d_dpre_plain = poisoned<uint8_t>(n);
+      auto d_dpre_t_plain = poisoned<uint8_t>(n);
+      auto d_gelu_t = poisoned<uint8_t>(n);
+      auto d_dbias = device_copy(in.dbias0);
+      auto d_dbias_plain = device_copy(in.dbias0);
+      auto d_amax = device_scalar(0.0f);
+      auto d_amax_plain = device_scalar(0.0f);
+      auto d_scale = device_scalar(2.0f);
+      auto d_scratch = poisoned<float>(cuda::gelu_backward_scratch_floats(M, F));
+      cuda::gelu_backward_cast_transpose_dbias_fp8(
+          d_dpre.data(), d_dpre_t.data(), d_dbias.data(), d_amax.data(), d_scale.data(), Fp8Dtype::e5m2, d_dout.data(),
+          d_pre.data(), M, F, d_scratch.data(), kStream, nullptr,
+          {.codes_t = d_gelu_t.data(), .scale = d_gelu_scale.data(), .dtype = Fp8Dtype::e4m3});
+      cuda::gelu_backward_cast_transpose_dbias_fp8(d_dpre_plain.data(), d_dpre_t_plain.data(), d_dbias_plain.data(),
+                                                   d_amax_plain.data(), d_scale.data(), Fp8Dtype::e5m2, d_dout.data(),
+                                                   d_pre.data(), M, F, d_scratch.data(), kStream);
+      device_sync();
+      // The current-scaling path's kernel: the recomputed output alone.
+      auto d_gelu_t_alone = poisoned<uint8_t>(n);
+      cuda::gelu_recompute_transposed_fp8({.codes_t = d_gelu_t_alone.data(), .scale = d_gelu_scale.data()},
+                                          d_pre.data(), M, F, kStream);
+      device_sync();
+      const std::vector<uint8_t> forward_codes = d_forward_codes.download();
+      CHECK(d_gelu_t.download() == transposed(forward_codes, M, F));
+      CHECK(d_gelu_t_alone.download() == transposed(forward_codes, M, F));
+      // The gradient outputs are those of the kernel without the recomputation.
+      CHECK(d_dpre.download() == d_dpre_plain.download());
+      CHECK(d_dpre_t.download() == d_dpre_t_plain.download());
+      CHECK(same_bytes(d_dbias.download(), d_dbias_plain.download()));
+      CHECK(bits_of(download_scalar(d_amax)) == bits_of(download_scalar(d_amax_plain)));
+      // Some codes are saturated or zero at these scales, most are neither: the test sees real values.
+      const size_t zeros = size_t(std::count(forward_codes.begin(), forward_codes.end(), uint8_t{0}));
+      CHECK(zeros < n / 2);
+    }
+  }
+}
+
 TEST_CASE("gelu backward fp8: a NaN gradient shows in the codes, dbias and amax", "[gpu][gelu]") {
   FP8LM_REQUIRE_GPU();
   const int M = 70, F = 256;

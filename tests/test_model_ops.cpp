@@ -71,8 +71,15 @@ std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& block
     const std::string& grad = blocks[size_t(l)].grad;
     s.push_back(grad_cast + " -> " + grad + " +dbias");  // mlp.c_proj's output gradient
     s.push_back("gemm dgrad " + grad + "x" + op);
-    s.push_back("gemm wgrad " + grad + "x" + op);
-    s.push_back("gelu_backward -> " + grad + " +dbias");
+    if (op == "e4m3" || op == "e5m2") {
+      // An FP8 block (per-tensor scales) keeps no GELU output: the GELU backward recomputes
+      // mlp.c_proj's wgrad input, so that wgrad follows it.
+      s.push_back("gelu_backward -> " + grad + " +dbias +recomputed " + op);
+      s.push_back("gemm wgrad " + grad + "x" + op);
+    } else {
+      s.push_back("gemm wgrad " + grad + "x" + op);
+      s.push_back("gelu_backward -> " + grad + " +dbias");
+    }
     s.push_back("gemm dgrad " + grad + "x" + op);
     s.push_back("gemm wgrad " + grad + "x" + op);
     s.push_back("layernorm_backward");
