@@ -367,7 +367,10 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   Communicator* tp_group = layout.tp_size > 1 ? &s.groups->tp() : nullptr;
   s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
   s.ops->set_amax_group(tp_group);
-  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length, model_precision(o), *s.ops,
+  s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length,
+                                       engine_model_precision(o, layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true),
+                                                              s.ops->activation_dtype()),
+                                       *s.ops,
                                        ModelParallelism{s.tp.get(), layout.dp_size}, activation_recompute(o));
   s.canonical = make_gpt_layout(setup.model);
   s.state_precision = o.optimizer_state;
@@ -722,6 +725,9 @@ AdamWCall TrainingEngine::State::adamw_call(const TensorTable& table, const Tens
   update.slab_table = slab;  // sharded: the gradients and working values stay in the slabs
   update.master = master;
   update.working = working_update;
+  update.working_offsets = model->working_offsets_on_backend();  // unsharded only (see the model's construction)
+  FP8LM_CHECK(update.working_offsets == nullptr || (slab == nullptr && first_tensor == 0),
+              "a working copy without the FP8 Linear weights is for the unsharded optimizer");
   update.grads = model->gradients();
   update.precision = state_precision;
   update.state = optimizer_slabs();
@@ -1018,12 +1024,9 @@ void TrainingEngine::set_parameters(const std::vector<float>& values) {
 
 void TrainingEngine::State::set_slab_parameters(std::span<const float> own) {
   ops->synchronize();
-  Tensor working;
-  working.data = model->working();
-  working.dtype = activation_dtype();
-  working.rows = 1;
-  working.cols = int64_t(own.size());
-  ops->upload_values(working, own.data());
+  FP8LM_CHECK(own.size() == model->layout().total_elements(), "set_slab_parameters: ", own.size(), " values for ",
+              model->layout().total_elements(), " slab elements");
+  model->set_working_values(own.data());
   if (master != model->working()) {
     if (sharded) {
       const std::vector<float> part = shard_parts<float>(own);

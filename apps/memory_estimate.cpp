@@ -389,13 +389,13 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   const bool cuda = s.use_cuda;
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
-  const GptPrecision precision = model_precision(o);
+  const bool sharded = x.parts > 1;
+  const GptPrecision precision = engine_model_precision(o, sharded, act);
 
   const Slab slab = slab_of(x);
   const uint64_t n = slab.elements;            // this rank's parameter slab
   const uint64_t S = n / x.parts;              // this rank's optimizer shard
   const uint64_t canonical = canonical_elements(x);  // the whole model (snapshots)
-  const bool sharded = x.parts > 1;
   const uint64_t tensors = mul(x.L, 12) + 4;
 
   MemoryEstimate estimate;
@@ -408,7 +408,15 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
                                   "several data-parallel ranks (mpirun -np N) to shard it"
                                 : "shard it with the distributed optimizer over more data-parallel ranks";
 
-  uint64_t weights = mul(n, eb(act));
+  // The working copy: every parameter, or all but the FP8 blocks' Linear-weight buckets
+  // (GptPrecision::fp8_linear_working_copy), with a table of where each tensor sits.
+  uint64_t working_elements = n;
+  if (!precision.fp8_linear_working_copy && precision.gemm == GemmPrecision::fp8) {
+    const uint64_t fp8_blocks = x.L - uint64_t(precision.bf16_block_count(int64_t(x.L)));
+    working_elements -= mul(fp8_blocks, round_up(block_linear_elements(x), 256 * x.dp));
+  }
+  uint64_t weights = mul(working_elements, eb(act));
+  if (!precision.fp8_linear_working_copy) weights = add(weights, mul(tensors, 8));
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
   add_backend_consumer(estimate, cuda,
                        "parameters (" + std::string(to_string(act)) + " working copy" +

@@ -217,6 +217,15 @@ GptPrecision model_precision(const TrainOptions& o) {
                       .gradients = o.grad_reduce_in_bf16 ? DType::bf16 : DType::f32};
 }
 
+GptPrecision engine_model_precision(const TrainOptions& o, bool sharded_optimizer, DType activation_dtype) {
+  GptPrecision precision = model_precision(o);
+  // The FP8 weights are cast from an FP32 master that is whole on this rank and apart from the
+  // working copy: nothing reads their BF16 values. Sharded, the working copy is what the ranks
+  // gather; on the CPU the FP32 working copy is the master.
+  precision.fp8_linear_working_copy = sharded_optimizer || activation_dtype == DType::f32;
+  return precision;
+}
+
 ActivationRecompute activation_recompute(const TrainOptions& o) {
   if (o.recompute_granularity == "selective") {
     auto has = [&](const char* module) {

@@ -40,6 +40,9 @@ void check_run_memory(const RunSetup& setup);
 
 // How the flags' precision maps onto the model's GEMMs (the training and decoding models).
 GptPrecision model_precision(const TrainOptions& options);
+// ... as the training engine builds its model, whose optimizer is sharded or not and whose
+// working copy has `activation_dtype` (GptPrecision::fp8_linear_working_copy).
+GptPrecision engine_model_precision(const TrainOptions& options, bool sharded_optimizer, DType activation_dtype);
 // The training model's activation recomputation from the --recompute-* flags (none unless
 // --recompute-granularity full).
 ActivationRecompute activation_recompute(const TrainOptions& options);

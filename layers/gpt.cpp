@@ -457,7 +457,35 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   layout_ = make_gpt_shard_layout(config, tp_->size(), parallelism.data_parallel_size, &buckets_);
   const size_t n = layout_.total_elements();
   const size_t act_bytes = ops.element_bytes(activation_dtype_);
-  working_ = ops.allocate(n * act_bytes);
+  // The working slab: the layout without the FP8 blocks' Linear-weight buckets when those have no
+  // working copy. Whole buckets go (multiples of kBucketAlignment elements), so every other
+  // tensor keeps its alignment.
+  FP8LM_CHECK(precision.fp8_linear_working_copy || (activation_dtype_ != DType::f32 && !is_inference()),
+              "only a training model's BF16 working copy can leave out the FP8 Linear weights");
+  auto dropped_bucket = [&](const ParameterBucket& bucket) {
+    return !precision.fp8_linear_working_copy && bucket.linear_weights &&
+           precision.block(bucket.layer, config.n_layer) == GemmPrecision::fp8;
+  };
+  working_offsets_.assign(layout_.tensors().size(), 0);
+  size_t dropped = 0;  // elements of the dropped buckets before the current one
+  for (size_t k = 0, b = 0; k < layout_.tensors().size(); ++k) {
+    const TensorInfo& t = layout_.tensors()[k];
+    while (b < buckets_.size() && buckets_[b].end <= t.offset) {
+      if (dropped_bucket(buckets_[b])) dropped += buckets_[b].end - buckets_[b].begin;
+      ++b;
+    }
+    FP8LM_CHECK(b < buckets_.size() && buckets_[b].begin <= t.offset, "tensor ", t.name, " is in no bucket");
+    working_offsets_[k] = dropped_bucket(buckets_[b]) ? kNoWorkingCopy : t.offset - dropped;
+  }
+  size_t working_elements = 0;
+  for (size_t k = 0; k < layout_.tensors().size(); ++k)
+    if (working_offsets_[k] != kNoWorkingCopy)
+      working_elements = std::max<size_t>(working_elements, working_offsets_[k] + layout_.tensors()[k].numel);
+  working_ = ops.allocate((precision.fp8_linear_working_copy ? n : working_elements) * act_bytes);
+  if (!precision.fp8_linear_working_copy) {
+    working_offsets_backend_ = ops.allocate(working_offsets_.size() * sizeof(uint64_t));
+    ops.upload(working_offsets_backend_->data(), working_offsets_.data(), working_offsets_.size() * sizeof(uint64_t));
+  }
   const size_t grad_bytes = ops.element_bytes(gradient_dtype_);
   if (!is_inference()) gradients_ = ops.allocate(n * grad_bytes);
 
@@ -466,7 +494,15 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     FP8LM_CHECK(info != nullptr, "no parameter ", name);
     return *info;
   };
-  auto working = [&](const std::string& name) { return slab_view(working_->data(), activation_dtype_, act_bytes, find(name)); };
+  // A tensor's working copy; without one, its shape alone (no data).
+  auto working = [&](const std::string& name) {
+    TensorInfo info = find(name);
+    const uint64_t offset = working_offsets_[size_t(layout_.index_of(name))];
+    info.offset = offset == kNoWorkingCopy ? 0 : offset;
+    Tensor view = slab_view(working_->data(), activation_dtype_, act_bytes, info);
+    if (offset == kNoWorkingCopy) view.data = nullptr;
+    return view;
+  };
   auto grad = [&](const std::string& name) {
     return gradients_ ? slab_view(gradients_->data(), gradient_dtype_, grad_bytes, find(name)) : Tensor{};
   };
@@ -1168,12 +1204,39 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
   for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2}) {
     if (!linear->owns_operand || (!fp8_linear_weights && is_fp8(linear->weight_operand.dtype))) continue;
     Tensor source = linear->weight;
+    FP8LM_CHECK(source.data != nullptr || (fp8_cast_source_ && is_fp8(linear->weight_operand.dtype)),
+                "refresh_weight_operands: ", layout_.tensors()[size_t(linear->tensor)].name,
+                " has no working copy, and no FP32 master to cast from was set");
     if (fp8_cast_source_ && is_fp8(linear->weight_operand.dtype)) {
       source.data = const_cast<float*>(fp8_cast_source_) + layout_.tensors()[size_t(linear->tensor)].offset;
       source.dtype = DType::f32;
     }
     ops_.quantize(linear->weight_operand, source, Tensor{});
   }
+}
+
+void GptModel::set_working_values(const float* slab_values) {
+  if (!working_offsets_backend_) {
+    Tensor working;
+    working.data = working_->data();
+    working.dtype = activation_dtype_;
+    working.rows = 1;
+    working.cols = int64_t(layout_.total_elements());
+    ops_.upload_values(working, slab_values);
+    return;
+  }
+  std::vector<float> compact(working_->bytes() / ops_.element_bytes(activation_dtype_), 0.0f);
+  for (size_t k = 0; k < layout_.tensors().size(); ++k) {
+    const TensorInfo& t = layout_.tensors()[k];
+    if (working_offsets_[k] != kNoWorkingCopy)
+      std::copy(slab_values + t.offset, slab_values + t.offset + t.numel, compact.begin() + ptrdiff_t(working_offsets_[k]));
+  }
+  Tensor working;
+  working.data = working_->data();
+  working.dtype = activation_dtype_;
+  working.rows = 1;
+  working.cols = int64_t(compact.size());
+  ops_.upload_values(working, compact.data());
 }
 
 std::vector<WeightOperand> GptModel::fp8_weight_operands() const {
@@ -1214,7 +1277,7 @@ Tensor GptModel::gradients() const {
 
 size_t GptModel::allocated_bytes() const {
   size_t total = working_->bytes() + activations_->bytes();
-  for (const auto* allocation : {&gradients_, &weight_operands_, &kv_cache_})
+  for (const auto* allocation : {&gradients_, &weight_operands_, &kv_cache_, &working_offsets_backend_})
     if (*allocation) total += (*allocation)->bytes();
   return total;
 }

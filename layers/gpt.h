@@ -115,6 +115,12 @@ struct GptPrecision {
   // The gradient slab: f32, or bf16 under --grad-reduce-in-bf16 (Megatron's BF16 main_grad:
   // every gradient producer accumulates into it and the data-parallel reduction runs on it).
   DType gradients = DType::f32;
+  // false: the FP8 blocks' Linear weights have no working copy. Their GEMMs read only the FP8
+  // operands, which are cast from the optimizer's FP32 master (GptModel::set_fp8_cast_source,
+  // or AdamW's update pass), so the copy would be written every step and read by nothing. For a
+  // master that is whole on this rank and apart from the working copy: the GPU's unsharded
+  // optimizer (the engine decides). The other parameters keep theirs.
+  bool fp8_linear_working_copy = true;
   bool runs_block_in_bf16(int layer, int n_layer) const {
     return layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end || bf16_blocks.count(layer) > 0;
   }
@@ -249,6 +255,18 @@ class GptModel {
   // [1, elements] tensor of the gradient dtype (GptPrecision::gradients; empty in an
   // inference model).
   void* working() { return working_->data(); }
+  // Where each tensor of layout() sits in the working slab: its layout offset less the
+  // elements of the dropped Linear-weight buckets before it (GptPrecision::fp8_linear_working_copy),
+  // or kNoWorkingCopy for the tensors of those buckets. working_offsets_on_backend() is the same
+  // array in backend memory, nullptr while every tensor sits at its layout offset.
+  static constexpr uint64_t kNoWorkingCopy = UINT64_MAX;
+  const std::vector<uint64_t>& working_offsets() const { return working_offsets_; }
+  const uint64_t* working_offsets_on_backend() const {
+    return working_offsets_backend_ ? static_cast<const uint64_t*>(working_offsets_backend_->data()) : nullptr;
+  }
+  // Writes the working copy from `slab_values` [layout().total_elements()] (host, FP32, in the
+  // layout's order), each tensor that has one rounded to the working dtype.
+  void set_working_values(const float* slab_values);
   Tensor gradients() const;
   DType gradient_dtype() const { return gradient_dtype_; }
 
@@ -368,6 +386,8 @@ class GptModel {
   DType gradient_dtype_;
 
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
+  std::vector<uint64_t> working_offsets_;  // per tensor of layout_ (working_offsets())
+  std::unique_ptr<Allocation> working_offsets_backend_;
   InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // capacity 0: a training model
   ActivationRecompute recompute_;
   std::unique_ptr<Allocation> kv_cache_;

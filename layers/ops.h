@@ -258,6 +258,10 @@ struct AdamWCall {
   // values go where the in-place all-gather reads them in the working slab. Same tensors and
   // numels as table.
   const TensorTable* slab_table = nullptr;
+  // Optional [tensors] backend memory: where each tensor's working value sits in `working`
+  // when the working copy leaves some tensors out (GptModel::working_offsets_on_backend: the FP8
+  // Linear weights, GptModel::kNoWorkingCopy, which get no working value). Unsharded state only.
+  const uint64_t* working_offsets = nullptr;
   OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
   AdamWStateSlabs state;
   AdamWHyperparams hyperparams;

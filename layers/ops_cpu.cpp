@@ -507,12 +507,17 @@ class CpuOps final : public Ops {
     cpu::adamw_apply(layout, call.precision, call.master, f32(call.grads), call.state, call.hyperparams,
                      call.control->step_count, call.control->grad_scale, call.scratch, slab_layout(call));
     if (call.working == nullptr || call.working == call.master) return;
-    // A separate working copy (sharded state): this rank's values, where they will be gathered.
+    // A separate working copy (sharded state: this rank's values, where they will be gathered;
+    // or one without the FP8 Linear weights, at its own offsets).
+    FP8LM_CHECK(call.working_offsets == nullptr || call.slab_table == nullptr,
+                "AdamW: a working copy with offsets of its own is for unsharded state");
     float* working = static_cast<float*>(call.working);
     const TensorLayout& working_layout = call.slab_table ? call.slab_table->layout() : layout;
     for (size_t k = 0; k < layout.tensors().size(); ++k) {
       const TensorInfo& t = layout.tensors()[k];
-      std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + working_layout.tensors()[k].offset);
+      const uint64_t offset = call.working_offsets ? call.working_offsets[k] : working_layout.tensors()[k].offset;
+      if (offset == UINT64_MAX) continue;  // GptModel::kNoWorkingCopy
+      std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + offset);
     }
   }
   // Pass 1 with `grad_scale` (the bias corrections it does not use come from the step count

@@ -804,6 +804,8 @@ class CudaOps final : public Ops {
   void adamw_apply(const AdamWCall& call) override {
     const cuda::DeviceTensorTable& table = device_table(*call.table);
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");
+    FP8LM_CHECK(call.working_offsets == nullptr || call.slab_table == nullptr,
+                "AdamW: a working copy with offsets of its own is for unsharded state");
     bf16* working = static_cast<bf16*>(call.working);
     if (call.precision == OptimizerStatePrecision::fp8_fp16) {
       const cuda::DeviceWeightCastTable* casts = nullptr;
@@ -815,11 +817,11 @@ class CudaOps final : public Ops {
       cuda::adamw_fp8_fp16_apply(call.master, working, gradient_view(call.grads), call.state.m8, call.state.v16,
                                  call.state.m_scales, call.state.v_scales, table, call.hyperparams, call.control,
                                  call.scratch, stream_, slab_offsets(call), casts, casts ? scale_.data() : nullptr,
-                                 casts && recording_ ? history_.data() : nullptr);
+                                 casts && recording_ ? history_.data() : nullptr, call.working_offsets);
     } else {
       FP8LM_CHECK(call.weight_casts == nullptr, "AdamW weight casts are written by the fp8-fp16 update only");
       cuda::adamw_step_fp32(call.master, working, gradient_view(call.grads), call.state.m32, call.state.v32, table,
-                            call.hyperparams, call.control, stream_, slab_offsets(call));
+                            call.hyperparams, call.control, stream_, slab_offsets(call), call.working_offsets);
     }
   }
 

@@ -82,6 +82,16 @@ __device__ __forceinline__ uint64_t slab_index(const DeviceTensorTable& table, c
   return slab_offsets == nullptr ? c.begin : slab_offsets[c.k] + (c.begin - table.offsets[c.k]);
 }
 
+// Where the chunk's first working value goes: beside its gradient (slab index gb), or, when the
+// working copy has offsets of its own, there; kNoWorkingValue for a tensor without one.
+constexpr uint64_t kNoWorkingValue = ~uint64_t{0};
+__device__ __forceinline__ uint64_t working_index(const DeviceTensorTable& table, const uint64_t* working_offsets,
+                                                  const ChunkRange& c, uint64_t gb) {
+  if (working_offsets == nullptr) return gb;
+  const uint64_t offset = working_offsets[c.k];
+  return offset == kNoWorkingValue ? kNoWorkingValue : offset + (c.begin - table.offsets[c.k]);
+}
+
 // ---- per-element helpers (the arithmetic itself is optim/adamw.h's, shared with the host) ----
 
 // adamw_step_scalars(): 1 - beta^t in double, rounded to float.
@@ -296,7 +306,7 @@ __global__ void __launch_bounds__(kThreads)
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                            const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok,
                            DeviceWeightCastTable casts, const float* __restrict__ fp8_scales,
-                           float* __restrict__ amax_row) {
+                           float* __restrict__ amax_row, const uint64_t* __restrict__ working_offsets) {
   const bool skip = control->skip != 0;
   if (!kCasts && skip) return;
   const ChunkRange c = chunk_of_block(table);
@@ -325,9 +335,12 @@ __global__ void __launch_bounds__(kThreads)
   auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) { pass2_element(g, p, mc, vb, pb, q, s); };
   unsigned local_amax = 0;
 
-  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads and params_bf16
+  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads
+  const uint64_t wb = working_index(table, working_offsets, c, gb);    // wb: params_bf16
+  const bool has_working = wb != kNoWorkingValue;
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0 && gb % 4 == 0 && reinterpret_cast<uintptr_t>(codes) % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0 && (!has_working || wb % 4 == 0) &&
+      reinterpret_cast<uintptr_t>(codes) % 4 == 0) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
@@ -344,7 +357,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int l = 0; l < 4; ++l) update(g[l], p[l], mc[l], vb[l], pb[l]);
         store_vec(master, i, pack4(p));
-        store_vec(params_bf16, gi, pack4(pb));
+        if (has_working) store_vec(params_bf16, wb + 4ull * j, pack4(pb));
         store_vec(m_codes, i, pack4(mc));
         store_vec(v_bits, i, pack4(vb));
       }
@@ -371,7 +384,7 @@ __global__ void __launch_bounds__(kThreads)
       uint16_t vb = v_bits[e], pb;
       update(device::gradient_at(grads, ge), p, mc, vb, pb);
       master[e] = p;
-      params_bf16[ge] = pb;
+      if (has_working) params_bf16[wb + i] = pb;
       m_codes[e] = mc;
       v_bits[e] = vb;
     }
@@ -436,7 +449,8 @@ __global__ void __launch_bounds__(kThreads)
     adamw_fp32_kernel(float* __restrict__ master, uint16_t* __restrict__ params_bf16, const G* __restrict__ grads,
                       float* __restrict__ m_state, float* __restrict__ v_state, DeviceTensorTable table,
                       const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
-                      const StepControl* __restrict__ control, bool vec_ok) {
+                      const StepControl* __restrict__ control, bool vec_ok,
+                      const uint64_t* __restrict__ working_offsets) {
   if (control->skip) return;
   __shared__ float bias_corrections[2];
   if (threadIdx.x == 0) {
@@ -455,9 +469,11 @@ __global__ void __launch_bounds__(kThreads)
     pb = bf16_bits(p);
   };
 
-  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads and params_bf16
+  const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads
+  const uint64_t wb = working_index(table, working_offsets, c, gb);    // wb: params_bf16
+  const bool has_working = wb != kNoWorkingValue;
   uint32_t scalar_from = 0;
-  if (vec_ok && b % 4 == 0 && gb % 4 == 0) {
+  if (vec_ok && b % 4 == 0 && gb % 4 == 0 && (!has_working || wb % 4 == 0)) {
     const uint32_t nvec = c.n / 4;
 #pragma unroll 2
     for (uint32_t j = threadIdx.x; j < nvec; j += kThreads) {
@@ -471,7 +487,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int l = 0; l < 4; ++l) update(g[l], p[l], m[l], v[l], pb[l]);
       store_vec(master, i, pack4(p));
-      store_vec(params_bf16, gi, pack4(pb));
+      if (has_working) store_vec(params_bf16, wb + 4ull * j, pack4(pb));
       store_vec(m_state, i, pack4(m));
       store_vec(v_state, i, pack4(v));
     }
@@ -483,7 +499,7 @@ __global__ void __launch_bounds__(kThreads)
     uint16_t pb;
     update(device::gradient_at(grads, ge), p, m, v, pb);
     master[e] = p;
-    params_bf16[ge] = pb;
+    if (has_working) params_bf16[wb + i] = pb;
     m_state[e] = m;
     v_state[e] = v;
   }
@@ -592,7 +608,8 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                           cudaStream_t stream, const uint64_t* slab_offsets,
-                          const DeviceWeightCastTable* weight_casts, const float* fp8_scales, float* amax_row) {
+                          const DeviceWeightCastTable* weight_casts, const float* fp8_scales, float* amax_row,
+                          const uint64_t* working_offsets) {
   check_adamw_hyperparams(hp);
   if (table.count == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
@@ -615,7 +632,8 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
       auto kernel = casts ? adamw_fp8_pass2_kernel<G, true> : adamw_fp8_pass2_kernel<G, false>;
       kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, typed, m_codes, v_bits, m_scales, v_scales,
                                                         table, slab_offsets, hp, control, scratch, vec_ok,
-                                                        casts ? *weight_casts : none, fp8_scales, amax_row);
+                                                        casts ? *weight_casts : none, fp8_scales, amax_row,
+                                                        working_offsets);
     });
     CUDA_CHECK_LAUNCH();
   }
@@ -664,7 +682,7 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, GradientView
 
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
-                     cudaStream_t stream, const uint64_t* slab_offsets) {
+                     cudaStream_t stream, const uint64_t* slab_offsets, const uint64_t* working_offsets) {
   check_adamw_hyperparams(hp);
   if (table.num_chunks == 0) return;
   FP8LM_CHECK(master && params_bf16 && grads && m && v && control, "adamw_step_fp32 needs every array");
@@ -672,7 +690,8 @@ void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView gra
                       aligned(v, 16);
   with_gradient_type(grads, [&](const auto* typed) {
     adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16),
-                                                                 typed, m, v, table, slab_offsets, hp, control, vec_ok);
+                                                                 typed, m, v, table, slab_offsets, hp, control, vec_ok,
+                                                                 working_offsets);
   });
   CUDA_CHECK_LAUNCH();
 }

@@ -133,17 +133,21 @@ void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* 
 // their FP8 operands written in the same pass, with the FP8 scales `fp8_scales` [states]
 // and amaxes raised in `amax_row` [states] (nullptr: none recorded); under control->skip
 // only the operands are written, from the unchanged master.
+// working_offsets [table.count] (device, optional): where each tensor's BF16 working value
+// sits in params_bf16 when the working copy is laid out on its own (~0: the tensor has none,
+// and nothing is written for it); nullptr: beside its gradient.
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                           cudaStream_t stream, const uint64_t* slab_offsets = nullptr,
                           const DeviceWeightCastTable* weight_casts = nullptr, const float* fp8_scales = nullptr,
-                          float* amax_row = nullptr);
+                          float* amax_row = nullptr, const uint64_t* working_offsets = nullptr);
 
 // One AdamW step with FP32 state (one pass). Arrays as above; m, v [total_elements] FP32.
 void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView grads, float* m, float* v,
                      const DeviceTensorTable& table, const AdamWHyperparams& hp, const StepControl* control,
-                     cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
+                     cudaStream_t stream, const uint64_t* slab_offsets = nullptr,
+                     const uint64_t* working_offsets = nullptr);
 
 // Diagnostics (tests): out[2i] = 1 - beta1^steps[i], out[2i+1] = 1 - beta2^steps[i], as the
 // kernels compute them (double pow, rounded to float).

@@ -17,6 +17,9 @@
 #include "core/error.h"
 #include "core/fp8.h"
 #include "core/tensor.h"
+#include "layers/ops.h"
+#include "layers/ops_cpu.h"
+#include "optim/step_control.h"
 #include "optim/adamw.h"
 #include "optim/grad_clip.h"
 #include "optim/lr_schedule.h"
@@ -472,4 +475,56 @@ TEST_CASE("global_grad_norm and clip_coefficient", "[optim]") {
   CHECK(clip_coefficient(13.0, 0.0) == 1.0f);  // clipping disabled
   CHECK(clip_coefficient(INFINITY, 1.0) == 1.0f);
   CHECK(clip_coefficient(NAN, 1.0) == 1.0f);
+}
+
+TEST_CASE("CPU AdamW writes a working copy laid out on its own: the master's values where its offsets put them",
+          "[optim]") {
+  // The GPU engine's unsharded optimizer over a working copy without the FP8 Linear weights
+  // (GptModel::working_offsets): the CPU twin of the kernels' working_offsets.
+  auto ops = make_cpu_ops();
+  TensorLayout layout;
+  layout.add("a", {4, 8}, true);
+  layout.add("b", {16}, false);
+  layout.add("c", {3, 5}, true);
+  const size_t total = layout.total_elements();
+  const auto table = ops->make_table(layout);
+  std::vector<float> master(total, 0.0f), grads(total, 0.0f), m(total, 0.0f), v(total, 0.0f);
+  for (const TensorInfo& t : layout.tensors())
+    for (size_t i = 0; i < t.numel; ++i) {
+      master[t.offset + i] = 0.01f * float(t.offset + i);
+      grads[t.offset + i] = i % 2 ? 0.5f : -0.25f;
+    }
+  constexpr uint64_t kNone = ~uint64_t{0};
+  const std::vector<uint64_t> offsets = {kNone, 3, 40};  // "a" has no working copy
+  std::vector<float> working(64, NAN);
+  StepControl control;
+  control.step_count = 1;
+  std::vector<float> scratch(adamw_scratch_floats(layout.tensors().size()), 0.0f);
+  AdamWCall call;
+  call.table = table.get();
+  call.master = master.data();
+  call.working = working.data();
+  call.working_offsets = offsets.data();
+  call.grads.data = grads.data();
+  call.grads.dtype = DType::f32;
+  call.grads.rows = 1;
+  call.grads.cols = int64_t(total);
+  call.precision = OptimizerStatePrecision::fp32;
+  call.state.m32 = m.data();
+  call.state.v32 = v.data();
+  call.hyperparams = AdamWHyperparams{.lr = 1e-2f};
+  call.control = &control;
+  call.scratch = scratch.data();
+  const std::vector<float> before = master;
+  ops->adamw_apply(call);
+  CHECK(master != before);  // updated
+  std::vector<float> expected(64, NAN);
+  for (size_t k = 1; k < 3; ++k) {
+    const TensorInfo& t = layout.tensors()[k];
+    std::copy_n(master.begin() + ptrdiff_t(t.offset), t.numel, expected.begin() + ptrdiff_t(offsets[k]));
+  }
+  for (size_t i = 0; i < working.size(); ++i) {
+    INFO("working element " << i);
+    CHECK((std::isnan(expected[i]) ? std::isnan(working[i]) : working[i] == expected[i]));
+  }
 }

@@ -477,7 +477,78 @@ void run_with_slab_offsets(OptimizerStatePrecision precision, size_t spread) {
   }
 }
 
+// The unsharded optimizer of a model whose working copy leaves out the FP8 Linear weights
+// (GptModel::working_offsets): the gradients at the table's offsets, the BF16 working values at
+// offsets of their own, none for two tensors. Tensor k's working offset is its table offset +
+// k * spread (a spread that is a multiple of 4 keeps the vector path). The same numbers as the
+// plain call, bit for bit; nothing written for the tensors without a working value.
+void run_with_working_offsets(OptimizerStatePrecision precision, size_t spread) {
+  const TensorLayout layout = test_layout();
+  const size_t count = layout.tensors().size();
+  std::vector<uint64_t> offsets(count);
+  for (size_t k = 0; k < count; ++k)
+    offsets[k] = (k == 0 || k == 4) ? ~uint64_t{0} : layout.tensors()[k].offset + k * spread;
+  const DeviceBuffer<uint64_t> device_offsets = device_copy(offsets);
+  const AdamWHyperparams hp = test_hyperparams();
+  const std::vector<float> params = random_params(layout, 23);
+  GpuOptimizer plain(layout, precision, params), compact(layout, precision, params);
+  DeviceBuffer<__nv_bfloat16> working;
+  working.allocate(layout.total_elements() + count * spread);
+  working.fill_bytes(kPoisonByte);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    const std::vector<float> grads = random_grads(layout, 400 + step);
+    plain.step(grads, hp, 1.0);
+    compact.grads.upload(grads.data(), grads.size());
+    compact.loss.upload(std::vector<float>{5.0f});
+    sync();
+    cuda::grad_norm_squared(compact.sum.data(), compact.grads.data(), compact.table(), compact.norm_scratch.data(),
+                            nullptr);
+    cuda::finalize_step(compact.control.data(), compact.sum.data(), compact.loss.data(), 2.0f, 1.0, nullptr);
+    if (precision == OptimizerStatePrecision::fp8_fp16) {
+      cuda::adamw_fp8_fp16_moment_amaxes(compact.grads.data(), compact.m8.data(), compact.v16.data(),
+                                         compact.m_scales.data(), compact.v_scales.data(), compact.table(), hp,
+                                         compact.control.data(), compact.scratch.data(), nullptr);
+      cuda::adamw_fp8_fp16_apply(compact.master.data(), working.data(), compact.grads.data(), compact.m8.data(),
+                                 compact.v16.data(), compact.m_scales.data(), compact.v_scales.data(), compact.table(),
+                                 hp, compact.control.data(), compact.scratch.data(), nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, device_offsets.data());
+    } else {
+      cuda::adamw_step_fp32(compact.master.data(), working.data(), compact.grads.data(), compact.m32.data(),
+                            compact.v32.data(), compact.table(), hp, compact.control.data(), nullptr, nullptr,
+                            device_offsets.data());
+    }
+    sync();
+    CHECK(plain.master.download() == compact.master.download());
+    if (precision == OptimizerStatePrecision::fp8_fp16) {
+      CHECK(plain.m8.download() == compact.m8.download());
+      CHECK(plain.v16.download() == compact.v16.download());
+      CHECK(plain.m_scales.download() == compact.m_scales.download());
+      CHECK(plain.v_scales.download() == compact.v_scales.download());
+    } else {
+      CHECK(plain.m32.download() == compact.m32.download());
+      CHECK(plain.v32.download() == compact.v32.download());
+    }
+    const std::vector<uint16_t> expected = as_u16(plain.bf16.download()), written = as_u16(working.download());
+    std::vector<uint16_t> want(written.size(), kBf16Poison);
+    for (size_t k = 0; k < count; ++k)
+      if (offsets[k] != ~uint64_t{0})
+        std::copy_n(expected.begin() + ptrdiff_t(layout.tensors()[k].offset), layout.tensors()[k].numel,
+                    want.begin() + ptrdiff_t(offsets[k]));
+    CHECK(written == want);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("GPU AdamW with a working copy of its own layout: the same update, working values where it puts them",
+          "[gpu][optim]") {
+  FP8LM_REQUIRE_GPU();
+  const auto precision = GENERATE(OptimizerStatePrecision::fp8_fp16, OptimizerStatePrecision::fp32);
+  const size_t spread = GENERATE(size_t{256}, size_t{257});  // vector path kept; scalar path forced
+  INFO(to_string(precision) << ", spread " << spread);
+  run_with_working_offsets(precision, spread);
+}
 
 TEST_CASE("GPU AdamW with the gradients and the BF16 copy at slab offsets: the packed call's numbers",
           "[gpu][optim]") {
