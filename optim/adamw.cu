@@ -7,7 +7,7 @@
 //   fp8_fp16: pass 1 reads grad, m, v (7 B), and takes the gradient norm in that read where
 //             the table is the norm's (otherwise the norm kernel reads the gradients first,
 //             4 B more); pass 2 reads grad, master, m, v (11 B) and writes master, bf16, m,
-//             v (9 B): 27 B. A Linear weight whose FP8 operand the
+//             v (9 B; 7 B for a tensor without a working value): 27 B. A Linear weight whose FP8 operand the
 //             update writes (weight casts) adds its E4M3 code (1 B) and then, in the
 //             transpose kernel, reads it and writes W^T (2 B): 30 B, against 27 B plus a
 //             separate cast from the master (4 B read, 2 B written) after the update.
