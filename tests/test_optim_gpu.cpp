@@ -407,6 +407,20 @@ void run_against_cpu(OptimizerStatePrecision precision, size_t shift) {
   }
 }
 
+// The master and the optimizer state of two optimizers, byte for byte.
+void check_same_state(const GpuOptimizer& a, const GpuOptimizer& b) {
+  CHECK(a.master.download() == b.master.download());
+  if (a.precision == OptimizerStatePrecision::fp8_fp16) {
+    CHECK(a.m8.download() == b.m8.download());
+    CHECK(a.v16.download() == b.v16.download());
+    CHECK(a.m_scales.download() == b.m_scales.download());
+    CHECK(a.v_scales.download() == b.v_scales.download());
+  } else {
+    CHECK(a.m32.download() == b.m32.download());
+    CHECK(a.v32.download() == b.v32.download());
+  }
+}
+
 // The distributed optimizer's call (apps/engine.cpp): the master and the state packed in the
 // shard, the gradients and the BF16 working values at other offsets (where the in-place
 // reduce-scatter leaves them and the in-place all-gather reads them). Tensor k's slab offset
@@ -457,16 +471,7 @@ void run_with_slab_offsets(OptimizerStatePrecision precision, size_t spread) {
                             sharded.v32.data(), sharded.table(), hp, sharded.control.data(), nullptr, offsets);
     }
     sync();
-    CHECK(packed.master.download() == sharded.master.download());
-    if (precision == OptimizerStatePrecision::fp8_fp16) {
-      CHECK(packed.m8.download() == sharded.m8.download());
-      CHECK(packed.v16.download() == sharded.v16.download());
-      CHECK(packed.m_scales.download() == sharded.m_scales.download());
-      CHECK(packed.v_scales.download() == sharded.v_scales.download());
-    } else {
-      CHECK(packed.m32.download() == sharded.m32.download());
-      CHECK(packed.v32.download() == sharded.v32.download());
-    }
+    check_same_state(packed, sharded);
     // The BF16 values at the slab offsets, the packed call's; the poison everywhere else.
     const std::vector<uint16_t> expected = as_u16(packed.bf16.download()), written = as_u16(slab_bf16.download());
     std::vector<uint16_t> want(slab.total_elements(), kBf16Poison);
@@ -519,16 +524,7 @@ void run_with_working_offsets(OptimizerStatePrecision precision, size_t spread) 
                             device_offsets.data());
     }
     sync();
-    CHECK(plain.master.download() == compact.master.download());
-    if (precision == OptimizerStatePrecision::fp8_fp16) {
-      CHECK(plain.m8.download() == compact.m8.download());
-      CHECK(plain.v16.download() == compact.v16.download());
-      CHECK(plain.m_scales.download() == compact.m_scales.download());
-      CHECK(plain.v_scales.download() == compact.v_scales.download());
-    } else {
-      CHECK(plain.m32.download() == compact.m32.download());
-      CHECK(plain.v32.download() == compact.v32.download());
-    }
+    check_same_state(plain, compact);
     const std::vector<uint16_t> expected = as_u16(plain.bf16.download()), written = as_u16(working.download());
     std::vector<uint16_t> want(written.size(), kBf16Poison);
     for (size_t k = 0; k < count; ++k)
