@@ -87,7 +87,8 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
     s.ops = make_observed_ops(std::move(s.ops), std::move(profiler));
   }
   s.memory_estimate = setup.memory;
-  s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), model_precision(o), *s.ops);
+  s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), decoder_model_precision(o, s.ops->activation_dtype()),
+                                       *s.ops);
   s.canonical = make_gpt_layout(setup.model);
 }
 
@@ -104,12 +105,7 @@ void Generator::set_parameters(const std::vector<float>& canonical) {
     FP8LM_CHECK(source != nullptr, "no canonical tensor ", t.name);
     copy_part_from_full(t, canonical.data() + source->offset, local.data() + t.offset, 0, 1);
   }
-  Tensor working;
-  working.data = s.model->working();
-  working.dtype = s.ops->activation_dtype();
-  working.rows = 1;
-  working.cols = int64_t(local.size());
-  s.ops->upload_values(working, local.data());
+  s.model->set_working_values(local.data());
   if (s.model->fp8_weight_operands().empty()) {
     // No FP8 weights: the operands (BF16 copies on the CPU) come from the working copy.
     s.model->refresh_weight_operands();

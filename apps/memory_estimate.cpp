@@ -272,7 +272,8 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
 
 // Weight operands that are not views of the working copy (FP8 codes and their transposes;
 // BF16 copies on the CPU, whose working copy is FP32).
-uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision) {
+uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
+                              bool with_transposes = true) {
   const BlockScaling blocks =
       precision.fp8.recipe == ScalingRecipe::blockwise ? BlockScaling::blocks_128x128 : BlockScaling::none;
   uint64_t bytes = 0;
@@ -280,10 +281,10 @@ uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act,
     const DType block = forward_operand_dtype(gemm);
     if (block == act) continue;
     for (const auto& [rows, cols] : {std::pair{3 * x.C / x.tp, x.C}, {x.C, x.Cl}, {x.Fl, x.C}, {x.C, x.Fl}})
-      bytes = add(bytes, mul(count, operand_bytes(eb, rows, cols, block, is_fp8(block), blocks)));
+      bytes = add(bytes, mul(count, operand_bytes(eb, rows, cols, block, is_fp8(block) && with_transposes, blocks)));
   }
   const DType head = forward_operand_dtype(precision.lm_head());
-  if (head != act) bytes = add(bytes, operand_bytes(eb, x.Vs, x.C, head, is_fp8(head), blocks));
+  if (head != act) bytes = add(bytes, operand_bytes(eb, x.Vs, x.C, head, is_fp8(head) && with_transposes, blocks));
   return bytes;
 }
 
@@ -578,7 +579,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   const bool cuda = s.use_cuda;
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
-  const GptPrecision precision = model_precision(o);
+  const GptPrecision precision = decoder_model_precision(o, act);
   const uint64_t n = slab_of(x).elements;            // the parameter slab (make_gpt_shard_layout, one rank)
   const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
   const uint64_t capacity = uint64_t(std::max(0, inference.capacity));
@@ -593,15 +594,23 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
       "lower --batch-size or --max-new-tokens (or shorten the prompt)" +
       std::string(cuda && !generator.fp8_kv_cache ? ", or pass --kv-cache-dtype fp8 (half the bytes)" : "");
 
-  const uint64_t operands = weight_operand_bytes(x, eb, act, precision);
+  // No transposed copies (decoding runs no dgrad), and on the GPU no BF16 working copy of the
+  // FP8 blocks' Linear weights (cast once from the FP32 values), with a table of where the
+  // rest sits.
+  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
+  uint64_t working_elements = n, offsets_table = 0;
+  if (!precision.fp8_linear_working_copy && fp8_block_weights) {
+    const uint64_t fp8_blocks = x.L - uint64_t(precision.bf16_block_count(int64_t(x.L)));
+    working_elements -= mul(fp8_blocks, round_up(block_linear_elements(x), 256));
+    offsets_table = mul(mul(x.L, 12) + 4, 8);
+  }
   add_backend_consumer(
       estimate, cuda,
       "parameters (" + std::string(to_string(act)) + " working copy" +
           (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-      sum({mul(n, eb(act)), operands, operands ? uint64_t{256} : uint64_t{0}}),
-      cuda && o.fp8_enabled()
-          ? "fp8lm sample holds the whole model on one GPU: BF16 GEMMs (--bf16) need no FP8 weight copies"
-          : "fp8lm sample holds the whole model in one process: use a machine with more memory");
+      sum({mul(working_elements, eb(act)), offsets_table, operands, operands ? uint64_t{256} : uint64_t{0}}),
+      "fp8lm sample holds the whole model " + std::string(cuda ? "on one GPU" : "in one process") +
+          ": use a machine with more memory");
 
   const DType cache_dtype = generator.fp8_kv_cache ? DType::e4m3 : act;
   add_backend_consumer(estimate, cuda,

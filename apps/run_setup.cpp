@@ -226,6 +226,13 @@ GptPrecision engine_model_precision(const TrainOptions& o, bool sharded_optimize
   return precision;
 }
 
+GptPrecision decoder_model_precision(const TrainOptions& o, DType activation_dtype) {
+  GptPrecision precision = model_precision(o);
+  // The FP8 weights are cast once, from the checkpoint's FP32 values (Generator::set_parameters).
+  precision.fp8_linear_working_copy = activation_dtype == DType::f32;
+  return precision;
+}
+
 ActivationRecompute activation_recompute(const TrainOptions& o) {
   if (o.recompute_granularity == "selective") {
     auto has = [&](const char* module) {

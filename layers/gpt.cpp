@@ -460,8 +460,8 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   // The working slab: the layout without the FP8 blocks' Linear-weight buckets when those have no
   // working copy. Whole buckets go (multiples of kBucketAlignment elements), so every other
   // tensor keeps its alignment.
-  FP8LM_CHECK(precision.fp8_linear_working_copy || (activation_dtype_ != DType::f32 && !is_inference()),
-              "only a training model's BF16 working copy can leave out the FP8 Linear weights");
+  FP8LM_CHECK(precision.fp8_linear_working_copy || activation_dtype_ != DType::f32,
+              "only a BF16 working copy can leave out the FP8 Linear weights (the FP32 one is the master)");
   auto dropped_bucket = [&](const ParameterBucket& bucket) {
     return !precision.fp8_linear_working_copy && bucket.linear_weights &&
            precision.block(bucket.layer, config.n_layer) == GemmPrecision::fp8;
@@ -568,8 +568,9 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     for (LinearParams* linear : owned) {
       const Tensor& w = linear->weight;
       const int state = linear->weight_operand.scaling_state;
+      // The transposed copy serves dgrad: an inference model runs no backward.
       linear->weight_operand = carver.take(w.rows, w.cols, linear->weight_operand.dtype, state,
-                                           is_fp8(linear->weight_operand.dtype), weight_blocks);
+                                           is_fp8(linear->weight_operand.dtype) && !is_inference(), weight_blocks);
     }
     return carver.size();
   };

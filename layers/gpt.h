@@ -119,7 +119,8 @@ struct GptPrecision {
   // operands, which are cast from the optimizer's FP32 master (GptModel::set_fp8_cast_source,
   // or AdamW's update pass), so the copy would be written every step and read by nothing. For a
   // master that is whole on this rank and apart from the working copy: the GPU's unsharded
-  // optimizer (the engine decides). The other parameters keep theirs.
+  // optimizer (the engine decides), and the GPU's decoder, which casts them once from the
+  // checkpoint's FP32 values. The other parameters keep theirs.
   bool fp8_linear_working_copy = true;
   bool runs_block_in_bf16(int layer, int n_layer) const {
     return layer < bf16_layers_at_start || layer >= n_layer - bf16_layers_at_end || bf16_blocks.count(layer) > 0;
