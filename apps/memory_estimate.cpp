@@ -411,13 +411,14 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
 
   // The working copy: every parameter, or all but the FP8 blocks' Linear-weight buckets
   // (GptPrecision::fp8_linear_working_copy), with a table of where each tensor sits.
-  uint64_t working_elements = n;
-  if (!precision.fp8_linear_working_copy && precision.gemm == GemmPrecision::fp8) {
-    const uint64_t fp8_blocks = x.L - uint64_t(precision.bf16_block_count(int64_t(x.L)));
+  uint64_t working_elements = n, offsets_table = 0;
+  const uint64_t fp8_blocks =
+      precision.gemm == GemmPrecision::fp8 ? x.L - uint64_t(precision.bf16_block_count(int64_t(x.L))) : 0;
+  if (!precision.fp8_linear_working_copy && fp8_blocks > 0) {
     working_elements -= mul(fp8_blocks, round_up(block_linear_elements(x), 256 * x.dp));
+    offsets_table = mul(tensors, 8);
   }
-  uint64_t weights = mul(working_elements, eb(act));
-  if (!precision.fp8_linear_working_copy) weights = add(weights, mul(tensors, 8));
+  uint64_t weights = add(mul(working_elements, eb(act)), offsets_table);
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
   add_backend_consumer(estimate, cuda,
                        "parameters (" + std::string(to_string(act)) + " working copy" +

@@ -481,8 +481,9 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   for (size_t k = 0; k < layout_.tensors().size(); ++k)
     if (working_offsets_[k] != kNoWorkingCopy)
       working_elements = std::max<size_t>(working_elements, working_offsets_[k] + layout_.tensors()[k].numel);
-  working_ = ops.allocate((precision.fp8_linear_working_copy ? n : working_elements) * act_bytes);
-  if (!precision.fp8_linear_working_copy) {
+  const bool compact = std::count(working_offsets_.begin(), working_offsets_.end(), kNoWorkingCopy) > 0;
+  working_ = ops.allocate((compact ? working_elements : n) * act_bytes);
+  if (compact) {
     working_offsets_backend_ = ops.allocate(working_offsets_.size() * sizeof(uint64_t));
     ops.upload(working_offsets_backend_->data(), working_offsets_.data(), working_offsets_.size() * sizeof(uint64_t));
   }
