@@ -367,16 +367,14 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   Communicator* tp_group = layout.tp_size > 1 ? &s.groups->tp() : nullptr;
   s.tp = std::make_unique<TensorParallelMappings>(tp_group, o.sequence_parallel, *s.ops);
   s.ops->set_amax_group(tp_group);
+  s.sharded = layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true);
   s.model = std::make_unique<GptModel>(setup.model, o.micro_batch_size, setup.seq_length,
-                                       engine_model_precision(o, layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true),
-                                                              s.ops->activation_dtype()),
-                                       *s.ops,
+                                       engine_model_precision(o, s.sharded, s.ops->activation_dtype()), *s.ops,
                                        ModelParallelism{s.tp.get(), layout.dp_size}, activation_recompute(o));
   s.canonical = make_gpt_layout(setup.model);
   s.state_precision = o.optimizer_state;
   s.recipe = o.fp8;
   s.fp8 = o.fp8_enabled();
-  s.sharded = layout.dp_size > 1 && o.use_distributed_optimizer.value_or(true);
   s.fp8_grad_comm = o.fp8_grad_comm && layout.dp_size > 1;
   s.fp8_grad_reduce = o.fp8_grad_reduce;
   s.fp8_param_gather = o.fp8_param_gather;

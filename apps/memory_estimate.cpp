@@ -270,6 +270,19 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   return add(layers, once);
 }
 
+// The elements the working copy leaves out (GptPrecision::fp8_linear_working_copy): the FP8
+// blocks' Linear-weight buckets, each padded to 256 x dp elements; and the bytes of the table of
+// where the other tensors sit, which the model then holds (8 a tensor).
+struct LeftOut {
+  uint64_t elements = 0, table_bytes = 0;
+};
+LeftOut working_copy_left_out(const Shape& x, const GptPrecision& precision) {
+  if (precision.fp8_linear_working_copy || precision.gemm != GemmPrecision::fp8) return {};
+  const uint64_t fp8_blocks = x.L - uint64_t(precision.bf16_block_count(int64_t(x.L)));
+  if (fp8_blocks == 0) return {};
+  return {mul(fp8_blocks, round_up(block_linear_elements(x), 256 * x.dp)), mul(mul(x.L, 12) + 4, 8)};
+}
+
 // Weight operands that are not views of the working copy (FP8 codes and their transposes;
 // BF16 copies on the CPU, whose working copy is FP32).
 uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
@@ -411,14 +424,8 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
 
   // The working copy: every parameter, or all but the FP8 blocks' Linear-weight buckets
   // (GptPrecision::fp8_linear_working_copy), with a table of where each tensor sits.
-  uint64_t working_elements = n, offsets_table = 0;
-  const uint64_t fp8_blocks =
-      precision.gemm == GemmPrecision::fp8 ? x.L - uint64_t(precision.bf16_block_count(int64_t(x.L))) : 0;
-  if (!precision.fp8_linear_working_copy && fp8_blocks > 0) {
-    working_elements -= mul(fp8_blocks, round_up(block_linear_elements(x), 256 * x.dp));
-    offsets_table = mul(tensors, 8);
-  }
-  uint64_t weights = add(mul(working_elements, eb(act)), offsets_table);
+  const LeftOut left_out = working_copy_left_out(x, precision);
+  uint64_t weights = add(mul(n - left_out.elements, eb(act)), left_out.table_bytes);
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
   add_backend_consumer(estimate, cuda,
                        "parameters (" + std::string(to_string(act)) + " working copy" +
@@ -599,17 +606,12 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   // FP8 blocks' Linear weights (cast once from the FP32 values), with a table of where the
   // rest sits.
   const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
-  uint64_t working_elements = n, offsets_table = 0;
-  if (!precision.fp8_linear_working_copy && fp8_block_weights) {
-    const uint64_t fp8_blocks = x.L - uint64_t(precision.bf16_block_count(int64_t(x.L)));
-    working_elements -= mul(fp8_blocks, round_up(block_linear_elements(x), 256));
-    offsets_table = mul(mul(x.L, 12) + 4, 8);
-  }
+  const LeftOut left_out = working_copy_left_out(x, precision);
   add_backend_consumer(
       estimate, cuda,
       "parameters (" + std::string(to_string(act)) + " working copy" +
           (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-      sum({mul(working_elements, eb(act)), offsets_table, operands, operands ? uint64_t{256} : uint64_t{0}}),
+      sum({mul(n - left_out.elements, eb(act)), left_out.table_bytes, operands, operands ? uint64_t{256} : uint64_t{0}}),
       "fp8lm sample holds the whole model " + std::string(cuda ? "on one GPU" : "in one process") +
           ": use a machine with more memory");
 

@@ -1013,10 +1013,19 @@ void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum
 // ---- Backward -------------------------------------------------------------------------
 
 // The output gradient of `linear` as its GEMM operand: the gradient itself when its dtype
-// is the operand's, else the shared operand storage (FP8 with its transpose).
-Tensor GptModel::gradient_operand(const Tensor& gradient, const LinearParams& linear) const {
+// is the operand's, else `storage` (by default the shared operand storage, FP8 with its
+// transpose) viewed as [rows, cols] with the linear's scaling state.
+Tensor GptModel::gradient_operand(const Tensor& gradient, const LinearParams& linear, const Tensor* storage) const {
   if (linear.grad_dtype == gradient.dtype) return gradient;
-  return gradient_operand_buffer(gradient.rows, gradient.cols, linear);
+  if (storage == nullptr) return gradient_operand_buffer(gradient.rows, gradient.cols, linear);
+  FP8LM_CHECK(storage->dtype == linear.grad_dtype && storage->numel() >= gradient.numel(),
+              "gradient_operand: storage of ", to_string(storage->dtype), " for a ", to_string(linear.grad_dtype),
+              " operand of [", gradient.rows, ",", gradient.cols, "]");
+  Tensor operand = *storage;
+  operand.rows = gradient.rows;
+  operand.cols = gradient.cols;
+  operand.scaling_state = linear.grad_state;
+  return operand;
 }
 
 Tensor GptModel::gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const {
@@ -1068,7 +1077,7 @@ void GptModel::block_backward(int l) {
   // and its bias gradient, and, when this block keeps no GELU output, mlp.c_proj's wgrad input.
   const Tensor dy_fc = gradient_operand_buffer(s.dgelu.rows, s.dgelu.cols, w.fc);
   if (recomputes_gelu_output(w)) {
-    const Tensor dy_fc2 = row_parallel_dgrad(w.fc2, s.dgelu, s.fc2_grad_operand);
+    const Tensor dy_fc2 = row_parallel_dgrad(w.fc2, s.dgelu, &s.fc2_grad_operand);
     Tensor gelu_wgrad_input = a.gelu;
     gelu_wgrad_input.transposed = s.gelu_operand.transposed;
     ops_.gelu_backward({.dpre = dy_fc,
@@ -1106,25 +1115,13 @@ void GptModel::block_backward(int l) {
 // A row-parallel linear (c_proj) whose output was added to the residual stream: the residual
 // gradient, of all rows, is its output gradient (and its bias's).
 void GptModel::row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input) {
-  const Scratch& s = *scratch_;
-  const Tensor dy = row_parallel_dgrad(linear, dinput,
-                                       gradient_operand_buffer(s.dresidual_full.rows, s.dresidual_full.cols, linear));
-  weight_gradient(linear, input, dy);
+  weight_gradient(linear, input, row_parallel_dgrad(linear, dinput));
 }
 
-Tensor GptModel::row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput, const Tensor& operand_buffer) {
+Tensor GptModel::row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput, const Tensor* operand_storage) {
   const Scratch& s = *scratch_;
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
-  Tensor dy = s.dresidual_full;
-  if (linear.grad_dtype != dy.dtype) {
-    FP8LM_CHECK(operand_buffer.dtype == linear.grad_dtype && operand_buffer.numel() >= dy.numel(),
-                "row_parallel_dgrad: an operand buffer of ", to_string(linear.grad_dtype), " for [", dy.rows, ",",
-                dy.cols, "]");
-    dy = operand_buffer;
-    dy.rows = s.dresidual_full.rows;
-    dy.cols = s.dresidual_full.cols;
-    dy.scaling_state = linear.grad_state;
-  }
+  const Tensor dy = gradient_operand(s.dresidual_full, linear, operand_storage);
   ops_.quantize(dy, s.dresidual_full, linear.grad_bias);
   ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = linear.weight_operand, .grad = dy});
   return dy;
@@ -1218,26 +1215,18 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
 }
 
 void GptModel::set_working_values(const float* slab_values) {
-  if (!working_offsets_backend_) {
-    Tensor working;
-    working.data = working_->data();
-    working.dtype = activation_dtype_;
-    working.rows = 1;
-    working.cols = int64_t(layout_.total_elements());
-    ops_.upload_values(working, slab_values);
-    return;
-  }
-  std::vector<float> compact(working_->bytes() / ops_.element_bytes(activation_dtype_), 0.0f);
+  Tensor working;
+  working.data = working_->data();
+  working.dtype = activation_dtype_;
+  working.rows = 1;
+  working.cols = int64_t(working_->bytes() / ops_.element_bytes(activation_dtype_));
+  if (!working_offsets_backend_) return ops_.upload_values(working, slab_values);  // the layout's own order
+  std::vector<float> compact(size_t(working.cols), 0.0f);
   for (size_t k = 0; k < layout_.tensors().size(); ++k) {
     const TensorInfo& t = layout_.tensors()[k];
     if (working_offsets_[k] != kNoWorkingCopy)
       std::copy(slab_values + t.offset, slab_values + t.offset + t.numel, compact.begin() + ptrdiff_t(working_offsets_[k]));
   }
-  Tensor working;
-  working.data = working_->data();
-  working.dtype = activation_dtype_;
-  working.rows = 1;
-  working.cols = int64_t(compact.size());
   ops_.upload_values(working, compact.data());
 }
 

@@ -260,7 +260,7 @@ class GptModel {
   // elements of the dropped Linear-weight buckets before it (GptPrecision::fp8_linear_working_copy),
   // or kNoWorkingCopy for the tensors of those buckets. working_offsets_on_backend() is the same
   // array in backend memory, nullptr while every tensor sits at its layout offset.
-  static constexpr uint64_t kNoWorkingCopy = UINT64_MAX;
+  static constexpr uint64_t kNoWorkingCopy = kNoWorkingValue;
   const std::vector<uint64_t>& working_offsets() const { return working_offsets_; }
   const uint64_t* working_offsets_on_backend() const {
     return working_offsets_backend_ ? static_cast<const uint64_t*>(working_offsets_backend_->data()) : nullptr;
@@ -354,9 +354,10 @@ class GptModel {
   // Selective recomputation: block l's LayerNorm and/or MLP outputs again, for its backward.
   void recompute_selective(int l);
   void row_parallel_backward(const LinearParams& linear, const Tensor& dinput, const Tensor& input);
-  // Its two halves: the dgrad, which returns the output-gradient operand (quantized into
-  // `operand_buffer`, or the gradient itself when not cast), and the wgrad that takes it.
-  Tensor row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput, const Tensor& operand_buffer);
+  // Its two halves: the dgrad, which returns the output-gradient operand (gradient_operand's,
+  // in `operand_storage` when given), and the wgrad that takes it.
+  Tensor row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput,
+                            const Tensor* operand_storage = nullptr);
   void weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad);
   // Whether block w's backward recomputes its FP8 GELU output from c_fc's saved output instead
   // of keeping it: in the GELU backward's kernel, which reads that output anyway and writes
@@ -368,7 +369,8 @@ class GptModel {
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
-  Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear) const;
+  Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear,
+                          const Tensor* storage = nullptr) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;
   Tensor local_rows(const Tensor& full) const;
 

@@ -260,7 +260,7 @@ struct AdamWCall {
   const TensorTable* slab_table = nullptr;
   // Optional [tensors] backend memory: where each tensor's working value sits in `working`
   // when the working copy leaves some tensors out (GptModel::working_offsets_on_backend: the FP8
-  // Linear weights, GptModel::kNoWorkingCopy, which get no working value). Unsharded state only.
+  // Linear weights, kNoWorkingValue, which get no working value). Unsharded state only.
   const uint64_t* working_offsets = nullptr;
   OptimizerStatePrecision precision = OptimizerStatePrecision::fp8_fp16;
   AdamWStateSlabs state;

@@ -516,7 +516,7 @@ class CpuOps final : public Ops {
     for (size_t k = 0; k < layout.tensors().size(); ++k) {
       const TensorInfo& t = layout.tensors()[k];
       const uint64_t offset = call.working_offsets ? call.working_offsets[k] : working_layout.tensors()[k].offset;
-      if (offset == UINT64_MAX) continue;  // GptModel::kNoWorkingCopy
+      if (offset == kNoWorkingValue) continue;
       std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + offset);
     }
   }

@@ -83,8 +83,7 @@ __device__ __forceinline__ uint64_t slab_index(const DeviceTensorTable& table, c
 }
 
 // Where the chunk's first working value goes: beside its gradient (slab index gb), or, when the
-// working copy has offsets of its own, there; kNoWorkingValue for a tensor without one.
-constexpr uint64_t kNoWorkingValue = ~uint64_t{0};
+// working copy has offsets of its own, there; kNoWorkingValue (optim/adamw.h) for a tensor without one.
 __device__ __forceinline__ uint64_t working_index(const DeviceTensorTable& table, const uint64_t* working_offsets,
                                                   const ChunkRange& c, uint64_t gb) {
   if (working_offsets == nullptr) return gb;

@@ -88,6 +88,9 @@ std::string_view to_string(OptimizerStatePrecision precision);  // "fp32", "fp8-
 
 // Storage formats of the fp8_fp16 moments.
 inline constexpr Fp8Dtype kFirstMomentDtype = Fp8Dtype::e4m3;
+// A working-offsets entry (AdamWCall::working_offsets, the kernels' working_offsets) for a
+// tensor without a working value: AdamW writes none for it.
+inline constexpr uint64_t kNoWorkingValue = ~uint64_t{0};
 
 struct AdamWHyperparams {
   float lr = 0.0f;

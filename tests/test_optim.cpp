@@ -494,8 +494,7 @@ TEST_CASE("CPU AdamW writes a working copy laid out on its own: the master's val
       master[t.offset + i] = 0.01f * float(t.offset + i);
       grads[t.offset + i] = i % 2 ? 0.5f : -0.25f;
     }
-  constexpr uint64_t kNone = ~uint64_t{0};
-  const std::vector<uint64_t> offsets = {kNone, 3, 40};  // "a" has no working copy
+  const std::vector<uint64_t> offsets = {kNoWorkingValue, 3, 40};  // "a" has no working copy
   std::vector<float> working(64, NAN);
   StepControl control;
   control.step_count = 1;

@@ -492,7 +492,7 @@ void run_with_working_offsets(OptimizerStatePrecision precision, size_t spread) 
   const size_t count = layout.tensors().size();
   std::vector<uint64_t> offsets(count);
   for (size_t k = 0; k < count; ++k)
-    offsets[k] = (k == 0 || k == 4) ? ~uint64_t{0} : layout.tensors()[k].offset + k * spread;
+    offsets[k] = (k == 0 || k == 4) ? kNoWorkingValue : layout.tensors()[k].offset + k * spread;
   const DeviceBuffer<uint64_t> device_offsets = device_copy(offsets);
   const AdamWHyperparams hp = test_hyperparams();
   const std::vector<float> params = random_params(layout, 23);
@@ -528,7 +528,7 @@ void run_with_working_offsets(OptimizerStatePrecision precision, size_t spread) 
     const std::vector<uint16_t> expected = as_u16(plain.bf16.download()), written = as_u16(working.download());
     std::vector<uint16_t> want(written.size(), kBf16Poison);
     for (size_t k = 0; k < count; ++k)
-      if (offsets[k] != ~uint64_t{0})
+      if (offsets[k] != kNoWorkingValue)
         std::copy_n(expected.begin() + ptrdiff_t(layout.tensors()[k].offset), layout.tensors()[k].numel,
                     want.begin() + ptrdiff_t(offsets[k]));
     CHECK(written == want);
