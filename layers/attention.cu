@@ -37,6 +37,7 @@
 #include "layers/attention.h"
 #include "layers/attention_backward_dkdv.cuh"
 #include "layers/attention_backward_dq.cuh"
+#include "layers/attention_backward_wgmma.cuh"
 #include "layers/attention_forward.cuh"
 #include "layers/attention_tiles.cuh"
 
@@ -142,6 +143,32 @@ void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float*
   }
 }
 
+// Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma.
+void launch_backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
+                           int T, int C, int NH, cudaStream_t stream) {
+  using Cfg = BackwardWgmmaConfig;
+  const float scale = 1.0f / sqrtf(static_cast<float>(Cfg::HS));
+  const float sl2 = kLog2e * scale;
+  const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
+  set_smem(attention_backward_dkdv_wgmma_kernel, Cfg::smem_bytes);
+  attention_backward_dkdv_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C,
+                                                                                       NH, sl2, scale);
+  CUDA_CHECK_LAUNCH();
+  set_smem(attention_backward_dq_wgmma_kernel, Cfg::smem_bytes);
+  attention_backward_dq_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH,
+                                                                                     sl2, scale);
+  CUDA_CHECK_LAUNCH();
+}
+
+// wgmma exists on compute capability 9.x only (sm_90a); other GPUs run the mma.sync kernels.
+bool has_wgmma() {
+  int device = 0;
+  int major = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major == 9;
+}
+
 }  // namespace
 
 void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
@@ -193,7 +220,12 @@ void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __
   }
   switch (HS) {
     case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
-    case 64: launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
+    case 64:
+      if (has_wgmma())
+        launch_backward_wgmma(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
+      else
+        launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
+      break;
     default: launch_backward<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
   }
 }

@@ -1,0 +1,347 @@
+// Flash-attention backward, steps 2 and 3, for head size 64 with Hopper's wgmma: the same
+// algorithm, tiles and order of work as the mma.sync kernels (attention_backward_dkdv.cuh,
+// attention_backward_dq.cuh), with each block's 4 warps acting as one warpgroup. Included
+// once, by attention.cu. Helpers and layouts: attention_wgmma.cuh.
+//
+// dK/dV: grid (ceil(T/64), NH, B); a block owns 64 keys (warp w: keys 16w..16w+15, as
+// before), K and V as A fragments in registers, and walks the query tiles from its diagonal
+// to T. Per tile, with Q and dO in swizzled shared tiles (double-buffered):
+//   S^T = K Q^T and dP^T = V dO^T   issued together (two groups)
+//   P^T = exp2(S^T*sl2 - lse2)       while dP^T runs
+//   dV += P^T dO                     issued, then dS^T = P^T (dP^T - D) while it runs
+//   dK += dS^T Q
+// dQ: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO as A fragments, and walks
+// the key tiles 0..diagonal, K and V in swizzled shared tiles:
+//   S = Q K^T and dP = dO V^T together, P while dP runs, dS = P (dP - D), dQ += dS K.
+// No atomics: every output element is written once, by one thread; bit-reproducible.
+// smem (each kernel): four swizzled [64][64] tiles (32 KiB, 1024-aligned), the A source
+// tiles [64][72] (18 KiB) and, for dK/dV, lse and D of two query tiles.
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "layers/attention_tiles.cuh"
+#include "layers/attention_wgmma.cuh"
+
+namespace fp8lm::cuda {
+
+namespace {
+
+struct BackwardWgmmaConfig {
+  static constexpr int HS = 64;
+  static constexpr int LD = HS + 8;  // the padded A-source tiles, read once with ldmatrix
+  static constexpr int BLOCK = 64;   // keys (dK/dV) or queries (dQ) per block; 16 per warp
+  static constexpr int TILE = 64;    // queries (dK/dV) or keys (dQ) per walked tile
+  static constexpr int kTileBytes = TILE * kSwizzledRowBytes;
+  static constexpr size_t smem_bytes = kSwizzleAtomBytes /* alignment slack */ + 4 * kTileBytes +
+                                       static_cast<size_t>(2 * BLOCK) * LD * sizeof(bf16) +
+                                       4 * TILE * sizeof(float);
+};
+
+// The first 1024-byte boundary of the block's dynamic shared memory.
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem) {
+  const uint32_t base = smem_u32(smem);
+  return smem + (((base + kSwizzleAtomBytes - 1) & ~static_cast<uint32_t>(kSwizzleAtomBytes - 1)) - base);
+}
+
+// Loads the 16 rows of this warp from a padded [64][LD] tile as four k-step A fragments.
+__device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[4][4], uint32_t tile, int warp, int lane) {
+  constexpr int LD = BackwardWgmmaConfig::LD;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) ldsm_x4(frag[kk], ldsm_a_addr<LD>(tile, warp * 16, kk * 16, lane));
+}
+
+template <int N>
+__device__ __forceinline__ void pack_a_fragments(uint32_t (&frag)[N / 2][4], const float (&acc)[N][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 2; ++kk) acc_to_a(frag[kk], acc, kk);
+}
+
+// dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
+// D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
+                                         const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                                         const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+  using Cfg = BackwardWgmmaConfig;
+  constexpr int HS = Cfg::HS, LD = Cfg::LD, BK = Cfg::BLOCK, BQ = Cfg::TILE;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = swizzle_aligned(smem_raw);
+  const uint32_t q_tiles = smem_u32(smem);                // [2] swizzled [BQ][64]
+  const uint32_t do_tiles = q_tiles + 2 * Cfg::kTileBytes;  // [2] swizzled [BQ][64]
+  bf16* sK = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BK][LD]
+  bf16* sV = sK + BK * LD;                                          // [BK][LD]
+  float* sL = reinterpret_cast<float*>(sV + BK * LD);               // [2][BQ] lse * log2(e)
+  float* sD = sL + 2 * BQ;                                          // [2][BQ]
+
+  const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
+  const float* lse_bh = lse + bh * T;
+  const float* D_bh = D + bh * T;
+
+  const int k0 = kb * BK;
+  const int warp_k0 = k0 + warp * 16;
+  const int qt_begin = k0 / BQ;
+  const int n_qt = (T + BQ - 1) / BQ;
+
+  auto load_query_tile = [&](int qt, int buf) {
+    load_swizzled_tile_async<BQ>(q_tiles + buf * Cfg::kTileBytes, q_base, stride, qt * BQ, T);
+    load_swizzled_tile_async<BQ>(do_tiles + buf * Cfg::kTileBytes, do_base, static_cast<size_t>(C), qt * BQ, T);
+    for (int i = threadIdx.x; i < BQ; i += kThreads) {
+      const int t = qt * BQ + i;
+      sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
+      sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
+    }
+  };
+
+  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
+  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
+  load_query_tile(qt_begin, 0);
+  cp_async_commit();
+
+  uint32_t kf[4][4], vf[4][4];  // this warp's 16 keys as A fragments
+  float dk[8][4], dv[8][4];
+  zero(dk);
+  zero(dv);
+
+  for (int qt = qt_begin; qt < n_qt; ++qt) {
+    const int buf = (qt - qt_begin) & 1;
+    if (qt + 1 < n_qt) {
+      load_query_tile(qt + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (qt == qt_begin) {
+      load_a_fragments(kf, smem_u32(sK), warp, lane);
+      load_a_fragments(vf, smem_u32(sV), warp, lane);
+    }
+    const uint32_t q_tile = q_tiles + buf * Cfg::kTileBytes;
+    const uint32_t do_tile = do_tiles + buf * Cfg::kTileBytes;
+    const float* sLb = sL + buf * BQ;
+    const float* sDb = sD + buf * BQ;
+    const int tq0 = qt * BQ;
+
+    float s[8][4], dp[8][4];
+    wgmma_fence();
+    wgmma_tile<0>(s, kf, q_tile, false);  // S^T = K Q^T
+    wgmma_commit();
+    wgmma_tile<0>(dp, vf, do_tile, false);  // dP^T = V dO^T
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T.
+    const bool need_mask = (tq0 < warp_k0 + 15) || (tq0 + BQ > T);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + c2 + (e & 1);
+        float p = fast_exp2(s[nt][e] * sl2 - sLb[qi]);
+        if (need_mask) {
+          const int key = warp_k0 + g + (e >> 1) * 8;
+          const int t = tq0 + qi;
+          if (t < key || t >= T) p = 0.0f;
+        }
+        s[nt][e] = p;
+      }
+
+    uint32_t pa[4][4];
+    pack_a_fragments(pa, s);
+    wgmma_fence();
+    wgmma_tile<1>(dv, pa, do_tile, true);  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(dp);
+
+    // dS^T = P^T (dP^T - D[t]); masked entries have P = 0, so dS = 0 there.
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - sDb[nt * 8 + c2 + (e & 1)]);
+
+    uint32_t dsa[4][4];
+    pack_a_fragments(dsa, dp);
+    wgmma_fence();
+    wgmma_tile<1>(dk, dsa, q_tile, true);  // dK += dS^T Q
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(pa);
+    fence_registers(dsa);
+    __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+  }
+
+  // Epilogue: dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp_k0 + g + r * 8;
+    if (key < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int col = nt * 8 + c2;
+        *reinterpret_cast<__nv_bfloat162*>(row + C + col) =
+            __floats2bfloat162_rn(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale);
+        *reinterpret_cast<__nv_bfloat162*>(row + 2 * static_cast<size_t>(C) + col) =
+            __floats2bfloat162_rn(dv[nt][2 * r], dv[nt][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel.
+__global__ void __launch_bounds__(kThreads)
+    attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
+                                       const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                                       const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+  using Cfg = BackwardWgmmaConfig;
+  constexpr int HS = Cfg::HS, LD = Cfg::LD, BR = Cfg::BLOCK, BC = Cfg::TILE;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = swizzle_aligned(smem_raw);
+  const uint32_t k_tiles = smem_u32(smem);                  // [2] swizzled [BC][64]
+  const uint32_t v_tiles = k_tiles + 2 * Cfg::kTileBytes;   // [2] swizzled [BC][64]
+  bf16* sQ = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BR][LD]
+  bf16* sdO = sQ + BR * LD;                                         // [BR][LD]
+
+  const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
+
+  const int q0 = qb * BR;
+  const int q_last = min(q0 + BR, T) - 1;
+  const int n_kt = q_last / BC + 1;
+  const int warp_q0 = q0 + warp * 16;
+
+  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
+  load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
+  load_swizzled_tile_async<BC>(k_tiles, k_base, stride, 0, T);
+  load_swizzled_tile_async<BC>(v_tiles, v_base, stride, 0, T);
+  cp_async_commit();
+
+  // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
+  float row_lse2[2], row_D[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = warp_q0 + g + r * 8;
+    row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
+    row_D[r] = t < T ? D[bh * T + t] : 0.0f;
+  }
+
+  uint32_t qf[4][4], dof[4][4];
+  float dq[8][4];
+  zero(dq);
+
+  for (int kt = 0; kt < n_kt; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < n_kt) {
+      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, k_base, stride, (kt + 1) * BC, T);
+      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, v_base, stride, (kt + 1) * BC, T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (kt == 0) {
+      load_a_fragments(qf, smem_u32(sQ), warp, lane);
+      load_a_fragments(dof, smem_u32(sdO), warp, lane);
+    }
+    const uint32_t k_tile = k_tiles + buf * Cfg::kTileBytes;
+    const uint32_t v_tile = v_tiles + buf * Cfg::kTileBytes;
+    const int k0 = kt * BC;
+
+    float s[8][4], dp[8][4];
+    wgmma_fence();
+    wgmma_tile<0>(s, qf, k_tile, false);  // S = Q K^T
+    wgmma_commit();
+    wgmma_tile<0>(dp, dof, v_tile, false);  // dP = dO V^T
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // P = exp2(S * sl2 - lse2), zero where s > t or s >= T.
+    const bool need_mask = (k0 + BC - 1 > warp_q0) || (k0 + BC > T);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = fast_exp2(s[nt][e] * sl2 - row_lse2[r]);
+        if (need_mask) {
+          const int t = warp_q0 + g + r * 8;
+          const int key = k0 + nt * 8 + c2 + (e & 1);
+          if (key > t || key >= T) p = 0.0f;
+        }
+        s[nt][e] = p;
+      }
+    wgmma_wait<0>();
+    fence_registers(dp);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= dp[nt][e] - row_D[e >> 1];  // dS = P (dP - D)
+
+    uint32_t dsa[4][4];
+    pack_a_fragments(dsa, s);
+    wgmma_fence();
+    wgmma_tile<1>(dq, dsa, k_tile, true);  // dQ += dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq);
+    fence_registers(dsa);
+    __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = warp_q0 + g + r * 8;
+    if (t < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
+            __floats2bfloat162_rn(dq[nt][2 * r] * scale, dq[nt][2 * r + 1] * scale);
+    }
+  }
+}
+
+}  // namespace
+
+}  // namespace fp8lm::cuda

@@ -1,0 +1,154 @@
+// Hopper warpgroup MMA (wgmma) helpers for the flash-attention kernels with head size 64
+// (attention_backward_wgmma.cuh). Device code only; included by attention.cu.
+//
+// Why wgmma: with mma.sync every warp reloads the whole shared B tile through ldmatrix for
+// each product (4 warps, 4x the bytes), and at head size 64 the backward was bound by those
+// shared-memory reads, not by the tensor cores. wgmma reads its B operand from shared memory
+// once per warpgroup (the 4 warps of a block), straight from a 128-byte-swizzled tile.
+//
+// ---- wgmma.m64n64k16, A from registers, B from shared memory ----------------------------
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], BF16 inputs, FP32 accumulators, one warpgroup.
+// Warp w of the group owns rows 16w..16w+15, and within them the layouts are mma.sync's
+// (attention_tiles.cuh): the A registers a0..a3 are an m16n8k16 A fragment, and the 32
+// accumulators d[nt][e] are eight m16n8 C fragments, columns 8nt..8nt+7. So acc_to_a turns
+// a product's accumulators into the next product's A, as with mma.sync.
+//
+// ---- The B tile: [rows][64] bf16 in shared memory, 128-byte swizzle -----------------------
+// Row r (128 bytes) starts at byte 128r; its 16-byte chunk c (columns 8c..8c+7) is stored at
+// chunk c ^ (r % 8). The tile starts on a 1024-byte boundary (the swizzle repeats every 8
+// rows). One tile serves as B in both orientations:
+//   K-major (trans_b = 0): rows are B's n, columns its k (Q for S^T = K Q^T). k-step kk
+//     (columns 16kk..16kk+15) starts 32kk bytes into the tile.
+//   MN-major (trans_b = 1): rows are B's k, columns its n (dO for dV += P^T dO). k-step kk
+//     (rows 16kk..16kk+15) starts 2048kk bytes into the tile.
+// In both, the descriptor's stride byte offset (8 rows to the next 8) is 1024 bytes and the
+// leading byte offset is unused (one swizzle atom spans all 64 columns).
+//
+// ---- Ordering -----------------------------------------------------------------------------
+// wgmma runs asynchronously: issue (after wgmma_fence), commit a group, wait_group<N> until
+// at most N groups are in flight. Accumulators and A registers of a group in flight are not
+// touched; fence_registers after the wait keeps the compiler from moving their reads before
+// it. Tiles written with cp.async (the generic proxy) need fence_proxy_async before the
+// barrier that publishes them to wgmma (the async proxy).
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "layers/attention_tiles.cuh"
+
+// wgmma is an sm_90a instruction. Built for another target (FP8LM_CUDA_ARCHS), these helpers
+// trap, and the host never launches the kernels that use them there (attention.cu).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP8LM_WGMMA(...) asm volatile(__VA_ARGS__)
+#else
+#define FP8LM_WGMMA(...) __trap()
+#endif
+
+namespace fp8lm::cuda {
+
+namespace {
+
+constexpr int kSwizzledRowBytes = 128;      // 64 bf16
+constexpr int kSwizzleAtomBytes = 1024;     // 8 rows: the pattern's period and alignment
+constexpr int kMnMajorKStepBytes = 16 * kSwizzledRowBytes;  // 16 rows
+constexpr int kKMajorKStepBytes = 16 * 2;                   // 16 columns
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * kSwizzledRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// Async copy of ROWS rows x 64 bf16 (rows row0.. of a head's q, k, v or dout, row stride
+// `stride` elements from `base` = the head's row 0) into a swizzled tile at shared address
+// `tile` (1024-byte aligned). Rows >= T are zero-filled and read nothing.
+template <int ROWS>
+__device__ __forceinline__ void load_swizzled_tile_async(uint32_t tile, const bf16* base, size_t stride, int row0,
+                                                         int T) {
+  constexpr int kChunks = 8;
+  static_assert((ROWS * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int j = 0; j < ROWS * kChunks / kThreads; ++j) {
+    const int i = j * kThreads + static_cast<int>(threadIdx.x);
+    const int r = i / kChunks;
+    const int c = i % kChunks;
+    const bool valid = row0 + r < T;
+    const bf16* src = base + (valid ? static_cast<size_t>(row0 + r) * stride : 0) + c * 8;
+    cp_async_16(tile + swizzled_offset(r, c), src, valid);
+  }
+}
+
+// Shared-memory matrix descriptor of a swizzled tile's k-step starting at shared address
+// `start`: address >> 4 in bits 0-13, leading byte offset 16 (unused here) in bits 16-29,
+// stride byte offset 1024 in bits 32-45, base offset 0 (atoms are 1024-aligned), and the
+// 128-byte swizzle mode (1) in bits 62-63.
+__device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t start) {
+  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { FP8LM_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FP8LM_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  FP8LM_WGMMA("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { FP8LM_WGMMA("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+// d (+)= a B for one k-step: accumulate when `accumulate`, else d = a B. TRANS_B: 0 for a
+// K-major B tile, 1 for an MN-major one (see above).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_descriptor,
+                                                bool accumulate) {
+  FP8LM_WGMMA(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(static_cast<int>(accumulate)),
+        "n"(TRANS_B));
+}
+
+// acc (+)= A B over the 64-deep k of a swizzled tile: A as four k-step fragments in
+// registers, B the tile at `tile` in the orientation TRANS_B. The first k-step overwrites acc
+// unless `accumulate`. Issues four wgmmas; the caller fences, commits and waits.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_tile(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t tile,
+                                           bool accumulate) {
+  constexpr uint32_t kStep = TRANS_B ? kMnMajorKStepBytes : kKMajorKStepBytes;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_m64n64k16<TRANS_B>(acc, a[kk], swizzled_descriptor(tile + kk * kStep), accumulate || kk > 0);
+}
+
+}  // namespace
+
+}  // namespace fp8lm::cuda
