@@ -1,6 +1,9 @@
-// Causal flash attention on Hopper with mma.sync (FA2 style): BF16 inputs/outputs, FP32
-// accumulation, FP32 softmax statistics, O(T) memory (no T x T matrix ever reaches global
-// memory). The readable specification is the CPU reference in layers/attention.cpp.
+// Causal flash attention on Hopper (FA2 style): BF16 inputs/outputs, FP32 accumulation, FP32
+// softmax statistics, O(T) memory (no T x T matrix ever reaches global memory). The readable
+// specification is the CPU reference in layers/attention.cpp. Head size 64 (every GPT-2 size)
+// runs wgmma kernels on compute capability 9.x; head sizes 32 and 128, and 64 elsewhere, run
+// the mma.sync kernels. Both compute the same products in the same order: their outputs are
+// bit-identical (tested).
 //
 // This file holds the GPU entry points of layers/attention.h (shape and pointer checks, the
 // dispatch on the head size, the launches) and the backward's first, tile-free kernel. The
@@ -10,6 +13,9 @@
 //   attention_forward.cuh        forward: O, lse (+ fused FP8 output and amax)
 //   attention_backward_dkdv.cuh  backward step 2: dK, dV
 //   attention_backward_dq.cuh    backward step 3: dQ
+//   attention_wgmma.cuh          wgmma helpers, the swizzled tiles and their descriptors
+//   attention_forward_wgmma.cuh  forward, head size 64, wgmma
+//   attention_backward_wgmma.cuh backward steps 2 and 3, head size 64, wgmma
 // They stay one translation unit on purpose: NVVM's code for one kernel can depend on the
 // other kernels of the module (compiled alone, the dK/dV kernel for HS = 128 orders its
 // address arithmetic differently), and one unit keeps the generated code what it was.
@@ -39,6 +45,7 @@
 #include "layers/attention_backward_dq.cuh"
 #include "layers/attention_backward_wgmma.cuh"
 #include "layers/attention_forward.cuh"
+#include "layers/attention_forward_wgmma.cuh"
 #include "layers/attention_tiles.cuh"
 
 namespace fp8lm::cuda {
@@ -143,6 +150,18 @@ void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float*
   }
 }
 
+// Head size 64 on Hopper (compute capability 9.x): the forward with wgmma.
+void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale, bool e5m2,
+                          const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  using Cfg = ForwardWgmmaConfig;
+  set_smem(attention_forward_wgmma_kernel, Cfg::smem_bytes);
+  const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
+  const float sl2 = kLog2e / sqrtf(static_cast<float>(Cfg::HS));
+  attention_forward_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(out, lse, out_fp8, out_amax, out_scale,
+                                                                              e5m2, qkv, T, C, NH, sl2);
+  CUDA_CHECK_LAUNCH();
+}
+
 // Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma.
 void launch_backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
                            int T, int C, int NH, cudaStream_t stream) {
@@ -169,11 +188,9 @@ bool has_wgmma() {
   return major == 9;
 }
 
-}  // namespace
-
-void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
-                       Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
-                       cudaStream_t stream) {
+void forward(bool allow_wgmma, __nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
+             const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
+             cudaStream_t stream) {
   const int HS = checked_head_size("attention_forward", B, T, C, NH);
   if (B == 0 || T == 0) return;
   FP8LM_CHECK(aligned(qkv, 16), "attention_forward: qkv must be 16-byte aligned");
@@ -183,19 +200,19 @@ void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* 
   const bool e5m2 = out_dtype == Fp8Dtype::e5m2;
   switch (HS) {
     case 32: launch_forward<32, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
-    case 64: launch_forward<64, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
+    case 64:
+      if (allow_wgmma && has_wgmma())
+        launch_forward_wgmma(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
+      else
+        launch_forward<64, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
+      break;
     default: launch_forward<128, 1>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
   }
 }
 
-size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
-  (void)C;
-  return static_cast<size_t>(B) * NH * T;  // D [B,NH,T]
-}
-
-void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
-                        const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
-                        cudaStream_t stream) {
+void backward(bool allow_wgmma, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+              const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
+              cudaStream_t stream) {
   const int HS = checked_head_size("attention_backward", B, T, C, NH);
   if (B == 0 || T == 0) return;
   FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16) && aligned(out, 16),
@@ -221,13 +238,44 @@ void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __
   switch (HS) {
     case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
     case 64:
-      if (has_wgmma())
+      if (allow_wgmma && has_wgmma())
         launch_backward_wgmma(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
       else
         launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
       break;
     default: launch_backward<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
   }
+}
+
+}  // namespace
+
+void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
+                       Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
+                       cudaStream_t stream) {
+  forward(true, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+}
+
+void attention_forward_mma_sync(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
+                                const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T,
+                                int C, int NH, cudaStream_t stream) {
+  forward(false, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+}
+
+size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
+  (void)C;
+  return static_cast<size_t>(B) * NH * T;  // D [B,NH,T]
+}
+
+void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                        const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
+                        cudaStream_t stream) {
+  backward(true, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+}
+
+void attention_backward_mma_sync(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                 const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
+                                 float* scratch, cudaStream_t stream) {
+  backward(false, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
 }
 
 }  // namespace fp8lm::cuda

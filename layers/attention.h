@@ -32,7 +32,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 }  // namespace fp8lm::cpu
 
 // ---- GPU (layers/attention.cu) -------------------------------------------------------
-// Causal flash attention with mma.sync tensor cores: BF16 in/out, FP32 accumulation and
+// Causal flash attention on the tensor cores (wgmma at head size 64 on Hopper, mma.sync
+// otherwise; bit-identical outputs): BF16 in/out, FP32 accumulation and
 // softmax statistics, O(T) memory (no T x T matrix in global memory). Head sizes
 // HS = C/NH of 32, 64 and 128 (others throw RuntimeError with a HINT). Scale 1/sqrt(HS).
 // Requirements, checked on the host (FP8LM_CHECK): qkv, and in backward dout and out,
@@ -61,5 +62,14 @@ size_t attention_backward_scratch_floats(int B, int T, int C, int NH);
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
                         cudaStream_t stream);
+
+// The mma.sync kernels at every head size, as GPUs without wgmma run them: for the tests that
+// hold the wgmma kernels to them bit for bit. Same contracts as above.
+void attention_forward_mma_sync(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
+                                const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T,
+                                int C, int NH, cudaStream_t stream);
+void attention_backward_mma_sync(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                 const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
+                                 float* scratch, cudaStream_t stream);
 
 }  // namespace fp8lm::cuda

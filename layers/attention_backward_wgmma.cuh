@@ -34,7 +34,7 @@ namespace {
 
 struct BackwardWgmmaConfig {
   static constexpr int HS = 64;
-  static constexpr int LD = HS + 8;  // the padded A-source tiles, read once with ldmatrix
+  static constexpr int LD = kPaddedLd;  // the padded A-source tiles, read with ldmatrix
   static constexpr int BLOCK = 64;   // keys (dK/dV) or queries (dQ) per block; 16 per warp
   static constexpr int TILE = 64;    // queries (dK/dV) or keys (dQ) per walked tile
   static constexpr int kTileBytes = TILE * kSwizzledRowBytes;
@@ -42,25 +42,6 @@ struct BackwardWgmmaConfig {
                                        static_cast<size_t>(2 * BLOCK) * LD * sizeof(bf16) +
                                        4 * TILE * sizeof(float);
 };
-
-// The first 1024-byte boundary of the block's dynamic shared memory.
-__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem) {
-  const uint32_t base = smem_u32(smem);
-  return smem + (((base + kSwizzleAtomBytes - 1) & ~static_cast<uint32_t>(kSwizzleAtomBytes - 1)) - base);
-}
-
-// Loads the 16 rows of this warp from a padded [64][LD] tile as four k-step A fragments.
-__device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[4][4], uint32_t tile, int warp, int lane) {
-  constexpr int LD = BackwardWgmmaConfig::LD;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) ldsm_x4(frag[kk], ldsm_a_addr<LD>(tile, warp * 16, kk * 16, lane));
-}
-
-template <int N>
-__device__ __forceinline__ void pack_a_fragments(uint32_t (&frag)[N / 2][4], const float (&acc)[N][4]) {
-#pragma unroll
-  for (int kk = 0; kk < N / 2; ++kk) acc_to_a(frag[kk], acc, kk);
-}
 
 // dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
 // D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
@@ -117,7 +98,6 @@ __global__ void __launch_bounds__(kThreads)
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
-  uint32_t kf[4][4], vf[4][4];  // this warp's 16 keys as A fragments
   float dk[8][4], dv[8][4];
   zero(dk);
   zero(dv);
@@ -133,10 +113,11 @@ __global__ void __launch_bounds__(kThreads)
     }
     fence_proxy_async();
     __syncthreads();
-    if (qt == qt_begin) {
-      load_a_fragments(kf, smem_u32(sK), warp, lane);
-      load_a_fragments(vf, smem_u32(sV), warp, lane);
-    }
+    // This warp's 16 keys as A fragments, reloaded for every tile (see
+    // attention_forward_wgmma.cuh: A registers held across tiles are not safe).
+    uint32_t kf[4][4], vf[4][4];
+    load_a_fragments(kf, smem_u32(sK), warp, lane);
+    load_a_fragments(vf, smem_u32(sV), warp, lane);
     const uint32_t q_tile = q_tiles + buf * Cfg::kTileBytes;
     const uint32_t do_tile = do_tiles + buf * Cfg::kTileBytes;
     const float* sLb = sL + buf * BQ;
@@ -144,7 +125,7 @@ __global__ void __launch_bounds__(kThreads)
     const int tq0 = qt * BQ;
 
     float s[8][4], dp[8][4];
-    wgmma_fence();
+    wgmma_fence(kf, vf);
     wgmma_tile<0>(s, kf, q_tile, false);  // S^T = K Q^T
     wgmma_commit();
     wgmma_tile<0>(dp, vf, do_tile, false);  // dP^T = V dO^T
@@ -170,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
 
     uint32_t pa[4][4];
     pack_a_fragments(pa, s);
-    wgmma_fence();
+    wgmma_fence(dv, pa);
     wgmma_tile<1>(dv, pa, do_tile, true);  // dV += P^T dO
     wgmma_commit();
     wgmma_wait<1>();
@@ -184,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
 
     uint32_t dsa[4][4];
     pack_a_fragments(dsa, dp);
-    wgmma_fence();
+    wgmma_fence(dk, dsa);
     wgmma_tile<1>(dk, dsa, q_tile, true);  // dK += dS^T Q
     wgmma_commit();
     wgmma_wait<0>();
@@ -192,6 +173,8 @@ __global__ void __launch_bounds__(kThreads)
     fence_registers(dk);
     fence_registers(pa);
     fence_registers(dsa);
+    fence_registers(kf);
+    fence_registers(vf);
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   }
 
@@ -214,7 +197,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                        const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
@@ -263,7 +246,6 @@ __global__ void __launch_bounds__(kThreads)
     row_D[r] = t < T ? D[bh * T + t] : 0.0f;
   }
 
-  uint32_t qf[4][4], dof[4][4];
   float dq[8][4];
   zero(dq);
 
@@ -279,16 +261,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     fence_proxy_async();
     __syncthreads();
-    if (kt == 0) {
-      load_a_fragments(qf, smem_u32(sQ), warp, lane);
-      load_a_fragments(dof, smem_u32(sdO), warp, lane);
-    }
+    // This warp's 16 queries as A fragments, reloaded for every tile.
+    uint32_t qf[4][4], dof[4][4];
+    load_a_fragments(qf, smem_u32(sQ), warp, lane);
+    load_a_fragments(dof, smem_u32(sdO), warp, lane);
     const uint32_t k_tile = k_tiles + buf * Cfg::kTileBytes;
     const uint32_t v_tile = v_tiles + buf * Cfg::kTileBytes;
     const int k0 = kt * BC;
 
     float s[8][4], dp[8][4];
-    wgmma_fence();
+    wgmma_fence(qf, dof);
     wgmma_tile<0>(s, qf, k_tile, false);  // S = Q K^T
     wgmma_commit();
     wgmma_tile<0>(dp, dof, v_tile, false);  // dP = dO V^T
@@ -320,12 +302,14 @@ __global__ void __launch_bounds__(kThreads)
 
     uint32_t dsa[4][4];
     pack_a_fragments(dsa, s);
-    wgmma_fence();
+    wgmma_fence(dq, dsa);
     wgmma_tile<1>(dq, dsa, k_tile, true);  // dQ += dS K
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq);
     fence_registers(dsa);
+    fence_registers(qf);
+    fence_registers(dof);
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   }
 

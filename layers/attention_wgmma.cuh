@@ -25,10 +25,14 @@
 // leading byte offset is unused (one swizzle atom spans all 64 columns).
 //
 // ---- Ordering -----------------------------------------------------------------------------
-// wgmma runs asynchronously: issue (after wgmma_fence), commit a group, wait_group<N> until
-// at most N groups are in flight. Accumulators and A registers of a group in flight are not
-// touched; fence_registers after the wait keeps the compiler from moving their reads before
-// it. Tiles written with cp.async (the generic proxy) need fence_proxy_async before the
+// wgmma runs asynchronously: wgmma_fence(the registers it will read), issue, commit a group,
+// wait_group<N> until at most N groups are in flight. Accumulators and A registers of a group
+// in flight are not touched; fence_registers after the wait keeps the compiler from moving
+// their reads before it. A fragments are built fresh for every tile, even where they do not
+// change (Q in the forward, K and V in dK/dV): loaded once and held across tiles, ptxas gave
+// their registers to the next product's A fragments, and the forward's later tiles computed
+// S from P instead of Q (found on an H100: wrong past the first key tile, right with the P V
+// product removed). Reloading costs four ldmatrix per warp and tile. Tiles written with cp.async (the generic proxy) need fence_proxy_async before the
 // barrier that publishes them to wgmma (the async proxy).
 
 #pragma once
@@ -53,6 +57,7 @@ namespace fp8lm::cuda {
 
 namespace {
 
+constexpr int kPaddedLd = 64 + 8;           // row stride (bf16) of the padded A-source tiles
 constexpr int kSwizzledRowBytes = 128;      // 64 bf16
 constexpr int kSwizzleAtomBytes = 1024;     // 8 rows: the pattern's period and alignment
 constexpr int kMnMajorKStepBytes = 16 * kSwizzledRowBytes;  // 16 rows
@@ -82,6 +87,25 @@ __device__ __forceinline__ void load_swizzled_tile_async(uint32_t tile, const bf
   }
 }
 
+// The first 1024-byte boundary of the block's dynamic shared memory.
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem) {
+  const uint32_t base = smem_u32(smem);
+  return smem + (((base + kSwizzleAtomBytes - 1) & ~static_cast<uint32_t>(kSwizzleAtomBytes - 1)) - base);
+}
+
+// This warp's 16 rows of a padded [64][kPaddedLd] tile as four k-step A fragments.
+__device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[4][4], uint32_t tile, int warp, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) ldsm_x4(frag[kk], ldsm_a_addr<kPaddedLd>(tile, warp * 16, kk * 16, lane));
+}
+
+// A fragments of all k-steps from a [16 x 8N] accumulator (P or dS), rounded to bf16.
+template <int N>
+__device__ __forceinline__ void pack_a_fragments(uint32_t (&frag)[N / 2][4], const float (&acc)[N][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 2; ++kk) acc_to_a(frag[kk], acc, kk);
+}
+
 // Shared-memory matrix descriptor of a swizzled tile's k-step starting at shared address
 // `start`: address >> 4 in bits 0-13, leading byte offset 16 (unused here) in bits 16-29,
 // stride byte offset 1024 in bits 32-45, base offset 0 (atoms are 1024-aligned), and the
@@ -91,8 +115,9 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t start) {
          (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { FP8LM_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { FP8LM_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  FP8LM_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   FP8LM_WGMMA("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -112,6 +137,21 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+template <int M, int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[M][N][4]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) fence_registers(r[i]);
+}
+
+// Before issuing wgmmas: pins the last writes of every register array the coming wgmmas read
+// (accumulators, A fragments) ahead of wgmma.fence, which orders them before the async reads.
+// Without the pins the compiler may sink those writes (an online-softmax rescale, a packed A
+// fragment) below the fence, and the tensor cores read stale registers.
+template <typename... Registers>
+__device__ __forceinline__ void wgmma_fence(Registers&... registers) {
+  (fence_registers(registers), ...);
+  FP8LM_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
 // d (+)= a B for one k-step: accumulate when `accumulate`, else d = a B. TRANS_B: 0 for a

@@ -257,6 +257,53 @@ TEST_CASE("attention backward is bit-reproducible", "[gpu][attention]") {
   }
 }
 
+// Head size 64 runs wgmma kernels on Hopper. They compute the mma.sync kernels' products in
+// the same order, so every output must be the same bits, including at ragged T and where
+// several key tiles feed one query (a register hazard once broke exactly those).
+TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gpu][attention]") {
+  FP8LM_REQUIRE_GPU();
+  for (const AttnShape& s : {AttnShape{2, 77, 2, 64}, AttnShape{1, 130, 1, 64}, AttnShape{1, 1100, 1, 64},
+                             AttnShape{3, 333, 2, 64}, AttnShape{1, 1, 2, 64}, AttnShape{2, 1024, 3, 64}}) {
+    INFO(describe(s));
+    const int C = s.C();
+    const size_t n_qkv = static_cast<size_t>(s.B) * s.T * 3 * C;
+    const size_t n_out = static_cast<size_t>(s.B) * s.T * C;
+    const size_t n_lse = static_cast<size_t>(s.B) * s.NH * s.T;
+    auto qkv = device_copy(to_bf16(random_floats(n_qkv, 91 + s.T, 2.0f)));
+    auto dout = device_copy(to_bf16(random_floats(n_out, 92 + s.T)));
+    auto scale = device_copy(std::vector<float>{4.0f});
+    struct Outputs {
+      std::vector<__nv_bfloat16> out, dqkv;
+      std::vector<uint8_t> out_fp8;
+      std::vector<float> lse, amax;
+    };
+    auto run = [&](bool wgmma) {
+      cuda::DeviceBuffer<__nv_bfloat16> out(n_out), dqkv(n_qkv);
+      cuda::DeviceBuffer<uint8_t> out_fp8(n_out);
+      cuda::DeviceBuffer<float> lse(n_lse), scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
+      auto amax = device_copy(std::vector<float>{0.0f});
+      out.fill_bytes(kPoisonByte);
+      dqkv.fill_bytes(kPoisonByte);
+      lse.fill_bytes(kPoisonByte);
+      auto forward = wgmma ? cuda::attention_forward : cuda::attention_forward_mma_sync;
+      auto backward = wgmma ? cuda::attention_backward : cuda::attention_backward_mma_sync;
+      forward(out.data(), lse.data(), out_fp8.data(), amax.data(), scale.data(), Fp8Dtype::e4m3, qkv.data(), s.B, s.T,
+              C, s.NH, nullptr);
+      backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, C, s.NH, scratch.data(),
+               nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return Outputs{out.download(), dqkv.download(), out_fp8.download(), lse.download(), amax.download()};
+    };
+    const Outputs fast = run(true);
+    const Outputs reference = run(false);
+    CHECK(std::memcmp(fast.out.data(), reference.out.data(), n_out * sizeof(__nv_bfloat16)) == 0);
+    CHECK(std::memcmp(fast.out_fp8.data(), reference.out_fp8.data(), n_out) == 0);
+    CHECK(std::memcmp(fast.lse.data(), reference.lse.data(), n_lse * sizeof(float)) == 0);
+    CHECK(bits_of(fast.amax[0]) == bits_of(reference.amax[0]));
+    CHECK(std::memcmp(fast.dqkv.data(), reference.dqkv.data(), n_qkv * sizeof(__nv_bfloat16)) == 0);
+  }
+}
+
 TEST_CASE("attention rejects unsupported head sizes with a hint", "[gpu][attention]") {
   FP8LM_REQUIRE_GPU();
   // HS = 96 / 2 = 48: checked before any pointer is touched.
