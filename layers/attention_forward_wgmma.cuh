@@ -111,6 +111,7 @@ __global__ void __launch_bounds__(kThreads)
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(s);
+    fence_registers(qf);
 
     // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T. S stays
     // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA.
@@ -163,7 +164,6 @@ __global__ void __launch_bounds__(kThreads)
     wgmma_wait<0>();
     fence_registers(o);
     fence_registers(pa);
-    fence_registers(qf);
     __syncthreads();  // everyone is done with buffer `buf` before it is refilled
   }
 
