@@ -37,6 +37,63 @@ __device__ __forceinline__ uint32_t amax_bits(float v) {  // |v| as ordered bits
   return isnan(v) ? 0x7fc00000u : __float_as_uint(fabsf(v));
 }
 
+// Where the forward's epilogue writes one head's rows: out [B,T,C] and out_fp8 (nullable)
+// at the head's columns, lse [B,NH,T] at the head's row 0.
+struct ForwardOutput {
+  bf16* out;
+  uint8_t* out_fp8;
+  float* lse;
+  float fp8_scale;
+  __nv_fp8_interpretation_t fp8_kind;
+};
+
+// Normalises a warp's 16 query rows row0.. (O in m16n8 C fragments, the running max m and
+// this thread's partial sums l of rows g and g + 8) and stores them: O / l as bf16 (plus the
+// FP8 codes of that bf16), lse = ln2 * (m*sl2 + log2 l). Rows >= T are skipped. Returns
+// `amax` raised to the largest |bf16 output| stored. Shared by both forward kernels.
+template <int NT>
+__device__ __forceinline__ uint32_t store_output_rows(const ForwardOutput& dst, size_t head_offset, size_t lse_offset,
+                                                      const float (&o)[NT][4], const float (&m)[2], const float (&l)[2],
+                                                      float sl2, int row0, int T, int C, int lane, uint32_t amax) {
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float row_l = l[r];
+    row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);
+    row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
+    const int row = row0 + g + r * 8;
+    if (row < T) {
+      const float inv_l = row_l > 0.0f ? 1.0f / row_l : 0.0f;
+      if ((lane & 3) == 0) dst.lse[lse_offset + row] = (m[r] * sl2 + log2f(row_l)) * kLn2;
+      const size_t row_off = head_offset + static_cast<size_t>(row) * C;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const size_t idx = row_off + nt * 8 + c2;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(o[nt][2 * r] * inv_l, o[nt][2 * r + 1] * inv_l);
+        *reinterpret_cast<__nv_bfloat162*>(dst.out + idx) = v;
+        const float v0 = __low2float(v);
+        const float v1 = __high2float(v);
+        amax = max(amax, max(amax_bits(v0), amax_bits(v1)));
+        if (dst.out_fp8 != nullptr) {
+          const uint32_t f0 = __nv_cvt_float_to_fp8(v0 * dst.fp8_scale, __NV_SATFINITE, dst.fp8_kind);
+          const uint32_t f1 = __nv_cvt_float_to_fp8(v1 * dst.fp8_scale, __NV_SATFINITE, dst.fp8_kind);
+          *reinterpret_cast<uint16_t*>(dst.out_fp8 + idx) = static_cast<uint16_t>(f0 | (f1 << 8));
+        }
+      }
+    }
+  }
+  return amax;
+}
+
+// Folds a warp's amax bits into *out_amax (nullable): a warp max, then one atomicMax.
+__device__ __forceinline__ void publish_amax(float* out_amax, uint32_t amax, int lane) {
+  if (out_amax == nullptr) return;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (lane == 0 && amax != 0) atomicMax(reinterpret_cast<unsigned int*>(out_amax), amax);
+}
+
 template <int HS, int MT>
 struct ForwardConfig {
   static constexpr int LD = HS + 8;
@@ -64,17 +121,8 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sV = sK + 2 * BC * LD;                   // [2][BC][LD]
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // the longest (last) query blocks start first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
-
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;  // last valid query of the block
@@ -82,9 +130,9 @@ __global__ void __launch_bounds__(kThreads)
   const int warp_q0 = q0 + warp * 16 * MT;
   const int warp_q_last = warp_q0 + 16 * MT - 1;
 
-  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
-  load_tile_async<HS, BC>(sK, k_base, stride, 0, T);
-  load_tile_async<HS, BC>(sV, v_base, stride, 0, T);
+  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
+  load_tile_async<HS, BC>(sK, head.k(qkv), head.qkv_stride, 0, T);
+  load_tile_async<HS, BC>(sV, head.v(qkv), head.qkv_stride, 0, T);
   cp_async_commit();
 
   uint32_t qf[MT][KT][4];
@@ -99,15 +147,11 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int kt = 0; kt < n_kt; ++kt) {
     const int buf = kt & 1;
-    if (kt + 1 < n_kt) {  // prefetch the next tile into the other buffer (freed by the last sync)
-      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, k_base, stride, (kt + 1) * BC, T);
-      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, v_base, stride, (kt + 1) * BC, T);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    // prefetch the next tile into the other buffer (freed by the last sync)
+    current_tile_ready<false>(kt + 1 < n_kt, [&] {
+      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, head.k(qkv), head.qkv_stride, (kt + 1) * BC, T);
+      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, head.v(qkv), head.qkv_stride, (kt + 1) * BC, T);
+    });
 
     if (kt == 0) {  // Q fragments: each warp reads only its own rows of sQ
       const uint32_t q_addr = smem_u32(sQ);
@@ -211,44 +255,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Epilogue: normalise, write bf16 (+ FP8 and amax), lse. Direct 4-byte (2-byte FP8) stores.
-  const float fp8_scale = out_scale != nullptr ? *out_scale : 1.0f;
-  const __nv_fp8_interpretation_t fp8_kind = e5m2 ? __NV_E5M2 : __NV_E4M3;
+  const ForwardOutput dst{out, out_fp8, lse, out_scale != nullptr ? *out_scale : 1.0f, e5m2 ? __NV_E5M2 : __NV_E4M3};
   uint32_t amax = 0;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float row_l = l[mt][r];
-      row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);
-      row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
-      const int row = warp_q0 + mt * 16 + g + r * 8;
-      if (row < T) {
-        const float inv_l = row_l > 0.0f ? 1.0f / row_l : 0.0f;
-        if ((lane & 3) == 0) lse[bh * T + row] = (m[mt][r] * sl2 + log2f(row_l)) * kLn2;
-        const size_t row_off = (static_cast<size_t>(b) * T + row) * C + static_cast<size_t>(h) * HS;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const size_t idx = row_off + nt * 8 + c2;
-          const __nv_bfloat162 v = __floats2bfloat162_rn(o[mt][nt][2 * r] * inv_l, o[mt][nt][2 * r + 1] * inv_l);
-          *reinterpret_cast<__nv_bfloat162*>(out + idx) = v;
-          const float v0 = __low2float(v);
-          const float v1 = __high2float(v);
-          amax = max(amax, max(amax_bits(v0), amax_bits(v1)));
-          if (out_fp8 != nullptr) {
-            const uint32_t f0 = __nv_cvt_float_to_fp8(v0 * fp8_scale, __NV_SATFINITE, fp8_kind);
-            const uint32_t f1 = __nv_cvt_float_to_fp8(v1 * fp8_scale, __NV_SATFINITE, fp8_kind);
-            *reinterpret_cast<uint16_t*>(out_fp8 + idx) = static_cast<uint16_t>(f0 | (f1 << 8));
-          }
-        }
-      }
-    }
-  }
-  if (out_amax != nullptr) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (lane == 0 && amax != 0) atomicMax(reinterpret_cast<unsigned int*>(out_amax), amax);
-  }
+  for (int mt = 0; mt < MT; ++mt)
+    amax = store_output_rows(dst, head.out_offset, head.stats, o[mt], m[mt], l[mt], sl2, warp_q0 + mt * 16, T, C, lane,
+                             amax);
+  publish_amax(out_amax, amax, lane);
 }
 
 }  // namespace

@@ -56,26 +56,17 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sQ = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BR][LD]
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // the longest (last) query blocks start first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
-
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;  // last valid query of the block
   const int n_kt = q_last / BC + 1;        // key tiles 0..n_kt-1 reach the diagonal (all keys < T)
   const int warp_q0 = q0 + warp * 16;      // this warp's first query
 
-  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
-  load_swizzled_tile_async<BC>(k_tiles, k_base, stride, 0, T);
-  load_swizzled_tile_async<BC>(v_tiles, v_base, stride, 0, T);
+  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
+  load_swizzled_tile_async<BC>(k_tiles, head.k(qkv), head.qkv_stride, 0, T);
+  load_swizzled_tile_async<BC>(v_tiles, head.v(qkv), head.qkv_stride, 0, T);
   cp_async_commit();
 
   float o[NT][4];
@@ -86,16 +77,13 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int kt = 0; kt < n_kt; ++kt) {
     const int buf = kt & 1;
-    if (kt + 1 < n_kt) {  // prefetch the next tile into the other buffer (freed by the last sync)
-      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, k_base, stride, (kt + 1) * BC, T);
-      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, v_base, stride, (kt + 1) * BC, T);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    // prefetch the next tile into the other buffer (freed by the last sync)
+    current_tile_ready<true>(kt + 1 < n_kt, [&] {
+      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, head.k(qkv), head.qkv_stride, (kt + 1) * BC,
+                                   T);
+      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, head.v(qkv), head.qkv_stride, (kt + 1) * BC,
+                                   T);
+    });
 
     // This warp's Q fragments, reloaded for every tile: A registers held across tiles are not
     // safe (attention_wgmma.cuh).
@@ -168,41 +156,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Epilogue: normalise, write bf16 (+ FP8 and amax), lse. Direct 4-byte (2-byte FP8) stores.
-  const float fp8_scale = out_scale != nullptr ? *out_scale : 1.0f;
-  const __nv_fp8_interpretation_t fp8_kind = e5m2 ? __NV_E5M2 : __NV_E4M3;
-  uint32_t amax = 0;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float row_l = l[r];
-    row_l += __shfl_xor_sync(0xffffffffu, row_l, 1);
-    row_l += __shfl_xor_sync(0xffffffffu, row_l, 2);
-    const int row = warp_q0 + g + r * 8;
-    if (row < T) {
-      const float inv_l = row_l > 0.0f ? 1.0f / row_l : 0.0f;
-      if ((lane & 3) == 0) lse[bh * T + row] = (m[r] * sl2 + log2f(row_l)) * kLn2;
-      const size_t row_off = (static_cast<size_t>(b) * T + row) * C + static_cast<size_t>(h) * HS;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const size_t idx = row_off + nt * 8 + c2;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(o[nt][2 * r] * inv_l, o[nt][2 * r + 1] * inv_l);
-        *reinterpret_cast<__nv_bfloat162*>(out + idx) = v;
-        const float v0 = __low2float(v);
-        const float v1 = __high2float(v);
-        amax = max(amax, max(amax_bits(v0), amax_bits(v1)));
-        if (out_fp8 != nullptr) {
-          const uint32_t f0 = __nv_cvt_float_to_fp8(v0 * fp8_scale, __NV_SATFINITE, fp8_kind);
-          const uint32_t f1 = __nv_cvt_float_to_fp8(v1 * fp8_scale, __NV_SATFINITE, fp8_kind);
-          *reinterpret_cast<uint16_t*>(out_fp8 + idx) = static_cast<uint16_t>(f0 | (f1 << 8));
-        }
-      }
-    }
-  }
-  if (out_amax != nullptr) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (lane == 0 && amax != 0) atomicMax(reinterpret_cast<unsigned int*>(out_amax), amax);
-  }
+  const ForwardOutput dst{out, out_fp8, lse, out_scale != nullptr ? *out_scale : 1.0f, e5m2 ? __NV_E5M2 : __NV_E4M3};
+  publish_amax(out_amax, store_output_rows(dst, head.out_offset, head.stats, o, m, l, sl2, warp_q0, T, C, lane, 0u),
+               lane);
 }
 
 }  // namespace

@@ -56,6 +56,46 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kKeyTile = 64;  // keys per K/V tile (forward, dQ) and per dK/dV block
 constexpr float kLog2e = 1.4426950408889634f;
 
+// ---- the block's (batch, head) ---------------------------------------------------------------
+// Every attention kernel runs on grid (tiles, NH, B): blockIdx.y is the head, blockIdx.z the
+// batch row. Head finds the head's row 0 in each packed tensor: q, k, v in qkv and dqkv
+// [B,T,3C] (row stride 3C), its columns in out and dout [B,T,C], its [T] statistics in lse
+// and D [B,NH,T].
+struct Head {
+  size_t C;
+  size_t qkv_stride;  // 3C
+  size_t qkv_offset;  // b*T*3C + h*HS: q's row 0 (k and v follow at +C, +2C)
+  size_t out_offset;  // b*T*C + h*HS
+  size_t stats;       // (b*NH + h)*T
+  template <typename Element>
+  __device__ Element* q(Element* qkv) const {
+    return qkv + qkv_offset;
+  }
+  template <typename Element>
+  __device__ Element* k(Element* qkv) const {
+    return qkv + qkv_offset + C;
+  }
+  template <typename Element>
+  __device__ Element* v(Element* qkv) const {
+    return qkv + qkv_offset + 2 * C;
+  }
+  template <typename Element>
+  __device__ Element* rows(Element* out) const {
+    return out + out_offset;
+  }
+};
+
+template <int HS>
+__device__ __forceinline__ Head this_head(int T, int C, int NH) {
+  const size_t h = blockIdx.y;
+  const size_t b = blockIdx.z;
+  return Head{.C = static_cast<size_t>(C),
+              .qkv_stride = 3 * static_cast<size_t>(C),
+              .qkv_offset = b * T * 3 * C + h * HS,
+              .out_offset = b * T * C + h * HS,
+              .stats = (b * NH + h) * T};
+}
+
 // ---- small device helpers -----------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -140,6 +180,39 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, si
   }
 }
 
+// Publishes cp.async writes to the async proxy (wgmma's operand reads); sm_90 and later.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The walked-tile handshake of every kernel here: issue `load_next` (the next tile, when
+// there is one) as its own cp.async group, wait for all older groups (so the current tile has
+// landed), and sync the block. kForWgmma also fences the copies for wgmma's reads.
+template <bool kForWgmma, typename LoadNext>
+__device__ __forceinline__ void current_tile_ready(bool has_next, LoadNext&& load_next) {
+  if (has_next) {
+    load_next();
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  if constexpr (kForWgmma) fence_proxy_async();
+  __syncthreads();
+}
+
+// This thread's place in its block: warp, lane, and the m16n8 fragment coordinates
+// g = lane / 4 (rows g and g + 8) and c2 = 2 * (lane % 4) (columns c2 and c2 + 1).
+struct ThreadPlace {
+  int warp, lane, g, c2;
+};
+__device__ __forceinline__ ThreadPlace this_thread() {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  return ThreadPlace{static_cast<int>(threadIdx.x / 32), lane, lane >> 2, 2 * (lane & 3)};
+}
+
 // ---- warp products ------------------------------------------------------------------------
 
 // A fragment of k-step kk (16 columns as k) from the C fragments of n-tiles 2*kk and
@@ -200,6 +273,29 @@ __device__ __forceinline__ void mma_p_b(float (&acc)[HS / 8][4], const float (&p
       ldsm_x4_trans(b, ldsm_a_addr<LD>(b_tile, kk * 16, np * 16, lane));
       mma_bf16(acc[2 * np], a, b[0], b[1]);
       mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// A warp's 16 rows of a [16 x HS] accumulator (m16n8 C fragments: this thread holds rows
+// row0 + g and row0 + g + 8, columns 8nt + c2 and + 1), times `scale`, stored as bf16 to
+// rows row0.. of a row-major matrix at `base` (row 0, the head's first column) with a row
+// stride of `row_stride` elements. Rows >= T are skipped. The epilogue of dK, dV and dQ in
+// both kernel families.
+template <int HS>
+__device__ __forceinline__ void store_rows_bf16(bf16* base, size_t row_stride, const float (&acc)[HS / 8][4],
+                                                float scale, int row0, int T, int lane) {
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + r * 8;
+    if (row < T) {
+      bf16* dst = base + static_cast<size_t>(row) * row_stride + c2;
+#pragma unroll
+      for (int nt = 0; nt < HS / 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8) =
+            __floats2bfloat162_rn(acc[nt][2 * r] * scale, acc[nt][2 * r + 1] * scale);
     }
   }
 }

@@ -32,8 +32,9 @@
 // change (Q in the forward, K and V in dK/dV): loaded once and held across tiles, ptxas gave
 // their registers to the next product's A fragments, and the forward's later tiles computed
 // S from P instead of Q (found on an H100: wrong past the first key tile, right with the P V
-// product removed). Reloading costs four ldmatrix per warp and tile. Tiles written with cp.async (the generic proxy) need fence_proxy_async before the
-// barrier that publishes them to wgmma (the async proxy).
+// product removed). Reloading costs four ldmatrix per warp and tile.
+// Tiles written with cp.async (the generic proxy) need fence_proxy_async before the barrier
+// that publishes them to wgmma (the async proxy): current_tile_ready<true> does both.
 
 #pragma once
 
@@ -57,9 +58,9 @@ namespace fp8lm::cuda {
 
 namespace {
 
-constexpr int kPaddedLd = 64 + 8;           // row stride (bf16) of the padded A-source tiles
-constexpr int kSwizzledRowBytes = 128;      // 64 bf16
-constexpr int kSwizzleAtomBytes = 1024;     // 8 rows: the pattern's period and alignment
+constexpr int kPaddedLd = 64 + 8;                           // bf16 row stride of the padded A-source tiles
+constexpr int kSwizzledRowBytes = 128;                      // 64 bf16
+constexpr int kSwizzleAtomBytes = 1024;                     // 8 rows: the pattern's period and alignment
 constexpr int kMnMajorKStepBytes = 16 * kSwizzledRowBytes;  // 16 rows
 constexpr int kKMajorKStepBytes = 16 * 2;                   // 16 columns
 
@@ -115,14 +116,11 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t start) {
          (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-__device__ __forceinline__ void wgmma_commit() {
-  FP8LM_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
+__device__ __forceinline__ void wgmma_commit() { FP8LM_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   FP8LM_WGMMA("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-__device__ __forceinline__ void fence_proxy_async() { FP8LM_WGMMA("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&r)[N][4]) {
@@ -173,8 +171,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
         "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(static_cast<int>(accumulate)),
-        "n"(TRANS_B));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(static_cast<int>(accumulate)), "n"(TRANS_B));
 }
 
 // acc (+)= A B over the 64-deep k of a swizzled tile: A as four k-step fragments in
