@@ -27,7 +27,7 @@ namespace {
 template <int HS>
 struct DkDvConfig {
   static constexpr int LD = HS + 8;
-  static constexpr int BK = kKeyTile;            // keys per block (16 per warp)
+  static constexpr int BK = kKeyTile;          // keys per block (16 per warp)
   static constexpr int BQ = HS <= 64 ? 64 : 32;  // queries per tile (32: measured slower for HS=64)
   static constexpr bool kv_in_regs = HS <= 64;   // K/V fragments held in registers
   static constexpr size_t smem_bytes =
@@ -38,9 +38,9 @@ struct DkDvConfig {
 // D [B,NH,T]. sl2 = log2(e)/sqrt(HS), scale = 1/sqrt(HS).
 template <int HS>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dkdv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
-                                   const float* __restrict__ lse, const float* __restrict__ D, int T, int C, int NH,
-                                   float sl2, float scale) {
+    attention_backward_dkdv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
+                                   const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                                   const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
   using Cfg = DkDvConfig<HS>;
   constexpr int LD = Cfg::LD, BK = Cfg::BK, BQ = Cfg::BQ;
   constexpr int KT = HS / 16;  // k-steps over the head dim
@@ -48,16 +48,29 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int SN = BQ / 8;   // n-tiles over the queries of one tile (S^T, dP^T)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);             // [BK][LD]
-  bf16* sV = sK + BK * LD;                                  // [BK][LD]
-  bf16* sQ = sV + BK * LD;                                  // [2][BQ][LD]
-  bf16* sdO = sQ + 2 * BQ * LD;                             // [2][BQ][LD]
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // [BK][LD]
+  bf16* sV = sK + BK * LD;                       // [BK][LD]
+  bf16* sQ = sV + BK * LD;                       // [2][BQ][LD]
+  bf16* sdO = sQ + 2 * BQ * LD;                  // [2][BQ][LD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * BQ * LD);  // [2][BQ] lse * log2(e)
-  float* sD = sL + 2 * BQ;                                  // [2][BQ]
+  float* sD = sL + 2 * BQ;                                   // [2][BQ]
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
-  const Head head = this_head<HS>(T, C, NH);
-  const auto [warp, lane, g, c2] = this_thread();
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
+  const float* lse_bh = lse + bh * T;
+  const float* D_bh = D + bh * T;
 
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
@@ -65,17 +78,17 @@ __global__ void __launch_bounds__(kThreads)
   const int n_qt = (T + BQ - 1) / BQ;
 
   auto load_query_tile = [&](int qt, int buf) {
-    load_tile_async<HS, BQ>(sQ + buf * BQ * LD, head.q(qkv), head.qkv_stride, qt * BQ, T);
-    load_tile_async<HS, BQ>(sdO + buf * BQ * LD, head.rows(dout), static_cast<size_t>(C), qt * BQ, T);
+    load_tile_async<HS, BQ>(sQ + buf * BQ * LD, q_base, stride, qt * BQ, T);
+    load_tile_async<HS, BQ>(sdO + buf * BQ * LD, do_base, static_cast<size_t>(C), qt * BQ, T);
     for (int i = threadIdx.x; i < BQ; i += kThreads) {
       const int t = qt * BQ + i;
-      sL[buf * BQ + i] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
-      sD[buf * BQ + i] = t < T ? D[head.stats + t] : 0.0f;
+      sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
+      sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
     }
   };
 
-  load_tile_async<HS, BK>(sK, head.k(qkv), head.qkv_stride, k0, T);
-  load_tile_async<HS, BK>(sV, head.v(qkv), head.qkv_stride, k0, T);
+  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
+  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
@@ -92,7 +105,14 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int qt = qt_begin; qt < n_qt; ++qt) {
     const int buf = (qt - qt_begin) & 1;
-    current_tile_ready<false>(qt + 1 < n_qt, [&] { load_query_tile(qt + 1, buf ^ 1); });
+    if (qt + 1 < n_qt) {
+      load_query_tile(qt + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
 
     if constexpr (Cfg::kv_in_regs) {
       if (qt == qt_begin) {
@@ -164,8 +184,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Epilogue: dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
-  store_rows_bf16<HS>(head.k(dqkv), head.qkv_stride, dk, scale, warp_k0, T, lane);
-  store_rows_bf16<HS>(head.v(dqkv), head.qkv_stride, dv, 1.0f, warp_k0, T, lane);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp_k0 + g + r * 8;
+    if (key < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = nt * 8 + c2;
+        *reinterpret_cast<__nv_bfloat162*>(row + C + col) =
+            __floats2bfloat162_rn(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale);
+        *reinterpret_cast<__nv_bfloat162*>(row + 2 * static_cast<size_t>(C) + col) =
+            __floats2bfloat162_rn(dv[nt][2 * r], dv[nt][2 * r + 1]);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -27,9 +27,9 @@ namespace {
 template <int HS>
 struct DqConfig {
   static constexpr int LD = HS + 8;
-  static constexpr int BR = kWarps * 16;        // queries per block
-  static constexpr int BC = kKeyTile;           // keys per tile
-  static constexpr bool qo_in_regs = HS <= 64;  // Q/dO fragments held in registers
+  static constexpr int BR = kWarps * 16;         // queries per block
+  static constexpr int BC = kKeyTile;            // keys per tile
+  static constexpr bool qo_in_regs = HS <= 64;   // Q/dO fragments held in registers
   static constexpr size_t smem_bytes = static_cast<size_t>(2 * BR + 4 * BC) * LD * sizeof(bf16);
 };
 
@@ -52,18 +52,29 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sV = sK + 2 * BC * LD;                   // [2][BC][LD]
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
-  const Head head = this_head<HS>(T, C, NH);
-  const auto [warp, lane, g, c2] = this_thread();
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
-  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
-  load_tile_async<HS, BR>(sdO, head.rows(dout), static_cast<size_t>(C), q0, T);
-  load_tile_async<HS, BC>(sK, head.k(qkv), head.qkv_stride, 0, T);
-  load_tile_async<HS, BC>(sV, head.v(qkv), head.qkv_stride, 0, T);
+  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
+  load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
+  load_tile_async<HS, BC>(sK, k_base, stride, 0, T);
+  load_tile_async<HS, BC>(sV, v_base, stride, 0, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -71,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
-    row_lse2[r] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
-    row_D[r] = t < T ? D[head.stats + t] : 0.0f;
+    row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
+    row_D[r] = t < T ? D[bh * T + t] : 0.0f;
   }
 
   const uint32_t q_addr = smem_u32(sQ);
@@ -85,10 +96,15 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int kt = 0; kt < n_kt; ++kt) {
     const int buf = kt & 1;
-    current_tile_ready<false>(kt + 1 < n_kt, [&] {
-      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, head.k(qkv), head.qkv_stride, (kt + 1) * BC, T);
-      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, head.v(qkv), head.qkv_stride, (kt + 1) * BC, T);
-    });
+    if (kt + 1 < n_kt) {
+      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, k_base, stride, (kt + 1) * BC, T);
+      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, v_base, stride, (kt + 1) * BC, T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
 
     if constexpr (Cfg::qo_in_regs) {
       if (kt == 0) {
@@ -144,7 +160,17 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  store_rows_bf16<HS>(head.q(dqkv), head.qkv_stride, dq, scale, warp_q0, T, lane);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = warp_q0 + g + r * 8;
+    if (t < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
+            __floats2bfloat162_rn(dq[nt][2 * r] * scale, dq[nt][2 * r + 1] * scale);
+    }
+  }
 }
 
 }  // namespace

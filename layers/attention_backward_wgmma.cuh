@@ -35,11 +35,12 @@ namespace {
 struct BackwardWgmmaConfig {
   static constexpr int HS = 64;
   static constexpr int LD = kPaddedLd;  // the padded A-source tiles, read with ldmatrix
-  static constexpr int BLOCK = 64;      // keys (dK/dV) or queries (dQ) per block; 16 per warp
-  static constexpr int TILE = 64;       // queries (dK/dV) or keys (dQ) per walked tile
+  static constexpr int BLOCK = 64;   // keys (dK/dV) or queries (dQ) per block; 16 per warp
+  static constexpr int TILE = 64;    // queries (dK/dV) or keys (dQ) per walked tile
   static constexpr int kTileBytes = TILE * kSwizzledRowBytes;
   static constexpr size_t smem_bytes = kSwizzleAtomBytes /* alignment slack */ + 4 * kTileBytes +
-                                       static_cast<size_t>(2 * BLOCK) * LD * sizeof(bf16) + 4 * TILE * sizeof(float);
+                                       static_cast<size_t>(2 * BLOCK) * LD * sizeof(bf16) +
+                                       4 * TILE * sizeof(float);
 };
 
 // dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
@@ -53,16 +54,29 @@ __global__ void __launch_bounds__(kThreads)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
-  const uint32_t q_tiles = smem_u32(smem);                         // [2] swizzled [BQ][64]
-  const uint32_t do_tiles = q_tiles + 2 * Cfg::kTileBytes;         // [2] swizzled [BQ][64]
+  const uint32_t q_tiles = smem_u32(smem);                // [2] swizzled [BQ][64]
+  const uint32_t do_tiles = q_tiles + 2 * Cfg::kTileBytes;  // [2] swizzled [BQ][64]
   bf16* sK = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BK][LD]
-  bf16* sV = sK + BK * LD;                                         // [BK][LD]
-  float* sL = reinterpret_cast<float*>(sV + BK * LD);              // [2][BQ] lse * log2(e)
-  float* sD = sL + 2 * BQ;                                         // [2][BQ]
+  bf16* sV = sK + BK * LD;                                          // [BK][LD]
+  float* sL = reinterpret_cast<float*>(sV + BK * LD);               // [2][BQ] lse * log2(e)
+  float* sD = sL + 2 * BQ;                                          // [2][BQ]
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
-  const Head head = this_head<HS>(T, C, NH);
-  const auto [warp, lane, g, c2] = this_thread();
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
+  const float* lse_bh = lse + bh * T;
+  const float* D_bh = D + bh * T;
 
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
@@ -70,17 +84,17 @@ __global__ void __launch_bounds__(kThreads)
   const int n_qt = (T + BQ - 1) / BQ;
 
   auto load_query_tile = [&](int qt, int buf) {
-    load_swizzled_tile_async<BQ>(q_tiles + buf * Cfg::kTileBytes, head.q(qkv), head.qkv_stride, qt * BQ, T);
-    load_swizzled_tile_async<BQ>(do_tiles + buf * Cfg::kTileBytes, head.rows(dout), static_cast<size_t>(C), qt * BQ, T);
+    load_swizzled_tile_async<BQ>(q_tiles + buf * Cfg::kTileBytes, q_base, stride, qt * BQ, T);
+    load_swizzled_tile_async<BQ>(do_tiles + buf * Cfg::kTileBytes, do_base, static_cast<size_t>(C), qt * BQ, T);
     for (int i = threadIdx.x; i < BQ; i += kThreads) {
       const int t = qt * BQ + i;
-      sL[buf * BQ + i] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
-      sD[buf * BQ + i] = t < T ? D[head.stats + t] : 0.0f;
+      sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
+      sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
     }
   };
 
-  load_tile_async<HS, BK>(sK, head.k(qkv), head.qkv_stride, k0, T);
-  load_tile_async<HS, BK>(sV, head.v(qkv), head.qkv_stride, k0, T);
+  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
+  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
@@ -90,7 +104,15 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int qt = qt_begin; qt < n_qt; ++qt) {
     const int buf = (qt - qt_begin) & 1;
-    current_tile_ready<true>(qt + 1 < n_qt, [&] { load_query_tile(qt + 1, buf ^ 1); });
+    if (qt + 1 < n_qt) {
+      load_query_tile(qt + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
     // This warp's 16 keys as A fragments, reloaded for every tile (see
     // attention_forward_wgmma.cuh: A registers held across tiles are not safe).
     uint32_t kf[4][4], vf[4][4];
@@ -157,14 +179,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Epilogue: dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
-  store_rows_bf16<HS>(head.k(dqkv), head.qkv_stride, dk, scale, warp_k0, T, lane);
-  store_rows_bf16<HS>(head.v(dqkv), head.qkv_stride, dv, 1.0f, warp_k0, T, lane);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp_k0 + g + r * 8;
+    if (key < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int col = nt * 8 + c2;
+        *reinterpret_cast<__nv_bfloat162*>(row + C + col) =
+            __floats2bfloat162_rn(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale);
+        *reinterpret_cast<__nv_bfloat162*>(row + 2 * static_cast<size_t>(C) + col) =
+            __floats2bfloat162_rn(dv[nt][2 * r], dv[nt][2 * r + 1]);
+      }
+    }
+  }
 }
 
-// dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel. (Capped at 168 registers
-// for three blocks a multiprocessor it measured 0.357 against 0.359 ms at gpt2-1558m's shape:
-// not worth a spill.)
-__global__ void __launch_bounds__(kThreads)
+// dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel. Three blocks a
+// multiprocessor (168 registers, no spills): 0.357 against 0.359 ms with two at gpt2-1558m's
+// shape. The dK/dV kernel at three blocks spills and has ptxas serialize its wgmmas.
+__global__ void __launch_bounds__(kThreads, 3)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                        const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
@@ -173,24 +208,35 @@ __global__ void __launch_bounds__(kThreads)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
-  const uint32_t k_tiles = smem_u32(smem);                         // [2] swizzled [BC][64]
-  const uint32_t v_tiles = k_tiles + 2 * Cfg::kTileBytes;          // [2] swizzled [BC][64]
+  const uint32_t k_tiles = smem_u32(smem);                  // [2] swizzled [BC][64]
+  const uint32_t v_tiles = k_tiles + 2 * Cfg::kTileBytes;   // [2] swizzled [BC][64]
   bf16* sQ = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BR][LD]
-  bf16* sdO = sQ + BR * LD;                                        // [BR][LD]
+  bf16* sdO = sQ + BR * LD;                                         // [BR][LD]
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
-  const Head head = this_head<HS>(T, C, NH);
-  const auto [warp, lane, g, c2] = this_thread();
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+
+  const size_t stride = 3 * static_cast<size_t>(C);
+  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
+  const bf16* k_base = q_base + C;
+  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
+  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
+  const size_t bh = static_cast<size_t>(b) * NH + h;
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
-  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
-  load_tile_async<HS, BR>(sdO, head.rows(dout), static_cast<size_t>(C), q0, T);
-  load_swizzled_tile_async<BC>(k_tiles, head.k(qkv), head.qkv_stride, 0, T);
-  load_swizzled_tile_async<BC>(v_tiles, head.v(qkv), head.qkv_stride, 0, T);
+  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
+  load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
+  load_swizzled_tile_async<BC>(k_tiles, k_base, stride, 0, T);
+  load_swizzled_tile_async<BC>(v_tiles, v_base, stride, 0, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -198,8 +244,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
-    row_lse2[r] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
-    row_D[r] = t < T ? D[head.stats + t] : 0.0f;
+    row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
+    row_D[r] = t < T ? D[bh * T + t] : 0.0f;
   }
 
   float dq[8][4];
@@ -207,12 +253,16 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int kt = 0; kt < n_kt; ++kt) {
     const int buf = kt & 1;
-    current_tile_ready<true>(kt + 1 < n_kt, [&] {
-      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, head.k(qkv), head.qkv_stride, (kt + 1) * BC,
-                                   T);
-      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, head.v(qkv), head.qkv_stride, (kt + 1) * BC,
-                                   T);
-    });
+    if (kt + 1 < n_kt) {
+      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, k_base, stride, (kt + 1) * BC, T);
+      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, v_base, stride, (kt + 1) * BC, T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
     // This warp's 16 queries as A fragments, reloaded for every tile.
     uint32_t qf[4][4], dof[4][4];
     load_a_fragments(qf, smem_u32(sQ), warp, lane);
@@ -265,7 +315,17 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   }
 
-  store_rows_bf16<HS>(head.q(dqkv), head.qkv_stride, dq, scale, warp_q0, T, lane);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = warp_q0 + g + r * 8;
+    if (t < T) {
+      bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
+            __floats2bfloat162_rn(dq[nt][2 * r] * scale, dq[nt][2 * r + 1] * scale);
+    }
+  }
 }
 
 }  // namespace

@@ -277,29 +277,6 @@ __device__ __forceinline__ void mma_p_b(float (&acc)[HS / 8][4], const float (&p
   }
 }
 
-// A warp's 16 rows of a [16 x HS] accumulator (m16n8 C fragments: this thread holds rows
-// row0 + g and row0 + g + 8, columns 8nt + c2 and + 1), times `scale`, stored as bf16 to
-// rows row0.. of a row-major matrix at `base` (row 0, the head's first column) with a row
-// stride of `row_stride` elements. Rows >= T are skipped. The epilogue of dK, dV and dQ in
-// both kernel families.
-template <int HS>
-__device__ __forceinline__ void store_rows_bf16(bf16* base, size_t row_stride, const float (&acc)[HS / 8][4],
-                                                float scale, int row0, int T, int lane) {
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + r * 8;
-    if (row < T) {
-      bf16* dst = base + static_cast<size_t>(row) * row_stride + c2;
-#pragma unroll
-      for (int nt = 0; nt < HS / 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8) =
-            __floats2bfloat162_rn(acc[nt][2 * r] * scale, acc[nt][2 * r + 1] * scale);
-    }
-  }
-}
-
 // acc = 0 for a [16 x 8*N] accumulator.
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
