@@ -475,13 +475,13 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
       ++b;
     }
     FP8LM_CHECK(b < buckets_.size() && buckets_[b].begin <= t.offset, "tensor ", t.name, " is in no bucket");
-    working_offsets_[k] = dropped_bucket(buckets_[b]) ? kNoWorkingCopy : t.offset - dropped;
+    working_offsets_[k] = dropped_bucket(buckets_[b]) ? kNoWorkingValue : t.offset - dropped;
   }
   size_t working_elements = 0;
   for (size_t k = 0; k < layout_.tensors().size(); ++k)
-    if (working_offsets_[k] != kNoWorkingCopy)
+    if (working_offsets_[k] != kNoWorkingValue)
       working_elements = std::max<size_t>(working_elements, working_offsets_[k] + layout_.tensors()[k].numel);
-  const bool compact = std::count(working_offsets_.begin(), working_offsets_.end(), kNoWorkingCopy) > 0;
+  const bool compact = std::count(working_offsets_.begin(), working_offsets_.end(), kNoWorkingValue) > 0;
   working_ = ops.allocate((compact ? working_elements : n) * act_bytes);
   if (compact) {
     working_offsets_backend_ = ops.allocate(working_offsets_.size() * sizeof(uint64_t));
@@ -499,9 +499,9 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   auto working = [&](const std::string& name) {
     TensorInfo info = find(name);
     const uint64_t offset = working_offsets_[size_t(layout_.index_of(name))];
-    info.offset = offset == kNoWorkingCopy ? 0 : offset;
+    info.offset = offset == kNoWorkingValue ? 0 : offset;
     Tensor view = slab_view(working_->data(), activation_dtype_, act_bytes, info);
-    if (offset == kNoWorkingCopy) view.data = nullptr;
+    if (offset == kNoWorkingValue) view.data = nullptr;
     return view;
   };
   auto grad = [&](const std::string& name) {
@@ -1224,7 +1224,7 @@ void GptModel::set_working_values(const float* slab_values) {
   std::vector<float> compact(size_t(working.cols), 0.0f);
   for (size_t k = 0; k < layout_.tensors().size(); ++k) {
     const TensorInfo& t = layout_.tensors()[k];
-    if (working_offsets_[k] != kNoWorkingCopy)
+    if (working_offsets_[k] != kNoWorkingValue)
       std::copy(slab_values + t.offset, slab_values + t.offset + t.numel, compact.begin() + ptrdiff_t(working_offsets_[k]));
   }
   ops_.upload_values(working, compact.data());

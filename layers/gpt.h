@@ -258,9 +258,8 @@ class GptModel {
   void* working() { return working_->data(); }
   // Where each tensor of layout() sits in the working slab: its layout offset less the
   // elements of the dropped Linear-weight buckets before it (GptPrecision::fp8_linear_working_copy),
-  // or kNoWorkingCopy for the tensors of those buckets. working_offsets_on_backend() is the same
+  // or kNoWorkingValue (optim/adamw.h) for the tensors of those buckets. working_offsets_on_backend() is the same
   // array in backend memory, nullptr while every tensor sits at its layout offset.
-  static constexpr uint64_t kNoWorkingCopy = kNoWorkingValue;
   const std::vector<uint64_t>& working_offsets() const { return working_offsets_; }
   const uint64_t* working_offsets_on_backend() const {
     return working_offsets_backend_ ? static_cast<const uint64_t*>(working_offsets_backend_->data()) : nullptr;
