@@ -316,7 +316,7 @@ uint64_t cuda_workspace_bytes(const Shape& x) {
   const int BT = int(x.BT);
   size_t floats = cuda::layernorm_backward_scratch_floats(BT, int(x.C));
   floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, int(x.Fl)));
-  floats = std::max(floats, cuda::attention_backward_scratch_floats(int(x.B), int(x.T), int(x.Cl), int(x.NHl)));
+  floats = std::max(floats, cuda::attention_backward_operand_scratch_floats(int(x.B), int(x.T), int(x.Cl), int(x.NHl)));
   floats = std::max(floats, cuda::dbias_scratch_floats(BT, int(widest)));
   if (x.capacity > 0) {
     if (x.capacity > uint64_t(INT_MAX)) return kSaturated;

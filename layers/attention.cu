@@ -16,6 +16,7 @@
 //   attention_wgmma.cuh          wgmma helpers, the swizzled tiles and their descriptors
 //   attention_forward_wgmma.cuh  forward, head size 64, wgmma
 //   attention_backward_wgmma.cuh backward steps 2 and 3, head size 64, wgmma
+//   attention_dqkv_operand.cuh   their epilogue that writes dqkv's FP8 GEMM operand
 // They stay one translation unit on purpose: NVVM's code for one kernel can depend on the
 // other kernels of the module (compiled alone, the dK/dV kernel for HS = 128 orders its
 // address arithmetic differently), and one unit keeps the generated code what it was.
@@ -32,18 +33,22 @@
 //   The dQ kernel recomputes S and dP (7 GEMM-shaped products in all instead of FA2's 5):
 //   the price of determinism without a T x T buffer or floating-point atomics.
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/cast_cuda.h"
 #include "core/check_cuda.h"
 #include "core/error.h"
 #include "layers/attention.h"
 #include "layers/attention_backward_dkdv.cuh"
 #include "layers/attention_backward_dq.cuh"
 #include "layers/attention_backward_wgmma.cuh"
+#include "layers/attention_dqkv_operand.cuh"
 #include "layers/attention_forward.cuh"
 #include "layers/attention_forward_wgmma.cuh"
 #include "layers/attention_tiles.cuh"
@@ -162,33 +167,58 @@ void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_am
   CUDA_CHECK_LAUNCH();
 }
 
-// Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma.
-void launch_backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
-                           int T, int C, int NH, cudaStream_t stream) {
+// Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma. With
+// `operand`, the kernels write dqkv's FP8 operand instead of dqkv (attention_dqkv_operand.cuh).
+void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const bf16* dout, const bf16* qkv,
+                           const float* lse, const float* D, int B, int T, int C, int NH, cudaStream_t stream) {
   using Cfg = BackwardWgmmaConfig;
+  static_assert(2 * sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::smem_bytes,
+                "the dK/dV epilogue stages its two operand tiles in the kernels' shared memory");
   const float scale = 1.0f / sqrtf(static_cast<float>(Cfg::HS));
   const float sl2 = kLog2e * scale;
   const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
-  set_smem(attention_backward_dkdv_wgmma_kernel, Cfg::smem_bytes);
-  attention_backward_dkdv_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C,
-                                                                                       NH, sl2, scale);
-  CUDA_CHECK_LAUNCH();
-  set_smem(attention_backward_dq_wgmma_kernel, Cfg::smem_bytes);
-  attention_backward_dq_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH,
-                                                                                     sl2, scale);
-  CUDA_CHECK_LAUNCH();
+  auto launch = [&](auto dkdv_kernel, auto dq_kernel, const DqkvOperandTarget& target) {
+    set_smem(dkdv_kernel, Cfg::smem_bytes);
+    dkdv_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    CUDA_CHECK_LAUNCH();
+    set_smem(dq_kernel, Cfg::smem_bytes);
+    dq_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    CUDA_CHECK_LAUNCH();
+  };
+  if (operand != nullptr) {
+    launch(attention_backward_dkdv_wgmma_kernel<true>, attention_backward_dq_wgmma_kernel<true>, *operand);
+  } else {
+    launch(attention_backward_dkdv_wgmma_kernel<false>, attention_backward_dq_wgmma_kernel<false>,
+           DqkvOperandTarget{});
+  }
 }
 
 // wgmma exists on compute capability 9.x only (sm_90a); other GPUs run the mma.sync kernels.
+// The answer is kept per device: the launches ask on every call.
 bool has_wgmma() {
   int device = 0;
-  int major = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  constexpr int kDevices = 64;
+  static std::array<std::atomic<int>, kDevices> majors{};  // 0: not asked yet
+  const auto ask = [device] {
+    int major = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major;
+  };
+  if (device < 0 || device >= kDevices) return ask() == 9;
+  int major = majors[static_cast<size_t>(device)].load(std::memory_order_relaxed);
+  if (major == 0) {
+    major = ask();
+    majors[static_cast<size_t>(device)].store(major, std::memory_order_relaxed);
+  }
   return major == 9;
 }
 
-void forward(bool allow_wgmma, __nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
+// Which kernels a call may use: the fastest this GPU has, or the mma.sync ones everywhere
+// (the tests that hold the wgmma kernels to them).
+enum class Kernels { fastest, mma_sync };
+
+void forward(Kernels kernels, __nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
              const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
              cudaStream_t stream) {
   const int HS = checked_head_size("attention_forward", B, T, C, NH);
@@ -201,7 +231,7 @@ void forward(bool allow_wgmma, __nv_bfloat16* out, float* lse, uint8_t* out_fp8,
   switch (HS) {
     case 32: launch_forward<32, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
     case 64:
-      if (allow_wgmma && has_wgmma())
+      if (kernels == Kernels::fastest && has_wgmma())
         launch_forward_wgmma(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
       else
         launch_forward<64, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
@@ -210,36 +240,44 @@ void forward(bool allow_wgmma, __nv_bfloat16* out, float* lse, uint8_t* out_fp8,
   }
 }
 
-void backward(bool allow_wgmma, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+// Backward step 1: D [B,NH,T] = rowsum(dout * out).
+void row_dots(float* D, const __nv_bfloat16* dout, const __nv_bfloat16* out, int B, int T, int C, int NH, int HS,
+              cudaStream_t stream) {
+  const size_t rows = static_cast<size_t>(B) * T * NH;
+  FP8LM_CHECK(rows * (HS / 8) + 256 < 0x7fffffffu, "attention_backward: B*T*NH=", rows, " is too large");
+  const int threads = 256;
+  const int blocks = static_cast<int>((rows * (HS / 8) + threads - 1) / threads);
+  const int r = static_cast<int>(rows);
+  switch (HS) {
+    case 32: attention_backward_dot_kernel<32><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+    case 64: attention_backward_dot_kernel<64><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+    default: attention_backward_dot_kernel<128><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void check_backward_inputs(const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
+                           const float* lse, const float* scratch) {
+  FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16) && aligned(out, 16),
+              "attention_backward: qkv/dout/out must be 16-byte aligned");
+  FP8LM_CHECK(aligned(lse, 4) && aligned(scratch, 4), "attention_backward: lse/scratch must be 4-byte aligned");
+  FP8LM_CHECK(scratch != nullptr, "attention_backward: scratch is required");
+}
+
+void backward(Kernels kernels, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
               const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
               cudaStream_t stream) {
   const int HS = checked_head_size("attention_backward", B, T, C, NH);
   if (B == 0 || T == 0) return;
-  FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16) && aligned(out, 16),
-              "attention_backward: qkv/dout/out must be 16-byte aligned");
-  FP8LM_CHECK(aligned(dqkv, 4) && aligned(lse, 4) && aligned(scratch, 4),
-              "attention_backward: dqkv/lse/scratch must be 4-byte aligned");
-  FP8LM_CHECK(scratch != nullptr, "attention_backward: scratch is required");
-
+  check_backward_inputs(dout, qkv, out, lse, scratch);
+  FP8LM_CHECK(aligned(dqkv, 4), "attention_backward: dqkv must be 4-byte aligned");
   float* D = scratch;  // [B,NH,T]
-  const size_t rows = static_cast<size_t>(B) * T * NH;
-  FP8LM_CHECK(rows * (HS / 8) + 256 < 0x7fffffffu, "attention_backward: B*T*NH=", rows, " is too large");
-  {
-    const int threads = 256;
-    const int blocks = static_cast<int>((rows * (HS / 8) + threads - 1) / threads);
-    const int r = static_cast<int>(rows);
-    switch (HS) {
-      case 32: attention_backward_dot_kernel<32><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
-      case 64: attention_backward_dot_kernel<64><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
-      default: attention_backward_dot_kernel<128><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
-    }
-    CUDA_CHECK_LAUNCH();
-  }
+  row_dots(D, dout, out, B, T, C, NH, HS, stream);
   switch (HS) {
     case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
     case 64:
-      if (allow_wgmma && has_wgmma())
-        launch_backward_wgmma(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
+      if (kernels == Kernels::fastest && has_wgmma())
+        launch_backward_wgmma(dqkv, nullptr, dout, qkv, lse, D, B, T, C, NH, stream);
       else
         launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
       break;
@@ -252,13 +290,13 @@ void backward(bool allow_wgmma, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, 
 void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
                        Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
                        cudaStream_t stream) {
-  forward(true, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+  forward(Kernels::fastest, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
 }
 
 void attention_forward_mma_sync(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
                                 const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T,
                                 int C, int NH, cudaStream_t stream) {
-  forward(false, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+  forward(Kernels::mma_sync, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
 }
 
 size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
@@ -269,13 +307,51 @@ size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
                         cudaStream_t stream) {
-  backward(true, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+  backward(Kernels::fastest, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
 }
 
 void attention_backward_mma_sync(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                                  const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
                                  float* scratch, cudaStream_t stream) {
-  backward(false, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+  backward(Kernels::mma_sync, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+}
+
+bool attention_backward_writes_operand(int B, int T, int C, int NH) {
+  return B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0 && C / NH == 64 && T % kOperandTile == 0 && has_wgmma();
+}
+
+size_t attention_backward_operand_scratch_floats(int B, int T, int C, int NH) {
+  const size_t D = attention_backward_scratch_floats(B, T, C, NH);
+  const size_t D_padded = (D + 3) / 4 * 4;  // the partials 16-byte aligned
+  return D_padded + static_cast<size_t>(B) * T / kOperandTile * 3 * static_cast<size_t>(C);
+}
+
+void attention_backward_operand(const DqkvOperand& operand, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
+                                float* scratch, cudaStream_t stream) {
+  const int HS = checked_head_size("attention_backward_operand", B, T, C, NH);
+  if (B == 0 || T == 0) return;
+  FP8LM_CHECK(attention_backward_writes_operand(B, T, C, NH), "attention_backward_operand: head size ", HS, " and T=",
+              T, " on this GPU: the operand needs head size 64, T a multiple of ", kOperandTile, " and wgmma");
+  check_backward_inputs(dout, qkv, out, lse, scratch);
+  FP8LM_CHECK(operand.codes != nullptr && operand.codes_t != nullptr && operand.scale != nullptr,
+              "attention_backward_operand: codes, codes_t and scale are required");
+  FP8LM_CHECK(aligned(operand.codes, 16) && aligned(operand.codes_t, 16),
+              "attention_backward_operand: codes and codes_t must be 16-byte aligned");
+  FP8LM_CHECK(operand.amax == nullptr || aligned(operand.amax, 4),
+              "attention_backward_operand: amax must be 4-byte aligned");
+  float* D = scratch;
+  const size_t D_floats = attention_backward_scratch_floats(B, T, C, NH);
+  float* partials = operand.dbias ? scratch + (D_floats + 3) / 4 * 4 : nullptr;
+  row_dots(D, dout, out, B, T, C, NH, HS, stream);
+  const DqkvOperandTarget target{.codes = operand.codes,
+                                 .codes_t = operand.codes_t,
+                                 .bias_partials = partials,
+                                 .amax = operand.amax,
+                                 .scale = operand.scale,
+                                 .kind = operand.dtype == Fp8Dtype::e5m2 ? __NV_E5M2 : __NV_E4M3};
+  launch_backward_wgmma(nullptr, &target, dout, qkv, lse, D, B, T, C, NH, stream);
+  if (operand.dbias) add_column_partials(operand.dbias, partials, B * T / kOperandTile, 3 * C, stream);
 }
 
 }  // namespace fp8lm::cuda

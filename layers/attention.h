@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "core/gradient_ref.h"
 
 namespace fp8lm::cpu {
 
@@ -62,6 +63,35 @@ size_t attention_backward_scratch_floats(int B, int T, int C, int NH);
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
                         cudaStream_t stream);
+
+// c_attn's output-gradient operand, written by the backward in place of dqkv: exactly what
+// cast_transpose_fp8(codes, codes_t, dbias, amax, dqkv, scale, dtype, B*T, 3C) (core/cast_cuda.h)
+// writes from the BF16 dqkv that attention_backward would have written, bit for bit:
+//   codes [B*T,3C] = fp8(bf16(dqkv) * *scale) (RNE, saturating), codes_t [3C,B*T] its transpose,
+//   *amax raised to max |bf16(dqkv)| (nullable), dbias [3C] += its column sums (nullable),
+//   summed in the cast's order.
+struct DqkvOperand {
+  uint8_t* codes = nullptr;
+  uint8_t* codes_t = nullptr;
+  GradientRef dbias;
+  float* amax = nullptr;
+  const float* scale = nullptr;
+  Fp8Dtype dtype = Fp8Dtype::e5m2;
+};
+
+// Whether attention_backward_operand runs at this shape on this GPU: head size 64 on Hopper
+// (the wgmma kernels write the operand in their epilogues) and T a multiple of 64 (so that
+// their tiles are the cast's).
+bool attention_backward_writes_operand(int B, int T, int C, int NH);
+
+// FP32 scratch that attention_backward_operand needs: D, and the bias gradient's per-tile sums.
+size_t attention_backward_operand_scratch_floats(int B, int T, int C, int NH);
+
+// attention_backward followed by the cast of its dqkv, without dqkv: see DqkvOperand. codes
+// and codes_t 16-byte aligned. Throws where attention_backward_writes_operand is false.
+void attention_backward_operand(const DqkvOperand& operand, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                                const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
+                                float* scratch, cudaStream_t stream);
 
 // The mma.sync kernels at every head size, as GPUs without wgmma run them: for the tests that
 // hold the wgmma kernels to them bit for bit. Same contracts as above.

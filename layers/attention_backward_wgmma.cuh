@@ -13,7 +13,8 @@
 // dQ: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO as A fragments, and walks
 // the key tiles 0..diagonal, K and V in swizzled shared tiles:
 //   S = Q K^T and dP = dO V^T together, P while dP runs, dS = P (dP - D), dQ += dS K.
-// No atomics: every output element is written once, by one thread; bit-reproducible.
+// No atomics: every output element is written once, by one thread; bit-reproducible. (With
+// the FP8 operand, only its amax is an atomicMax, which no order changes.)
 // smem (each kernel): four swizzled [64][64] tiles (32 KiB, 1024-aligned), the A source
 // tiles [64][72] (18 KiB) and, for dK/dV, lse and D of two query tiles.
 
@@ -25,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "layers/attention_dqkv_operand.cuh"
 #include "layers/attention_tiles.cuh"
 #include "layers/attention_wgmma.cuh"
 
@@ -43,12 +45,15 @@ struct BackwardWgmmaConfig {
                                        4 * TILE * sizeof(float);
 };
 
-// dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
-// D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
+// dqkv [B,T,3C]: writes the k and v thirds; with kOperand, their FP8 operand to `operand`
+// instead (attention_dqkv_operand.cuh; T a multiple of 64). dout [B,T,C], qkv [B,T,3C],
+// lse [B,NH,T], D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
+template <bool kOperand>
 __global__ void __launch_bounds__(kThreads)
-    attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
-                                         const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                                         const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+    attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
+                                         const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
+                                         const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
+                                         int NH, float sl2, float scale) {
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, LD = Cfg::LD, BK = Cfg::BLOCK, BQ = Cfg::TILE;
 
@@ -178,31 +183,50 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   }
 
-  // Epilogue: dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
+  // Epilogue.
+  if constexpr (kOperand) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = warp_k0 + g + r * 8;
-    if (key < T) {
-      bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int col = nt * 8 + c2;
-        *reinterpret_cast<__nv_bfloat162*>(row + C + col) =
-            __floats2bfloat162_rn(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale);
-        *reinterpret_cast<__nv_bfloat162*>(row + 2 * static_cast<size_t>(C) + col) =
-            __floats2bfloat162_rn(dv[nt][2 * r], dv[nt][2 * r + 1]);
+      for (int e = 0; e < 4; ++e) dk[nt][e] *= scale;
+    // The loop's last barrier freed shared memory: both tiles are staged at once.
+    OperandTile* tiles = reinterpret_cast<OperandTile*>(smem);
+    uint32_t amax = stage_operand_tile(tiles[0], dk, 0u);
+    amax = stage_operand_tile(tiles[1], dv, amax);
+    __syncthreads();
+    const int M = static_cast<int>(gridDim.z) * T, N = 3 * C, row0 = b * T + k0;
+    write_operand_tile(operand, tiles[0], row0, C + h * HS, M, N);
+    write_operand_tile(operand, tiles[1], row0, 2 * C + h * HS, M, N);
+    publish_amax(operand.amax, amax, lane);
+  } else {
+    // dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = warp_k0 + g + r * 8;
+      if (key < T) {
+        bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int col = nt * 8 + c2;
+          *reinterpret_cast<__nv_bfloat162*>(row + C + col) =
+              __floats2bfloat162_rn(dk[nt][2 * r] * scale, dk[nt][2 * r + 1] * scale);
+          *reinterpret_cast<__nv_bfloat162*>(row + 2 * static_cast<size_t>(C) + col) =
+              __floats2bfloat162_rn(dv[nt][2 * r], dv[nt][2 * r + 1]);
+        }
       }
     }
   }
 }
 
-// dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel. Three blocks a
-// multiprocessor (168 registers, no spills): 0.357 against 0.359 ms with two at gpt2-1558m's
-// shape. The dK/dV kernel at three blocks spills and has ptxas serialize its wgmmas.
+// dqkv [B,T,3C]: writes the q third (or, with kOperand, its FP8 operand). Arguments as the
+// dK/dV kernel. Three blocks a multiprocessor (168 registers, no spills): 0.357 against
+// 0.359 ms with two at gpt2-1558m's shape. The dK/dV kernel at three blocks spills and has ptxas serialize its wgmmas.
+template <bool kOperand>
 __global__ void __launch_bounds__(kThreads, 3)
-    attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
-                                       const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                                       const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+    attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
+                                       const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
+                                       const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
+                                       int NH, float sl2, float scale) {
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, LD = Cfg::LD, BR = Cfg::BLOCK, BC = Cfg::TILE;
 
@@ -315,15 +339,27 @@ __global__ void __launch_bounds__(kThreads, 3)
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   }
 
+  if constexpr (kOperand) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = warp_q0 + g + r * 8;
-    if (t < T) {
-      bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
-            __floats2bfloat162_rn(dq[nt][2 * r] * scale, dq[nt][2 * r + 1] * scale);
+      for (int e = 0; e < 4; ++e) dq[nt][e] *= scale;
+    OperandTile& tile = *reinterpret_cast<OperandTile*>(smem);  // free since the loop's last barrier
+    const uint32_t amax = stage_operand_tile(tile, dq, 0u);
+    __syncthreads();
+    write_operand_tile(operand, tile, b * T + q0, h * HS, static_cast<int>(gridDim.z) * T, 3 * C);
+    publish_amax(operand.amax, amax, lane);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = warp_q0 + g + r * 8;
+      if (t < T) {
+        bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
+              __floats2bfloat162_rn(dq[nt][2 * r] * scale, dq[nt][2 * r + 1] * scale);
+      }
     }
   }
 }

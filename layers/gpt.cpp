@@ -1100,9 +1100,15 @@ void GptModel::block_backward(int l) {
 
   // attn.c_proj, attention, c_attn, ln_1.
   row_parallel_backward(w.proj, s.datty, a.atty_operand);
-  ops_.attention_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, heads);
   const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
-  ops_.quantize(dy_qkv, s.dqkv, w.qkv.grad_bias);
+  ops_.attention_backward_to_operand({.operand = dy_qkv,
+                                      .dbias = w.qkv.grad_bias,
+                                      .dqkv = s.dqkv,
+                                      .dout = s.datty,
+                                      .qkv = a.qkv,
+                                      .out = a.atty,
+                                      .lse = a.lse,
+                                      .shape = heads});
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.qkv.grad_weight,

@@ -213,6 +213,20 @@ class ObservedOps final : public Ops {
               }},
              [&] { inner_->attention_backward(dqkv, dout, qkv, out, lse, shape); });
   }
+  // The "attention backward" class includes the cast of dqkv here: the CUDA backend fuses it.
+  void attention_backward_to_operand(const AttentionBackwardToOperand& call) override {
+    const bool view = call.operand.data == call.dqkv.data;
+    observed({"attention backward", Lane::main,
+              [&] {
+                return "attention_backward -> " + name(call.operand) + (call.dbias ? " +dbias" : "");
+              },
+              [&] {
+                return OpCost{2.5 * causal_attention_flops(call.shape),
+                              (view ? bytes(call.dqkv) : written(call.operand)) + bytes(call.dout) + bytes(call.qkv) +
+                                  bytes(call.out) + bytes(call.lse)};
+              }},
+             [&] { inner_->attention_backward_to_operand(call); });
+  }
 
   // ---- Incremental decoding
   void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,

@@ -189,6 +189,20 @@ struct AttentionShape {
   int width() const { return heads * head_size; }
 };
 
+// The attention backward and the cast of its dqkv to c_attn's output-gradient operand, as one
+// op: attention_backward(dqkv, dout, qkv, out, lse, shape), then quantize(operand, dqkv, dbias).
+// That pair is the definition (Ops' default). A backend may write the operand without dqkv,
+// where it gives the same bits: the CUDA backend's wgmma kernels do under delayed scaling.
+// dqkv's contents are then unspecified.
+struct AttentionBackwardToOperand {
+  Tensor operand;  // [B*T,3C'] in c_attn's gradient dtype (FP8 with its transpose), or a view of dqkv
+  Tensor dbias;    // [3C'] optional: += column sums of dqkv
+  Tensor dqkv;     // [B*T,3C'] activation dtype
+  Tensor dout;     // [B*T,C'] activation
+  Tensor qkv, out, lse;  // the forward's
+  AttentionShape shape;
+};
+
 // One layer's key/value cache for incremental decoding (layers/kv_cache.h): the keys and
 // values of `capacity` positions of each of B sequences, in the activation dtype or in FP8
 // E4M3 with one scale per tensor (the CPU holds the quantized values fp8(x * scale), as
@@ -434,6 +448,10 @@ class Ops {
   // dqkv [B*T,3C'] = from dout [B*T,C'] and the forward's qkv, out and lse.
   virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                   const Tensor& lse, const AttentionShape& shape) = 0;
+  virtual void attention_backward_to_operand(const AttentionBackwardToOperand& call) {
+    attention_backward(call.dqkv, call.dout, call.qkv, call.out, call.lse, call.shape);
+    quantize(call.operand, call.dqkv, call.dbias);
+  }
 
   // ---- Incremental decoding (layers/kv_cache.h) -----------------------------------
   // Writes the keys and values of qkv [B*n,3C'] (positions [position, position + n) of each

@@ -304,8 +304,8 @@ class CudaOps final : public Ops {
     const int widest = std::max({shape.local_ffn, 3 * shape.local_width, shape.C});
     size_t floats = cuda::layernorm_backward_scratch_floats(BT, shape.C);
     floats = std::max(floats, cuda::gelu_backward_scratch_floats(BT, shape.local_ffn));
-    floats = std::max(floats, cuda::attention_backward_scratch_floats(shape.B, shape.T, shape.local_width,
-                                                                      shape.local_heads));
+    floats = std::max(floats, cuda::attention_backward_operand_scratch_floats(shape.B, shape.T, shape.local_width,
+                                                                              shape.local_heads));
     floats = std::max(floats, cuda::dbias_scratch_floats(BT, widest));
     if (shape.cache_capacity > 0)
       floats = std::max(floats, cuda::attention_decode_scratch_floats(shape.B, shape.local_width, shape.local_heads,
@@ -720,6 +720,30 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const AttentionShape& shape) override {
     cuda::attention_backward(bf(dqkv), cbf(dout), cbf(qkv), cbf(out), f32(lse), shape.B, shape.T, shape.width(),
                              shape.heads, float_scratch_.data(), stream_);
+  }
+  // The wgmma kernels write the FP8 operand themselves where its scale is known before they
+  // run (delayed scaling) and no cast statistics are counted; elsewhere the backward, then
+  // the cast. Both give the same bits (tests/test_attention_gpu.cpp).
+  void attention_backward_to_operand(const AttentionBackwardToOperand& call) override {
+    const Tensor& operand = call.operand;
+    const AttentionShape& shape = call.shape;
+    const bool fused = operand.data != call.dqkv.data && is_fp8(operand.dtype) && !block_scaled(operand) &&
+                       operand.transposed != nullptr && !table_->uses_current_scaling() &&
+                       counts_of(operand.scaling_state) == nullptr &&
+                       cuda::attention_backward_writes_operand(shape.B, shape.T, shape.width(), shape.heads);
+    if (!fused) return Ops::attention_backward_to_operand(call);
+    FP8LM_CHECK(float_scratch_.size() >=
+                    cuda::attention_backward_operand_scratch_floats(shape.B, shape.T, shape.width(), shape.heads),
+                "attention_backward_to_operand: the workspace was planned for a smaller shape");
+    const int s = operand.scaling_state;
+    cuda::attention_backward_operand({.codes = u8(operand),
+                                      .codes_t = static_cast<uint8_t*>(operand.transposed),
+                                      .dbias = gradient(call.dbias),
+                                      .amax = amax_slot(s),
+                                      .scale = scale_.data() + s,
+                                      .dtype = fp8_dtype_of(operand.dtype)},
+                                     cbf(call.dout), cbf(call.qkv), cbf(call.out), f32(call.lse), shape.B, shape.T,
+                                     shape.width(), shape.heads, float_scratch_.data(), stream_);
   }
 
   // ---- Incremental decoding

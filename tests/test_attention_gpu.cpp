@@ -11,6 +11,7 @@
 // Shapes include T that is not a multiple of any tile (the kernels tile by 16/32/64/128).
 // Note: a "[gpu]" filter also selects the hidden "[.bench]" case (Catch2 runs hidden tests
 // that a tag matches); "[gpu]~[.bench]" leaves it out.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <cuda_runtime.h>
 
+#include "core/cast_cuda.h"
 #include "core/check_cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -302,6 +304,104 @@ TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gp
     CHECK(bits_of(fast.amax[0]) == bits_of(reference.amax[0]));
     CHECK(std::memcmp(fast.dqkv.data(), reference.dqkv.data(), n_qkv * sizeof(__nv_bfloat16)) == 0);
   }
+}
+
+// The backward's FP8 operand (head size 64, T a multiple of 64) against the cast of the BF16
+// dqkv it replaces: codes, transpose, amax and bias gradient bit for bit. Both formats, an
+// FP32 and a BF16 bias gradient added to (not overwritten), none, no amax, and scales that
+// saturate.
+TEST_CASE("attention backward writes dqkv's FP8 operand exactly as the cast of its dqkv", "[gpu][attention]") {
+  FP8LM_REQUIRE_GPU();
+  if (!cuda::attention_backward_writes_operand(1, 64, 64, 1)) SKIP("no wgmma on this GPU");
+  struct Case {
+    AttnShape shape;
+    Fp8Dtype dtype;
+    float scale;
+    enum { fp32, bf16, none } dbias;
+    bool amax;
+  };
+  for (const Case& c : {Case{{2, 128, 3, 64}, Fp8Dtype::e5m2, 4.0f, Case::fp32, true},
+                        Case{{1, 1024, 2, 64}, Fp8Dtype::e5m2, 1.0f, Case::bf16, true},
+                        Case{{3, 192, 1, 64}, Fp8Dtype::e4m3, 2.0f, Case::none, true},
+                        Case{{1, 64, 2, 64}, Fp8Dtype::e5m2, 65536.0f, Case::fp32, false},
+                        Case{{2, 256, 1, 64}, Fp8Dtype::e4m3, 4096.0f, Case::bf16, true}}) {
+    const AttnShape& s = c.shape;
+    INFO(describe(s) << " " << to_string(c.dtype) << " scale " << c.scale << " dbias " << int(c.dbias));
+    REQUIRE(cuda::attention_backward_writes_operand(s.B, s.T, s.C(), s.NH));
+    const int C = s.C(), M = s.B * s.T, N = 3 * C;
+    const size_t n_qkv = size_t(M) * N, n_out = size_t(M) * C, n_lse = size_t(s.B) * s.NH * s.T;
+    auto qkv = device_copy(to_bf16(random_floats(n_qkv, 41 + s.T, 2.0f)));
+    auto dout = device_copy(to_bf16(random_floats(n_out, 42 + s.T)));
+    cuda::DeviceBuffer<__nv_bfloat16> out(n_out), dqkv(n_qkv);
+    cuda::DeviceBuffer<float> lse(n_lse);
+    cuda::attention_forward(out.data(), lse.data(), nullptr, nullptr, nullptr, Fp8Dtype::e4m3, qkv.data(), s.B, s.T,
+                            C, s.NH, nullptr);
+    const auto scale = device_copy(std::vector<float>{c.scale});
+    const std::vector<float> dbias_start = random_floats(size_t(N), 43 + s.T);
+
+    struct Result {
+      std::vector<uint8_t> codes, codes_t;
+      std::vector<float> amax, dbias32;
+      std::vector<__nv_bfloat16> dbias16;
+    };
+    auto run = [&](bool fused) {
+      cuda::DeviceBuffer<uint8_t> codes(n_qkv), codes_t(n_qkv);
+      codes.fill_bytes(kPoisonByte);
+      codes_t.fill_bytes(kPoisonByte);
+      auto amax = device_copy(std::vector<float>{0.5f});
+      auto dbias32 = device_copy(dbias_start);
+      auto dbias16 = device_copy(to_bf16(dbias_start));
+      const GradientRef dbias = c.dbias == Case::fp32   ? GradientRef(dbias32.data())
+                                : c.dbias == Case::bf16 ? GradientRef(dbias16.data(), true)
+                                                        : GradientRef();
+      float* amax_pointer = c.amax ? amax.data() : nullptr;
+      cuda::DeviceBuffer<float> scratch(std::max(cuda::attention_backward_operand_scratch_floats(s.B, s.T, C, s.NH),
+                                                 cuda::dbias_scratch_floats(M, N)));
+      scratch.fill_bytes(kPoisonByte);
+      if (fused) {
+        cuda::attention_backward_operand({.codes = codes.data(),
+                                          .codes_t = codes_t.data(),
+                                          .dbias = dbias,
+                                          .amax = amax_pointer,
+                                          .scale = scale.data(),
+                                          .dtype = c.dtype},
+                                         dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, C, s.NH,
+                                         scratch.data(), nullptr);
+      } else {
+        cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, C, s.NH,
+                                 scratch.data(), nullptr);
+        cuda::cast_transpose_fp8(codes.data(), codes_t.data(), dbias, amax_pointer, dqkv.data(), scale.data(),
+                                 c.dtype, M, N, scratch.data(), nullptr, nullptr);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return Result{codes.download(), codes_t.download(), amax.download(), dbias32.download(), dbias16.download()};
+    };
+    const Result fused = run(true);
+    const Result reference = run(false);
+    CHECK(std::memcmp(fused.codes.data(), reference.codes.data(), n_qkv) == 0);
+    CHECK(std::memcmp(fused.codes_t.data(), reference.codes_t.data(), n_qkv) == 0);
+    CHECK(bits_of(fused.amax[0]) == bits_of(reference.amax[0]));
+    CHECK(std::memcmp(fused.dbias32.data(), reference.dbias32.data(), size_t(N) * sizeof(float)) == 0);
+    CHECK(std::memcmp(fused.dbias16.data(), reference.dbias16.data(), size_t(N) * sizeof(__nv_bfloat16)) == 0);
+    // The cases are not vacuous: the bias gradient moved, the amax was raised, and the large
+    // scales saturate some codes.
+    if (c.dbias == Case::fp32) CHECK(fused.dbias32 != dbias_start);
+    if (c.amax) CHECK(fused.amax[0] > 0.5f);
+    if (c.scale == 4096.0f) {
+      const uint8_t max_code = c.dtype == Fp8Dtype::e5m2 ? 0x7B : 0x7E;
+      CHECK(std::any_of(fused.codes.begin(), fused.codes.end(), [&](uint8_t q) { return (q & 0x7F) == max_code; }));
+    }
+  }
+}
+
+TEST_CASE("attention backward's FP8 operand: shapes it cannot tile are refused", "[gpu][attention]") {
+  FP8LM_REQUIRE_GPU();
+  CHECK_FALSE(cuda::attention_backward_writes_operand(1, 100, 128, 2));  // T not a multiple of 64
+  CHECK_FALSE(cuda::attention_backward_writes_operand(1, 128, 64, 2));   // head size 32
+  CHECK_FALSE(cuda::attention_backward_writes_operand(1, 128, 256, 2));  // head size 128
+  CHECK_THROWS_AS(cuda::attention_backward_operand({}, nullptr, nullptr, nullptr, nullptr, 1, 100, 128, 2, nullptr,
+                                                   nullptr),
+                  RuntimeError);
 }
 
 TEST_CASE("attention rejects unsupported head sizes with a hint", "[gpu][attention]") {

@@ -502,3 +502,19 @@ TEST_CASE("GPU training: statistics change no loss, and describe the operands as
     }
   }
 }
+
+// At head size 64 (and T = 64) the CUDA backend's attention backward writes c_attn's FP8
+// gradient operand itself, except on steps that count FP8 statistics, which take the attention
+// backward and then the cast. Both must train alike, bit for bit.
+TEST_CASE("GPU training: the attention backward's own FP8 operand gives the cast's losses bit for bit",
+          "[gpu][fp8-stats][model][attention]") {
+  FP8LM_REQUIRE_GPU();
+  const std::vector<std::string> flags = {"--hidden-size", "128", "--num-attention-heads", "2"};
+  std::vector<std::string> with_stats = flags;
+  with_stats.insert(with_stats.end(), {"--fp8-stats-interval", "1"});
+  const Run fused = train_steps("cuda", flags, 4);
+  const Run cast = train_steps("cuda", with_stats, 4);
+  REQUIRE(fused.losses.size() == 4);
+  CHECK(fused.losses == cast.losses);
+  CHECK(fused.losses.back() != fused.losses.front());
+}
