@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(256) add_column_sums_kernel(GradientRef dst_lo
   const int col = blockIdx.x * 32 + tx;
   float sum = 0.0f;
   if (col < cols) {
-#pragma unroll 4
+    // Unrolled 16 deep so that 16 loads are in flight before their adds (same order).
+#pragma unroll 16
     for (int r = ty; r < rows; r += 8) sum += partials[static_cast<size_t>(r) * cols + col];
   }
   sums[ty][tx] = sum;
