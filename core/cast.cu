@@ -170,34 +170,13 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
 }
 
-// out [N] += sum over t < tiles of partial [t, N], in order t = 0, 1, ... (one thread per column),
-// the sum added once to the FP32 or BF16 gradient. The loads go out kPartialBatch at a time
-// before their adds (the same adds in the same order): with one load in flight a thread, the
-// kernel took a memory latency per tile, about 13 us for gpt2-1558m's 128 tiles (call 77).
-// Small blocks spread the few columns (1,600 to 6,400) over more multiprocessors.
-constexpr int kPartialBatch = 32;
-constexpr int kPartialThreads = 64;
-__global__ void __launch_bounds__(kPartialThreads) add_column_partials_kernel(GradientRef out,
-                                                                              const float* __restrict__ partial,
-                                                                              int tiles, int N) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= N) return;
-  float s = 0.0f;
-  int t = 0;
-  for (; t + kPartialBatch <= tiles; t += kPartialBatch) {
-    float batch[kPartialBatch];
-#pragma unroll
-    for (int j = 0; j < kPartialBatch; ++j) batch[j] = partial[static_cast<size_t>(t + j) * N + c];
-#pragma unroll
-    for (int j = 0; j < kPartialBatch; ++j) s += batch[j];
-  }
-  for (; t < tiles; ++t) s += partial[static_cast<size_t>(t) * N + c];
-  device::add_to_gradient(out, c, s);
-}
-
+// out [N] += the sum over t < tiles of partial [t, N] in device::add_column_sums_kernel's order
+// (eight interleaved runs of tiles, then the eight run sums in turn), added once to the FP32
+// or BF16 gradient. One run of adds a column, even with 32 loads in flight, cost 8-15 us a
+// call at gpt2-1558m's 128 tiles and 34 us at gpt2-124m's 512 (call 79): too few threads.
 void launch_add_column_partials(GradientRef out, const float* partial, int tiles, int N, cudaStream_t stream) {
-  add_column_partials_kernel<<<(N + kPartialThreads - 1) / kPartialThreads, kPartialThreads, 0, stream>>>(
-      out, partial, tiles, N);
+  device::add_column_sums_kernel<<<(N + 31) / 32, dim3(32, 8), 0, stream>>>(out, GradientRef{}, N, partial, tiles,
+                                                                          N);
   CUDA_CHECK_LAUNCH();
 }
 

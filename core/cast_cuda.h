@@ -79,9 +79,9 @@ void count_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* in, const float*
 // the dbias of the BF16 path. scratch: dbias_scratch_floats(M, N) floats.
 void column_sum(GradientRef out, const __nv_bfloat16* in, int M, int N, float* scratch, cudaStream_t stream);
 
-// out [N] += the sums over t < tiles of partial [tiles, N], in the order t = 0, 1, ...: the
-// last step of the dbias above, for kernels that leave per-tile column sums in the cast's
-// order (layers/attention_dqkv_operand.cuh).
+// out [N] += the sums over t < tiles of partial [tiles, N], in a fixed order: the last step of
+// the dbias above, for kernels that leave per-tile column sums as the cast does
+// (layers/attention_dqkv_operand.cuh).
 void add_column_partials(GradientRef out, const float* partial, int tiles, int N, cudaStream_t stream);
 
 // Current scaling on the device (one thread): *scale = compute_scale(*amax, fp8_max,
