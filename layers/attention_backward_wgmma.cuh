@@ -220,7 +220,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // dqkv [B,T,3C]: writes the q third (or, with kOperand, its FP8 operand). Arguments as the
 // dK/dV kernel. Three blocks a multiprocessor (168 registers, no spills): 0.357 against
-// 0.359 ms with two at gpt2-1558m's shape. The dK/dV kernel at three blocks spills and has ptxas serialize its wgmmas.
+// 0.359 ms with two at gpt2-1558m's shape. The dK/dV kernel at three blocks spills and has
+// ptxas serialize its wgmmas.
 template <bool kOperand>
 __global__ void __launch_bounds__(kThreads, 3)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
