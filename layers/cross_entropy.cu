@@ -1,12 +1,13 @@
 // Fused softmax cross-entropy forward + backward (see layers/cross_entropy.h).
 //
 // One 512-thread block per row. Pass 1: each thread runs an online softmax (running max
-// and sum of exp(x - max)) over its 16-byte chunks of the first V columns; the block
-// combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread re-reads its own
-// chunks and overwrites them with (softmax - onehot) * dloss in bf16, zeros in the padded
-// columns. A thread only ever writes the chunks it read, and the one cross-thread read
-// (the target logit, by thread 0) happens before the block's first barrier, so in place is
-// safe.
+// and sum of exp(x - max)) over its 16-byte chunks of the first V columns, a chunk at a
+// time; the block combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread
+// re-reads its own chunks and overwrites them with (softmax - onehot) * dloss in bf16, zeros
+// in the padded columns. The exponentials run on the special-function unit (exp2 of an
+// FFMA), a few instructions an element in each pass. A thread only ever writes the chunks it
+// read, and the one cross-thread read (the target logit, by thread 0) happens before the
+// block's first barrier, so in place is safe.
 //
 // Vocabulary-parallel halves: cross_entropy_partials_kernel is pass 1 and the block combine
 // above on one rank's slice (the same code, block_softmax_stats), writing (m, s, target
@@ -37,6 +38,21 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSumThreads = 1024;
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit: ex2.approx, about 2 ulp. Results below 2^-126 flush to 0,
+// which cannot move a sum that is at least 1. expf() costs about eight instructions an
+// element more, and at one read and one write of 2 bytes an element the kernel was bound by
+// its instructions (2 TB/s), not by the bytes (calls 49 and 52 in docs/PERFORMANCE.md).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// exp(x - m) as one FFMA and one MUFU: x * log2(e) - m * log2(e), with m_log2e = m * log2(e).
+__device__ __forceinline__ float exp_minus(float x, float m_log2e) { return exp2_approx(fmaf(x, kLog2e, -m_log2e)); }
+
 // (m, s) <- the online-softmax union of (m, s) and (m2, s2): max and sum of exp(x - max).
 // A side with max -inf holds no elements and contributes nothing (avoids -inf - -inf).
 // NaN sums propagate, so a NaN logit makes the loss NaN.
@@ -50,10 +66,12 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
 
 // Pass 1 and the block's combine: (m, s) = max and sum of exp(x - max) over row[0, real),
 // row [chunks * 8]. Each thread runs an online softmax over its chunks c = tid, tid + 512, ...,
-// the lanes combine by butterfly, then warp 0 combines the 16 warps' pairs. Every thread of
-// the block calls it (it synchronises once); the result is valid in warp 0 (every lane holds
-// the same bits: the combine is commutative). Shared by the fused kernel and the
-// vocabulary-parallel partials, so that both compute the same bits.
+// a chunk of 8 at a time: the chunk's max, a rescale of the running sum only when that max
+// is a new one, then one FFMA, MUFU and FADD an element. The lanes combine by butterfly, then
+// warp 0 combines the 16 warps' pairs. Every thread of the block calls it (it synchronises
+// once); the result is valid in warp 0 (every lane holds the same bits: the combine is
+// commutative). Shared by the fused kernel and the vocabulary-parallel partials, so that both
+// compute the same bits.
 __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks, int real, float& m_out,
                                                     float& s_out) {
   __shared__ float warp_m[kWarps], warp_s[kWarps];
@@ -62,16 +80,26 @@ __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks,
   for (int c = tid; c < chunks; c += kThreads) {
     float x[8];
     load_bf16x8(row + c * 8, x);
+    const int real_in_chunk = real - c * 8;
+    if (real_in_chunk < 8) {  // the padded columns never take part
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      if (c * 8 + j < real) {
-        if (x[j] > m) {
-          s = s * expf(m - x[j]) + 1.0f;  // m == -inf: s * 0 + 1
-          m = x[j];
-        } else if (x[j] != -INFINITY) {
-          s += expf(x[j] - m);  // NaN x lands here and makes s NaN
-        }
-      }
+      for (int j = 0; j < 8; j++) x[j] = j < real_in_chunk ? x[j] : -INFINITY;
+    }
+    float chunk_max = x[0];
+#pragma unroll
+    for (int j = 1; j < 8; j++) chunk_max = fmaxf(chunk_max, x[j]);
+    if (chunk_max > m) {
+      s = m == -INFINITY ? 0.0f : s * exp_minus(m, chunk_max * kLog2e);
+      m = chunk_max;
+    }
+    if (m != -INFINITY) {
+      const float m_log2e = m * kLog2e;
+#pragma unroll
+      for (int j = 0; j < 8; j++) s += exp_minus(x[j], m_log2e);  // NaN x makes s NaN; -inf x adds 0
+    } else {
+      // Every value so far is -inf or NaN (fmaxf passes NaN over): a NaN must still reach the loss.
+#pragma unroll
+      for (int j = 0; j < 8; j++) s = x[j] != -INFINITY ? NAN : s;
     }
   }
 #pragma unroll
@@ -100,17 +128,26 @@ __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks,
 }
 
 // Pass 2 over this thread's own chunks of row [chunks * 8]: dlogits in place, column
-// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel).
+// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel). A chunk
+// holding neither the target nor a padded column, nearly all of them, takes exp(x - lse) *
+// dloss: one FFMA, MUFU and FMUL an element.
 __device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_col, int V, int target, float lse,
                                               float dloss) {
+  const float lse_log2e = lse * kLog2e;
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
     float x[8];
     load_bf16x8(row + c * 8, x);
+    const int col0 = first_col + c * 8;
+    if (col0 + 8 > V || static_cast<unsigned>(target - col0) < 8u) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int v = first_col + c * 8 + j;
-      const float probability = expf(x[j] - lse);
-      x[j] = v < V ? (probability - (v == target ? 1.0f : 0.0f)) * dloss : 0.0f;
+      for (int j = 0; j < 8; j++) {
+        const int v = col0 + j;
+        const float probability = exp_minus(x[j], lse_log2e);
+        x[j] = v < V ? (probability - (v == target ? 1.0f : 0.0f)) * dloss : 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) x[j] = exp_minus(x[j], lse_log2e) * dloss;
     }
     store_bf16x8(row + c * 8, x);
   }

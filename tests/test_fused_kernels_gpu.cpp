@@ -736,6 +736,9 @@ TEST_CASE("fused cross-entropy matches the CPU reference", "[gpu][cross_entropy]
     check_cross_entropy(cross_entropy_inputs(4, 50257, 50304, 1900), 0.25f);
   }
   SECTION("V == Vp") { check_cross_entropy(cross_entropy_inputs(N, 384, 384, 2000), 1.0f / N); }
+  SECTION("a wider vocabulary, 60,000 padded to 60,032") {
+    check_cross_entropy(cross_entropy_inputs(4, 60000, 60032, 2050), 0.25f);
+  }
 }
 
 TEST_CASE("cross-entropy: a target outside the vocabulary gives a NaN loss, other rows unaffected",
@@ -754,6 +757,32 @@ TEST_CASE("cross-entropy: a target outside the vocabulary gives a NaN loss, othe
   const std::vector<float> losses = d_losses.download();
   CHECK(std::isnan(losses[2]));
   for (int i : {0, 1, 3}) CHECK(std::fabs(losses[i] - ref_losses[i]) <= kStatTol * std::fabs(ref_losses[i]));
+}
+
+TEST_CASE("cross-entropy: a NaN logit gives a NaN loss, -inf logits take no part", "[gpu][cross_entropy]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 3, V = 300, Vp = 384;
+  CrossEntropyInputs in = cross_entropy_inputs(N, V, Vp, 2150);
+  auto at = [&](int row, int col) -> float& { return in.logits[static_cast<size_t>(row) * Vp + col]; };
+  at(0, 5) = NAN;  // among finite logits
+  for (int row : {1, 2}) {
+    for (int v = 0; v < V; v++) at(row, v) = -INFINITY;
+  }
+  for (int v : {3, 100, 299}) at(1, v) = 0.5f * static_cast<float>(v % 7);  // a few finite logits among -inf ones
+  in.targets[1] = 100;
+  at(2, 7) = NAN;  // the only value that is not -inf: the chunk's max passes it over, the sum must not
+  std::vector<float> ref_logits = in.logits, ref_losses(N);
+  cpu::cross_entropy_forward_backward(ref_logits.data(), ref_losses.data(), in.targets.data(), N, V, Vp, 0.0f);
+  auto d_logits = device_copy(to_bf16(in.logits));
+  auto d_targets = device_copy(in.targets);
+  auto d_losses = poisoned<float>(N);
+  cuda::cross_entropy_forward_backward(d_logits.data(), d_losses.data(), d_targets.data(), N, V, Vp, 0.0f, kStream);
+  device_sync();
+  const std::vector<float> losses = d_losses.download();
+  CHECK(std::isnan(losses[0]));
+  REQUIRE(std::isfinite(ref_losses[1]));
+  CHECK(std::fabs(losses[1] - ref_losses[1]) <= kStatTol * std::fabs(ref_losses[1]));
+  CHECK(std::isnan(losses[2]));
 }
 
 TEST_CASE("sum_losses adds a deterministic sum to the device total", "[gpu][cross_entropy]") {
