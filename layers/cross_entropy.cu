@@ -1,13 +1,15 @@
 // Fused softmax cross-entropy forward + backward (see layers/cross_entropy.h).
 //
-// One 512-thread block per row. Pass 1: each thread runs an online softmax (running max
-// and sum of exp(x - max)) over its 16-byte chunks of the first V columns, a chunk at a
-// time; the block combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread
-// re-reads its own chunks and overwrites them with (softmax - onehot) * dloss in bf16, zeros
-// in the padded columns. The exponentials run on the special-function unit (exp2 of an
-// FFMA), a few instructions an element in each pass. A thread only ever writes the chunks it
-// read, and the one cross-thread read (the target logit, by thread 0) happens before the
-// block's first barrier, so in place is safe.
+// One 1024-thread block per row. The fused kernel, which training runs on one rank, first
+// copies a row that fits (kMaxStagedRowBytes: GPT-2's does) into shared memory, so the row
+// leaves HBM once. Pass 1: each thread runs an online softmax (running max and sum of
+// exp(x - max)) over its 16-byte chunks of the first V columns, a chunk at a time; the block
+// combines the pairs, giving logsumexp. Pass 2 (dloss != 0): each thread re-reads its own
+// chunks and overwrites them with (softmax - onehot) * dloss in bf16, zeros in the padded
+// columns. The exponentials run on the special-function unit (exp2 of an FFMA), a few
+// instructions an element in each pass. A thread only ever writes the chunks it read, and
+// the one cross-thread read (the target logit, by thread 0) happens before the block's first
+// barrier, so in place is safe.
 //
 // Vocabulary-parallel halves: cross_entropy_partials_kernel is pass 1 and the block combine
 // above on one rank's slice (the same code, block_softmax_stats), writing (m, s, target
@@ -34,8 +36,18 @@ using bf16 = __nv_bfloat16;
 using namespace device;
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kThreads = 512;
+// 1,024 threads a row and two blocks a multiprocessor (at most 32 registers a thread): the
+// fused kernel's two staged rows fill 201 of the 228 KB of shared memory.
+constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int kBlocksPerMultiprocessor = 2;
+
+// A row of at most this many bytes leaves HBM once in the fused kernel: copied into shared
+// memory, and both passes read it there. GPT-2's 50,304 columns take 98 KiB. Read twice from
+// global memory, the second read missed L2 (rows of 100 KB, several a multiprocessor, are
+// more than the 50 MB L2 holds in flight), and the loss moved three passes' bytes: at 2.9
+// TB/s, the copy ceiling (device calls 86-90, docs/PERFORMANCE.md).
+constexpr int kMaxStagedRowBytes = 110 * 1024;
 constexpr int kSumThreads = 1024;
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -65,21 +77,22 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
 }
 
 // Pass 1 and the block's combine: (m, s) = max and sum of exp(x - max) over row[0, real),
-// row [chunks * 8]. Each thread runs an online softmax over its chunks c = tid, tid + 512, ...,
+// row [chunks] of 8 BF16 values each, in global or shared memory. Each thread runs an online
+// softmax over its chunks c = tid, tid + 1024, ...,
 // a chunk of 8 at a time: the chunk's max, a rescale of the running sum only when that max
 // is a new one, then one FFMA, MUFU and FADD an element. The lanes combine by butterfly, then
-// warp 0 combines the 16 warps' pairs. Every thread of the block calls it (it synchronises
+// warp 0 combines the 32 warps' pairs. Every thread of the block calls it (it synchronises
 // once); the result is valid in warp 0 (every lane holds the same bits: the combine is
 // commutative). Shared by the fused kernel and the vocabulary-parallel partials, so that both
 // compute the same bits.
-__device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks, int real, float& m_out,
+__device__ __forceinline__ void block_softmax_stats(const uint4* row, int chunks, int real, float& m_out,
                                                     float& s_out) {
   __shared__ float warp_m[kWarps], warp_s[kWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   float m = -INFINITY, s = 0.0f;
   for (int c = tid; c < chunks; c += kThreads) {
     float x[8];
-    load_bf16x8(row + c * 8, x);
+    unpack_bf16x8(row[c], x);
     const int real_in_chunk = real - c * 8;
     if (real_in_chunk < 8) {  // the padded columns never take part
 #pragma unroll
@@ -127,16 +140,17 @@ __device__ __forceinline__ void block_softmax_stats(const bf16* row, int chunks,
   s_out = s;
 }
 
-// Pass 2 over this thread's own chunks of row [chunks * 8]: dlogits in place, column
-// first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel). A chunk
-// holding neither the target nor a padded column, nearly all of them, takes exp(x - lse) *
-// dloss: one FFMA, MUFU and FMUL an element.
-__device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_col, int V, int target, float lse,
-                                              float dloss) {
+// Pass 2 over this thread's own chunks of the row: dlogits from source [chunks] (8 BF16
+// logits each, in global or shared memory) into dest [chunks * 8], which may be the source
+// itself; column first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused
+// kernel). A chunk holding neither the target nor a padded column, nearly all of them, takes
+// exp(x - lse) * dloss: one FFMA, MUFU and FMUL an element.
+__device__ __forceinline__ void write_dlogits(bf16* dest, const uint4* source, int chunks, int first_col, int V,
+                                              int target, float lse, float dloss) {
   const float lse_log2e = lse * kLog2e;
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
     float x[8];
-    load_bf16x8(row + c * 8, x);
+    unpack_bf16x8(source[c], x);
     const int col0 = first_col + c * 8;
     if (col0 + 8 > V || static_cast<unsigned>(target - col0) < 8u) {
 #pragma unroll
@@ -149,13 +163,18 @@ __device__ __forceinline__ void write_dlogits(bf16* row, int chunks, int first_c
 #pragma unroll
       for (int j = 0; j < 8; j++) x[j] = exp_minus(x[j], lse_log2e) * dloss;
     }
-    store_bf16x8(row + c * 8, x);
+    store_bf16x8(dest + c * 8, x);
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
+// kStaged: the row is first copied into dynamic shared memory, staged_row [Vp / 8] uint4,
+// with every chunk of a thread in flight at once (cp.async), and both passes read it there.
+// A thread reads back only the chunks it copied, so its own wait is all the synchronisation.
+template <bool kStaged>
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
                          int V, int Vp, float dloss) {
+  extern __shared__ uint4 staged_row[];
   __shared__ float row_lse;
   const int tid = threadIdx.x;
   bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vp;
@@ -167,9 +186,19 @@ __global__ void __launch_bounds__(kThreads)
   float target_logit = NAN;
   if (tid == 0 && target_valid) target_logit = __bfloat162float(row[target]);
 
+  const uint4* source = reinterpret_cast<const uint4*>(row);
+  if constexpr (kStaged) {
+    for (int c = tid; c < chunks; c += kThreads) {
+      const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(staged_row + c));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(row + c * 8) : "memory");
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    source = staged_row;
+  }
+
   // Pass 1: online softmax over the elements v < V.
   float m, s;
-  block_softmax_stats(row, chunks, V, m, s);
+  block_softmax_stats(source, chunks, V, m, s);
   if (tid == 0) row_lse = m + logf(s);
   __syncthreads();
   const float lse = row_lse;
@@ -178,12 +207,12 @@ __global__ void __launch_bounds__(kThreads)
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
 
   // Pass 2: dlogits over this thread's own chunks.
-  write_dlogits(row, chunks, 0, V, target, lse, dloss);
+  write_dlogits(row, source, chunks, 0, V, target, lse, dloss);
 }
 
 // partials [N,3] = (m, s, target logit or 0) of this rank's slice logits [N,Vs], global
 // columns [vocab_begin, vocab_begin + Vs). Read only.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_partials_kernel(float* __restrict__ partials, const bf16* __restrict__ logits,
                                   const int32_t* __restrict__ targets, int V, int Vs, int vocab_begin) {
   const bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vs;
@@ -191,7 +220,7 @@ __global__ void __launch_bounds__(kThreads)
   // is V, the fused kernel's bound.
   const int real = min(max(V - vocab_begin, 0), Vs);
   float m, s;
-  block_softmax_stats(row, Vs / 8, real, m, s);
+  block_softmax_stats(reinterpret_cast<const uint4*>(row), Vs / 8, real, m, s);
   if (threadIdx.x == 0) {
     const int target = targets[blockIdx.x];
     const int local_target = target - vocab_begin;
@@ -205,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Losses and (dloss != 0) dlogits of this rank's slice logits [N,Vs] from all_partials
 // [R,N,3]. Thread 0 combines the ranks' pairs in rank order; the block then runs pass 2.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_finish_kernel(bf16* __restrict__ logits, float* __restrict__ losses,
                                 const float* __restrict__ all_partials, const int32_t* __restrict__ targets, int N,
                                 int V, int Vs, int vocab_begin, int R, float dloss) {
@@ -230,7 +259,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
-  write_dlogits(logits + static_cast<size_t>(i) * Vs, Vs / 8, vocab_begin, V, target, row_lse, dloss);
+  bf16* row = logits + static_cast<size_t>(i) * Vs;
+  write_dlogits(row, reinterpret_cast<const uint4*>(row), Vs / 8, vocab_begin, V, target, row_lse, dloss);
 }
 
 // *total += sum(losses): each thread sums a fixed strided subset in order, then a fixed tree.
@@ -261,7 +291,19 @@ void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* 
   if (N == 0) return;
   FP8LM_CHECK(logits != nullptr && losses != nullptr && targets != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
-  cross_entropy_kernel<<<N, kThreads, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
+  const size_t row_bytes = static_cast<size_t>(Vp) * sizeof(bf16);
+  if (row_bytes <= kMaxStagedRowBytes) {
+    // Above 48 KB of dynamic shared memory a kernel must opt in, once.
+    static const bool opted_in = [] {
+      CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kMaxStagedRowBytes));
+      return true;
+    }();
+    (void)opted_in;
+    cross_entropy_kernel<true><<<N, kThreads, row_bytes, stream>>>(logits, losses, targets, V, Vp, dloss);
+  } else {
+    cross_entropy_kernel<false><<<N, kThreads, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

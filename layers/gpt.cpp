@@ -1004,9 +1004,14 @@ Tensor GptModel::next_token_logits() const {
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
   const Scratch& s = *scratch_;
   const VocabSlice slice = vocab_slice();
-  ops_.cross_entropy_partials(s.ce_partials, s.logits, batch, slice);
-  tp_->gather_loss_partials(s.ce_partials, s.ce_all);
-  ops_.cross_entropy_finish(s.logits, s.losses, s.ce_all, tp_->size(), batch, slice, dloss);
+  if (tp_->size() == 1) {
+    // The whole vocabulary here: one pass over the logits, the same bits as the two halves.
+    ops_.cross_entropy(s.logits, s.losses, batch, slice, dloss);
+  } else {
+    ops_.cross_entropy_partials(s.ce_partials, s.logits, batch, slice);
+    tp_->gather_loss_partials(s.ce_partials, s.ce_all);
+    ops_.cross_entropy_finish(s.logits, s.losses, s.ce_all, tp_->size(), batch, slice, dloss);
+  }
   ops_.accumulate_loss(loss_sum, s.losses);
 }
 

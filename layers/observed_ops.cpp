@@ -248,6 +248,12 @@ class ObservedOps final : public Ops {
   void download_values(float* host, const Tensor& source) override { inner_->download_values(host, source); }
 
   // ---- Loss
+  void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch, const VocabSlice& slice,
+                     float dloss) override {
+    observed({"loss", Lane::main, [] { return std::string("cross_entropy"); },
+              [&] { return OpCost{0, 2.0 * bytes(logits) + bytes(losses)}; }},
+             [&] { inner_->cross_entropy(logits, losses, batch, slice, dloss); });
+  }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {
     observed({"loss", Lane::main, [] { return std::string("cross_entropy_partials"); },

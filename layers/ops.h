@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "core/fp8_stats.h"
 #include "core/scaling.h"
 #include "core/tensor.h"
@@ -72,6 +73,13 @@ struct VocabSlice {
   int size = 0;        // Vs
   int vocab_size = 0;  // V (unpadded)
 };
+
+// Ops::cross_entropy's precondition: one rank holds the whole vocabulary, the logits' width.
+inline void check_whole_vocabulary(const VocabSlice& slice, const Tensor& logits) {
+  FP8LM_CHECK(slice.begin == 0 && slice.size == static_cast<int>(logits.cols) && slice.vocab_size <= slice.size,
+              "cross_entropy needs the whole vocabulary: slice [", slice.begin, ", +", slice.size, ") of ",
+              slice.vocab_size, " over logits of width ", logits.cols);
+}
 
 // A micro-batch's tokens in backend memory, plus what the deterministic embedding
 // backward needs (GPU: the positions of each distinct token of the vocabulary slice).
@@ -468,7 +476,14 @@ class Ops {
   // A tensor's values as FP32 on the host (activation dtype or f32; waits for the stream).
   virtual void download_values(float* host, const Tensor& source) = 0;
 
-  // ---- Loss (vocabulary-parallel cross-entropy, layers/cross_entropy.h) ------------
+  // ---- Loss (cross-entropy, layers/cross_entropy.h) -------------------------------
+  // One rank holds the whole vocabulary (slice.begin 0, slice.size the padded Vp): losses [N]
+  // =, and when dloss != 0 the logits [N,Vp] become (softmax - onehot) * dloss in place.
+  // The same bits as cross_entropy_partials and cross_entropy_finish with one rank, in one
+  // pass over the logits instead of two.
+  virtual void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch,
+                             const VocabSlice& slice, float dloss) = 0;
+  // Vocabulary-parallel, in two halves around an all-gather of the partials:
   // partials [N,3] f32: this slice's row max, sum of exp(x - max) and target logit (or 0).
   virtual void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                                       const VocabSlice& slice) = 0;

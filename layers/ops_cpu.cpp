@@ -442,6 +442,12 @@ class CpuOps final : public Ops {
   }
 
   // ---- Loss
+  void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch, const VocabSlice& slice,
+                     float dloss) override {
+    check_whole_vocabulary(slice, logits);
+    cpu::cross_entropy_forward_backward(f32(logits), f32(losses), batch.targets, int(logits.rows), slice.vocab_size,
+                                        slice.size, dloss);
+  }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {
     cpu::cross_entropy_partials(f32(partials), f32(logits), batch.targets, int(logits.rows), slice.vocab_size,

@@ -778,6 +778,12 @@ class CudaOps final : public Ops {
   }
 
   // ---- Loss
+  void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch, const VocabSlice& slice,
+                     float dloss) override {
+    check_whole_vocabulary(slice, logits);
+    cuda::cross_entropy_forward_backward(bf(logits), f32(losses), batch.targets, rows(logits), slice.vocab_size,
+                                         slice.size, dloss, stream_);
+  }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {
     cuda::cross_entropy_partials(f32(partials), cbf(logits), batch.targets, rows(logits), slice.vocab_size, slice.size,
