@@ -56,9 +56,10 @@ void cross_entropy_finish(float* logits, float* losses, const float* all_partial
 // ---- GPU (layers/cross_entropy.cu) ---------------------------------------------------
 namespace fp8lm::cuda {
 
-// One block per row, two passes over the row (16-byte loads): an online-softmax max/sum,
-// then (when dloss != 0) dlogits written in place as bf16. The probabilities are never
-// stored.
+// One block per row, two passes over the row: an online-softmax max/sum, then (when
+// dloss != 0) dlogits written in place as bf16. A row of up to 110 KB (GPT-2's vocabulary)
+// is first copied into shared memory, so it is read from HBM once; a wider one is read
+// twice. The probabilities are never stored.
 //   logits [N,Vp] (in: bf16 logits; out: bf16 dlogits when dloss != 0, padded columns
 //                  V..Vp-1 set to 0; untouched when dloss == 0)
 //   losses [N]    (written) logsumexp(logits[i,:V]) - logits[i,target[i]], FP32
