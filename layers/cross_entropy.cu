@@ -188,11 +188,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
 
   const uint4* source = reinterpret_cast<const uint4*>(row);
   if constexpr (kStaged) {
-    for (int c = tid; c < chunks; c += kThreads) {
-      const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(staged_row + c));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(row + c * 8) : "memory");
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    for (int c = tid; c < chunks; c += kThreads) cp_async_16(smem_u32(staged_row + c), row + c * 8);
+    cp_async_wait_all();
     source = staged_row;
   }
 
