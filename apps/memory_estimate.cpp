@@ -199,7 +199,7 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   // FP8 blocks with per-tensor scales keep no GELU output: their GELU backward recomputes it
   // into one buffer (GptModel::recomputes_gelu_output), which is counted once below.
   auto recomputes_gelu_output = [&](GemmPrecision gemm) {
-    return gemm == GemmPrecision::fp8 && !blockwise && !recompute.mlp;
+    return gemm == GemmPrecision::fp8 && !blockwise;
   };
   auto mlp_outputs = [&](GemmPrecision gemm) {
     return add(tensor_bytes(eb, x.BT, x.Fl, act),

@@ -264,6 +264,11 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ ou
   if constexpr (kStats) device::commit_fp8_tally(counts, tally, scale);
 }
 
+__global__ void raise_amax_kernel(float* amax, const float* value) {
+  const float v = fabsf(*value);
+  atomicMax(reinterpret_cast<unsigned*>(amax), isnan(v) ? 0x7FC00000u : __float_as_uint(v));
+}
+
 __global__ void current_scale_kernel(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin) {
   const float s = compute_scale(*amax, fp8_max, margin, *scale);
   *scale = s;
@@ -416,6 +421,12 @@ void add_column_partials(GradientRef out, const float* partial, int tiles, int N
   if (tiles == 0 || N == 0) return;
   FP8LM_CHECK(out && partial != nullptr, "add_column_partials needs out and partial");
   launch_add_column_partials(out, partial, tiles, N, stream);
+}
+
+void raise_amax(float* amax, const float* value, cudaStream_t stream) {
+  FP8LM_CHECK(amax != nullptr && value != nullptr, "raise_amax needs amax and value");
+  raise_amax_kernel<<<1, 1, 0, stream>>>(amax, value);
+  CUDA_CHECK_LAUNCH();
 }
 
 void compute_current_scale(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin,

@@ -69,6 +69,10 @@ void cast_fp8(uint8_t* out, float* amax, const __nv_bfloat16* in, const float* s
 void cast_fp8(uint8_t* out, float* amax, const float* in, const float* scale, Fp8Dtype dtype, size_t n,
               cudaStream_t stream, Fp8CastCounts* counts = nullptr);
 
+// *amax = max(*amax, |*value|) by the rule above (NaN -> 0x7FC00000): folds an amax that
+// another writer SETS (cuBLASLt's CUBLASLT_MATMUL_DESC_AMAX_D_POINTER) into a running slot.
+void raise_amax(float* amax, const float* value, cudaStream_t stream);
+
 // *counts += the statistics of casting in [n] with *scale (core/fp8_stats.h), writing no
 // codes: for a producer whose FP8 output is exactly that cast of a BF16 tensor it also keeps
 // (attention_forward's out and out_fp8).

@@ -88,6 +88,7 @@ std::string describe(const GemmEngine::Key& key) {
                   ") . B[" + std::to_string(key.N) + "," + std::to_string(key.K) + "](" +
                   std::string(to_string(key.b_type)) + ")^T -> " + std::string(to_string(key.d_type));
   if (key.has_bias) s += " + bias(" + std::string(to_string(key.bias_type)) + ")";
+  if (key.gelu) s += ", GELU epilogue";
   if (key.c_mode == 1) s += ", C == D";
   if (key.c_mode == 2) s += ", C != D";
   if (key.fast_accum) s += ", fast accumulation";
@@ -96,6 +97,7 @@ std::string describe(const GemmEngine::Key& key) {
   s += ", pointer alignments A " + std::to_string(key.align_a) + " B " + std::to_string(key.align_b) + " C " +
        std::to_string(key.align_c) + " D " + std::to_string(key.align_d);
   if (key.has_bias) s += " bias " + std::to_string(key.align_bias);
+  if (key.gelu) s += " gelu_input " + std::to_string(key.align_gelu_input);
   return s;
 }
 
@@ -134,6 +136,17 @@ void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribut
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
 
+// The per-call pointers, written on the (cached) descriptor before each cublasLtMatmul.
+void set_call_pointers(cublasLtMatmulDesc_t desc, const GemmEngine::Key& key, const GemmArgs& args) {
+  // cuBLASLt's A is our B (the file's opening comment).
+  if (key.has_a_scale) set_desc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
+  if (key.has_b_scale) set_desc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
+  if (key.has_bias) set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  if (is_fp8(key.d_type)) set_desc(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(args.d_scale));
+  if (key.has_d_amax) set_desc(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(args.d_amax));
+  if (key.gelu) set_desc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, args.gelu_input);
+}
+
 template <typename T>
 void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute, const T& value) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)));
@@ -161,6 +174,21 @@ struct GemmEngine::Plan {
     if (desc) cublasLtMatmulDescDestroy(desc);
   }
 };
+
+namespace {
+
+// C as cuBLASLt gets it. No C: D itself with beta = 0 (not read), except for an FP8 D, whose C
+// would have to be BF16: then none at all (nullptr, which beta = 0 allows: device call 94).
+// C == D: the in-place form (Cdesc == Ddesc). Another buffer: its own layout.
+cublasLtMatrixLayout_t c_layout(const GemmEngine::Key& key, const GemmEngine::Plan& plan) {
+  return key.c_mode == 2 || is_fp8(key.d_type) ? plan.c : plan.d;
+}
+const void* c_pointer(const GemmEngine::Key& key, const GemmArgs& args) {
+  if (args.C != nullptr) return args.C;
+  return is_fp8(key.d_type) ? nullptr : args.D;
+}
+
+}  // namespace
 
 GemmEngine::GemmEngine(SmallMGemm small_m, GemmAlgorithmChoice algorithm_choice)
     : small_m_(small_m), algorithm_choice_(algorithm_choice) {
@@ -203,14 +231,18 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args, cud
   }
   // The heuristic reads these pointers' values (alignment, presence), so the plan is made
   // with the first call's pointers; later calls overwrite them (same alignment: it is in the key).
-  if (key.has_a_scale) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
-  if (key.has_b_scale) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
-  const cublasLtEpilogue_t epilogue = key.has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  const cublasLtEpilogue_t epilogue = key.gelu       ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                      : key.has_bias ? CUBLASLT_EPILOGUE_BIAS
+                                                     : CUBLASLT_EPILOGUE_DEFAULT;
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
-  if (key.has_bias) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(cuda_type(key.bias_type)));
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  if (key.has_bias) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(cuda_type(key.bias_type)));
+  if (key.gelu) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(key.N));
+    // A BF16 D's aux is BF16 by default; an E4M3 D's would be E4M3 unless set (a BF16 C allows BF16).
+    if (is_fp8(key.d_type))
+      set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(CUDA_R_16BF));
   }
+  set_call_pointers(plan->desc, key, args);
 
   if (key.b_transposed) {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(key.b_type), key.N, key.K, key.N));
@@ -222,7 +254,9 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args, cud
   } else {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(key.a_type), key.K, key.M, key.K));
   }
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, cuda_type(key.d_type), key.N, key.M, key.N));
+  // An FP8 D takes a BF16 C (never read here: an FP8 D has no C).
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, cuda_type(is_fp8(key.d_type) ? GemmType::bf16 : key.d_type),
+                                          key.N, key.M, key.N));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.d_type), key.N, key.M, key.N));
 
   struct Preference {
@@ -243,8 +277,7 @@ GemmEngine::Plan& GemmEngine::plan_for(const Key& key, const GemmArgs& args, cud
   constexpr int kRequested = 8;
   cublasLtMatmulHeuristicResult_t results[kRequested] = {};
   int returned = 0;
-  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan->c : plan->d;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, c_layout,
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->a, plan->b, c_layout(key, *plan),
                                                                plan->d, preference.pref, kRequested, results, &returned);
   // The usable candidates, the heuristic's order kept (its first is candidates[0]).
   cublasLtMatmulAlgo_t candidates[kRequested];
@@ -292,16 +325,13 @@ int GemmEngine::choose_by_timing(const Key& key, Plan& plan, const GemmArgs& arg
   if (capture != cudaStreamCaptureStatusNone) return 0;
 
   // The call as gemm() makes it, with one candidate's algorithm. D is this call's output, about
-  // to be written anyway, and without C == D every run writes the same D.
-  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
-  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
-  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  // to be written anyway, and without C == D every run writes the same D (and gelu_input and
+  // d_amax, also outputs).
+  set_call_pointers(plan.desc, key, args);
   const float alpha = args.alpha, beta = args.C == nullptr ? 0.0f : args.beta;
-  const void* c_pointer = args.C == nullptr ? args.D : args.C;
-  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan.c : plan.d;
   auto run = [&](const cublasLtMatmulAlgo_t& algo) {
-    return cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer, c_layout,
-                          args.D, plan.d, &algo, workspace_, kWorkspaceBytes, stream);
+    return cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer(key, args),
+                          c_layout(key, plan), args.D, plan.d, &algo, workspace_, kWorkspaceBytes, stream);
   };
   const size_t d_bytes = size_t(key.M) * key.N * gemm_type_bytes(key.d_type);
   auto output = [&] {
@@ -378,6 +408,9 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   key.align_d = alignment_of(args.D);
   key.align_c = key.c_mode == 2 ? alignment_of(args.C) : key.align_d;
   key.align_bias = key.has_bias ? alignment_of(args.bias) : 0;
+  key.has_d_amax = args.d_amax != nullptr;
+  key.gelu = args.gelu_input != nullptr;
+  key.align_gelu_input = key.gelu ? alignment_of(args.gelu_input) : 0;
 
   // ---- validate against cuBLASLt's documented type table (see gemm_cuda.h)
   FP8LM_CHECK(desc.M > 0 && desc.N > 0 && desc.K > 0, "GEMM shape M=", desc.M, " N=", desc.N, " K=", desc.K);
@@ -391,8 +424,26 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   if (!bf16_inputs && !fp8_inputs)
     throw RuntimeError("unsupported operand types for " + describe(key),
                        "use bf16 x bf16, or FP8 e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2 (cuBLASLt has no e5m2 x e5m2)");
-  if (desc.d_type != GemmType::bf16 && desc.d_type != GemmType::fp32)
-    throw RuntimeError("unsupported output type for " + describe(key), "D must be bf16 or fp32");
+  const bool fp8_d = desc.d_type == GemmType::e4m3;
+  if (desc.d_type != GemmType::bf16 && desc.d_type != GemmType::fp32 && !fp8_d)
+    throw RuntimeError("unsupported output type for " + describe(key), "D must be bf16, fp32 or e4m3");
+  if (fp8_d) {
+    if (desc.a_type != GemmType::e4m3 || desc.b_type != GemmType::e4m3)
+      throw RuntimeError(describe(key) + ": an E4M3 D needs E4M3 x E4M3 operands", "write bf16 and cast");
+    if (args.C != nullptr) throw RuntimeError(describe(key) + ": an FP8 D takes no C", "add into a bf16 D instead");
+    if (args.d_scale == nullptr)
+      throw RuntimeError(describe(key) + ": an FP8 D needs its d_scale", "pass the output's scaling-state scale");
+  } else if (args.d_scale != nullptr || args.d_amax != nullptr) {
+    throw RuntimeError(describe(key) + ": d_scale and d_amax are for an FP8 D", "pass nullptr for a bf16 or fp32 D");
+  }
+  if (key.gelu) {
+    if (!key.has_bias || desc.bias_type != GemmType::bf16 || args.C != nullptr ||
+        (desc.d_type != GemmType::bf16 && !fp8_d))
+      throw RuntimeError(describe(key) + ": the GELU epilogue needs a bf16 bias, no C and a bf16 or e4m3 D",
+                         "run the GEMM and layers/gelu.h's kernel instead");
+    if (key.align_gelu_input < 16 || key.N % 8 != 0)
+      throw RuntimeError(describe(key) + ": gelu_input must be 16-byte aligned and N a multiple of 8", "");
+  }
   if (key.has_bias) {
     const GemmType expected = desc.d_type == GemmType::bf16 ? GemmType::bf16
                               : fp8_inputs                   ? GemmType::bf16
@@ -450,18 +501,13 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   Plan& plan = plan_for(key, args, stream);
 
   // Per-call pointers: host-side attribute writes on the cached descriptor.
-  if (key.has_a_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(args.a_scale_inv));
-  if (key.has_b_scale) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(args.b_scale_inv));
-  if (key.has_bias) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, args.bias);
+  set_call_pointers(plan.desc, key, args);
 
   const float alpha = args.alpha;
   const float beta = args.C == nullptr ? 0.0f : args.beta;
-  // No C: pass D with beta = 0 (C is then not read). C == D: the in-place form (Cdesc == Ddesc).
-  const void* c_pointer = args.C == nullptr ? args.D : args.C;
-  cublasLtMatrixLayout_t c_layout = key.c_mode == 2 ? plan.c : plan.d;
   const cublasStatus_t status =
-      cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer, c_layout, args.D,
-                     plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream);
+      cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer(key, args),
+                     c_layout(key, plan), args.D, plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream);
   if (status != CUBLAS_STATUS_SUCCESS) {
     throw RuntimeError("cublasLtMatmul failed (cuBLAS status " + std::to_string(static_cast<int>(status)) + ") for " +
                            describe(key),

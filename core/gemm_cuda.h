@@ -15,6 +15,7 @@
 //   bf16 x bf16      fp32           fp32
 //   fp8  x fp8       bf16           bf16     fp8 = e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2
 //   fp8  x fp8       fp32           bf16     (e5m2 x e5m2 has no cuBLASLt kernel)
+//   e4m3 x e4m3      e4m3           bf16     D = fp8(d_scale * result); C is never read (no C)
 // FP8 also needs K and N multiples of 16 and 16-byte-aligned A, B, C, D and bias pointers
 // (checked: RuntimeError). cuBLASLt needs 16-byte-aligned scale_inv pointers as well (also
 // checked; the small-M kernel, which cuBLASLt's rule does not bind, takes any): the CUDA
@@ -33,6 +34,16 @@
 // C may be nullptr (beta must be 0; C is not read), equal to D (accumulate in place, e.g.
 // the wgrad GEMM adding into the FP32 gradient slab with beta = 1), or another buffer of
 // D's type and shape (residual add: D = GEMM + bias + residual with beta = 1).
+//
+// The GELU epilogue (GemmArgs::gelu_input, cuBLASLt's GELU_AUX_BIAS; GPT-2's tanh form):
+//   gelu_input [M,N] bf16 = bf16(result + bias)        (the GELU backward's input)
+//   D [M,N]              = gelu(result + bias)         (FP32, then D's type: an E4M3 D is
+//                                                       fp8(d_scale * gelu(...)), d_amax set
+//                                                       to max |gelu(...)|)
+// It needs a bf16 bias, no C, and D bf16 or e4m3 (cuBLASLt 13.1 on H100 refuses an E4M3 D
+// with a GELU epilogue and no bias: device call 94). The epilogue's GELU is cuBLASLt's, not
+// layers/gelu.h's: an E4M3 D equals fp8(gelu(bf16(result + bias))) in about 97% of the
+// codes, and differs by one step in the rest (call 94).
 #pragma once
 
 #include <cstddef>
@@ -96,6 +107,9 @@ struct GemmArgs {
   const float* b_scale_inv = nullptr;    // device, [1] (or B's block scales); FP8 B only; nullptr: 1
   float alpha = 1.0f;                    // host value
   float beta = 0.0f;                     // host value; must be 0 when C is nullptr
+  const float* d_scale = nullptr;        // device, [1]; an FP8 D only (required): D = fp8(d_scale * result)
+  float* d_amax = nullptr;               // device, [1]; an FP8 D only, optional: SET (not raised) to max |result|
+  void* gelu_input = nullptr;            // [M,N] bf16; the GELU epilogue (above), nullptr: none
 };
 
 // Owns the cuBLASLt handle, one 32 MiB workspace and a cache of matmul plans (the
@@ -138,10 +152,10 @@ class GemmEngine {
   struct Key {
     int M, N, K;
     GemmType a_type, b_type, d_type, bias_type;
-    bool has_bias, fast_accum, has_a_scale, has_b_scale, a_transposed, b_transposed;
+    bool has_bias, fast_accum, has_a_scale, has_b_scale, a_transposed, b_transposed, has_d_amax, gelu;
     GemmScaling a_scaling, b_scaling;
     uint8_t c_mode;  // 0: no C, 1: C == D, 2: C is another buffer
-    uint16_t align_a, align_b, align_c, align_d, align_bias;  // bytes, capped at 256
+    uint16_t align_a, align_b, align_c, align_d, align_bias, align_gelu_input;  // bytes, capped at 256
     auto operator<=>(const Key&) const = default;
   };
   struct Plan;

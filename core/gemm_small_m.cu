@@ -208,6 +208,7 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args) {
   const bool bf16_inputs = desc.a_type == GemmType::bf16 && desc.b_type == GemmType::bf16;
   if (!e4m3 && !bf16_inputs) return "the operands are not both E4M3 or both BF16";
   if (desc.d_type != GemmType::bf16) return "D is not BF16";
+  if (args.gelu_input != nullptr) return "a GELU epilogue";
   if (args.bias && desc.bias_type != GemmType::bf16) return "the bias is not BF16";
   if (desc.a_scaling != GemmScaling::tensor || desc.b_scaling != GemmScaling::tensor)
     return "an operand is block-scaled (--fp8-recipe blockwise)";

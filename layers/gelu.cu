@@ -114,6 +114,24 @@ __global__ void __launch_bounds__(kForwardThreads)
   if constexpr (kStats) commit_fp8_tally(counts, tally, s);
 }
 
+// The cast statistics of fp8(bf16(gelu(pre)) * scale), as bias_gelu_forward_kernel<true, true>
+// tallies them, from the saved pre (the bias already in it); no output.
+__global__ void __launch_bounds__(kForwardThreads)
+    count_gelu_fp8_cast_kernel(Fp8CastCounts* counts, const float* __restrict__ scale,
+                               __nv_fp8_interpretation_t interp, const bf16* __restrict__ pre, size_t chunks) {
+  const float s = *scale;
+  Fp8CastTally tally;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float p[8], g[8];
+    load_bf16x8(pre + i * 8, p);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(p[j]));
+    tally_fp8x8(tally, g, s, fp8x8(g, s, interp), interp);
+  }
+  commit_fp8_tally(counts, tally, s);
+}
+
 // ---- backward --------------------------------------------------------------------------
 
 // A 64x64 tile of codes, codes[row * kCodePitch + column] for tile rows m0.. and columns f0..,
@@ -347,6 +365,19 @@ void bias_gelu_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dty
                            int M, int F, cudaStream_t stream, Fp8CastCounts* counts) {
   if (counts) return launch_forward<true, true>(nullptr, out, amax, scale, dtype, pre, bias, M, F, stream, counts);
   launch_forward<true>(nullptr, out, amax, scale, dtype, pre, bias, M, F, stream);
+}
+
+void count_gelu_fp8_cast(Fp8CastCounts* counts, const bf16* pre, const float* scale, Fp8Dtype dtype, int M, int F,
+                         cudaStream_t stream) {
+  const char* what = "count_gelu_fp8_cast";
+  check_shape(M, F, what);
+  FP8LM_CHECK(counts != nullptr && pre != nullptr && scale != nullptr, what, ": null counts, pre or scale");
+  FP8LM_CHECK(aligned(pre, 16), what, ": pre must be 16-byte aligned");
+  if (M == 0) return;
+  const size_t chunks = static_cast<size_t>(M) * (F / 8);
+  const int blocks = static_cast<int>(std::min<size_t>((chunks + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
+  count_gelu_fp8_cast_kernel<<<blocks, kForwardThreads, 0, stream>>>(counts, scale, interpretation(dtype), pre, chunks);
+  CUDA_CHECK_LAUNCH();
 }
 
 void bias_gelu_forward_bf16(bf16* out, bf16* pre, const bf16* bias, int M, int F, cudaStream_t stream) {

@@ -43,6 +43,13 @@ void bias_gelu_forward_fp8(uint8_t* out, float* amax, const float* scale, Fp8Dty
                            const __nv_bfloat16* bias, int M, int F, cudaStream_t stream,
                            Fp8CastCounts* counts = nullptr);
 
+// The statistics of the FP8 cast of gelu(pre) (core/fp8_stats.h), writing no codes: *counts
+// += those of fp8(bf16(gelu(pre)) * *scale), pre [M,F] as saved. For a statistics step whose
+// GELU ran in the c_fc GEMM's epilogue (GemmCall::gelu_input), which counts nothing itself;
+// the epilogue's own codes differ from these by one step in about 3% of the values.
+void count_gelu_fp8_cast(Fp8CastCounts* counts, const __nv_bfloat16* pre, const float* scale, Fp8Dtype dtype, int M,
+                         int F, cudaStream_t stream);
+
 // BF16 twin: pre [M,F] += bias (rounded to bf16, saved); out [M,F] = bf16(gelu(pre)).
 // out must not alias pre.
 void bias_gelu_forward_bf16(__nv_bfloat16* out, __nv_bfloat16* pre, const __nv_bfloat16* bias, int M, int F,

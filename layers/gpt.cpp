@@ -692,7 +692,7 @@ void GptModel::plan_memory() {
       }
       if (fresh && recompute_.mlp) {
         set.fc_pre = c.take(BT, F, act);
-        set.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
+        if (!recomputes_gelu_output(w)) set.gelu = operand(BT, F, w.fc2.input_dtype, w.fc2.input_state);
       }
       return &set;
     };
@@ -909,9 +909,18 @@ void GptModel::block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd
   const ResidualAdd attention_output =
       row_parallel_forward(w.proj, rows(a.atty_operand), rows(a.residual), rows(a.residual_mid));
   layernorm_forward(w.ln2, attention_output, rows(a.ln2), rows(a.ln2_mean), rows(a.ln2_rstd));
-  // c_fc's bias joins the GELU, which also casts the next GEMM's input.
-  ops_.gemm({.pass = GemmPass::forward, .out = rows(a.fc_pre), .input = rows(a.ln2), .weight = w.fc.weight_operand});
-  ops_.bias_gelu_forward(rows(a.gelu), rows(a.fc_pre), w.fc.bias);
+  fc_gelu_forward(w, rows(a.ln2), rows(a.fc_pre), rows(a.gelu));
+}
+
+// mlp.c_fc and the GELU in one GEMM (its epilogue): fc_pre keeps c_fc's output for the GELU
+// backward, and gelu is mlp.c_proj's input operand.
+void GptModel::fc_gelu_forward(const BlockParams& w, const Tensor& ln2, const Tensor& fc_pre, const Tensor& gelu) {
+  ops_.gemm({.pass = GemmPass::forward,
+             .out = gelu,
+             .input = ln2,
+             .weight = w.fc.weight_operand,
+             .bias = w.fc.bias,
+             .gelu_input = fc_pre});
 }
 
 void GptModel::recompute_forward(int begin, int last) {
@@ -940,10 +949,7 @@ void GptModel::recompute_selective(int l) {
     layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
     layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
   }
-  if (recompute_.mlp) {
-    ops_.gemm({.pass = GemmPass::forward, .out = a.fc_pre, .input = a.ln2, .weight = w.fc.weight_operand});
-    ops_.bias_gelu_forward(a.gelu, a.fc_pre, w.fc.bias);
-  }
+  if (recompute_.mlp) fc_gelu_forward(w, a.ln2, a.fc_pre, a.gelu);
   ops_.set_amax_recording(true);
 }
 
@@ -1146,9 +1152,12 @@ void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, 
              .accumulate = block_weight_gradients_written_});
 }
 
+// The GELU backward writes mlp.c_proj's wgrad input again from fc_pre (per-tensor FP8 only),
+// so the forward's codes need not be kept. Selective `mlp` recomputation takes the same path:
+// the c_fc GEMM's epilogue computes its GELU from the unrounded sum, so its codes can differ
+// from the GELU backward's by a step, and the two would otherwise train apart.
 bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
-  return !is_inference() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise &&
-         !recompute_.mlp;
+  return !is_inference() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed

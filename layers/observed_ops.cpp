@@ -175,11 +175,6 @@ class ObservedOps final : public Ops {
   }
 
   // ---- MLP
-  void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) override {
-    observed({"gelu forward", Lane::main, [&] { return "bias_gelu -> " + name(out); },
-              [&] { return OpCost{0, 2.0 * bytes(pre) + written(out)}; }},
-             [&] { inner_->bias_gelu_forward(out, pre, bias); });
-  }
   void gelu_backward(const GeluBackward& call) override {
     observed({"gelu backward", Lane::main,
               [&] {
@@ -386,6 +381,7 @@ class ObservedOps final : public Ops {
     if (call.pass == GemmPass::wgrad) line += " " + name(call.grad) + "x" + name(call.input);
     if (call.bias) line += " +bias";
     if (call.residual) line += " +residual";
+    if (call.gelu_input) line += " +gelu -> " + name(call.out);
     return line;
   }
   OpCost gemm_cost(const GemmCall& call) const {
@@ -397,7 +393,7 @@ class ObservedOps final : public Ops {
     const double b_bytes = call.pass == GemmPass::wgrad ? bytes(call.input) : bytes(call.weight);
     const double out_bytes = (call.pass == GemmPass::wgrad && call.accumulate ? 2.0 : 1.0) * bytes(call.out);
     return OpCost{2.0 * double(call.out.rows) * double(call.out.cols) * inner,
-                  bytes(a) + b_bytes + out_bytes + bytes(call.bias) + bytes(call.residual)};
+                  bytes(a) + b_bytes + out_bytes + bytes(call.bias) + bytes(call.residual) + bytes(call.gelu_input)};
   }
 
   std::unique_ptr<Ops> inner_;

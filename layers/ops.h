@@ -151,6 +151,10 @@ struct LayerNormBackward {
 
 // The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
 //   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N]) (+ residual [M,N])  (=)
+//            or, with gelu_input (mlp.c_fc):
+//            gelu_input [M,N] = input . weight^T + bias, in the activation dtype (rounded once)
+//            out [M,N]        = gelu(input . weight^T + bias) in out's dtype, from the unrounded
+//                               sum (FP8: with out's scale, recording its amax)
 //   dgrad    out [M,K]  = grad [M,N] . weight [N,K]                         (=)
 //   wgrad    out [N,K] += grad [M,N]^T . input [M,K]   (the gradient slab's dtype: FP32, or
 //                                                      BF16 under --grad-reduce-in-bf16,
@@ -169,6 +173,9 @@ struct GemmCall {
   // Forward only, optional: [M,N] of out's dtype, added in the epilogue before the one
   // rounding to out's dtype. Must not alias out.
   Tensor residual;
+  // Forward only, optional: the GELU epilogue above (needs the bias; no residual). The GELU
+  // backward's input, kept for it.
+  Tensor gelu_input;
   // Wgrad only: false writes out (=) instead of adding to it, for the first micro-batch of a
   // step, whose weight gradients were not zeroed (GptModel::zero_gradients).
   bool accumulate = true;
@@ -444,8 +451,7 @@ class Ops {
   virtual void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) = 0;
 
   // ---- MLP ------------------------------------------------------------------------
-  // pre [M,F] += bias (saved for backward); out [M,F] = gelu(pre) in out's dtype.
-  virtual void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) = 0;
+  // (The GELU forward is the c_fc GEMM's epilogue: GemmCall::gelu_input.)
   virtual void gelu_backward(const GeluBackward& call) = 0;
 
   // ---- Attention ------------------------------------------------------------------

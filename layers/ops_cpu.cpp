@@ -273,7 +273,8 @@ class CpuOps final : public Ops {
         FP8LM_CHECK(!call.residual || (call.residual.rows == M && call.residual.cols == N &&
                                        call.residual.data != call.out.data),
                     "forward GEMM residual: [M,N], not aliasing the output");
-        cpu::gemm_nt(f32(call.out), f32(call.input), f32(call.weight), M, N, K,
+        check_gelu_epilogue(call, M, N);
+        cpu::gemm_nt(product_of(call), f32(call.input), f32(call.weight), M, N, K,
                      scale_inv(call.input) * scale_inv(call.weight), false);
         add_epilogue(call, M, N);
         break;
@@ -318,7 +319,8 @@ class CpuOps final : public Ops {
                     "forward GEMM residual: [M,N], not aliasing the output");
         require(call.input, false, "input");
         require(call.weight, false, "weight");
-        cpu::gemm_block_scaled(f32(call.out), f32(call.input), call.input.block_scale_inv, call.input.block_scaling,
+        check_gelu_epilogue(call, M, N);
+        cpu::gemm_block_scaled(product_of(call), f32(call.input), call.input.block_scale_inv, call.input.block_scaling,
                                f32(call.weight), call.weight.block_scale_inv, call.weight.block_scaling, M, N, K,
                                1.0f, false);
         add_epilogue(call, M, N);
@@ -360,17 +362,6 @@ class CpuOps final : public Ops {
   }
 
   // ---- MLP
-  void bias_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& bias) override {
-    const int64_t M = pre.rows, F = pre.cols;
-    float* p = f32(pre);
-    const float* b = f32(bias);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < F; ++j) p[i * F + j] += b[j];
-    std::vector<float>& activated = scratch(size_t(M) * F);
-    cpu::gelu_forward(activated.data(), p, size_t(M) * F);
-    store(out, activated.data(), recording_);
-  }
   void gelu_backward(const GeluBackward& call) override {
     const Tensor& pre = call.pre;
     std::vector<float>& gradient = scratch(size_t(pre.numel()));
@@ -601,7 +592,30 @@ class CpuOps final : public Ops {
   }
 
   // The forward GEMM's epilogue: out [M,N] += residual, then + bias, in the GPU's order.
-  static void add_epilogue(const GemmCall& call, int M, int N) {
+  // A forward GEMM's FP32 sum lands in out, or, under the GELU epilogue, in gelu_input.
+  static float* product_of(const GemmCall& call) { return f32(call.gelu_input ? call.gelu_input : call.out); }
+  static void check_gelu_epilogue(const GemmCall& call, int M, int N) {
+    if (!call.gelu_input) return;
+    FP8LM_CHECK(call.bias && !call.residual && call.gelu_input.rows == M && call.gelu_input.cols == N &&
+                    call.gelu_input.data != call.out.data,
+                "forward GEMM with the GELU epilogue: a bias, no residual, gelu_input [M,N] apart from the output");
+  }
+
+  // The forward GEMM's epilogue on its FP32 sum: + residual + bias, or the GELU epilogue
+  // (ops.h): gelu of the unrounded sum + bias into out, the sum + bias rounded into gelu_input.
+  void add_epilogue(const GemmCall& call, int M, int N) {
+    if (call.gelu_input) {
+      float* pre = f32(call.gelu_input);
+      const float* bias = f32(call.bias);
+#pragma omp parallel for schedule(static)
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) pre[size_t(i) * N + j] += bias[j];
+      std::vector<float>& activated = scratch(size_t(M) * N);
+      cpu::gelu_forward(activated.data(), pre, size_t(M) * N);
+      store(call.gelu_input, pre, false);
+      store(call.out, activated.data(), recording_);
+      return;
+    }
     if (!call.bias && !call.residual) return;
     const float* bias = call.bias ? f32(call.bias) : nullptr;
     const float* residual = call.residual ? f32(call.residual) : nullptr;

@@ -23,6 +23,7 @@
 #include "core/random.h"
 #include "core/scaling.h"
 #include "core/scaling_cuda.h"
+#include "layers/gelu.h"
 #include "tests/gpu_testing.h"
 
 using namespace fp8lm;
@@ -424,10 +425,24 @@ TEST_CASE("GEMM rejects unsupported combinations with a RuntimeError", "[gpu][ge
   desc.d_type = GemmType::bf16;
   CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
 
-  desc.a_type = GemmType::e4m3;  // FP8 into an FP8 output: not offered
+  desc.a_type = GemmType::e4m3;  // FP8 into an FP8 output without its d_scale
   desc.b_type = GemmType::e4m3;
   desc.d_type = GemmType::e4m3;
   CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  DeviceBuffer<float> d_scale = device_copy(std::vector<float>{1.0f});
+  args.d_scale = d_scale.data();  // ... or with a C
+  args.C = d.data();
+  args.beta = 1.0f;
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.C = nullptr;
+  args.beta = 0.0f;
+  DeviceBuffer<uint8_t> gelu_input(64 * 64 * 2);
+  args.gelu_input = gelu_input.data();  // the GELU epilogue without a bias
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.gelu_input = nullptr;
+  desc.d_type = GemmType::bf16;  // a d_scale for a BF16 output
+  CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
+  args.d_scale = nullptr;
 
   desc.d_type = GemmType::bf16;  // beta without C
   args.beta = 1.0f;
@@ -440,6 +455,108 @@ TEST_CASE("GEMM rejects unsupported combinations with a RuntimeError", "[gpu][ge
   args.a_scale_inv = one.data();
   CHECK_THROWS_AS(engine.gemm(desc, args, nullptr), RuntimeError);
   CHECK(engine.cache_size() == 0);
+}
+
+TEST_CASE("GEMM with the GELU epilogue: E4M3 and BF16 outputs against the GEMM then GELU", "[gpu][gemm]") {
+  FP8LM_REQUIRE_GPU();
+  // gpt2's c_fc at a small size: [M,K] x [N,K]^T + bias, N = 4K.
+  const int M = 256, K = 128, N = 512;
+  GemmEngine engine;
+  auto a = device_copy(testing::random_fp8_codes(size_t(M) * K, 71));
+  auto b = device_copy(testing::random_fp8_codes(size_t(N) * K, 72));
+  auto bias = device_copy(testing::to_bf16(testing::random_floats(N, 73, 0.5f)));
+  // Operand scales bring the sums to GELU's interesting range (|x| of a few units).
+  auto a_scale_inv = device_copy(std::vector<float>{1.0f / 256});
+  auto b_scale_inv = device_copy(std::vector<float>{1.0f / 128});
+  GemmDesc desc;
+  desc.M = M;
+  desc.N = N;
+  desc.K = K;
+  desc.a_type = desc.b_type = GemmType::e4m3;
+  desc.fast_accum = true;
+  GemmArgs args;
+  args.A = a.data();
+  args.B = b.data();
+  args.bias = bias.data();
+  args.a_scale_inv = a_scale_inv.data();
+  args.b_scale_inv = b_scale_inv.data();
+
+  // The reference: the same GEMM with a bias epilogue into BF16, then the GELU on the host.
+  auto reference_pre = testing::poisoned<__nv_bfloat16>(size_t(M) * N);
+  args.D = reference_pre.data();
+  desc.d_type = GemmType::bf16;
+  engine.gemm(desc, args, nullptr);
+  const std::vector<float> pre = testing::from_bf16(reference_pre.download());
+  std::vector<float> activated(pre.size());
+  for (size_t i = 0; i < pre.size(); ++i) activated[i] = round_to_bf16(cpu::gelu(pre[i]));
+  const float expected_amax = testing::max_abs(activated);
+  REQUIRE(expected_amax > 1.0f);
+
+  // gelu_input: cuBLASLt's sum + bias rounded once, as the bias epilogue rounds it.
+  auto check_gelu_input = [&](const DeviceBuffer<__nv_bfloat16>& got_buffer) {
+    const std::vector<float> got = testing::from_bf16(got_buffer.download());
+    size_t differ = 0, far = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (float_bits(got[i]) == float_bits(pre[i])) continue;
+      ++differ;
+      if (!(std::fabs(got[i] - pre[i]) <= std::fabs(pre[i]) / 128)) ++far;
+    }
+    INFO(differ << " of " << got.size() << " gelu_input values differ from the bias epilogue's, " << far
+                << " by more than a BF16 step");
+    CHECK(far == 0);
+    CHECK(differ <= got.size() / 100);
+  };
+
+  SECTION("E4M3 output, with its scale and amax") {
+    const float scale = 16.0f;
+    auto d_scale = device_copy(std::vector<float>{scale});
+    auto amax = device_copy(std::vector<float>{1e30f});  // cuBLASLt sets it: this value is overwritten
+    auto codes = testing::poisoned<uint8_t>(size_t(M) * N);
+    auto gelu_input = testing::poisoned<__nv_bfloat16>(size_t(M) * N);
+    desc.d_type = GemmType::e4m3;
+    args.D = codes.data();
+    args.d_scale = d_scale.data();
+    args.d_amax = amax.data();
+    args.gelu_input = gelu_input.data();
+    engine.gemm(desc, args, nullptr);
+    check_gelu_input(gelu_input);
+    // cuBLASLt's GELU on the FP32 sum against layers/gelu.h's on the rounded one: about 3%
+    // of the codes a step apart (device call 94), none further.
+    const std::vector<uint8_t> got = codes.download(), expected = testing::encode_all(activated, scale, Fp8Dtype::e4m3);
+    size_t differ = 0, far = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i] == expected[i]) continue;
+      ++differ;
+      if (std::abs(testing::code_ordinal(got[i]) - testing::code_ordinal(expected[i])) > 1) ++far;
+    }
+    INFO(differ << " of " << got.size() << " codes differ, " << far << " by more than one step");
+    CHECK(far == 0);
+    CHECK(differ <= got.size() / 10);
+    const float got_amax = amax.download()[0];
+    CHECK(std::fabs(got_amax - expected_amax) <= 0.01f * expected_amax);
+
+    // The running slot keeps the larger of its value and the GEMM's (NaN wins).
+    auto slot = device_copy(std::vector<float>{0.5f * got_amax, 2.0f * got_amax});
+    cuda::raise_amax(slot.data(), amax.data(), nullptr);
+    cuda::raise_amax(slot.data() + 1, amax.data(), nullptr);
+    const std::vector<float> raised = slot.download();
+    CHECK(raised[0] == got_amax);
+    CHECK(raised[1] == 2.0f * got_amax);
+    auto nan = device_copy(std::vector<float>{std::numeric_limits<float>::quiet_NaN()});
+    cuda::raise_amax(slot.data(), nan.data(), nullptr);
+    CHECK(std::isnan(slot.download()[0]));
+  }
+
+  SECTION("BF16 output") {
+    auto out = testing::poisoned<__nv_bfloat16>(size_t(M) * N);
+    auto gelu_input = testing::poisoned<__nv_bfloat16>(size_t(M) * N);
+    desc.d_type = GemmType::bf16;
+    args.D = out.data();
+    args.gelu_input = gelu_input.data();
+    engine.gemm(desc, args, nullptr);
+    check_gelu_input(gelu_input);
+    CHECK(relative_error(testing::from_bf16(out.download()), activated) < 1e-2);
+  }
 }
 
 // ---- casts -------------------------------------------------------------------------------------

@@ -54,8 +54,7 @@ std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& block
     s.push_back("attention -> " + op);
     s.push_back("gemm forward " + op + "x" + op + " +bias +residual");  // attn.c_proj
     s.push_back("layernorm -> " + op);
-    s.push_back("gemm forward " + op + "x" + op);  // c_fc: its bias joins the GELU
-    s.push_back("bias_gelu -> " + op);
+    s.push_back("gemm forward " + op + "x" + op + " +bias +gelu -> " + op);  // c_fc, the GELU its epilogue
     s.push_back("gemm forward " + op + "x" + op + " +bias +residual");  // mlp.c_proj
   }
   s.push_back("layernorm -> " + head);  // ln_f
