@@ -185,7 +185,8 @@ TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model s
     block.push_back(leave);  // the row-parallel c_proj's partial output, summed before the add
     block.push_back("residual_layernorm -> e4m3");
     if (!enter.empty()) block.push_back(enter);
-    for (const char* line : {"gemm forward e4m3xe4m3", "bias_gelu -> e4m3", "gemm forward e4m3xe4m3"})
+    // c_fc with the GELU in its epilogue, then the row-parallel mlp.c_proj.
+    for (const char* line : {"gemm forward e4m3xe4m3 +bias +gelu -> e4m3", "gemm forward e4m3xe4m3"})
       block.push_back(line);
     block.push_back(leave);
     const auto start = std::find(log.begin(), log.end(), "attention -> e4m3");  // block 0's attention
