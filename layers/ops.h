@@ -181,6 +181,16 @@ struct GemmCall {
   bool accumulate = true;
 };
 
+// GemmCall::gelu_input's precondition, the same for every backend: a forward GEMM with a
+// bias and no residual, gelu_input [M,N] apart from the output.
+inline void check_gelu_epilogue(const GemmCall& call) {
+  if (!call.gelu_input) return;
+  FP8LM_CHECK(call.pass == GemmPass::forward && call.bias && !call.residual &&
+                  call.gelu_input.rows == call.input.rows && call.gelu_input.cols == call.weight.rows &&
+                  call.gelu_input.data != call.out.data,
+              "forward GEMM with the GELU epilogue: a bias, no residual, gelu_input [M,N] apart from the output");
+}
+
 // dpre [M,F] = dout * gelu'(pre) in dpre's dtype (an FP8 gradient operand with its
 // transpose, or the activation dtype); dbias [F] += its column sums.
 struct GeluBackward {

@@ -273,7 +273,7 @@ class CpuOps final : public Ops {
         FP8LM_CHECK(!call.residual || (call.residual.rows == M && call.residual.cols == N &&
                                        call.residual.data != call.out.data),
                     "forward GEMM residual: [M,N], not aliasing the output");
-        check_gelu_epilogue(call, M, N);
+        check_gelu_epilogue(call);
         cpu::gemm_nt(product_of(call), f32(call.input), f32(call.weight), M, N, K,
                      scale_inv(call.input) * scale_inv(call.weight), false);
         add_epilogue(call, M, N);
@@ -319,7 +319,7 @@ class CpuOps final : public Ops {
                     "forward GEMM residual: [M,N], not aliasing the output");
         require(call.input, false, "input");
         require(call.weight, false, "weight");
-        check_gelu_epilogue(call, M, N);
+        check_gelu_epilogue(call);
         cpu::gemm_block_scaled(product_of(call), f32(call.input), call.input.block_scale_inv, call.input.block_scaling,
                                f32(call.weight), call.weight.block_scale_inv, call.weight.block_scaling, M, N, K,
                                1.0f, false);
@@ -594,12 +594,6 @@ class CpuOps final : public Ops {
   // The forward GEMM's epilogue: out [M,N] += residual, then + bias, in the GPU's order.
   // A forward GEMM's FP32 sum lands in out, or, under the GELU epilogue, in gelu_input.
   static float* product_of(const GemmCall& call) { return f32(call.gelu_input ? call.gelu_input : call.out); }
-  static void check_gelu_epilogue(const GemmCall& call, int M, int N) {
-    if (!call.gelu_input) return;
-    FP8LM_CHECK(call.bias && !call.residual && call.gelu_input.rows == M && call.gelu_input.cols == N &&
-                    call.gelu_input.data != call.out.data,
-                "forward GEMM with the GELU epilogue: a bias, no residual, gelu_input [M,N] apart from the output");
-  }
 
   // The forward GEMM's epilogue on its FP32 sum: + residual + bias, or the GELU epilogue
   // (ops.h): gelu of the unrounded sum + bias into out, the sum + bias rounded into gelu_input.

@@ -669,9 +669,8 @@ class CudaOps final : public Ops {
   // speed there, docs/INFERENCE.md).
   void gemm_gelu(const GemmCall& call) {
     const Tensor &out = call.out, &pre = call.gelu_input;
-    FP8LM_CHECK(call.pass == GemmPass::forward && call.bias && !call.residual && rows(pre) == rows(call.input) &&
-                    cols(pre) == rows(call.weight) && pre.dtype == DType::bf16,
-                "GEMM with the GELU epilogue: a forward GEMM with a bias, no residual, a bf16 gelu_input [M,N]");
+    check_gelu_epilogue(call);
+    FP8LM_CHECK(pre.dtype == DType::bf16, "GEMM with the GELU epilogue: the GPU keeps a bf16 gelu_input");
     const int M = rows(pre), F = cols(pre);
     const bool per_tensor_e4m3 = out.dtype == DType::e4m3 && !block_scaled(out) && !table_->uses_current_scaling() &&
                                  call.input.dtype == DType::e4m3 && call.weight.dtype == DType::e4m3;

@@ -302,3 +302,36 @@ TEST_CASE("BF16 blocks by number in the step: the named block's weights are cast
           "[model][cpu][auto-precision]") {
   check_step_weight_casts({"--bf16-blocks", "1"}, {"e4m3", "bf16", "e4m3"});
 }
+
+TEST_CASE("the GELU epilogue's precondition refuses a GEMM without a bias, with a residual or aliasing", "[model][cpu]") {
+  // Shapes only: the check reads no data, so any distinct addresses will do.
+  float storage[6];
+  auto tensor = [&](int i, int64_t rows, int64_t cols) {
+    Tensor t;
+    t.data = &storage[i];
+    t.rows = rows;
+    t.cols = cols;
+    return t;
+  };
+  GemmCall call{.out = tensor(0, 4, 16), .input = tensor(1, 4, 8), .weight = tensor(2, 16, 8), .bias = tensor(3, 1, 16),
+                .gelu_input = tensor(4, 4, 16)};
+  CHECK_NOTHROW(check_gelu_epilogue(call));
+  GemmCall no_bias = call;
+  no_bias.bias = Tensor{};
+  CHECK_THROWS_AS(check_gelu_epilogue(no_bias), RuntimeError);
+  GemmCall residual = call;
+  residual.residual = tensor(5, 4, 16);
+  CHECK_THROWS_AS(check_gelu_epilogue(residual), RuntimeError);
+  GemmCall aliased = call;
+  aliased.gelu_input = call.out;
+  CHECK_THROWS_AS(check_gelu_epilogue(aliased), RuntimeError);
+  GemmCall wrong_shape = call;
+  wrong_shape.gelu_input = tensor(4, 4, 8);
+  CHECK_THROWS_AS(check_gelu_epilogue(wrong_shape), RuntimeError);
+  GemmCall dgrad = call;
+  dgrad.pass = GemmPass::dgrad;
+  CHECK_THROWS_AS(check_gelu_epilogue(dgrad), RuntimeError);
+  // Without gelu_input there is nothing to check.
+  no_bias.gelu_input = Tensor{};
+  CHECK_NOTHROW(check_gelu_epilogue(no_bias));
+}
