@@ -351,6 +351,13 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "master weights after the update")
       ->check(CLI::IsMember({"fused", "separate"}))
       ->group(precision);
+  std::string first_pass = "backward";
+  app.add_option("--optimizer-first-pass", first_pass,
+                 "backward: AdamW's first pass (the moments' amaxes and the gradient norm) runs layer by layer "
+                 "beside the last micro-batch's backward (fp8-fp16 state on one rank; default); step: at the "
+                 "step's end")
+      ->check(CLI::IsMember({"backward", "step"}))
+      ->group(precision);
 
   // ---- Batch and schedule
   const char* training = "Training";
@@ -553,6 +560,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.optimizer_state =
       state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;
   o.fused_weight_casts = weight_casts == "fused";
+  o.first_pass_in_backward = first_pass == "backward";
   o.lr_decay_style = lookup<LrDecayStyle>(
       {{"cosine", LrDecayStyle::cosine}, {"linear", LrDecayStyle::linear}, {"constant", LrDecayStyle::constant}},
       decay_style);

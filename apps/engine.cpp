@@ -184,6 +184,15 @@ struct TrainingEngine::State {
   // is the norm's: every tensor whole and counted on this rank); the amaxes are redone after
   // the decision only when it clips.
   bool norm_in_first_pass = false;
+  // ... and, on one rank (--optimizer-first-pass backward), that pass runs layer by layer on
+  // the side lane while the last micro-batch's backward goes on: its ranges of tensors
+  // [layer + 1], the betas it takes (the run's; end_step checks that the step's are the
+  // same), and how many layers of this step have run theirs.
+  bool first_pass_in_backward = false;
+  std::vector<std::vector<Ops::TensorRange>> first_pass_ranges;
+  AdamWHyperparams first_pass_hyperparams;
+  size_t first_pass_layers_done = 0;
+  void first_pass_of_layer(int layer);
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
@@ -395,7 +404,9 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
       .before_forward = [&s](int layer) { s.cast_weights_of(layer); },
       .after_backward =
           [&s](int layer) {
-            if (!s.overlap_grad_reduce || !s.last_micro_batch) return;
+            if (!s.last_micro_batch) return;
+            if (s.first_pass_in_backward) s.first_pass_of_layer(layer);
+            if (!s.overlap_grad_reduce) return;
             for (size_t b : s.buckets_of(layer)) s.reduce_bucket(b, /*overlapped=*/true);
           },
   });
@@ -461,6 +472,34 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   };
   s.norm_in_first_pass = s.state_precision == OptimizerStatePrecision::fp8_fp16 && !s.sharded &&
                          s.update_groups.empty() && same_tensors(s.shard.layout, s.shard.norm_layout);
+  s.first_pass_in_backward = s.norm_in_first_pass && optimizer_first_pass_in_backward(o, s.world().size());
+  if (s.first_pass_in_backward) {
+    // A bucket's tensors are consecutive in the (unsharded) layout: those whose slab offsets
+    // lie in it.
+    const auto& tensors = s.shard.layout.tensors();
+    s.first_pass_ranges.assign(s.buckets_of_layer.size(), {});
+    size_t covered = 0;
+    for (size_t i = 0; i < s.buckets_of_layer.size(); ++i)
+      for (size_t b : s.buckets_of_layer[i]) {
+        const ParameterBucket& bucket = model.buckets()[b];
+        Ops::TensorRange range{.first = tensors.size(), .end = 0};
+        for (size_t k = 0; k < tensors.size(); ++k)
+          if (tensors[k].offset >= bucket.begin && tensors[k].offset < bucket.end) {
+            range.first = std::min(range.first, k);
+            range.end = k + 1;
+          }
+        if (range.end == 0) continue;
+        FP8LM_CHECK(range.end - range.first <= tensors.size(), "bucket ", bucket.name, "'s tensors");
+        covered += range.end - range.first;
+        s.first_pass_ranges[i].push_back(range);
+      }
+    FP8LM_CHECK(covered == tensors.size(), "the buckets hold ", covered, " of the ", tensors.size(),
+                " tensors AdamW's first pass reads");
+    s.first_pass_hyperparams.beta1 = static_cast<float>(o.adam_beta1);
+    s.first_pass_hyperparams.beta2 = static_cast<float>(o.adam_beta2);
+    s.first_pass_hyperparams.eps = static_cast<float>(o.adam_eps);
+    s.first_pass_hyperparams.weight_decay = static_cast<float>(o.weight_decay);
+  }
   if (optimizer_writes_fp8_weights(o, s.sharded)) {
     const std::vector<WeightOperand> operands = model.fp8_weight_operands();
     if (!operands.empty()) s.weight_casts = device.make_weight_casts(*s.shard_table, operands);
@@ -562,6 +601,7 @@ void TrainingEngine::begin_step(int64_t step) {
   s.model->zero_gradients();
   s.ops->zero(&s.device_scalars()->loss_sum, sizeof(float));
   s.micro_batches = 0;
+  s.first_pass_layers_done = 0;  // a backward without an end_step (none in training) left nothing
 }
 
 void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets) {
@@ -739,6 +779,19 @@ AdamWCall TrainingEngine::State::adamw_call(const TensorTable& table, const Tens
   return update;
 }
 
+// The layer's gradients are final (one rank, the last micro-batch): AdamW's first pass over
+// its tensors on the side lane, after what the main lane has queued so far.
+void TrainingEngine::State::first_pass_of_layer(int layer) {
+  const AdamWCall call =
+      adamw_call(*shard_table, nullptr, 0, static_cast<float*>(adamw_scratch->data()), first_pass_hyperparams);
+  if (first_pass_layers_done == 0) ops->adamw_first_pass_begin(call);
+  ops->record(*main_mark, Ops::Lane::main);
+  ops->wait(*main_mark, Ops::Lane::side);
+  for (const Ops::TensorRange& range : first_pass_ranges[size_t(layer + 1)])
+    ops->adamw_first_pass_part(call, range, Ops::Lane::side);
+  ++first_pass_layers_done;
+}
+
 // The layer's gathered weights in use: wait for their buckets, cast the weight operands.
 void TrainingEngine::State::cast_weights_of(int layer) {
   if (!refresh_pending[size_t(layer + 1)]) return;
@@ -773,7 +826,18 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       updates.push_back(s.adamw_call(*group.shard, group.slab.get(), group.first_tensor,
                                      static_cast<float*>(group.scratch->data()), hyperparams));
   }
-  if (s.norm_in_first_pass) {
+  if (s.first_pass_layers_done > 0) {
+    FP8LM_CHECK(s.first_pass_layers_done == s.first_pass_ranges.size(), "AdamW's first pass ran for ",
+                s.first_pass_layers_done, " of ", s.first_pass_ranges.size(), " layers");
+    FP8LM_CHECK(hyperparams.beta1 == s.first_pass_hyperparams.beta1 && hyperparams.beta2 == s.first_pass_hyperparams.beta2,
+                "end_step: AdamW betas ", hyperparams.beta1, ", ", hyperparams.beta2,
+                " differ from the run's --adam-beta1/--adam-beta2 (", s.first_pass_hyperparams.beta1, ", ",
+                s.first_pass_hyperparams.beta2, "), with which the first pass ran in the backward");
+    s.first_pass_layers_done = 0;
+    ops.record(*s.side_mark, Ops::Lane::side);
+    ops.wait(*s.side_mark, Ops::Lane::main);
+    ops.adamw_first_pass_finish(updates.front(), &scalars->sum_of_squares);
+  } else if (s.norm_in_first_pass) {
     ops.adamw_moment_amaxes_and_norm(updates.front(), &scalars->sum_of_squares);
   } else {
     ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);

@@ -158,6 +158,11 @@ struct TrainOptions {
   // transposes) for the next step (fused, the default where it applies: delayed scaling, state
   // not sharded, fp8-fp16 moments), or they are cast from the master after it (separate)
   bool fused_weight_casts = true;
+  // --optimizer-first-pass: where AdamW's first pass (the moments' amaxes and the gradient
+  // norm, one read of the gradients and moments) runs: per layer on the side lane during the
+  // last micro-batch's backward (backward, the default where it applies: fp8-fp16 state, one
+  // rank), or at the step's end (step)
+  bool first_pass_in_backward = true;
   // fp8lm sample --cuda-graph: decoding steps after the first replay one recorded step (a CUDA
   // graph on the GPU) instead of launching op by op. Off under --profile-ops, which times each op.
   bool decode_graph = true;
@@ -184,6 +189,14 @@ struct TrainOptions {
 inline bool optimizer_writes_fp8_weights(const TrainOptions& o, bool sharded_state) {
   return o.fused_weight_casts && o.fp8_enabled() && o.fp8.recipe == ScalingRecipe::delayed && !sharded_state &&
          !o.fp8_param_gather && o.optimizer_state == OptimizerStatePrecision::fp8_fp16;
+}
+
+// Whether AdamW's first pass runs layer by layer beside the backward (--optimizer-first-pass
+// backward): fp8-fp16 moments (the pass the norm shares), and one rank, whose gradients are
+// final once the last micro-batch's backward has passed their layer (with more ranks they
+// are final only after their reduction).
+inline bool optimizer_first_pass_in_backward(const TrainOptions& o, int world_size) {
+  return o.first_pass_in_backward && o.optimizer_state == OptimizerStatePrecision::fp8_fp16 && world_size == 1;
 }
 
 }  // namespace fp8lm

@@ -314,6 +314,11 @@ SettingsTable settings_table(const RunSetup& s) {
        : o.fused_weight_casts
            ? "separate (fused needs the delayed recipe, fp8-fp16 state, no distributed optimizer, no FP8 weight gather)"
            : "separate"},
+      {"optimizer-first-pass",
+       optimizer_first_pass_in_backward(o, s.data_parallel_size * o.tensor_model_parallel_size)
+           ? "backward (AdamW's amaxes and the norm layer by layer beside the backward)"
+       : o.first_pass_in_backward ? "step (backward needs fp8-fp16 state on one rank)"
+                                  : "step"},
       {"micro-batch-size", str(o.micro_batch_size)},
       {"recompute (activations)", recompute_description(o, m.n_layer)},
       {"global-batch-size", str(s.global_batch_size)},

@@ -285,10 +285,29 @@ class ObservedOps final : public Ops {
     observed(per_element("optimizer", "adamw_moment_amaxes", *call.table, gradient_bytes(call) + moment_bytes(call)),
              [&] { inner_->adamw_moment_amaxes(call); });
   }
-  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
+  void adamw_first_pass_begin(const AdamWCall& call) override {
+    observed(named("optimizer", "adamw first pass begin"), [&] { inner_->adamw_first_pass_begin(call); });
+  }
+  void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane lane) override {
     // Reads the gradient and both moments once: the norm's read and pass 1's.
-    observed(per_element("optimizer", "adamw_moment_amaxes + norm", *call.table, gradient_bytes(call) + moment_bytes(call)),
-             [&] { inner_->adamw_moment_amaxes_and_norm(call, sum_of_squares); });
+    const TensorLayout& layout = call.table->layout();
+    const bool whole = tensors.first == 0 && tensors.end == layout.tensors().size();
+    double elements = 0.0;
+    for (size_t k = tensors.first; k < tensors.end && k < layout.tensors().size(); ++k)
+      elements += double(layout.tensors()[k].numel);
+    const double bytes = elements * (gradient_bytes(call) + moment_bytes(call));
+    observed({"optimizer", lane,
+              [&] {
+                return whole ? std::string("adamw_moment_amaxes + norm")
+                             : "adamw_moment_amaxes + norm, tensors " + std::to_string(tensors.first) + ".." +
+                                   std::to_string(tensors.end);
+              },
+              [&] { return OpCost{0, bytes}; }},
+             [&] { inner_->adamw_first_pass_part(call, tensors, lane); });
+  }
+  void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) override {
+    observed(named("optimizer", "adamw first pass finish"),
+             [&] { inner_->adamw_first_pass_finish(call, sum_of_squares); });
   }
   void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
     // Nothing unless the step clips (then pass 1 again); the profile counts no bytes.

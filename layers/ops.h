@@ -525,7 +525,22 @@ class Ops {
   // 1, and *sum_of_squares = grad_sum_of_squares(call.grads, *call.table), bit for bit. After
   // finalize_step, adamw_moment_amaxes_if_clipped redoes the amaxes when the coefficient is not
   // 1 (decided in stream order; nothing runs otherwise). Together: adamw_moment_amaxes's amaxes.
-  virtual void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) = 0;
+  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) {
+    adamw_first_pass_begin(call);
+    adamw_first_pass_part(call, {.first = 0, .end = call.table->layout().tensors().size()}, Lane::main);
+    adamw_first_pass_finish(call, sum_of_squares);
+  }
+  // The same in parts, for gradients that become final layer by layer in the backward (one
+  // rank, its last micro-batch): _begin (main lane) before any part; _part once for each range
+  // of call.table's tensors, on `lane`, once that range's gradients are final; _finish on the
+  // main lane after it has waited for every part. Bit for bit adamw_moment_amaxes_and_norm,
+  // whatever the ranges and their order.
+  struct TensorRange {
+    size_t first = 0, end = 0;  // tensors [first, end) of the table
+  };
+  virtual void adamw_first_pass_begin(const AdamWCall& call) = 0;
+  virtual void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane lane) = 0;
+  virtual void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) = 0;
   virtual void adamw_moment_amaxes_if_clipped(const AdamWCall& call) = 0;
   // The update: new moment scales from the (agreed) amaxes, parameters, moments, and the
   // working copy.

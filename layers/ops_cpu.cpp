@@ -470,11 +470,25 @@ class CpuOps final : public Ops {
     if (call.control->skip || call.precision != OptimizerStatePrecision::fp8_fp16) return;
     moment_amaxes(call, call.control->grad_scale);
   }
-  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
-    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
-                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
+  // The parts' amaxes are running maxima over their tensors; the norm is taken at the end, over
+  // every tensor at once (the CPU runs the parts in order anyway).
+  void adamw_first_pass_begin(const AdamWCall& call) override {
+    check_first_pass(call);
+    std::fill(call.scratch, call.scratch + 2 * call.table->layout().tensors().size(), 0.0f);
+  }
+  void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane) override {
+    check_first_pass(call);
+    const TensorLayout& layout = call.table->layout();
+    FP8LM_CHECK(tensors.first <= tensors.end && tensors.end <= layout.tensors().size(),
+                "AdamW's first pass: tensors [", tensors.first, ", ", tensors.end, ") outside the table");
+    check_adamw_hyperparams(call.hyperparams);
+    cpu::adamw_moment_amaxes(layout, f32(call.grads), call.state, call.hyperparams,
+                             std::max<int64_t>(call.control->step_count, 1), /*grad_scale=*/1.0f, call.scratch,
+                             nullptr, tensors.first, tensors.end);
+  }
+  void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) override {
+    check_first_pass(call);
     grad_sum_of_squares(sum_of_squares, call.grads, *call.table);
-    moment_amaxes(call, /*grad_scale=*/1.0f);
   }
   void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
     if (call.control->skip || call.control->grad_scale == 1.0f) return;
@@ -526,6 +540,10 @@ class CpuOps final : public Ops {
     cpu::adamw_moment_amaxes(call.table->layout(), f32(call.grads), call.state, call.hyperparams,
                              std::max<int64_t>(call.control->step_count, 1), grad_scale, call.scratch,
                              slab_layout(call));
+  }
+  static void check_first_pass(const AdamWCall& call) {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
+                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
   }
   static const TensorLayout* slab_layout(const AdamWCall& call) {
     return call.slab_table ? &call.slab_table->layout() : nullptr;

@@ -153,6 +153,7 @@ class DeviceTable final : public TensorTable {
   const TensorLayout& layout() const override { return layout_; }
   const cuda::DeviceTensorTable& table() const { return device_.table(); }
   double* norm_scratch() { return norm_scratch_.data(); }
+  uint32_t first_chunk(size_t tensor) const { return device_.first_chunk(tensor); }
 
  private:
   TensorLayout layout_;
@@ -863,14 +864,24 @@ class CudaOps final : public Ops {
                                        call.state.v_scales, device_table(*call.table), call.hyperparams, call.control,
                                        call.scratch, stream_, slab_offsets(call));
   }
-  void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) override {
-    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
-                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
+  void adamw_first_pass_begin(const AdamWCall& call) override {
+    check_first_pass(call);
+    cuda::adamw_fp8_fp16_first_pass_begin(device_table(*call.table), call.scratch, stream_);
+  }
+  void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane lane) override {
+    check_first_pass(call);
     auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
-    cuda::adamw_fp8_fp16_moment_amaxes_and_norm(gradient_view(call.grads), call.state.m8, call.state.v16,
-                                                call.state.m_scales, call.state.v_scales, device.table(),
-                                                call.hyperparams, call.scratch, sum_of_squares, device.norm_scratch(),
-                                                stream_);
+    FP8LM_CHECK(tensors.first <= tensors.end && tensors.end <= call.table->layout().tensors().size(),
+                "AdamW's first pass: tensors [", tensors.first, ", ", tensors.end, ") outside the table");
+    cuda::adamw_fp8_fp16_first_pass_part(gradient_view(call.grads), call.state.m8, call.state.v16,
+                                         call.state.m_scales, call.state.v_scales, device.table(),
+                                         device.first_chunk(tensors.first), device.first_chunk(tensors.end),
+                                         call.hyperparams, call.scratch, device.norm_scratch(), stream_of(lane));
+  }
+  void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) override {
+    check_first_pass(call);
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
+    cuda::adamw_fp8_fp16_first_pass_finish(device.table(), sum_of_squares, device.norm_scratch(), stream_);
   }
   void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
     FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16, "fp8-fp16 state only");
@@ -905,6 +916,10 @@ class CudaOps final : public Ops {
  private:
   static constexpr int kStagingSlots = 4;
 
+  static void check_first_pass(const AdamWCall& call) {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
+                "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
+  }
   cudaStream_t stream_of(Lane lane) const { return lane == Lane::side ? side_stream_ : stream_; }
   // AdamW's gradient and working-copy offsets when they differ from the state's (sharded).
   static const uint64_t* slab_offsets(const AdamWCall& call) {

@@ -1,5 +1,6 @@
 #include "optim/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -128,10 +129,11 @@ const float* gradient_of(const float* grads, const TensorLayout& layout, const T
 
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
                          const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
-                         const TensorLayout* grad_layout) {
+                         const TensorLayout* grad_layout, size_t first_tensor, size_t end_tensor) {
   const auto& tensors = layout.tensors();
   const size_t count = tensors.size();
-  for (size_t k = 0; k < count; ++k) {
+  FP8LM_CHECK(first_tensor <= count, "AdamW pass 1: first tensor ", first_tensor, " of ", count);
+  for (size_t k = first_tensor; k < std::min(count, end_tensor); ++k) {
     const TensorInfo& info = tensors[k];
     const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
     adamw_moment_amax_fp8_fp16(gradient_of(grads, layout, grad_layout, k), state.m8 + info.offset, state.v16 + info.offset, info.numel,

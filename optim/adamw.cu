@@ -62,8 +62,9 @@ struct ChunkRange {
   int k;           // tensor index
 };
 
-__device__ __forceinline__ ChunkRange chunk_of_block(const DeviceTensorTable& table) {
-  const uint32_t c = blockIdx.x;
+// first_chunk: where a launch over part of the table starts (0 for the whole table).
+__device__ __forceinline__ ChunkRange chunk_of_block(const DeviceTensorTable& table, uint32_t first_chunk = 0) {
+  const uint32_t c = first_chunk + blockIdx.x;
   ChunkRange r;
   r.k = table.chunk_tensor[c];
   const uint64_t tensor_begin = table.offsets[r.k];
@@ -188,14 +189,14 @@ __global__ void __launch_bounds__(kThreads)
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                            const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok,
-                           double* __restrict__ norm_partial) {
+                           double* __restrict__ norm_partial, uint32_t first_chunk) {
   float grad_scale = 1.0f;
   if constexpr (kMode != Pass1::with_norm) {
     if (control->skip) return;  // uniform over the grid
     grad_scale = control->grad_scale;
     if (kMode == Pass1::if_clipped && grad_scale == 1.0f) return;
   }
-  const ChunkRange c = chunk_of_block(table);
+  const ChunkRange c = chunk_of_block(table, first_chunk);
   // Moments need only beta and grad_scale (bias corrections enter the parameter update).
   const AdamWStepScalars s = adamw_scalars(hp, false, grad_scale, 1.0f, 1.0f);
   double sum_of_squares = 0.0;
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kThreads)
 
   if constexpr (kMode == Pass1::with_norm) {
     sum_of_squares = device::block_sum_fixed<kThreads>(sum_of_squares);
-    if (threadIdx.x == 0) norm_partial[blockIdx.x] = sum_of_squares;
+    if (threadIdx.x == 0) norm_partial[first_chunk + blockIdx.x] = sum_of_squares;
   }
   // Block max (exact, order-independent), then one atomic per block and moment.
   __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
@@ -539,13 +540,17 @@ template <Pass1 kMode>
 void launch_pass1(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits, const float* m_scales,
                   const float* v_scales, const DeviceTensorTable& table, const AdamWHyperparams& hp,
                   const StepControl* control, unsigned* amax_bits, const uint64_t* slab_offsets, double* norm_partial,
-                  cudaStream_t stream) {
-  if (table.num_chunks == 0) return;
+                  cudaStream_t stream, uint32_t first_chunk = 0, uint32_t end_chunk = UINT32_MAX) {
+  end_chunk = end_chunk == UINT32_MAX ? table.num_chunks : end_chunk;
+  FP8LM_CHECK(first_chunk <= end_chunk && end_chunk <= table.num_chunks, "AdamW pass 1: chunks [", first_chunk, ", ",
+              end_chunk, ") outside the table's ", table.num_chunks);
+  if (end_chunk == first_chunk) return;
   const bool vec_ok = gradients_aligned(grads) && aligned(m_codes, 4) && aligned(v_bits, 8);
   with_gradient_type(grads, [&](const auto* typed) {
     using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
-    adamw_fp8_pass1_kernel<G, kMode><<<table.num_chunks, kThreads, 0, stream>>>(
-        typed, m_codes, v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial);
+    adamw_fp8_pass1_kernel<G, kMode><<<end_chunk - first_chunk, kThreads, 0, stream>>>(
+        typed, m_codes, v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial,
+        first_chunk);
   });
   CUDA_CHECK_LAUNCH();
 }
@@ -566,26 +571,44 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
                                       slab_offsets, nullptr, stream);
 }
 
+void adamw_fp8_fp16_first_pass_begin(const DeviceTensorTable& table, float* scratch, cudaStream_t stream) {
+  if (table.count == 0) return;
+  FP8LM_CHECK(scratch != nullptr, "adamw_fp8_fp16_first_pass_begin needs the scratch");
+  CUDA_CHECK(cudaMemsetAsync(scratch, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
+}
+
+void adamw_fp8_fp16_first_pass_part(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                    const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
+                                    uint32_t first_chunk, uint32_t end_chunk, const AdamWHyperparams& hp,
+                                    float* scratch, double* norm_scratch, cudaStream_t stream) {
+  check_adamw_hyperparams(hp);
+  if (first_chunk == end_chunk) return;
+  FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && scratch && norm_scratch,
+              "adamw_fp8_fp16_first_pass_part needs every array");
+  // The chunks' vector paths must be the norm kernel's (it looks at the gradients only), or
+  // the per-thread sums, hence the partials, would differ.
+  FP8LM_CHECK(!gradients_aligned(grads) || (aligned(m_codes, 4) && aligned(v_bits, 8)),
+              "adamw_fp8_fp16_first_pass_part: the moment slabs must be aligned as the gradients are");
+  launch_pass1<Pass1::with_norm>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, nullptr,
+                                 reinterpret_cast<unsigned*>(scratch), nullptr, norm_scratch, stream, first_chunk,
+                                 end_chunk);
+}
+
+void adamw_fp8_fp16_first_pass_finish(const DeviceTensorTable& table, double* sum_of_squares,
+                                      const double* norm_scratch, cudaStream_t stream) {
+  FP8LM_CHECK(sum_of_squares && (table.num_chunks == 0 || norm_scratch),
+              "adamw_fp8_fp16_first_pass_finish needs the sum's output and the partials");
+  grad_norm_finish(sum_of_squares, norm_scratch, table.num_chunks, stream);
+}
+
 void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                            const float* m_scales, const float* v_scales,
                                            const DeviceTensorTable& table, const AdamWHyperparams& hp, float* scratch,
                                            double* sum_of_squares, double* norm_scratch, cudaStream_t stream) {
-  check_adamw_hyperparams(hp);
-  FP8LM_CHECK(sum_of_squares && (table.num_chunks == 0 || norm_scratch),
-              "adamw_fp8_fp16_moment_amaxes_and_norm needs the sum's output and scratch");
-  if (table.count > 0) {
-    FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && scratch,
-                "adamw_fp8_fp16_moment_amaxes_and_norm needs every array");
-    // The chunks' vector paths must be the norm kernel's (it looks at the gradients only), or
-    // the per-thread sums, hence the partials, would differ.
-    FP8LM_CHECK(!gradients_aligned(grads) || (aligned(m_codes, 4) && aligned(v_bits, 8)),
-                "adamw_fp8_fp16_moment_amaxes_and_norm: the moment slabs must be aligned as the gradients are");
-    unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
-    CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
-    launch_pass1<Pass1::with_norm>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, nullptr, amax_bits,
-                                   nullptr, norm_scratch, stream);
-  }
-  grad_norm_finish(sum_of_squares, norm_scratch, table.num_chunks, stream);
+  adamw_fp8_fp16_first_pass_begin(table, scratch, stream);
+  adamw_fp8_fp16_first_pass_part(grads, m_codes, v_bits, m_scales, v_scales, table, 0, table.num_chunks, hp, scratch,
+                                 norm_scratch, stream);
+  adamw_fp8_fp16_first_pass_finish(table, sum_of_squares, norm_scratch, stream);
 }
 
 void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,

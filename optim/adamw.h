@@ -226,9 +226,12 @@ void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, f
 // grad_layout (optional): where each tensor's gradient sits in `grads`, when not at layout's
 // offsets (ZeRO-1 reduces the gradients in place in the model's slab while the parameters
 // and the state are packed in the shard); the same tensors and numels as layout.
+// first_tensor, end_tensor: only tensors [first_tensor, end_tensor) (end_tensor past the last:
+// to the end), for the first pass run in parts (Ops::adamw_first_pass_part).
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
                          const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
-                         const TensorLayout* grad_layout = nullptr);
+                         const TensorLayout* grad_layout = nullptr, size_t first_tensor = 0,
+                         size_t end_tensor = SIZE_MAX);
 void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                  const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
                  const float* amaxes, const TensorLayout* grad_layout = nullptr);

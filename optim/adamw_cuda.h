@@ -125,6 +125,20 @@ void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_
                                            const float* m_scales, const float* v_scales,
                                            const DeviceTensorTable& table, const AdamWHyperparams& hp, float* scratch,
                                            double* sum_of_squares, double* norm_scratch, cudaStream_t stream);
+// The same first half in parts, for gradients that become final range by range during the
+// backward (one rank, its last micro-batch): _begin (the amaxes zeroed), then _part once for
+// each range of chunks [first_chunk, end_chunk) (DeviceTensorLayout::first_chunk of a range of
+// tensors), on any stream once its gradients are final, in any order, then _finish (the
+// norm's fixed-order sum of every chunk's partial) after every part. Together, bit for bit,
+// adamw_fp8_fp16_moment_amaxes_and_norm: each chunk is the same block, writing its own partial;
+// the amaxes are maxima, which no order changes.
+void adamw_fp8_fp16_first_pass_begin(const DeviceTensorTable& table, float* scratch, cudaStream_t stream);
+void adamw_fp8_fp16_first_pass_part(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                    const float* m_scales, const float* v_scales, const DeviceTensorTable& table,
+                                    uint32_t first_chunk, uint32_t end_chunk, const AdamWHyperparams& hp,
+                                    float* scratch, double* norm_scratch, cudaStream_t stream);
+void adamw_fp8_fp16_first_pass_finish(const DeviceTensorTable& table, double* sum_of_squares,
+                                      const double* norm_scratch, cudaStream_t stream);
 void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                              const float* m_scales, const float* v_scales,
                                              const DeviceTensorTable& table, const AdamWHyperparams& hp,

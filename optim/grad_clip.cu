@@ -53,6 +53,7 @@ DeviceTensorLayout::DeviceTensorLayout(const TensorLayout& layout) {
   upload_all(numels_, numels);
   upload_all(decay_, decay);
   upload_all(chunk_begin_, chunk_begin);
+  host_chunk_begin_ = chunk_begin;
   upload_all(chunk_tensor_, chunk_tensor);
   table_.offsets = offsets_.data();
   table_.numels = numels_.data();

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -48,8 +49,12 @@ class DeviceTensorLayout {
   DeviceTensorLayout() = default;
   explicit DeviceTensorLayout(const TensorLayout& layout);
   const DeviceTensorTable& table() const { return table_; }
+  // The first chunk of tensor k (k = count: num_chunks), on the host: a range of tensors is a
+  // range of chunks, which a launch over part of the table takes.
+  uint32_t first_chunk(size_t k) const { return host_chunk_begin_.at(k); }
 
  private:
+  std::vector<uint32_t> host_chunk_begin_;
   DeviceBuffer<uint64_t> offsets_, numels_;
   DeviceBuffer<uint8_t> decay_;
   DeviceBuffer<uint32_t> chunk_begin_;

@@ -206,6 +206,32 @@ TEST_CASE("GPU: AdamW writing the FP8 weights in its update pass gives the separ
   }
 }
 
+TEST_CASE("GPU: AdamW's first pass beside the backward (side lane) gives the step-end pass's run bit for bit",
+          "[gpu][model]") {
+  FP8LM_REQUIRE_GPU();
+  struct Case {
+    std::vector<std::string> flags;
+    int micro_batches;
+    double clip;
+  };
+  // FP32 and BF16 gradients, two micro-batches, and a clip every step takes.
+  for (const Case& c : {Case{{}, 1, 1.0}, Case{{"--grad-reduce-in-bf16"}, 1, 1.0}, Case{{}, 2, 1.0},
+                        Case{{}, 1, 1e-3}}) {
+    INFO("flags: " << (c.flags.empty() ? std::string("(none)") : c.flags.front()) << ", micro-batches "
+                   << c.micro_batches << ", clip " << c.clip);
+    const auto run = [&](const char* first_pass) {
+      std::vector<std::string> flags = c.flags;
+      flags.insert(flags.end(), {"--optimizer-first-pass", first_pass});
+      return testing::run_weight_casts("fused", "cuda", "gpt2-124m.json", flags, 2, 64, 50257, c.micro_batches,
+                                       c.clip);
+    };
+    const testing::WeightCastRun at_step = run("step"), in_backward = run("backward");
+    testing::check_same_run(at_step, in_backward);
+    if (c.clip < 0.01)
+      for (double norm : in_backward.grad_norms) CHECK(norm > c.clip);  // clipped
+  }
+}
+
 TEST_CASE("current_scale_and_record: the scale from the tensor's amax, recorded for the window", "[gpu][scaling]") {
   FP8LM_REQUIRE_GPU();
   struct Case {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
 
 #include "apps/cli.h"
 #include "apps/engine.h"
@@ -151,6 +152,66 @@ TEST_CASE("the model calls the ops in the order it states, for every precision",
   }
 }
 
+TEST_CASE("the training step: AdamW's first pass runs layer by layer in the last micro-batch's backward, over "
+          "every tensor once",
+          "[model][cpu]") {
+  const RunSetup setup = resolve_run_setup(
+      parse_train_command_line({"--config", testing::source_path("configs/tiny.json"), "--mock-data", "--device", "cpu",
+                                "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                "--fp8-hybrid"})
+          .options);
+  std::vector<std::string> log;
+  TrainingEngine engine(setup, ParallelLayout{}, testing::make_recording_ops(make_cpu_ops(), log));
+  const auto x = tokens(32, 3), y = tokens(32, 4);
+  const auto is_first_pass = [](const std::string& op) { return op.rfind("adamw", 0) == 0; };
+  engine.begin_step();
+  log.clear();
+  engine.forward_backward(x.data(), y.data());
+  CHECK(std::none_of(log.begin(), log.end(), is_first_pass));  // not the last micro-batch
+  log.clear();
+  engine.forward_backward(x.data(), y.data());
+  const std::string part = "adamw_moment_amaxes + norm, tensors ";
+  std::vector<std::pair<size_t, size_t>> ranges;
+  size_t begins = 0, parts_seen = 0, ops_between_parts = 0, previous_part = 0;
+  for (size_t i = 0; i < log.size(); ++i) {
+    if (log[i] == "adamw first pass begin") {
+      CHECK(ranges.empty());  // before every part
+      ++begins;
+    } else if (log[i].rfind(part, 0) == 0) {
+      const std::string range = log[i].substr(part.size());
+      const size_t dots = range.find("..");
+      ranges.emplace_back(std::stoul(range.substr(0, dots)), std::stoul(range.substr(dots + 2)));
+      if (parts_seen++ > 0 && i > previous_part + 1) ++ops_between_parts;
+      previous_part = i;
+    }
+  }
+  CHECK(begins == 1);
+  CHECK(is_first_pass(log.back()));  // the embedding's, after its backward
+  // Each block's part runs after that block's backward, before the next block's.
+  CHECK(ops_between_parts >= size_t(setup.model.n_layer));
+  std::sort(ranges.begin(), ranges.end());
+  size_t next = 0;
+  for (const auto& [first, end] : ranges) {
+    CHECK(first == next);
+    CHECK(end > first);
+    next = end;
+  }
+  CHECK(next == engine.layout().tensors().size());
+  // The step's end takes the norm the parts left.
+  log.clear();
+  AdamWHyperparams hp;
+  hp.lr = 1e-3f;
+  engine.end_step(hp, 1.0, 0);
+  REQUIRE(!log.empty());
+  CHECK(log.front() == "adamw first pass finish");
+  // The step's betas must be the ones the parts ran with.
+  engine.begin_step();
+  engine.forward_backward(x.data(), y.data());
+  engine.forward_backward(x.data(), y.data());
+  hp.beta2 = 0.999f;
+  CHECK_THROWS_WITH(engine.end_step(hp, 1.0, 1), Catch::Matchers::ContainsSubstring("--adam-beta2"));
+}
+
 TEST_CASE("the training step: AdamW's first pass with the norm, decision, scale update, AdamW writing the FP8 "
           "weights, in that order",
           "[model][cpu]") {
@@ -175,7 +236,7 @@ TEST_CASE("the training step: AdamW's first pass with the norm, decision, scale 
     // casts the FP8 weights (and W^T) with them.
     // AdamW's first pass reads the gradients for their norm too, before the decision; after
     // it, the amaxes again only if the step clips.
-    std::vector<std::string> expected = {"adamw_moment_amaxes + norm", "finalize_step",
+    std::vector<std::string> expected = {"adamw first pass finish", "finalize_step",
                                          step == 1 ? "update_scales" : "discard_current_amaxes",
                                          "adamw_moment_amaxes if clipped",
                                          step == 1 ? "adamw_apply + " + std::to_string(4 * layers) + " FP8 weights"
@@ -249,7 +310,7 @@ void check_step_weight_casts(const std::vector<std::string>& precision_flags,
   log.clear();
   engine.end_step(hp, 1.0, 0);
   const auto fp8_blocks = std::count(block_dtypes.begin(), block_dtypes.end(), std::string("e4m3"));
-  std::vector<std::string> expected = {"adamw_moment_amaxes + norm", "finalize_step", "update_scales",
+  std::vector<std::string> expected = {"adamw first pass finish", "finalize_step", "update_scales",
                                        "adamw_moment_amaxes if clipped",
                                        "adamw_apply + " + std::to_string(4 * fp8_blocks) + " FP8 weights",
                                        "quantize -> bf16"};  // ... and the LM head's BF16 copy

@@ -297,6 +297,39 @@ TEST_CASE("AdamW writing the FP8 weights in its update pass gives the separate c
   CHECK_FALSE(optimizer_writes_fp8_weights(fused.options, /*sharded_state=*/true));
 }
 
+TEST_CASE("AdamW's first pass layer by layer beside the backward gives the step-end pass's run bit for bit",
+          "[training][cpu][fp8]") {
+  struct Case {
+    const char* name;
+    int micro_batches;
+    double clip;
+  };
+  // One micro-batch, two (the parts run in the last one's backward only), and a clip that
+  // every step takes (the amaxes redone after the decision).
+  for (const Case& c : {Case{"one micro-batch", 1, 1.0}, Case{"two micro-batches", 2, 1.0},
+                        Case{"every step clipped", 1, 1e-3}}) {
+    INFO(c.name);
+    const auto run = [&](const char* first_pass) {
+      return testing::run_weight_casts("fused", "cpu", "tiny.json", {"--optimizer-first-pass", first_pass}, 2, 16,
+                                       256, c.micro_batches, c.clip);
+    };
+    const testing::WeightCastRun at_step = run("step"), in_backward = run("backward");
+    testing::check_same_run(at_step, in_backward);
+    if (c.clip < 0.01)
+      for (double norm : in_backward.grad_norms) CHECK(norm > c.clip);  // clipped
+  }
+  // Where it applies: fp8-fp16 state on one rank.
+  const RunSetup one_rank = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data"});
+  CHECK(optimizer_first_pass_in_backward(one_rank.options, 1));
+  CHECK_FALSE(optimizer_first_pass_in_backward(one_rank.options, 2));
+  const RunSetup fp32_state = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data",
+                                          "--optimizer-state-precision", "fp32"});
+  CHECK_FALSE(optimizer_first_pass_in_backward(fp32_state.options, 1));
+  const RunSetup at_step = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data",
+                                       "--optimizer-first-pass", "step"});
+  CHECK_FALSE(optimizer_first_pass_in_backward(at_step.options, 1));
+}
+
 TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[training][cpu]") {
   const RunSetup setup = setup_from({"--config", testing::source_path("configs/tiny.json"), "--mock-data",
                                      "--seq-length", "16", "--micro-batch-size", "2", "--fp8-hybrid"});

@@ -1,5 +1,6 @@
-// Training runs that differ only in --optimizer-weight-casts (fused or separate), for the CPU
-// and GPU tests that they agree bit for bit.
+// Training runs that differ only in --optimizer-weight-casts (fused or separate), or in
+// --optimizer-first-pass (backward or step), for the CPU and GPU tests that they agree bit
+// for bit.
 #pragma once
 
 #include <cstdint>
@@ -24,15 +25,18 @@ inline constexpr int kWeightCastSteps = 6;
 
 struct WeightCastRun {
   std::vector<double> losses;
+  std::vector<double> grad_norms;
   std::vector<float> parameters;
   ScalingSnapshot scaling;
 };
 
 inline WeightCastRun run_weight_casts(const std::string& mode, const std::string& device, const std::string& config,
-                               std::vector<std::string> flags, int B, int T, int vocab) {
+                               std::vector<std::string> flags, int B, int T, int vocab, int micro_batches = 1,
+                               double clip = 1.0) {
   std::vector<std::string> args = {"--config", testing::source_path("configs/" + config), "--mock-data", "--device",
                                    device, "--seq-length", std::to_string(T), "--micro-batch-size", std::to_string(B),
-                                   "--fp8-hybrid", "--fp8-stats-interval", "3", "--optimizer-weight-casts", mode};
+                                   "--fp8-hybrid", "--fp8-stats-interval", "3", "--optimizer-weight-casts", mode,
+                                   "--global-batch-size", std::to_string(B * micro_batches)};
   args.insert(args.end(), flags.begin(), flags.end());
   auto engine = make_engine(resolve_run_setup(parse_train_command_line(args).options));
   AdamWHyperparams hp;
@@ -40,13 +44,16 @@ inline WeightCastRun run_weight_casts(const std::string& mode, const std::string
   hp.weight_decay = 0.1f;
   WeightCastRun run;
   for (int step = 0; step < kWeightCastSteps; ++step) {
-    std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
-    Random random(uint64_t(60 + step));
-    for (int32_t& t : inputs) t = int32_t(random.next_u64() % uint64_t(vocab));
-    for (int32_t& t : targets) t = int32_t(random.next_u64() % uint64_t(vocab));
     engine->begin_step();
-    engine->forward_backward(inputs.data(), targets.data());
-    engine->end_step(hp, 1.0, step);
+    for (int micro_batch = 0; micro_batch < micro_batches; ++micro_batch) {
+      std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
+      Random random(uint64_t(60 + step + 1000 * micro_batch));
+      for (int32_t& t : inputs) t = int32_t(random.next_u64() % uint64_t(vocab));
+      for (int32_t& t : targets) t = int32_t(random.next_u64() % uint64_t(vocab));
+      engine->forward_backward(inputs.data(), targets.data());
+    }
+    engine->end_step(hp, clip, step);
+    run.grad_norms.push_back(engine->step_metrics().grad_norm);
     run.losses.push_back(engine->step_metrics().loss);
     if (engine->collects_fp8_statistics(step)) CHECK_FALSE(engine->fp8_statistics().empty());
   }
@@ -60,6 +67,7 @@ inline void check_same_run(const WeightCastRun& separate, const WeightCastRun& f
   for (size_t i = 0; i < separate.losses.size(); ++i) {
     INFO("step " << i << ": " << separate.losses[i] << " separate, " << fused.losses[i] << " fused");
     CHECK(separate.losses[i] == fused.losses[i]);
+    CHECK(separate.grad_norms[i] == fused.grad_norms[i]);
   }
   CHECK(separate.parameters == fused.parameters);
   CHECK(separate.scaling.history == fused.scaling.history);
