@@ -354,8 +354,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   std::string first_pass = "backward";
   app.add_option("--optimizer-first-pass", first_pass,
                  "backward: AdamW's first pass (the moments' amaxes and the gradient norm) runs layer by layer "
-                 "beside the last micro-batch's backward (fp8-fp16 state on one rank; default); step: at the "
-                 "step's end")
+                 "beside the last micro-batch's backward, each part beside the next attention backward "
+                 "(fp8-fp16 state on one rank; default); step: at the step's end")
       ->check(CLI::IsMember({"backward", "step"}))
       ->group(precision);
 

@@ -15,6 +15,7 @@
 #include "apps/engine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -184,15 +185,18 @@ struct TrainingEngine::State {
   // is the norm's: every tensor whole and counted on this rank); the amaxes are redone after
   // the decision only when it clips.
   bool norm_in_first_pass = false;
-  // ... and, on one rank (--optimizer-first-pass backward), that pass runs layer by layer on
-  // the side lane while the last micro-batch's backward goes on: its ranges of tensors
-  // [layer + 1], the betas it takes (the run's; end_step checks that the step's are the
-  // same), and how many layers of this step have run theirs.
+  // ... and, on one rank (--optimizer-first-pass backward), that pass runs layer by layer
+  // while the last micro-batch's backward goes on: a layer's part waits for the next block's
+  // attention backward, bound by its kernels' latency, and runs beside it on the background
+  // lane (its blocks take what the attention's leave free). Its ranges of tensors [layer + 1],
+  // the betas it takes (the run's; end_step checks that the step's are the same), the layers
+  // whose gradients are final but whose parts are not queued yet, and how many are.
   bool first_pass_in_backward = false;
   std::vector<std::vector<Ops::TensorRange>> first_pass_ranges;
   AdamWHyperparams first_pass_hyperparams;
-  size_t first_pass_layers_done = 0;
-  void first_pass_of_layer(int layer);
+  std::vector<int> first_pass_waiting;
+  size_t first_pass_layers_queued = 0;
+  void queue_first_pass();
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
 
@@ -405,9 +409,13 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
       .after_backward =
           [&s](int layer) {
             if (!s.last_micro_batch) return;
-            if (s.first_pass_in_backward) s.first_pass_of_layer(layer);
+            if (s.first_pass_in_backward) s.first_pass_waiting.push_back(layer);
             if (!s.overlap_grad_reduce) return;
             for (size_t b : s.buckets_of(layer)) s.reduce_bucket(b, /*overlapped=*/true);
+          },
+      .before_attention_backward =
+          [&s](int) {
+            if (s.last_micro_batch && s.first_pass_in_backward) s.queue_first_pass();
           },
   });
 
@@ -601,7 +609,8 @@ void TrainingEngine::begin_step(int64_t step) {
   s.model->zero_gradients();
   s.ops->zero(&s.device_scalars()->loss_sum, sizeof(float));
   s.micro_batches = 0;
-  s.first_pass_layers_done = 0;  // a backward without an end_step (none in training) left nothing
+  s.first_pass_layers_queued = 0;
+  s.first_pass_waiting.clear();  // a backward without an end_step (none in training) left nothing
 }
 
 void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets) {
@@ -779,17 +788,21 @@ AdamWCall TrainingEngine::State::adamw_call(const TensorTable& table, const Tens
   return update;
 }
 
-// The layer's gradients are final (one rank, the last micro-batch): AdamW's first pass over
-// its tensors on the side lane, after what the main lane has queued so far.
-void TrainingEngine::State::first_pass_of_layer(int layer) {
+// AdamW's first pass over the tensors of the layers whose gradients are final (one rank, the
+// last micro-batch), on the background lane, after what the main lane has queued so far.
+void TrainingEngine::State::queue_first_pass() {
+  if (first_pass_waiting.empty()) return;
   const AdamWCall call =
       adamw_call(*shard_table, nullptr, 0, static_cast<float*>(adamw_scratch->data()), first_pass_hyperparams);
-  if (first_pass_layers_done == 0) ops->adamw_first_pass_begin(call);
+  if (first_pass_layers_queued == 0) ops->adamw_first_pass_begin(call);
   ops->record(*main_mark, Ops::Lane::main);
-  ops->wait(*main_mark, Ops::Lane::side);
-  for (const Ops::TensorRange& range : first_pass_ranges[size_t(layer + 1)])
-    ops->adamw_first_pass_part(call, range, Ops::Lane::side);
-  ++first_pass_layers_done;
+  ops->wait(*main_mark, Ops::Lane::background);
+  for (int layer : first_pass_waiting) {
+    for (const Ops::TensorRange& range : first_pass_ranges[size_t(layer + 1)])
+      ops->adamw_first_pass_part(call, range, Ops::Lane::background);
+    ++first_pass_layers_queued;
+  }
+  first_pass_waiting.clear();
 }
 
 // The layer's gathered weights in use: wait for their buckets, cast the weight operands.
@@ -826,15 +839,16 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
       updates.push_back(s.adamw_call(*group.shard, group.slab.get(), group.first_tensor,
                                      static_cast<float*>(group.scratch->data()), hyperparams));
   }
-  if (s.first_pass_layers_done > 0) {
-    FP8LM_CHECK(s.first_pass_layers_done == s.first_pass_ranges.size(), "AdamW's first pass ran for ",
-                s.first_pass_layers_done, " of ", s.first_pass_ranges.size(), " layers");
+  s.queue_first_pass();  // block 0's and the embedding's: no attention backward came after them
+  if (s.first_pass_layers_queued > 0) {
+    FP8LM_CHECK(s.first_pass_layers_queued == s.first_pass_ranges.size(), "AdamW's first pass ran for ",
+                s.first_pass_layers_queued, " of ", s.first_pass_ranges.size(), " layers");
     FP8LM_CHECK(hyperparams.beta1 == s.first_pass_hyperparams.beta1 && hyperparams.beta2 == s.first_pass_hyperparams.beta2,
                 "end_step: AdamW betas ", hyperparams.beta1, ", ", hyperparams.beta2,
                 " differ from the run's --adam-beta1/--adam-beta2 (", s.first_pass_hyperparams.beta1, ", ",
                 s.first_pass_hyperparams.beta2, "), with which the first pass ran in the backward");
-    s.first_pass_layers_done = 0;
-    ops.record(*s.side_mark, Ops::Lane::side);
+    s.first_pass_layers_queued = 0;
+    ops.record(*s.side_mark, Ops::Lane::background);
     ops.wait(*s.side_mark, Ops::Lane::main);
     ops.adamw_first_pass_finish(updates.front(), &scalars->sum_of_squares);
   } else if (s.norm_in_first_pass) {

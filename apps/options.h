@@ -159,9 +159,10 @@ struct TrainOptions {
   // not sharded, fp8-fp16 moments), or they are cast from the master after it (separate)
   bool fused_weight_casts = true;
   // --optimizer-first-pass: where AdamW's first pass (the moments' amaxes and the gradient
-  // norm, one read of the gradients and moments) runs: per layer on the side lane during the
-  // last micro-batch's backward (backward, the default where it applies: fp8-fp16 state, one
-  // rank), or at the step's end (step)
+  // norm, one read of the gradients and moments) runs: layer by layer beside the last
+  // micro-batch's backward, each layer's part beside the next block's attention backward on
+  // the low-priority background lane (backward, the default where it applies: fp8-fp16 state,
+  // one rank), or at the step's end (step)
   bool first_pass_in_backward = true;
   // fp8lm sample --cuda-graph: decoding steps after the first replay one recorded step (a CUDA
   // graph on the GPU) instead of launching op by op. Off under --profile-ops, which times each op.

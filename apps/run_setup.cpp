@@ -316,7 +316,7 @@ SettingsTable settings_table(const RunSetup& s) {
            : "separate"},
       {"optimizer-first-pass",
        optimizer_first_pass_in_backward(o, s.data_parallel_size * o.tensor_model_parallel_size)
-           ? "backward (AdamW's amaxes and the norm layer by layer beside the backward)"
+           ? "backward (AdamW's amaxes and the norm layer by layer beside the attention backward)"
        : o.first_pass_in_backward ? "step (backward needs fp8-fp16 state on one rank)"
                                   : "step"},
       {"micro-batch-size", str(o.micro_batch_size)},

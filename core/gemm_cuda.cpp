@@ -333,10 +333,16 @@ int GemmEngine::choose_by_timing(const Key& key, Plan& plan, const GemmArgs& arg
     return cublasLtMatmul(handle_, plan.desc, &alpha, args.B, plan.a, args.A, plan.b, &beta, c_pointer(key, args),
                           c_layout(key, plan), args.D, plan.d, &algo, workspace_, kWorkspaceBytes, stream);
   };
+  // The outputs a candidate must reproduce: D, and under the GELU epilogue its input (BF16,
+  // the same M x N), where an E4M3 D could hide a difference in the sum.
   const size_t d_bytes = size_t(key.M) * key.N * gemm_type_bytes(key.d_type);
+  const size_t gelu_input_bytes = key.gelu ? size_t(key.M) * key.N * gemm_type_bytes(GemmType::bf16) : 0;
   auto output = [&] {
-    std::vector<unsigned char> bytes(d_bytes);
+    std::vector<unsigned char> bytes(d_bytes + gelu_input_bytes);
     CUDA_CHECK(cudaMemcpyAsync(bytes.data(), args.D, d_bytes, cudaMemcpyDeviceToHost, stream));
+    if (gelu_input_bytes > 0)
+      CUDA_CHECK(cudaMemcpyAsync(bytes.data() + d_bytes, args.gelu_input, gelu_input_bytes, cudaMemcpyDeviceToHost,
+                                 stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     return bytes;
   };

@@ -1112,6 +1112,7 @@ void GptModel::block_backward(int l) {
   // attn.c_proj, attention, c_attn, ln_1.
   row_parallel_backward(w.proj, s.datty, a.atty_operand);
   const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
+  before_attention_backward(l);
   ops_.attention_backward_to_operand({.operand = dy_qkv,
                                       .dbias = w.qkv.grad_bias,
                                       .dqkv = s.dqkv,

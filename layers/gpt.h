@@ -217,6 +217,9 @@ struct ActivationRecompute {
 struct LayerHooks {
   std::function<void(int layer)> before_forward;  // before the forward reads the layer's parameters
   std::function<void(int layer)> after_backward;  // once the backward has the layer's gradients
+  // Before block `layer`'s attention backward: a stretch bound by the kernels' latency, not by
+  // memory, where the step can put memory-bound work of its own beside it.
+  std::function<void(int layer)> before_attention_backward;
 };
 
 // The sizes of a model built for incremental decoding (fp8lm sample): `batch` sequences,
@@ -411,6 +414,9 @@ class GptModel {
   }
   void after_backward(int layer) const {
     if (hooks_.after_backward) hooks_.after_backward(layer);
+  }
+  void before_attention_backward(int layer) const {
+    if (hooks_.before_attention_backward) hooks_.before_attention_backward(layer);
   }
   struct Scratch;
   std::unique_ptr<Scratch> scratch_;

@@ -382,10 +382,12 @@ class Ops {
   virtual float* amax_history_row() = 0;
   virtual const float* scales() = 0;
 
-  // ---- A second lane for overlapped communication ----------------------------------
+  // ---- More lanes, for overlapped communication and work -----------------------------
   // The main lane runs the ops; the side lane's stream carries the data-parallel traffic
-  // that overlaps them (the CPU runs both in program order: every call below is a no-op).
-  enum class Lane : uint8_t { main, side };
+  // that overlaps them; the background lane's work takes only what the other two leave
+  // free (on the GPU a stream of the lowest priority: their blocks are dispatched first).
+  // The CPU runs every lane in program order: every call below is a no-op there.
+  enum class Lane : uint8_t { main, side, background };
   class LaneEvent {
    public:
     virtual ~LaneEvent() = default;

@@ -201,8 +201,11 @@ class CudaOps final : public Ops {
  public:
   CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm)
       : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)) {
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    int lowest = 0, highest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, highest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&background_stream_, cudaStreamNonBlocking, lowest));
     amax_sink_.allocate(1);
     tensor_amax_.allocate(1);
     gemm_amax_.allocate(1);
@@ -214,7 +217,9 @@ class CudaOps final : public Ops {
       if (event) cudaEventDestroy(event);
     if (staging_host_) cudaFreeHost(staging_host_);
     cudaStreamSynchronize(side_stream_);
+    cudaStreamSynchronize(background_stream_);
     gemm_.reset();
+    cudaStreamDestroy(background_stream_);
     cudaStreamDestroy(side_stream_);
     cudaStreamDestroy(stream_);
   }
@@ -298,6 +303,7 @@ class CudaOps final : public Ops {
     synchronize();
   }
   void synchronize() override {
+    CUDA_CHECK(cudaStreamSynchronize(background_stream_));
     CUDA_CHECK(cudaStreamSynchronize(side_stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
@@ -920,7 +926,9 @@ class CudaOps final : public Ops {
     FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,
                 "AdamW's pass 1 takes the norm for fp8-fp16 state over whole tensors only");
   }
-  cudaStream_t stream_of(Lane lane) const { return lane == Lane::side ? side_stream_ : stream_; }
+  cudaStream_t stream_of(Lane lane) const {
+    return lane == Lane::side ? side_stream_ : lane == Lane::background ? background_stream_ : stream_;
+  }
   // AdamW's gradient and working-copy offsets when they differ from the state's (sharded).
   static const uint64_t* slab_offsets(const AdamWCall& call) {
     if (call.slab_table == nullptr) return nullptr;
@@ -1036,6 +1044,7 @@ class CudaOps final : public Ops {
 
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
+  cudaStream_t background_stream_ = nullptr;  // the lowest priority: what the other lanes leave free
   std::unique_ptr<cuda::GemmEngine> gemm_;
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
