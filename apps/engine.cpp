@@ -15,7 +15,6 @@
 #include "apps/engine.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -196,6 +195,7 @@ struct TrainingEngine::State {
   AdamWHyperparams first_pass_hyperparams;
   std::vector<int> first_pass_waiting;
   size_t first_pass_layers_queued = 0;
+  std::unique_ptr<Ops::LaneEvent> first_pass_done;
   void queue_first_pass();
   std::unique_ptr<Ops::LaneEvent> main_mark, side_mark;
   std::vector<std::unique_ptr<Ops::LaneEvent>> gathered;  // [bucket]
@@ -403,6 +403,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.refresh_pending.assign(s.buckets_of_layer.size(), false);
   s.main_mark = device.make_event();
   s.side_mark = device.make_event();
+  s.first_pass_done = device.make_event();
   for (size_t b = 0; b < model.buckets().size(); ++b) s.gathered.push_back(device.make_event());
   model.set_layer_hooks(LayerHooks{
       .before_forward = [&s](int layer) { s.cast_weights_of(layer); },
@@ -490,15 +491,20 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
     for (size_t i = 0; i < s.buckets_of_layer.size(); ++i)
       for (size_t b : s.buckets_of_layer[i]) {
         const ParameterBucket& bucket = model.buckets()[b];
+        const auto in_bucket = [&](size_t k) {
+          return tensors[k].offset >= bucket.begin && tensors[k].offset < bucket.end;
+        };
         Ops::TensorRange range{.first = tensors.size(), .end = 0};
+        size_t held = 0;
         for (size_t k = 0; k < tensors.size(); ++k)
-          if (tensors[k].offset >= bucket.begin && tensors[k].offset < bucket.end) {
+          if (in_bucket(k)) {
             range.first = std::min(range.first, k);
             range.end = k + 1;
+            ++held;
           }
-        if (range.end == 0) continue;
-        FP8LM_CHECK(range.end - range.first <= tensors.size(), "bucket ", bucket.name, "'s tensors");
-        covered += range.end - range.first;
+        if (held == 0) continue;
+        FP8LM_CHECK(held == range.end - range.first, "bucket ", bucket.name, ": its tensors are not consecutive");
+        covered += held;
         s.first_pass_ranges[i].push_back(range);
       }
     FP8LM_CHECK(covered == tensors.size(), "the buckets hold ", covered, " of the ", tensors.size(),
@@ -848,8 +854,8 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
                 " differ from the run's --adam-beta1/--adam-beta2 (", s.first_pass_hyperparams.beta1, ", ",
                 s.first_pass_hyperparams.beta2, "), with which the first pass ran in the backward");
     s.first_pass_layers_queued = 0;
-    ops.record(*s.side_mark, Ops::Lane::background);
-    ops.wait(*s.side_mark, Ops::Lane::main);
+    ops.record(*s.first_pass_done, Ops::Lane::background);
+    ops.wait(*s.first_pass_done, Ops::Lane::main);
     ops.adamw_first_pass_finish(updates.front(), &scalars->sum_of_squares);
   } else if (s.norm_in_first_pass) {
     ops.adamw_moment_amaxes_and_norm(updates.front(), &scalars->sum_of_squares);

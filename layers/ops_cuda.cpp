@@ -201,6 +201,8 @@ class CudaOps final : public Ops {
  public:
   CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm)
       : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)) {
+    // The background lane below the other two (the default priority is already the lowest):
+    // its blocks take only what the main and side lanes' kernels leave free.
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
     CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest));
