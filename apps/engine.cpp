@@ -127,7 +127,9 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
 std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
-  return make_cuda_ops(device, SmallMGemm::on, setup.options.gemm_algorithm);
+  const int world = setup.data_parallel_size * setup.options.tensor_model_parallel_size;
+  return make_cuda_ops(device, SmallMGemm::on, setup.options.gemm_algorithm,
+                       /*background_yields=*/optimizer_first_pass_in_backward(setup.options, world));
 }
 
 }  // namespace

@@ -385,7 +385,8 @@ class Ops {
   // ---- More lanes, for overlapped communication and work -----------------------------
   // The main lane runs the ops; the side lane's stream carries the data-parallel traffic
   // that overlaps them; the background lane's work takes only what the other two leave
-  // free (on the GPU a stream of the lowest priority: their blocks are dispatched first).
+  // free (on the GPU a stream of the lowest priority, below theirs where the backend was made
+  // so, make_cuda_ops' background_yields: their blocks are dispatched first).
   // The CPU runs every lane in program order: every call below is a no-op there.
   enum class Lane : uint8_t { main, side, background };
   class LaneEvent {

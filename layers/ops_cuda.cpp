@@ -199,14 +199,13 @@ cuda::GemmType gemm_type_of(DType dtype) {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm)
+  CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm, bool background_yields)
       : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)) {
-    // The background lane below the other two (the default priority is already the lowest):
-    // its blocks take only what the main and side lanes' kernels leave free.
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, highest));
+    const int lanes = background_yields ? highest : lowest;  // see make_cuda_ops
+    CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, lanes));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, lanes));
     CUDA_CHECK(cudaStreamCreateWithPriority(&background_stream_, cudaStreamNonBlocking, lowest));
     amax_sink_.allocate(1);
     tensor_amax_.allocate(1);
@@ -1075,9 +1074,10 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm) {
+std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm,
+                                   bool background_yields) {
   CUDA_CHECK(cudaSetDevice(device));
-  return std::make_unique<CudaOps>(small_m, gemm_algorithm);
+  return std::make_unique<CudaOps>(small_m, gemm_algorithm, background_yields);
 }
 
 }  // namespace fp8lm
