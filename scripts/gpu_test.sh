@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "$mode" != "--bench-only" ]; then
   step "GPU tests"
-  timeout 300 build-gpu/tests/fp8lm_tests "[gpu]~[.bench]" --durations yes > "$logs/gpu_tests.log" 2>&1 || status=1
+  timeout 420 build-gpu/tests/fp8lm_tests "[gpu]~[.bench]" --durations yes > "$logs/gpu_tests.log" 2>&1 || status=1
   grep -E "FAILED|with expansion|test cases|assertions|passed| s: " "$logs/gpu_tests.log" | tail -60
 
   step "training: gpt2-124m, FP8 hybrid, mock data, 60 steps"
