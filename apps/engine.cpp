@@ -353,6 +353,16 @@ struct TrainingEngine::State {
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
 
+AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr) {
+  AdamWHyperparams hp;
+  hp.lr = static_cast<float>(lr);
+  hp.beta1 = static_cast<float>(o.adam_beta1);
+  hp.beta2 = static_cast<float>(o.adam_beta2);
+  hp.eps = static_cast<float>(o.adam_eps);
+  hp.weight_decay = static_cast<float>(o.weight_decay);
+  return hp;
+}
+
 TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, ParameterStart start)
     : TrainingEngine(setup, layout, make_ops(setup, layout.local_rank), start) {}
 
@@ -511,10 +521,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
       }
     FP8LM_CHECK(covered == tensors.size(), "the buckets hold ", covered, " of the ", tensors.size(),
                 " tensors AdamW's first pass reads");
-    s.first_pass_hyperparams.beta1 = static_cast<float>(o.adam_beta1);
-    s.first_pass_hyperparams.beta2 = static_cast<float>(o.adam_beta2);
-    s.first_pass_hyperparams.eps = static_cast<float>(o.adam_eps);
-    s.first_pass_hyperparams.weight_decay = static_cast<float>(o.weight_decay);
+    s.first_pass_hyperparams = adamw_hyperparams(o, /*lr=*/0.0);  // the moments take only the betas
   }
   if (optimizer_writes_fp8_weights(o, s.sharded)) {
     const std::vector<WeightOperand> operands = model.fp8_weight_operands();

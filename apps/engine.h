@@ -18,6 +18,7 @@
 
 #include "apps/fp8_statistics.h"
 #include "apps/memory_estimate.h"
+#include "apps/options.h"
 #include "core/fp8.h"
 #include "core/logging.h"
 #include "core/tensor.h"
@@ -64,6 +65,10 @@ struct StepMetrics {
   double grad_norm = 0.0;  // global gradient norm before clipping
   bool skipped = false;    // non-finite loss or gradient: no update was made
 };
+
+// The run's AdamW hyperparameters (--adam-beta1, --adam-beta2, --adam-eps, --weight-decay) at
+// learning rate `lr`.
+AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr);
 
 // How a new engine's parameters begin: drawn from --seed, or left for the caller, who sets
 // every parameter (set_parameters, as a restore does) before any step: an

@@ -71,16 +71,6 @@ DataLoaders open_data(const RunSetup& setup) {
   return loaders;
 }
 
-AdamWHyperparams hyperparams_at(const TrainOptions& o, double lr) {
-  AdamWHyperparams hp;
-  hp.lr = static_cast<float>(lr);
-  hp.beta1 = static_cast<float>(o.adam_beta1);
-  hp.beta2 = static_cast<float>(o.adam_beta2);
-  hp.eps = static_cast<float>(o.adam_eps);
-  hp.weight_decay = static_cast<float>(o.weight_decay);
-  return hp;
-}
-
 // The validation loss: `eval_iters` batches from the start of the validation data, each
 // batch's mean token loss, averaged. Training's periodic evaluation and `fp8lm eval` both call
 // it, so a checkpoint's evaluation reproduces the loss its run logged.
@@ -411,7 +401,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       data.train->next_batch(inputs.data(), targets.data());
       engine->forward_backward(inputs.data(), targets.data());
     }
-    engine->end_step(hyperparams_at(o, lr), o.clip_grad, step);
+    engine->end_step(adamw_hyperparams(o, lr), o.clip_grad, step);
     if (o.benchmark) {
       const int64_t steps_done = step - start_step + 1;
       if (OpProfiler* profiler = engine->op_profiler()) {
