@@ -4,24 +4,30 @@
 // once, by attention.cu. Helpers and layouts: attention_wgmma.cuh.
 //
 // dK/dV: grid (ceil(T/64), NH, B); a block owns 64 keys (warp w: keys 16w..16w+15, as
-// before), K and V as A fragments in registers, and walks the query tiles from its diagonal
-// to T. Per tile, with Q and dO in swizzled shared tiles (double-buffered):
+// before), K and V in swizzled shared tiles, and walks the query tiles from its diagonal to
+// T. Per tile, with Q and dO in swizzled shared tiles (double-buffered):
 //   S^T = K Q^T and dP^T = V dO^T   issued together (two groups)
 //   P^T = exp2(S^T*sl2 - lse2)       while dP^T runs
 //   dV += P^T dO                     issued, then dS^T = P^T (dP^T - D) while it runs
 //   dK += dS^T Q
-// dQ: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO as A fragments, and walks
-// the key tiles 0..diagonal, K and V in swizzled shared tiles:
+// dQ: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO in swizzled shared tiles,
+// and walks the key tiles 0..diagonal, K and V in swizzled shared tiles:
 //   S = Q K^T and dP = dO V^T together, P while dP runs, dS = P (dP - D), dQ += dS K.
+// Only the diagonal tile and one reaching past T are masked; the loops peel them off.
 // No atomics: every output element is written once, by one thread; bit-reproducible. (With
 // the FP8 operand, only its amax is an atomicMax, which no order changes.)
-// smem (each kernel): four swizzled [64][64] tiles (32 KiB, 1024-aligned), the A source
-// tiles [64][72] (18 KiB) and, for dK/dV, lse and D of two query tiles.
+// smem (each kernel): six swizzled [64][64] tiles (48 KiB, 1024-aligned) and, for dK/dV, lse
+// and D of two query tiles.
+// Instructions are the cost here: with two blocks a multiprocessor (dK/dV) each warp waits on
+// its own chain, so the loops keep the masks, the address arithmetic and the A fragments'
+// loads out of the common tile (device call 119: 73.8 -> 40.7 M instructions, 0.360 -> 0.302
+// ms at gpt2-1558m's shape).
 
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,18 +42,18 @@ namespace {
 
 struct BackwardWgmmaConfig {
   static constexpr int HS = 64;
-  static constexpr int LD = kPaddedLd;  // the padded A-source tiles, read with ldmatrix
   static constexpr int BLOCK = 64;   // keys (dK/dV) or queries (dQ) per block; 16 per warp
   static constexpr int TILE = 64;    // queries (dK/dV) or keys (dQ) per walked tile
   static constexpr int kTileBytes = TILE * kSwizzledRowBytes;
-  static constexpr size_t smem_bytes = kSwizzleAtomBytes /* alignment slack */ + 4 * kTileBytes +
-                                       static_cast<size_t>(2 * BLOCK) * LD * sizeof(bf16) +
-                                       4 * TILE * sizeof(float);
+  static constexpr size_t smem_bytes =
+      kSwizzleAtomBytes /* alignment slack */ + 6 * kTileBytes + 4 * TILE * sizeof(float);
 };
 
 // dqkv [B,T,3C]: writes the k and v thirds; with kOperand, their FP8 operand to `operand`
 // instead (attention_dqkv_operand.cuh; T a multiple of 64). dout [B,T,C], qkv [B,T,3C],
 // lse [B,NH,T], D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
+// Two blocks a multiprocessor (170 registers); held to three (166) ptxas spills and
+// serializes the wgmmas (C7512), also with dS^T packed only after dV's product.
 template <bool kOperand>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
@@ -55,15 +61,15 @@ __global__ void __launch_bounds__(kThreads)
                                          const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
                                          int NH, float sl2, float scale) {
   using Cfg = BackwardWgmmaConfig;
-  constexpr int HS = Cfg::HS, LD = Cfg::LD, BK = Cfg::BLOCK, BQ = Cfg::TILE;
+  constexpr int HS = Cfg::HS, BK = Cfg::BLOCK, BQ = Cfg::TILE;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
   const uint32_t q_tiles = smem_u32(smem);                // [2] swizzled [BQ][64]
   const uint32_t do_tiles = q_tiles + 2 * Cfg::kTileBytes;  // [2] swizzled [BQ][64]
-  bf16* sK = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BK][LD]
-  bf16* sV = sK + BK * LD;                                          // [BK][LD]
-  float* sL = reinterpret_cast<float*>(sV + BK * LD);               // [2][BQ] lse * log2(e)
+  const uint32_t k_tile = q_tiles + 4 * Cfg::kTileBytes;    // swizzled [BK][64], the A of S^T
+  const uint32_t v_tile = q_tiles + 5 * Cfg::kTileBytes;    // swizzled [BK][64], the A of dP^T
+  float* sL = reinterpret_cast<float*>(smem + 6 * Cfg::kTileBytes);  // [2][BQ] lse * log2(e)
   float* sD = sL + 2 * BQ;                                          // [2][BQ]
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
@@ -88,18 +94,22 @@ __global__ void __launch_bounds__(kThreads)
   const int qt_begin = k0 / BQ;
   const int n_qt = (T + BQ - 1) / BQ;
 
+  // The query tiles are walked in order from the diagonal's.
+  SwizzledTileWalk<BQ> q_walk(q_base, stride, qt_begin * BQ);
+  SwizzledTileWalk<BQ> do_walk(do_base, static_cast<size_t>(C), qt_begin * BQ);
   auto load_query_tile = [&](int qt, int buf) {
-    load_swizzled_tile_async<BQ>(q_tiles + buf * Cfg::kTileBytes, q_base, stride, qt * BQ, T);
-    load_swizzled_tile_async<BQ>(do_tiles + buf * Cfg::kTileBytes, do_base, static_cast<size_t>(C), qt * BQ, T);
-    for (int i = threadIdx.x; i < BQ; i += kThreads) {
-      const int t = qt * BQ + i;
-      sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
-      sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
+    q_walk.load_next(q_tiles + buf * Cfg::kTileBytes, T);
+    do_walk.load_next(do_tiles + buf * Cfg::kTileBytes, T);
+    static_assert(BQ <= kThreads, "one statistic a thread");
+    if (threadIdx.x < BQ) {
+      const int t = qt * BQ + static_cast<int>(threadIdx.x);
+      sL[buf * BQ + threadIdx.x] = t < T ? lse_bh[t] * kLog2e : 0.0f;
+      sD[buf * BQ + threadIdx.x] = t < T ? D_bh[t] : 0.0f;
     }
   };
 
-  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
-  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
+  SwizzledTileWalk<BK>(k_base, stride, k0).load_next(k_tile, T);
+  SwizzledTileWalk<BK>(v_base, stride, k0).load_next(v_tile, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
@@ -107,7 +117,11 @@ __global__ void __launch_bounds__(kThreads)
   zero(dk);
   zero(dv);
 
-  for (int qt = qt_begin; qt < n_qt; ++qt) {
+  // One query tile. kMasked: the causal and length masks, which only the diagonal tile and a
+  // tile reaching past T need; the other tiles run without them (peeled below, so that the
+  // compiler cannot turn the mask into selects executed on every tile).
+  auto query_tile = [&](int qt, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int buf = (qt - qt_begin) & 1;
     if (qt + 1 < n_qt) {
       load_query_tile(qt + 1, buf ^ 1);
@@ -118,11 +132,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     fence_proxy_async();
     __syncthreads();
-    // This warp's 16 keys as A fragments, reloaded for every tile (see
-    // attention_forward_wgmma.cuh: A registers held across tiles are not safe).
-    uint32_t kf[4][4], vf[4][4];
-    load_a_fragments(kf, smem_u32(sK), warp, lane);
-    load_a_fragments(vf, smem_u32(sV), warp, lane);
     const uint32_t q_tile = q_tiles + buf * Cfg::kTileBytes;
     const uint32_t do_tile = do_tiles + buf * Cfg::kTileBytes;
     const float* sLb = sL + buf * BQ;
@@ -130,30 +139,29 @@ __global__ void __launch_bounds__(kThreads)
     const int tq0 = qt * BQ;
 
     float s[8][4], dp[8][4];
-    wgmma_fence(kf, vf);
-    wgmma_tile<0>(s, kf, q_tile, false);  // S^T = K Q^T
+    wgmma_fence();
+    wgmma_tile_ss<0>(s, k_tile, q_tile, false);  // S^T = K Q^T
     wgmma_commit();
-    wgmma_tile<0>(dp, vf, do_tile, false);  // dP^T = V dO^T
+    wgmma_tile_ss<0>(dp, v_tile, do_tile, false);  // dP^T = V dO^T
     wgmma_commit();
     wgmma_wait<1>();
     fence_registers(s);
-    fence_registers(kf);  // read by S^T until here; its registers are free from now on
 
     // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T.
-    const bool need_mask = (tq0 < warp_k0 + 15) || (tq0 + BQ > T);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(sLb + nt * 8 + c2);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int qi = nt * 8 + c2 + (e & 1);
-        float p = fast_exp2(s[nt][e] * sl2 - sLb[qi]);
-        if (need_mask) {
+        float p = fast_exp2(s[nt][e] * sl2 - ((e & 1) ? lse2.y : lse2.x));
+        if constexpr (kMasked) {
           const int key = warp_k0 + g + (e >> 1) * 8;
-          const int t = tq0 + qi;
+          const int t = tq0 + nt * 8 + c2 + (e & 1);
           if (t < key || t >= T) p = 0.0f;
         }
         s[nt][e] = p;
       }
+    }
 
     uint32_t pa[4][4];
     pack_a_fragments(pa, s);
@@ -162,13 +170,14 @@ __global__ void __launch_bounds__(kThreads)
     wgmma_commit();
     wgmma_wait<1>();
     fence_registers(dp);
-    fence_registers(vf);
 
     // dS^T = P^T (dP^T - D[t]); masked entries have P = 0, so dS = 0 there.
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 d2 = *reinterpret_cast<const float2*>(sDb + nt * 8 + c2);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - sDb[nt * 8 + c2 + (e & 1)]);
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - ((e & 1) ? d2.y : d2.x));
+    }
 
     uint32_t dsa[4][4];
     pack_a_fragments(dsa, dp);
@@ -181,7 +190,11 @@ __global__ void __launch_bounds__(kThreads)
     fence_registers(pa);
     fence_registers(dsa);
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
-  }
+  };
+  const int n_whole = T / BQ;  // tiles [0, n_whole) end at or before T
+  query_tile(qt_begin, std::true_type{});
+  for (int qt = qt_begin + 1; qt < n_whole; ++qt) query_tile(qt, std::false_type{});
+  if (n_whole > qt_begin && n_whole < n_qt) query_tile(n_whole, std::true_type{});
 
   // Epilogue.
   if constexpr (kOperand) {
@@ -219,24 +232,22 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dqkv [B,T,3C]: writes the q third (or, with kOperand, its FP8 operand). Arguments as the
-// dK/dV kernel. Three blocks a multiprocessor (168 registers, no spills): 0.357 against
-// 0.359 ms with two at gpt2-1558m's shape. The dK/dV kernel at three blocks spills and has
-// ptxas serialize its wgmmas.
+// dK/dV kernel. Four blocks a multiprocessor (122 registers, no spills).
 template <bool kOperand>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, 4)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
                                        const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                        const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
                                        int NH, float sl2, float scale) {
   using Cfg = BackwardWgmmaConfig;
-  constexpr int HS = Cfg::HS, LD = Cfg::LD, BR = Cfg::BLOCK, BC = Cfg::TILE;
+  constexpr int HS = Cfg::HS, BR = Cfg::BLOCK, BC = Cfg::TILE;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
   const uint32_t k_tiles = smem_u32(smem);                  // [2] swizzled [BC][64]
   const uint32_t v_tiles = k_tiles + 2 * Cfg::kTileBytes;   // [2] swizzled [BC][64]
-  bf16* sQ = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BR][LD]
-  bf16* sdO = sQ + BR * LD;                                         // [BR][LD]
+  const uint32_t q_tile = k_tiles + 4 * Cfg::kTileBytes;    // swizzled [BR][64], the A of S
+  const uint32_t do_tile = k_tiles + 5 * Cfg::kTileBytes;   // swizzled [BR][64], the A of dP
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
   const int h = blockIdx.y;
@@ -258,10 +269,11 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
-  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
-  load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
-  load_swizzled_tile_async<BC>(k_tiles, k_base, stride, 0, T);
-  load_swizzled_tile_async<BC>(v_tiles, v_base, stride, 0, T);
+  SwizzledTileWalk<BR>(q_base, stride, q0).load_next(q_tile, T);
+  SwizzledTileWalk<BR>(do_base, static_cast<size_t>(C), q0).load_next(do_tile, T);
+  SwizzledTileWalk<BC> k_walk(k_base, stride, 0), v_walk(v_base, stride, 0);
+  k_walk.load_next(k_tiles, T);
+  v_walk.load_next(v_tiles, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -276,11 +288,14 @@ __global__ void __launch_bounds__(kThreads, 3)
   float dq[8][4];
   zero(dq);
 
-  for (int kt = 0; kt < n_kt; ++kt) {
+  // One key tile. kMasked: the causal and length masks, which only the last tile (the
+  // diagonal's, and the one reaching T) needs; peeled as in the dK/dV kernel.
+  auto key_tile = [&](int kt, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int buf = kt & 1;
     if (kt + 1 < n_kt) {
-      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, k_base, stride, (kt + 1) * BC, T);
-      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, v_base, stride, (kt + 1) * BC, T);
+      k_walk.load_next(k_tiles + (buf ^ 1) * Cfg::kTileBytes, T);
+      v_walk.load_next(v_tiles + (buf ^ 1) * Cfg::kTileBytes, T);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -288,33 +303,27 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     fence_proxy_async();
     __syncthreads();
-    // This warp's 16 queries as A fragments, reloaded for every tile.
-    uint32_t qf[4][4], dof[4][4];
-    load_a_fragments(qf, smem_u32(sQ), warp, lane);
-    load_a_fragments(dof, smem_u32(sdO), warp, lane);
     const uint32_t k_tile = k_tiles + buf * Cfg::kTileBytes;
     const uint32_t v_tile = v_tiles + buf * Cfg::kTileBytes;
     const int k0 = kt * BC;
 
     float s[8][4], dp[8][4];
-    wgmma_fence(qf, dof);
-    wgmma_tile<0>(s, qf, k_tile, false);  // S = Q K^T
+    wgmma_fence();
+    wgmma_tile_ss<0>(s, q_tile, k_tile, false);  // S = Q K^T
     wgmma_commit();
-    wgmma_tile<0>(dp, dof, v_tile, false);  // dP = dO V^T
+    wgmma_tile_ss<0>(dp, do_tile, v_tile, false);  // dP = dO V^T
     wgmma_commit();
     wgmma_wait<1>();
     fence_registers(s);
-    fence_registers(qf);
 
     // P = exp2(S * sl2 - lse2), zero where s > t or s >= T.
-    const bool need_mask = (k0 + BC - 1 > warp_q0) || (k0 + BC > T);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         float p = fast_exp2(s[nt][e] * sl2 - row_lse2[r]);
-        if (need_mask) {
+        if constexpr (kMasked) {
           const int t = warp_q0 + g + r * 8;
           const int key = k0 + nt * 8 + c2 + (e & 1);
           if (key > t || key >= T) p = 0.0f;
@@ -323,7 +332,6 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
     wgmma_wait<0>();
     fence_registers(dp);
-    fence_registers(dof);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -338,7 +346,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     fence_registers(dq);
     fence_registers(dsa);
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
-  }
+  };
+  for (int kt = 0; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
+  key_tile(n_kt - 1, std::true_type{});
 
   if constexpr (kOperand) {
 #pragma unroll

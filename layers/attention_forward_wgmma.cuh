@@ -10,12 +10,14 @@
 // the mma.sync kernel's MT = 2) measured 19% slower at gpt2-1558m's shape (0.121 against
 // 0.101 ms, one H100): more blocks in flight beat the overlap within one.
 // Epilogue as the mma.sync kernel: O / l -> bf16 (optionally FP8 + amax), lse.
-// smem: K, V [2][64][64] swizzled (32 KiB, 1024-aligned) + Q [64][72].
+// Only the last key tile (the diagonal's, and one reaching past T) is masked; the loop peels
+// it off. smem: Q and K, V [2] as swizzled [64][64] tiles (40 KiB, 1024-aligned).
 
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -31,12 +33,10 @@ namespace {
 
 struct ForwardWgmmaConfig {
   static constexpr int HS = 64;
-  static constexpr int LD = kPaddedLd;
   static constexpr int BR = 64;  // queries per block
   static constexpr int BC = 64;  // keys per tile
   static constexpr int kTileBytes = BC * kSwizzledRowBytes;
-  static constexpr size_t smem_bytes =
-      kSwizzleAtomBytes /* alignment slack */ + 4 * kTileBytes + static_cast<size_t>(BR) * LD * sizeof(bf16);
+  static constexpr size_t smem_bytes = kSwizzleAtomBytes /* alignment slack */ + 5 * kTileBytes;
 };
 
 // Arguments as attention_forward_kernel.
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   unsigned char* smem = swizzle_aligned(smem_raw);
   const uint32_t k_tiles = smem_u32(smem);                         // [2] swizzled [BC][64]
   const uint32_t v_tiles = k_tiles + 2 * Cfg::kTileBytes;          // [2] swizzled [BC][64]
-  bf16* sQ = reinterpret_cast<bf16*>(smem + 4 * Cfg::kTileBytes);  // [BR][LD]
+  const uint32_t q_tile = k_tiles + 4 * Cfg::kTileBytes;           // swizzled [BR][64], the A of S
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // the longest (last) query blocks start first
   const Head head = this_head<HS>(T, C, NH);
@@ -64,9 +64,10 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kt = q_last / BC + 1;        // key tiles 0..n_kt-1 reach the diagonal (all keys < T)
   const int warp_q0 = q0 + warp * 16;      // this warp's first query
 
-  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
-  load_swizzled_tile_async<BC>(k_tiles, head.k(qkv), head.qkv_stride, 0, T);
-  load_swizzled_tile_async<BC>(v_tiles, head.v(qkv), head.qkv_stride, 0, T);
+  SwizzledTileWalk<BR>(head.q(qkv), head.qkv_stride, q0).load_next(q_tile, T);
+  SwizzledTileWalk<BC> k_walk(head.k(qkv), head.qkv_stride, 0), v_walk(head.v(qkv), head.qkv_stride, 0);
+  k_walk.load_next(k_tiles, T);
+  v_walk.load_next(v_tiles, T);
   cp_async_commit();
 
   float o[NT][4];
@@ -75,35 +76,32 @@ __global__ void __launch_bounds__(kThreads)
   m[0] = m[1] = -INFINITY;
   l[0] = l[1] = 0.0f;
 
-  for (int kt = 0; kt < n_kt; ++kt) {
+  // One key tile. kMasked: the causal and length masks, which only the last tile (the
+  // diagonal's, and the one reaching T) needs; the others run without them (peeled below, so
+  // that the compiler cannot turn the mask into selects executed on every tile).
+  auto key_tile = [&](int kt, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int buf = kt & 1;
     // prefetch the next tile into the other buffer (freed by the last sync)
     current_tile_ready<true>(kt + 1 < n_kt, [&] {
-      load_swizzled_tile_async<BC>(k_tiles + (buf ^ 1) * Cfg::kTileBytes, head.k(qkv), head.qkv_stride, (kt + 1) * BC,
-                                   T);
-      load_swizzled_tile_async<BC>(v_tiles + (buf ^ 1) * Cfg::kTileBytes, head.v(qkv), head.qkv_stride, (kt + 1) * BC,
-                                   T);
+      k_walk.load_next(k_tiles + (buf ^ 1) * Cfg::kTileBytes, T);
+      v_walk.load_next(v_tiles + (buf ^ 1) * Cfg::kTileBytes, T);
     });
 
-    // This warp's Q fragments, reloaded for every tile: A registers held across tiles are not
-    // safe (attention_wgmma.cuh).
-    uint32_t qf[4][4];
-    load_a_fragments(qf, smem_u32(sQ), warp, lane);
     const int k0 = kt * BC;
     const uint32_t k_tile = k_tiles + buf * Cfg::kTileBytes;
     const uint32_t v_tile = v_tiles + buf * Cfg::kTileBytes;
 
     float s[SN][4];
-    wgmma_fence(qf);
-    wgmma_tile<0>(s, qf, k_tile, false);  // S = Q K^T
+    wgmma_fence();
+    wgmma_tile_ss<0>(s, q_tile, k_tile, false);  // S = Q K^T
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(s);
-    fence_registers(qf);
 
     // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T. S stays
     // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA.
-    if ((k0 + BC - 1 > warp_q0) || (k0 + BC > T)) {
+    if constexpr (kMasked) {
 #pragma unroll
       for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
@@ -153,7 +151,9 @@ __global__ void __launch_bounds__(kThreads)
     fence_registers(o);
     fence_registers(pa);
     __syncthreads();  // everyone is done with buffer `buf` before it is refilled
-  }
+  };
+  for (int kt = 0; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
+  key_tile(n_kt - 1, std::true_type{});
 
   // Epilogue: normalise, write bf16 (+ FP8 and amax), lse. Direct 4-byte (2-byte FP8) stores.
   const ForwardOutput dst{out, out_fp8, lse, out_scale != nullptr ? *out_scale : 1.0f, e5m2 ? __NV_E5M2 : __NV_E4M3};

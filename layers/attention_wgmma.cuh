@@ -6,21 +6,23 @@
 // shared-memory reads, not by the tensor cores. wgmma reads its B operand from shared memory
 // once per warpgroup (the 4 warps of a block), straight from a 128-byte-swizzled tile.
 //
-// ---- wgmma.m64n64k16, A from registers, B from shared memory ----------------------------
+// ---- wgmma.m64n64k16 ---------------------------------------------------------------------
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], BF16 inputs, FP32 accumulators, one warpgroup.
 // Warp w of the group owns rows 16w..16w+15, and within them the layouts are mma.sync's
-// (attention_tiles.cuh): the A registers a0..a3 are an m16n8k16 A fragment, and the 32
-// accumulators d[nt][e] are eight m16n8 C fragments, columns 8nt..8nt+7. So acc_to_a turns
-// a product's accumulators into the next product's A, as with mma.sync.
+// (attention_tiles.cuh): the 32 accumulators d[nt][e] are eight m16n8 C fragments, columns
+// 8nt..8nt+7. B always comes from a swizzled shared tile. A comes from one too where it is
+// an input (Q, K, V, dO: wgmma_tile_ss), and from registers where it is the previous
+// product's result (P, dS: wgmma_tile): there the registers a0..a3 are an m16n8k16 A
+// fragment, so acc_to_a turns a product's accumulators into the next product's A.
 //
-// ---- The B tile: [rows][64] bf16 in shared memory, 128-byte swizzle -----------------------
+// ---- The tile: [rows][64] bf16 in shared memory, 128-byte swizzle -------------------------
 // Row r (128 bytes) starts at byte 128r; its 16-byte chunk c (columns 8c..8c+7) is stored at
 // chunk c ^ (r % 8). The tile starts on a 1024-byte boundary (the swizzle repeats every 8
-// rows). One tile serves as B in both orientations:
-//   K-major (trans_b = 0): rows are B's n, columns its k (Q for S^T = K Q^T). k-step kk
-//     (columns 16kk..16kk+15) starts 32kk bytes into the tile.
-//   MN-major (trans_b = 1): rows are B's k, columns its n (dO for dV += P^T dO). k-step kk
-//     (rows 16kk..16kk+15) starts 2048kk bytes into the tile.
+// rows). One tile serves in both orientations:
+//   K-major (trans = 0): rows are the operand's m or n, columns its k (K for S^T = K Q^T as
+//     A, Q as B). k-step kk (columns 16kk..16kk+15) starts 32kk bytes into the tile.
+//   MN-major (trans_b = 1, B only): rows are B's k, columns its n (dO for dV += P^T dO).
+//     k-step kk (rows 16kk..16kk+15) starts 2048kk bytes into the tile.
 // In both, the descriptor's stride byte offset (8 rows to the next 8) is 1024 bytes and the
 // leading byte offset is unused (one swizzle atom spans all 64 columns).
 //
@@ -28,11 +30,10 @@
 // wgmma runs asynchronously: wgmma_fence(the registers it will read), issue, commit a group,
 // wait_group<N> until at most N groups are in flight. Accumulators and A registers of a group
 // in flight are not touched; fence_registers after the wait keeps the compiler from moving
-// their reads before it. A fragments are built fresh for every tile, even where they do not
-// change (Q in the forward, K and V in dK/dV): loaded once and held across tiles, ptxas gave
-// their registers to the next product's A fragments, and the forward's later tiles computed
-// S from P instead of Q (found on an H100: wrong past the first key tile, right with the P V
-// product removed). Reloading costs four ldmatrix per warp and tile.
+// their reads before it. Inputs are never held as A registers across tiles: so held, ptxas
+// gave their registers to the next product's A fragments, and the forward's later tiles
+// computed S from P instead of Q (found on an H100). Read from shared memory, they need no
+// registers at all, and no ldmatrix per tile.
 // Tiles written with cp.async (the generic proxy) need fence_proxy_async before the barrier
 // that publishes them to wgmma (the async proxy): current_tile_ready<true> does both.
 
@@ -58,7 +59,6 @@ namespace fp8lm::cuda {
 
 namespace {
 
-constexpr int kPaddedLd = 64 + 8;                           // bf16 row stride of the padded A-source tiles
 constexpr int kSwizzledRowBytes = 128;                      // 64 bf16
 constexpr int kSwizzleAtomBytes = 1024;                     // 8 rows: the pattern's period and alignment
 constexpr int kMnMajorKStepBytes = 16 * kSwizzledRowBytes;  // 16 rows
@@ -69,35 +69,61 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
   return static_cast<uint32_t>(row * kSwizzledRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// Async copy of ROWS rows x 64 bf16 (rows row0.. of a head's q, k, v or dout, row stride
-// `stride` elements from `base` = the head's row 0) into a swizzled tile at shared address
-// `tile` (1024-byte aligned). Rows >= T are zero-filled and read nothing.
+// This thread's share of copying a head's rows (q, k, v or dout: row stride `stride`
+// elements from `base`, the head's row 0) into swizzled tiles (1024-byte aligned), ROWS rows
+// a tile, one tile after another from row0: a kernel's walked tiles, or its one fixed tile.
+// A pass copies 16 rows (8 chunks a row, one a thread); a thread copies the same chunk of
+// rows r, r + 16, ..., which all keep row r's swizzle (16 is a multiple of the pattern's 8
+// rows). Offsets and pointers are set once, so a tile costs a pointer increment and a
+// cp.async per chunk, with row checks only where a tile reaches past T (rows >= T are
+// zero-filled and read nothing).
 template <int ROWS>
-__device__ __forceinline__ void load_swizzled_tile_async(uint32_t tile, const bf16* base, size_t stride, int row0,
-                                                         int T) {
-  constexpr int kChunks = 8;
-  static_assert((ROWS * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
-#pragma unroll
-  for (int j = 0; j < ROWS * kChunks / kThreads; ++j) {
-    const int i = j * kThreads + static_cast<int>(threadIdx.x);
-    const int r = i / kChunks;
-    const int c = i % kChunks;
-    const bool valid = row0 + r < T;
-    const bf16* src = base + (valid ? static_cast<size_t>(row0 + r) * stride : 0) + c * 8;
-    cp_async_16(tile + swizzled_offset(r, c), src, valid);
+struct SwizzledTileWalk {
+  static constexpr int kChunks = 8;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kPasses = ROWS / kRowsPerPass;
+  static_assert(ROWS % kRowsPerPass == 0, "whole passes");
+
+  const bf16* src;       // this thread's chunk of its first row of the next tile
+  const bf16* fallback;  // a valid address for the zero-filled rows
+  size_t pass_stride;    // elements from one pass's row to the next
+  uint32_t dst_offset;   // this thread's byte offset in a tile
+  int tile_row;          // the next tile's first row
+  int thread_row;        // this thread's first row within a tile
+
+  __device__ __forceinline__ SwizzledTileWalk(const bf16* base, size_t stride, int row0) {
+    thread_row = static_cast<int>(threadIdx.x) / kChunks;
+    const int chunk = static_cast<int>(threadIdx.x) % kChunks;
+    tile_row = row0;
+    src = base + static_cast<size_t>(row0 + thread_row) * stride + chunk * 8;
+    fallback = base;
+    pass_stride = kRowsPerPass * stride;
+    dst_offset = swizzled_offset(thread_row, chunk);
   }
-}
+
+  // Copies the next tile into the swizzled tile at `tile`, and moves on to the one after.
+  __device__ __forceinline__ void load_next(uint32_t tile, int T) {
+    const bf16* p = src;
+    if (tile_row + ROWS <= T) {
+#pragma unroll
+      for (int j = 0; j < kPasses; ++j, p += pass_stride)
+        cp_async_16(tile + dst_offset + j * kRowsPerPass * kSwizzledRowBytes, p, true);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPasses; ++j, p += pass_stride) {
+        const bool valid = tile_row + thread_row + j * kRowsPerPass < T;
+        cp_async_16(tile + dst_offset + j * kRowsPerPass * kSwizzledRowBytes, valid ? p : fallback, valid);
+      }
+    }
+    src += kPasses * pass_stride;
+    tile_row += ROWS;
+  }
+};
 
 // The first 1024-byte boundary of the block's dynamic shared memory.
 __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem) {
   const uint32_t base = smem_u32(smem);
   return smem + (((base + kSwizzleAtomBytes - 1) & ~static_cast<uint32_t>(kSwizzleAtomBytes - 1)) - base);
-}
-
-// This warp's 16 rows of a padded [64][kPaddedLd] tile as four k-step A fragments.
-__device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[4][4], uint32_t tile, int warp, int lane) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) ldsm_x4(frag[kk], ldsm_a_addr<kPaddedLd>(tile, warp * 16, kk * 16, lane));
 }
 
 // A fragments of all k-steps from a [16 x 8N] accumulator (P or dS), rounded to bf16.
@@ -174,6 +200,42 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(static_cast<int>(accumulate)), "n"(TRANS_B));
 }
 
+// d (+)= A B for one k-step, A from shared memory too: a K-major swizzled tile (rows are
+// A's m, columns its k).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a_descriptor, uint64_t b_descriptor,
+                                                   bool accumulate) {
+  FP8LM_WGMMA(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n"
+      "}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a_descriptor), "l"(b_descriptor), "r"(static_cast<int>(accumulate)), "n"(TRANS_B));
+}
+
+// acc (+)= A B over the 64-deep k, A the K-major swizzled tile at `a_tile`, B the tile at
+// `b_tile` in the orientation TRANS_B. Issues four wgmmas; the caller fences, commits, waits.
+// The k-steps' descriptors are the tile's plus the step's offset in the address field: tiles
+// lie in the first 228 KiB of the shared window, so the 14-bit field never carries.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_tile_ss(float (&acc)[8][4], uint32_t a_tile, uint32_t b_tile, bool accumulate) {
+  constexpr uint32_t kStep = TRANS_B ? kMnMajorKStepBytes : kKMajorKStepBytes;
+  const uint64_t a_descriptor = swizzled_descriptor(a_tile), b_descriptor = swizzled_descriptor(b_tile);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_m64n64k16_ss<TRANS_B>(acc, a_descriptor + ((kk * kKMajorKStepBytes) >> 4), b_descriptor + ((kk * kStep) >> 4),
+                                accumulate || kk > 0);
+}
+
 // acc (+)= A B over the 64-deep k of a swizzled tile: A as four k-step fragments in
 // registers, B the tile at `tile` in the orientation TRANS_B. The first k-step overwrites acc
 // unless `accumulate`. Issues four wgmmas; the caller fences, commits and waits.
@@ -181,9 +243,10 @@ template <int TRANS_B>
 __device__ __forceinline__ void wgmma_tile(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t tile,
                                            bool accumulate) {
   constexpr uint32_t kStep = TRANS_B ? kMnMajorKStepBytes : kKMajorKStepBytes;
+  const uint64_t descriptor = swizzled_descriptor(tile);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    wgmma_m64n64k16<TRANS_B>(acc, a[kk], swizzled_descriptor(tile + kk * kStep), accumulate || kk > 0);
+    wgmma_m64n64k16<TRANS_B>(acc, a[kk], descriptor + ((kk * kStep) >> 4), accumulate || kk > 0);
 }
 
 }  // namespace
