@@ -172,17 +172,19 @@ void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_am
 void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const bf16* dout, const bf16* qkv,
                            const float* lse, const float* D, int B, int T, int C, int NH, cudaStream_t stream) {
   using Cfg = BackwardWgmmaConfig;
-  static_assert(2 * sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::smem_bytes,
-                "the dK/dV epilogue stages its two operand tiles in the kernels' shared memory");
+  static_assert(2 * sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dkdv_smem_bytes &&
+                    sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dq_smem_bytes,
+                "the epilogues stage their operand tiles in the kernels' shared memory");
   const float scale = 1.0f / sqrtf(static_cast<float>(Cfg::HS));
   const float sl2 = kLog2e * scale;
   const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
   auto launch = [&](auto dkdv_kernel, auto dq_kernel, const DqkvOperandTarget& target) {
-    set_smem(dkdv_kernel, Cfg::smem_bytes);
-    dkdv_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    set_smem(dkdv_kernel, Cfg::dkdv_smem_bytes);
+    dkdv_kernel<<<grid, kThreads, Cfg::dkdv_smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2,
+                                                                 scale);
     CUDA_CHECK_LAUNCH();
-    set_smem(dq_kernel, Cfg::smem_bytes);
-    dq_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    set_smem(dq_kernel, Cfg::dq_smem_bytes);
+    dq_kernel<<<grid, kThreads, Cfg::dq_smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
     CUDA_CHECK_LAUNCH();
   };
   if (operand != nullptr) {

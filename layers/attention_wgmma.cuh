@@ -84,35 +84,38 @@ struct SwizzledTileWalk {
   static constexpr int kPasses = ROWS / kRowsPerPass;
   static_assert(ROWS % kRowsPerPass == 0, "whole passes");
 
-  const bf16* src;       // this thread's chunk of its first row of the next tile
-  const bf16* fallback;  // a valid address for the zero-filled rows
-  size_t pass_stride;    // elements from one pass's row to the next
-  uint32_t dst_offset;   // this thread's byte offset in a tile
-  int tile_row;          // the next tile's first row
-  int thread_row;        // this thread's first row within a tile
+  // Kept small: the walks live in registers through the kernels' loops.
+  const bf16* src;      // this thread's chunk of its first row of the next tile
+  int row_stride;       // elements from one row to the next
+  uint32_t dst_offset;  // this thread's byte offset in a tile
+  int tile_row;         // the next tile's first row
 
   __device__ __forceinline__ SwizzledTileWalk(const bf16* base, size_t stride, int row0) {
-    thread_row = static_cast<int>(threadIdx.x) / kChunks;
+    const int thread_row = static_cast<int>(threadIdx.x) / kChunks;
     const int chunk = static_cast<int>(threadIdx.x) % kChunks;
     tile_row = row0;
+    row_stride = static_cast<int>(stride);
     src = base + static_cast<size_t>(row0 + thread_row) * stride + chunk * 8;
-    fallback = base;
-    pass_stride = kRowsPerPass * stride;
     dst_offset = swizzled_offset(thread_row, chunk);
   }
 
   // Copies the next tile into the swizzled tile at `tile`, and moves on to the one after.
   __device__ __forceinline__ void load_next(uint32_t tile, int T) {
+    const size_t pass_stride = static_cast<size_t>(kRowsPerPass) * row_stride;
     const bf16* p = src;
     if (tile_row + ROWS <= T) {
 #pragma unroll
       for (int j = 0; j < kPasses; ++j, p += pass_stride)
         cp_async_16(tile + dst_offset + j * kRowsPerPass * kSwizzledRowBytes, p, true);
     } else {
+      // A tile reaching past T: rows >= T read nothing, from a valid address (this chunk of
+      // the tile's first row, which is < T).
+      const int thread_row = static_cast<int>(threadIdx.x) / kChunks;
+      const bf16* first_row = src - static_cast<size_t>(thread_row) * row_stride;
 #pragma unroll
       for (int j = 0; j < kPasses; ++j, p += pass_stride) {
         const bool valid = tile_row + thread_row + j * kRowsPerPass < T;
-        cp_async_16(tile + dst_offset + j * kRowsPerPass * kSwizzledRowBytes, valid ? p : fallback, valid);
+        cp_async_16(tile + dst_offset + j * kRowsPerPass * kSwizzledRowBytes, valid ? p : first_row, valid);
       }
     }
     src += kPasses * pass_stride;
