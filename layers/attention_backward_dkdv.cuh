@@ -7,6 +7,9 @@
 // HS = 128) from its diagonal to T, double-buffering Q, dO, lse, D. Per tile:
 //   S^T = K Q^T, P^T = exp2(S^T*scale*log2e - lse*log2e), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.  dK *= 1/sqrt(HS) at the end.
+// P^T is rounded to bf16 once, for both products: dV's reads it as bf16 anyway, and dS^T
+// then uses the same P as the wgmma kernel's, which keeps no FP32 copy (the error it adds
+// to dS^T is of the rounding dS^T itself gets before dK's product).
 // smem: K,V [64][HS+8] + Q,dO [2][BQ][HS+8] + lse,D [2][BQ]  (HS=64: 56,320 B).
 // No atomics: every dK/dV element is written once, by one thread.
 
@@ -155,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
             const int t = tq0 + qi;
             if (t < key || t >= T) p = 0.0f;
           }
-          s[nt][e] = p;
+          s[nt][e] = round_bf16(p);  // as dV's product reads it, and dS uses it (the wgmma kernel's P)
         }
 
       // dV += P^T dO

@@ -56,10 +56,9 @@ struct BackwardWgmmaConfig {
 // dqkv [B,T,3C]: writes the k and v thirds; with kOperand, their FP8 operand to `operand`
 // instead (attention_dqkv_operand.cuh; T a multiple of 64). dout [B,T,C], qkv [B,T,3C],
 // lse [B,NH,T], D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
-// Two blocks a multiprocessor (170 registers); held to three (166) ptxas spills and
-// serializes the wgmmas (C7512), also with dS^T packed only after dV's product.
+// Three blocks a multiprocessor (154 registers, no spills).
 template <bool kOperand>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
                                          const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                          const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
@@ -175,12 +174,19 @@ __global__ void __launch_bounds__(kThreads)
     wgmma_wait<1>();
     fence_registers(dp);
 
-    // dS^T = P^T (dP^T - D[t]); masked entries have P = 0, so dS = 0 there.
+    // dS^T = P^T (dP^T - D[t]) with P as rounded to bf16 for dV's product, read back from its
+    // A fragments: FP32 P need not stay live, which is what lets three blocks share a
+    // multiprocessor (154 registers; 170 with FP32 P, where ptxas refused three). Masked
+    // entries have P = 0, so dS = 0 there.
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const float2 d2 = *reinterpret_cast<const float2*>(sDb + nt * 8 + c2);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - ((e & 1) ? d2.y : d2.x));
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t pair = pa[nt / 2][(nt & 1) * 2 + (e >> 1)];  // acc_to_a's layout
+        const float p = __uint_as_float((e & 1) ? (pair & 0xFFFF0000u) : (pair << 16));
+        dp[nt][e] = p * (dp[nt][e] - ((e & 1) ? d2.y : d2.x));
+      }
     }
 
     uint32_t dsa[4][4];

@@ -103,6 +103,7 @@ __device__ __forceinline__ Head this_head(int T, int C, int NH) {
 using device::cp_async_16;
 using device::cp_async_commit;
 using device::cp_async_wait;
+using device::round_bf16;
 using device::smem_u32;
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
