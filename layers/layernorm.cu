@@ -12,12 +12,12 @@
 // there on the code is the plain kernel's, so the results are bit for bit those of the plain
 // kernel run on the stored residual.
 //
-// Backward: one warp per row as well (grid-strided over rows). Rows up to 2048 wide: one pass,
-// which also adds the row's weight and bias gradient terms into its warp's partial sums in
-// shared memory, each block's sums to scratch; wider rows: the input gradient, then the
-// weight and bias gradients apart as a column reduction over row splits into scratch. Either
-// way a last kernel adds the partial sums in a fixed order into dweight/dbias. No
-// floating-point atomics: bit-reproducible.
+// Backward, rows up to 2048 wide: one pass. A block takes a run of rows, two at a time, a
+// thread for each 8 columns, and keeps its columns' weight and bias gradient sums in registers
+// over the run; each block's sums go to scratch. Wider rows: two kernels, the input gradient
+// one warp per row, then the weight and bias gradients apart as a column reduction over row
+// splits into scratch. Either way a last kernel adds the partial sums in a fixed order into
+// dweight/dbias. No floating-point atomics: bit-reproducible.
 #include "layers/layernorm.h"
 
 #include <algorithm>
@@ -41,7 +41,6 @@ using namespace device;
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarpsPerBlock = 8;  // rows per block (forward), warps per block (backward)
-constexpr int kOnePassMaxK = 8;    // the widest rows (8 * 32 * K) the one-pass backward takes
 constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---- small device helpers ------------------------------------------------------------
@@ -298,103 +297,104 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One pass: dinp [N,C] += the input gradient, one warp per row (grid-strided over rows), and
-// the weight and bias gradients' sums over the block's rows into partials [blocks][2C]
-// (dweight's, then dbias's). Each warp adds its rows, in order, into its own 2C floats of
-// shared memory (lane l owns columns 8 (l + 32 k) .. +7, so no two lanes share one); the block
-// then adds its warps' sums in warp order. So x and dy come from memory once, and the sums are
-// bit-reproducible for a given grid (a function of N and C: backward_blocks).
-// Rows up to 2048 wide (K <= 8); the row's x and dy stay in registers, packed BF16, between
-// the two passes (64 registers).
-template <int K>
+// One pass, rows up to 2048 wide: dinp [N,C] += the input gradient, and the weight and bias
+// gradients' sums over the block's rows into partials [blocks][2C] (dweight's, then dbias's).
+// A block takes the rows [blockIdx.x * rows_per_block, ...) kR at a time, and thread t owns
+// columns 8t .. 8t + 7 of every row (one 16-byte chunk; threads past C / 8 hold zeros): so the
+// weight and bias sums stay in 16 registers a thread for all its rows, and x, dy and dinp of
+// kR rows are loaded at once, before any arithmetic waits on them. Each row's two sums are
+// added over the warp (a butterfly: every lane the same bits), then over the warps in order
+// through shared memory, one barrier for kR rows. Every sum has a fixed order for a given grid
+// (a function of N and C: backward_rows_per_block), so the gradients are bit-reproducible.
+// (Before, a warp took a row at a time and added its terms into its own 2C floats of shared
+// memory: 65 us a call with the column sums at gpt2-1558m's width, 1.6 TB/s; this kernel 52 us,
+// 2.0 TB/s, and the same at gpt2-124m's width 768; call 125.)
+template <int kR>
 __global__ void __launch_bounds__(kThreads)
     layernorm_backward_kernel(bf16* __restrict__ dinp, float* __restrict__ partials, const bf16* __restrict__ dout,
                               const bf16* __restrict__ inp, const bf16* __restrict__ weight,
-                              const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C) {
-  static_assert(K <= kOnePassMaxK, "wider rows take the two-kernel form");
-  extern __shared__ float4 warp_sums_raw[];
-  float* warp_sums = reinterpret_cast<float*>(warp_sums_raw);  // [warps][2C]
+                              const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
+                              int rows_per_block) {
+  __shared__ float2 warp_row_sums[2][kWarpsPerBlock][kR];  // (sum g, sum g*xhat); two iterations' worth
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* sum_dw = warp_sums + static_cast<size_t>(warp) * 2 * C;
-  float* sum_db = sum_dw + C;
-  for (int i = lane; i < 2 * C; i += 32) sum_dw[i] = 0.0f;
-  __syncwarp();
+  const int chunk = threadIdx.x;
+  const bool owns = chunk < C / 8;
+  const size_t column = static_cast<size_t>(chunk) * 8;
 
-  const int chunks = C / 8;
-  const int total_warps = gridDim.x * warps;
-  for (int row = blockIdx.x * warps + warp; row < N; row += total_warps) {  // warp-uniform
-    const size_t row_offset = static_cast<size_t>(row) * C;
-    const float row_mean = mean[row];
-    const float row_rstd = rstd[row];
-    // dinp, read in the second pass, is prefetched into L2 in the first: 7.02 -> 6.83 ms a
-    // gpt2-1558m step (call 77). Loading it into registers instead cost a block a
-    // multiprocessor (163 registers) and was slower: 8.43 ms. The warp's next row of x and dy
-    // is prefetched too: the kernel waits on its loads (Nsight Compute, call 93: 60% of the
-    // cycles between a warp's instructions stalled on L1TEX at 1.6 TB/s), and a row that
-    // comes from L2 instead of HBM waits about half as long.
-    const int next_row = row + total_warps;
-    const size_t next_offset = static_cast<size_t>(next_row) * C;
-    uint4 x_raw[K], dy_raw[K];
-    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+  float w[8] = {}, sum_dw[8] = {}, sum_db[8] = {};
+  if (owns) load_bf16x8(weight + column, w);
+
+  const int first = blockIdx.x * rows_per_block;
+  const int end = min(N, first + rows_per_block);
+  int parity = 0;
+  for (int row0 = first; row0 < end; row0 += kR, parity ^= 1) {  // block-uniform
+    const int rows = min(kR, end - row0);
+    uint4 x_raw[kR], dy_raw[kR], dx_raw[kR];
+    float row_mean[kR], row_rstd[kR];
 #pragma unroll
-    for (int k = 0; k < K; k++) {
-      const int i = lane + 32 * k;
-      if (i < chunks) {
-        const uint4 xr = *reinterpret_cast<const uint4*>(inp + row_offset + i * 8);
-        const uint4 dyr = *reinterpret_cast<const uint4*>(dout + row_offset + i * 8);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(dinp + row_offset + i * 8));
-        if (next_row < N) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(inp + next_offset + i * 8));
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(dout + next_offset + i * 8));
+    for (int r = 0; r < kR; r++) {
+      x_raw[r] = dy_raw[r] = dx_raw[r] = make_uint4(0u, 0u, 0u, 0u);
+      row_mean[r] = row_rstd[r] = 0.0f;
+      if (r < rows) {
+        const size_t offset = static_cast<size_t>(row0 + r) * C + column;
+        row_mean[r] = mean[row0 + r];
+        row_rstd[r] = rstd[row0 + r];
+        if (owns) {
+          x_raw[r] = *reinterpret_cast<const uint4*>(inp + offset);
+          dy_raw[r] = *reinterpret_cast<const uint4*>(dout + offset);
+          dx_raw[r] = *reinterpret_cast<const uint4*>(dinp + offset);
         }
-        x_raw[k] = xr;
-        dy_raw[k] = dyr;
-        float x[8], dy[8], w[8];
-        unpack_bf16x8(xr, x);
-        unpack_bf16x8(dyr, dy);
-        load_bf16x8(weight + i * 8, w);
-        add_row_sums(x, dy, w, row_mean, row_rstd, sum_g, sum_g_xhat);
       }
     }
-    sum_g = warp_sum(sum_g);
-    sum_g_xhat = warp_sum(sum_g_xhat);
-    const float mean_g = sum_g / C;
-    const float mean_g_xhat = sum_g_xhat / C;
-
+    // The row sums: this thread's 8 columns, the warp, then the warps in order.
+    float2 sums[kR];
 #pragma unroll
-    for (int k = 0; k < K; k++) {
-      const int i = lane + 32 * k;
-      if (i < chunks) {
-        float x[8], dy[8], w[8], dx[8];
-        unpack_bf16x8(x_raw[k], x);
-        unpack_bf16x8(dy_raw[k], dy);
-        load_bf16x8(weight + i * 8, w);
-        load_bf16x8(dinp + row_offset + i * 8, dx);
-        float4* dw4 = reinterpret_cast<float4*>(sum_dw + i * 8);
-        float4* db4 = reinterpret_cast<float4*>(sum_db + i * 8);
-        float4 dw[2] = {dw4[0], dw4[1]}, db[2] = {db4[0], db4[1]};
-        float* dwf = reinterpret_cast<float*>(dw);
-        float* dbf = reinterpret_cast<float*>(db);
-        add_input_gradient(dx, x, dy, w, row_mean, row_rstd, mean_g, mean_g_xhat);
+    for (int r = 0; r < kR; r++) {
+      float x[8], dy[8];
+      unpack_bf16x8(x_raw[r], x);
+      unpack_bf16x8(dy_raw[r], dy);
+      float sum_g = 0.0f, sum_g_xhat = 0.0f;
+      add_row_sums(x, dy, w, row_mean[r], row_rstd[r], sum_g, sum_g_xhat);
+      sums[r] = make_float2(warp_sum(sum_g), warp_sum(sum_g_xhat));
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kR; r++) warp_row_sums[parity][warp][r] = sums[r];
+    }
+    // One barrier an iteration: a warp rewrites this parity's slots two iterations later,
+    // after the next iteration's barrier, which every warp reaches only after these reads.
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kR; r++) {
+      float2 total = warp_row_sums[parity][0][r];
+      for (int v = 1; v < warps; v++) {
+        const float2 s = warp_row_sums[parity][v][r];
+        total.x += s.x;
+        total.y += s.y;
+      }
+      if (r < rows && owns) {
+        float x[8], dy[8], dx[8];
+        unpack_bf16x8(x_raw[r], x);
+        unpack_bf16x8(dy_raw[r], dy);
+        unpack_bf16x8(dx_raw[r], dx);
+        add_input_gradient(dx, x, dy, w, row_mean[r], row_rstd[r], total.x / C, total.y / C);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          dwf[j] += dy[j] * ((x[j] - row_mean) * row_rstd);
-          dbf[j] += dy[j];
+          sum_dw[j] += dy[j] * ((x[j] - row_mean[r]) * row_rstd[r]);
+          sum_db[j] += dy[j];
         }
-        dw4[0] = dw[0];
-        dw4[1] = dw[1];
-        db4[0] = db[0];
-        db4[1] = db[1];
-        store_bf16x8(dinp + row_offset + i * 8, dx);
+        store_bf16x8(dinp + static_cast<size_t>(row0 + r) * C + column, dx);
       }
     }
   }
-  __syncthreads();
-  for (int col = threadIdx.x; col < 2 * C; col += blockDim.x) {
-    float total = 0.0f;
-    for (int w = 0; w < warps; w++) total += warp_sums[static_cast<size_t>(w) * 2 * C + col];
-    partials[static_cast<size_t>(blockIdx.x) * 2 * C + col] = total;
+  if (owns) {
+    float4* dw_out = reinterpret_cast<float4*>(partials + static_cast<size_t>(blockIdx.x) * 2 * C + column);
+    float4* db_out = reinterpret_cast<float4*>(partials + static_cast<size_t>(blockIdx.x) * 2 * C + C + column);
+    dw_out[0] = make_float4(sum_dw[0], sum_dw[1], sum_dw[2], sum_dw[3]);
+    dw_out[1] = make_float4(sum_dw[4], sum_dw[5], sum_dw[6], sum_dw[7]);
+    db_out[0] = make_float4(sum_db[0], sum_db[1], sum_db[2], sum_db[3]);
+    db_out[1] = make_float4(sum_db[4], sum_db[5], sum_db[6], sum_db[7]);
   }
 }
 
@@ -499,42 +499,23 @@ int param_splits(int N, int C) {
   return std::max(1, (N + rows - 1) / rows);
 }
 
-// The one-pass backward's block: as many warps (1 to 8) as fit their 2C floats of partial sums
-// in 64 KB of shared memory (5 at C = 1600, 2 at C = 4096); and its grid: enough warps for
-// every row, at most kBackwardMaxBlocks, about three blocks on each of an H100's or H200's
-// multiprocessors in one wave. Functions of N and C only, so the partial sums (and the
-// gradients) are the same on every GPU.
-constexpr int kBackwardSharedBytes = 64 * 1024;
-constexpr int kBackwardMaxBlocks = 384;
-int backward_warps(int C) { return std::clamp(kBackwardSharedBytes / (8 * C), 1, kWarpsPerBlock); }
-bool one_pass_backward(int C) { return chunks_per_lane(C) <= kOnePassMaxK; }
-int backward_blocks(int N, int C) {
-  const int warps = backward_warps(C);
-  return std::clamp((N + warps - 1) / warps, 1, kBackwardMaxBlocks);
+// The one-pass backward's grid: a block of ceil(C / 256) warps (a thread for each 8 columns)
+// takes rows_per_block rows, two at a time, so that about kBackwardTargetWarps warps run at
+// once in one wave: 14 a multiprocessor on an H100's or H200's 132 (two blocks of seven at
+// C = 1600; the kernel's 104 registers allow two). Three blocks (80 registers, a spill) were no
+// faster, and four rows at a time took 155 registers and one block (call 125). Functions of N
+// and C only, so the partial sums (and the gradients) are the same on every GPU.
+constexpr int kBackwardRows = 2;
+constexpr int kBackwardTargetWarps = 132 * 14;
+bool one_pass_backward(int C) { return C <= 8 * kThreads; }
+int backward_warps(int C) { return (C / 8 + 31) / 32; }
+int backward_rows_per_block(int N, int C) {
+  const int target_blocks = std::max(1, kBackwardTargetWarps / backward_warps(C));
+  return std::max(1, (N + target_blocks - 1) / target_blocks);
 }
-
-struct BackwardLaunch {
-  int blocks, threads;
-  size_t shared;
-  cudaStream_t stream;
-  bf16* dinp;
-  float* partials;
-  const bf16 *dout, *inp, *weight;
-  const float *mean, *rstd;
-  int N, C;
-};
-
-template <int K>
-void launch_backward(const BackwardLaunch& l) {
-  // Above 48 KB of dynamic shared memory a kernel must opt in, once per instantiation.
-  static const bool opted_in = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kBackwardSharedBytes));
-    return true;
-  }();
-  (void)opted_in;
-  layernorm_backward_kernel<K><<<l.blocks, l.threads, l.shared, l.stream>>>(l.dinp, l.partials, l.dout, l.inp,
-                                                                            l.weight, l.mean, l.rstd, l.N, l.C);
+int backward_blocks(int N, int C) {
+  const int rows = backward_rows_per_block(N, C);
+  return std::max(1, (N + rows - 1) / rows);
 }
 
 }  // namespace
@@ -599,19 +580,8 @@ void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, cons
   const int reduce_blocks = (2 * C + 31) / 32;
   if (one_pass_backward(C)) {
     const int blocks = backward_blocks(N, C);
-    const BackwardLaunch go{blocks,  32 * backward_warps(C), static_cast<size_t>(backward_warps(C)) * 2 * C * sizeof(float),
-                            stream,  dinp, scratch, dout, inp, weight, mean, rstd, N, C};
-    switch (chunks_per_lane(C)) {
-      case 1: launch_backward<1>(go); break;
-      case 2: launch_backward<2>(go); break;
-      case 3: launch_backward<3>(go); break;
-      case 4: launch_backward<4>(go); break;
-      case 5: launch_backward<5>(go); break;
-      case 6: launch_backward<6>(go); break;
-      case 7: launch_backward<7>(go); break;
-      case 8: launch_backward<8>(go); break;
-      default: FP8LM_CHECK(false, what, ": no one-pass kernel for C=", C);
-    }
+    layernorm_backward_kernel<kBackwardRows><<<blocks, 32 * backward_warps(C), 0, stream>>>(
+        dinp, scratch, dout, inp, weight, mean, rstd, N, C, backward_rows_per_block(N, C));
     CUDA_CHECK_LAUNCH();
     add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, blocks, 2 * C);
     CUDA_CHECK_LAUNCH();

@@ -202,9 +202,10 @@ TEST_CASE("layernorm backward matches the CPU reference and is deterministic", "
   FP8LM_REQUIRE_GPU();
   const float eps = 1e-5f;
   // The widths of gpt2-124m, -774m, -1558m and gpt-6.7b, and 8192; rows enough for several
-  // row splits of the weight and bias gradients.
-  for (const auto [N, C] : {std::pair{77, 64}, std::pair{77, 768}, std::pair{333, 1280}, std::pair{1000, 1600},
-                            std::pair{300, 4096}, std::pair{70, 8192}}) {
+  // row splits of the weight and bias gradients. 200 leaves 7 lanes of its one warp without
+  // columns; at 4001 x 1600 a block's run of 16 rows ends in a lone row (the last block's).
+  for (const auto [N, C] : {std::pair{77, 64}, std::pair{1000, 200}, std::pair{77, 768}, std::pair{333, 1280},
+                            std::pair{1000, 1600}, std::pair{4001, 1600}, std::pair{300, 4096}, std::pair{70, 8192}}) {
     CAPTURE(N, C);
     const size_t n = static_cast<size_t>(N) * C;
     const LayerNormInputs in = layernorm_inputs(N, C, 200 + C);
