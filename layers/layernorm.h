@@ -39,8 +39,9 @@ void residual_layernorm_forward(float* out, float* residual_out, float* mean, fl
 }  // namespace fp8lm::cpu
 
 // ---- GPU (layers/layernorm.cu) -------------------------------------------------------
-// One warp per row, 16-byte loads (8 bf16), the row kept in registers, FP32 statistics
-// (two passes over the registers, as the CPU reference). Requirements, checked on the host
+// Forward: one warp per row, 16-byte loads (8 bf16), the row kept in registers, FP32
+// statistics (two passes over the registers, as the CPU reference). Backward (rows up to 2048
+// wide): a block per run of rows, a thread per 8 columns (layernorm.cu says why). Requirements, checked on the host
 // before launch (FP8LM_CHECK): C % 8 == 0 and 8 <= C <= 8192; bf16 pointers 16-byte
 // aligned, FP8 outputs 8-byte aligned, FP32 accumulators 4-byte aligned.
 namespace fp8lm::cuda {
