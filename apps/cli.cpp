@@ -500,6 +500,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(system);
   std::string device = "auto";
   std::string gemm_algorithm = "timed";
+  std::string programmatic_launch = "on";
   app.add_option("--device", device, "auto (CUDA if a GPU is present), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))
       ->group(system);
@@ -513,6 +514,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "timed: cuBLASLt's candidate algorithms timed once per GEMM shape, the fastest with the heuristic's "
                  "bits kept (default); heuristic: the heuristic's first")
       ->check(CLI::IsMember({"timed", "heuristic"}))
+      ->group(system);
+  app.add_option("--programmatic-launch", programmatic_launch,
+                 "on: each fp8lm kernel is placed on the GPU while the one before it finishes, and waits for it "
+                 "there (programmatic dependent launch; default); off: plain stream order. The same bits either way")
+      ->check(CLI::IsMember({"on", "off"}))
       ->group(system);
   app.add_flag("--profile-ops", o.profile_ops,
                "With --benchmark: time every op class of the timed steps (GEMMs by precision and pass, LayerNorm, "
@@ -576,6 +582,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.device = lookup<DeviceKind>(
       {{"auto", DeviceKind::auto_select}, {"cuda", DeviceKind::cuda}, {"cpu", DeviceKind::cpu}}, device);
   o.gemm_algorithm = gemm_algorithm == "heuristic" ? GemmAlgorithmChoice::heuristic : GemmAlgorithmChoice::timed;
+  o.programmatic_launch = programmatic_launch == "on";
   validate_options(o);
   return parsed;
 }

@@ -23,6 +23,7 @@
 #include "core/check_cuda.h"
 #include "core/error.h"
 #include "core/host_values.h"
+#include "core/launch.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "layers/ops_cuda.h"
@@ -128,6 +129,7 @@ std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
   const int world = setup.data_parallel_size * setup.options.tensor_model_parallel_size;
+  cuda::set_programmatic_launch(setup.options.programmatic_launch);
   return make_cuda_ops(device, SmallMGemm::on, setup.options.gemm_algorithm,
                        /*background_yields=*/optimizer_first_pass_in_backward(setup.options, world));
 }

@@ -38,6 +38,7 @@ const std::vector<ForwardedFlag> kRuntimeFlags = {
     {"--num-threads", true, "CPU threads (0: OpenMP default)"},
     {"--log-level", true, "trace, debug, info, warn or error"},
     {"--gemm-algorithm", true, "timed (cuBLASLt's candidates timed once per shape; default) or heuristic"},
+    {"--programmatic-launch", true, "on (each kernel placed while the one before it finishes; default) or off"},
 };
 
 const std::vector<ForwardedFlag> kPrecisionFlags = {

@@ -8,6 +8,7 @@
 #include "apps/checkpointing.h"
 #include "apps/run_setup.h"
 #include "core/error.h"
+#include "core/launch.h"
 #include "layers/gpt.h"
 #include "layers/op_profiler.h"
 #include "layers/ops_cpu.h"
@@ -77,6 +78,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   s.replay_steps = o.decode_graph && !o.profile_ops;
   if (setup.use_cuda) {
     check_cuda_model_support(setup.model, o.precision == GemmPrecision::fp32);
+    cuda::set_programmatic_launch(o.programmatic_launch);
     s.ops = make_cuda_ops(0, o.small_m_gemm, o.gemm_algorithm);
   } else {
     s.ops = make_cpu_ops();

@@ -154,6 +154,9 @@ struct TrainOptions {
   SmallMGemm small_m_gemm = SmallMGemm::on;
   // --gemm-algorithm: cuBLASLt's candidates timed once per GEMM shape (default), or its heuristic's first
   GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed;
+  // --programmatic-launch: fp8lm's kernels launch with programmatic dependent launch, each
+  // placed while its predecessor finishes (core/launch.cuh); off: plain stream order
+  bool programmatic_launch = true;
   // --optimizer-weight-casts: AdamW's update pass also writes the FP8 Linear weights (and their
   // transposes) for the next step (fused, the default where it applies: delayed scaling, state
   // not sharded, fp8-fp16 moments), or they are cast from the master after it (separate)

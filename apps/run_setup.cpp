@@ -370,6 +370,7 @@ SettingsTable settings_table(const RunSetup& s) {
                           " hardware threads)"},
       {"log-level", o.log_level},
       {"gemm-algorithm", std::string(to_string(o.gemm_algorithm))},
+      {"programmatic-launch", o.programmatic_launch ? "on" : "off"},
       {"benchmark", o.benchmark ? "on (warm-up " + str(o.benchmark_warmup) + " steps" +
                                      (o.profile_ops ? ", every op class profiled)" : ")")
                                : "off"},

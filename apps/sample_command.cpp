@@ -284,6 +284,7 @@ int run_sample_command(const std::vector<std::string>& args) {
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"small_m_gemm", o.small_m_gemm},
                                {"cuda_graph", options.decode_graph ? "on" : "off"},
+                               {"programmatic_launch", options.programmatic_launch ? "on" : "off"},
                                {"fp8_activation_scales", o.fp8_activation_scales},
                                {"device", setup.use_cuda ? "cuda" : "cpu"}};
   std::printf("%s\n", line.dump().c_str());

@@ -7,6 +7,7 @@
 #include "core/block_scaling.h"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 namespace {
@@ -64,6 +65,7 @@ template <typename T, Fp8Dtype kDtype>
 __global__ void __launch_bounds__(kThreads)
     tiles_rowwise_kernel(uint8_t* __restrict__ out, float* __restrict__ scale_inv, const T* __restrict__ in, int M,
                          int N, int margin) {
+  device::start_after_previous_kernel();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = blockIdx.y * kWarps + warp;
   if (r >= M) return;  // the whole warp leaves together
@@ -92,6 +94,7 @@ template <typename T, Fp8Dtype kDtype>
 __global__ void __launch_bounds__(kThreads)
     tiles_columnwise_kernel(uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t, const T* __restrict__ in,
                             int M, int N, int margin) {
+  device::start_after_previous_kernel();
   __shared__ float slab[kScaleBlock][kSlabColumns + 1];
   constexpr int kVec = 4;  // values per load
   constexpr int kThreadsPerRow = kSlabColumns / kVec;
@@ -138,6 +141,7 @@ template <typename T, Fp8Dtype kDtype>
 __global__ void __launch_bounds__(kThreads)
     blocks_kernel(uint8_t* __restrict__ out, float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
                   float* __restrict__ scale_inv_t, const T* __restrict__ in, int M, int N, int margin) {
+  device::start_after_previous_kernel();
   constexpr int kRowStep = kThreads / 32;            // rows apart between a thread's passes
   constexpr int kPasses = kScaleBlock / kRowStep;    // 16
   __shared__ uint32_t codes[kScaleBlock][kScaleBlock / 4 + 1];  // [row][4-column group], padded
@@ -216,22 +220,22 @@ void launch_tiles(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_i
   const dim3 rows_grid(unsigned(scale_tiles(N)), (M + kWarps - 1) / kWarps);
   FP8LM_CHECK(rows_grid.y <= 65535u, "quantize_tiles_1x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
-    tiles_rowwise_kernel<T, Fp8Dtype::e4m3><<<rows_grid, kThreads, 0, stream>>>(out, scale_inv, in, M, N, margin);
+    launch_kernel(tiles_rowwise_kernel<T, Fp8Dtype::e4m3>, rows_grid, kThreads, 0, stream, out, scale_inv, in, M, N,
+                  margin);
   } else {
-    tiles_rowwise_kernel<T, Fp8Dtype::e5m2><<<rows_grid, kThreads, 0, stream>>>(out, scale_inv, in, M, N, margin);
+    launch_kernel(tiles_rowwise_kernel<T, Fp8Dtype::e5m2>, rows_grid, kThreads, 0, stream, out, scale_inv, in, M, N,
+                  margin);
   }
-  CUDA_CHECK(cudaGetLastError());
   if (out_t == nullptr) return;
   const dim3 columns_grid((N + kSlabColumns - 1) / kSlabColumns, unsigned(scale_tiles(M)));
   FP8LM_CHECK(columns_grid.y <= 65535u, "quantize_tiles_1x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
-    tiles_columnwise_kernel<T, Fp8Dtype::e4m3><<<columns_grid, kThreads, 0, stream>>>(out_t, scale_inv_t, in, M, N,
-                                                                                      margin);
+    launch_kernel(tiles_columnwise_kernel<T, Fp8Dtype::e4m3>, columns_grid, kThreads, 0, stream, out_t, scale_inv_t, in,
+                  M, N, margin);
   } else {
-    tiles_columnwise_kernel<T, Fp8Dtype::e5m2><<<columns_grid, kThreads, 0, stream>>>(out_t, scale_inv_t, in, M, N,
-                                                                                      margin);
+    launch_kernel(tiles_columnwise_kernel<T, Fp8Dtype::e5m2>, columns_grid, kThreads, 0, stream, out_t, scale_inv_t, in,
+                  M, N, margin);
   }
-  CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
@@ -246,13 +250,12 @@ void launch_blocks(uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_
   const dim3 grid(unsigned(scale_tiles(N)), unsigned(scale_tiles(M)));
   FP8LM_CHECK(grid.y <= 65535u, "quantize_blocks_128x128: too many rows, M=", M);
   if (dtype == Fp8Dtype::e4m3) {
-    blocks_kernel<T, Fp8Dtype::e4m3><<<grid, kThreads, 0, stream>>>(out, scale_inv, out_t, scale_inv_t, in, M, N,
-                                                                    margin);
+    launch_kernel(blocks_kernel<T, Fp8Dtype::e4m3>, grid, kThreads, 0, stream, out, scale_inv, out_t, scale_inv_t, in,
+                  M, N, margin);
   } else {
-    blocks_kernel<T, Fp8Dtype::e5m2><<<grid, kThreads, 0, stream>>>(out, scale_inv, out_t, scale_inv_t, in, M, N,
-                                                                    margin);
+    launch_kernel(blocks_kernel<T, Fp8Dtype::e5m2>, grid, kThreads, 0, stream, out, scale_inv, out_t, scale_inv_t, in,
+                  M, N, margin);
   }
-  CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "core/device_helpers.cuh"
 #include "core/error.h"
 #include "core/fp8_stats.cuh"
+#include "core/launch.cuh"
 #include "core/scaling.h"
 
 namespace fp8lm::cuda {
@@ -83,7 +84,8 @@ template <typename T, Fp8Dtype kDtype, bool kStats = false>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ partial,
                           float* amax, const T* __restrict__ in, const float* __restrict__ scale_pointer, int M,
-                          int N, bool vec_in, bool vec_out, bool vec_t, Fp8CastCounts* counts = nullptr) {
+                          int N, bool vec_in, bool vec_out, bool vec_t, Fp8CastCounts* counts) {
+  device::start_after_previous_kernel();
   constexpr int kVec = 16 / sizeof(T);             // 8 (bf16) or 4 (float)
   constexpr int kThreadsPerRow = kTile / kVec;     // 8 or 16
   constexpr int kLanes = kThreads / kThreadsPerRow;  // 32 or 16 rows at a time
@@ -175,9 +177,8 @@ __global__ void __launch_bounds__(kThreads)
 // or BF16 gradient. One run of adds a column, even with 32 loads in flight, cost 8-15 us a
 // call at gpt2-1558m's 128 tiles and 34 us at gpt2-124m's 512 (call 79): too few threads.
 void launch_add_column_partials(GradientRef out, const float* partial, int tiles, int N, cudaStream_t stream) {
-  device::add_column_sums_kernel<<<(N + 31) / 32, dim3(32, 8), 0, stream>>>(out, GradientRef{}, N, partial, tiles,
-                                                                          N);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(device::add_column_sums_kernel, (N + 31) / 32, dim3(32, 8), 0, stream, out, GradientRef{}, N, partial,
+                tiles, N);
 }
 
 // ---- FP8 byte transpose ----------------------------------------------------------------
@@ -185,6 +186,7 @@ void launch_add_column_partials(GradientRef out, const float* partial, int tiles
 __global__ void __launch_bounds__(kThreads) transpose_fp8_kernel(uint8_t* __restrict__ out,
                                                                  const uint8_t* __restrict__ in, int M, int N,
                                                                  bool vec_in, bool vec_t) {
+  device::start_after_previous_kernel();
   __shared__ device::ByteTile tile;
   const int row0 = blockIdx.y * kTile;
   const int col0 = blockIdx.x * kTile;
@@ -218,7 +220,8 @@ template <typename T, Fp8Dtype kDtype, bool kCast, bool kStats = false>
 __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ out, float* amax,
                                                         const T* __restrict__ in,
                                                         const float* __restrict__ scale_pointer, size_t n,
-                                                        bool vec_in, bool vec_out, Fp8CastCounts* counts = nullptr) {
+                                                        bool vec_in, bool vec_out, Fp8CastCounts* counts) {
+  device::start_after_previous_kernel();
   const float scale = (kCast || kStats) ? *scale_pointer : 1.0f;
   const size_t chunks = (n + kChunk - 1) / kChunk;
   int local_amax = 0;
@@ -265,11 +268,13 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(uint8_t* __restrict__ ou
 }
 
 __global__ void raise_amax_kernel(float* amax, const float* value) {
+  device::start_after_previous_kernel();
   const float v = fabsf(*value);
   atomicMax(reinterpret_cast<unsigned*>(amax), isnan(v) ? 0x7FC00000u : __float_as_uint(v));
 }
 
 __global__ void current_scale_kernel(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin) {
+  device::start_after_previous_kernel();
   const float s = compute_scale(*amax, fp8_max, margin, *scale);
   *scale = s;
   *scale_inv = 1.0f / s;
@@ -299,14 +304,14 @@ void launch_cast_transpose(uint8_t* out, uint8_t* out_t, GradientRef dbias, floa
   float* partial = dbias ? scratch : nullptr;
   // Without statistics, the very kernel the casts always ran (kStats = false).
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, stream>>>(out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t, counts);
+    launch_kernel(kernel, grid, kThreads, 0, stream, out, out_t, partial, amax, in, scale, M, N, vec_in, vec_out, vec_t,
+                  counts);
   };
   if (dtype == Fp8Dtype::e4m3) {
     counts ? launch(cast_transpose_kernel<T, Fp8Dtype::e4m3, true>) : launch(cast_transpose_kernel<T, Fp8Dtype::e4m3>);
   } else {
     counts ? launch(cast_transpose_kernel<T, Fp8Dtype::e5m2, true>) : launch(cast_transpose_kernel<T, Fp8Dtype::e5m2>);
   }
-  CUDA_CHECK_LAUNCH();
   if (dbias) launch_add_column_partials(dbias, scratch, static_cast<int>(grid.y), N, stream);
 }
 
@@ -321,9 +326,8 @@ void launch_amax(float* amax, const T* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   FP8LM_CHECK(amax != nullptr && in != nullptr, "amax_of needs amax and in");
   const bool vec_in = aligned(in, 16);
-  cast_kernel<T, Fp8Dtype::e4m3, false>
-      <<<elementwise_blocks(n), kThreads, 0, stream>>>(nullptr, amax, in, nullptr, n, vec_in, false);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(cast_kernel<T, Fp8Dtype::e4m3, false>, elementwise_blocks(n), kThreads, 0, stream, nullptr, amax, in,
+                nullptr, n, vec_in, false, /*counts=*/nullptr);
 }
 
 template <typename T>
@@ -335,14 +339,13 @@ void launch_cast(uint8_t* out, float* amax, const T* in, const float* scale, Fp8
   const bool vec_out = aligned(out, kChunk);
   const int blocks = elementwise_blocks(n);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, kThreads, 0, stream>>>(out, amax, in, scale, n, vec_in, vec_out, counts);
+    launch_kernel(kernel, blocks, kThreads, 0, stream, out, amax, in, scale, n, vec_in, vec_out, counts);
   };
   if (dtype == Fp8Dtype::e4m3) {
     counts ? launch(cast_kernel<T, Fp8Dtype::e4m3, true, true>) : launch(cast_kernel<T, Fp8Dtype::e4m3, true>);
   } else {
     counts ? launch(cast_kernel<T, Fp8Dtype::e5m2, true, true>) : launch(cast_kernel<T, Fp8Dtype::e5m2, true>);
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 // The statistics of casting in [n] with *scale, without writing the codes.
@@ -354,13 +357,12 @@ void launch_count(Fp8CastCounts* counts, const T* in, const float* scale, Fp8Dty
   const bool vec_in = aligned(in, 16);
   const int blocks = elementwise_blocks(n);
   if (dtype == Fp8Dtype::e4m3) {
-    cast_kernel<T, Fp8Dtype::e4m3, false, true>
-        <<<blocks, kThreads, 0, stream>>>(nullptr, nullptr, in, scale, n, vec_in, false, counts);
+    launch_kernel(cast_kernel<T, Fp8Dtype::e4m3, false, true>, blocks, kThreads, 0, stream, nullptr, nullptr, in, scale,
+                  n, vec_in, false, counts);
   } else {
-    cast_kernel<T, Fp8Dtype::e5m2, false, true>
-        <<<blocks, kThreads, 0, stream>>>(nullptr, nullptr, in, scale, n, vec_in, false, counts);
+    launch_kernel(cast_kernel<T, Fp8Dtype::e5m2, false, true>, blocks, kThreads, 0, stream, nullptr, nullptr, in, scale,
+                  n, vec_in, false, counts);
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -383,8 +385,7 @@ void transpose_fp8(uint8_t* out, const uint8_t* in, int M, int N, cudaStream_t s
   FP8LM_CHECK(out != nullptr && in != nullptr, "transpose_fp8 needs out and in");
   const bool vec_in = N % 16 == 0 && aligned(in, 16);
   const bool vec_t = M % 16 == 0 && aligned(out, 16);
-  transpose_fp8_kernel<<<tile_grid(M, N), kThreads, 0, stream>>>(out, in, M, N, vec_in, vec_t);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(transpose_fp8_kernel, tile_grid(M, N), kThreads, 0, stream, out, in, M, N, vec_in, vec_t);
 }
 
 void amax_of(float* amax, const __nv_bfloat16* in, size_t n, cudaStream_t stream) { launch_amax(amax, in, n, stream); }
@@ -410,9 +411,9 @@ void column_sum(GradientRef out, const __nv_bfloat16* in, int M, int N, float* s
   FP8LM_CHECK(out && in != nullptr && scratch != nullptr, "column_sum needs out, in and scratch");
   const dim3 grid = tile_grid(M, N);
   const bool vec_in = N % 8 == 0 && aligned(in, 16);
-  cast_transpose_kernel<__nv_bfloat16, Fp8Dtype::e4m3>
-      <<<grid, kThreads, 0, stream>>>(nullptr, nullptr, scratch, nullptr, in, nullptr, M, N, vec_in, false, false);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(cast_transpose_kernel<__nv_bfloat16, Fp8Dtype::e4m3>, grid, kThreads, 0, stream, nullptr, nullptr,
+                scratch, nullptr, in, nullptr, M, N, vec_in, false, false,
+                /*counts=*/nullptr);
   launch_add_column_partials(out, scratch, static_cast<int>(grid.y), N, stream);
 }
 
@@ -425,16 +426,14 @@ void add_column_partials(GradientRef out, const float* partial, int tiles, int N
 
 void raise_amax(float* amax, const float* value, cudaStream_t stream) {
   FP8LM_CHECK(amax != nullptr && value != nullptr, "raise_amax needs amax and value");
-  raise_amax_kernel<<<1, 1, 0, stream>>>(amax, value);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(raise_amax_kernel, 1, 1, 0, stream, amax, value);
 }
 
 void compute_current_scale(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin,
                            cudaStream_t stream) {
   FP8LM_CHECK(scale != nullptr && scale_inv != nullptr && amax != nullptr, "compute_current_scale needs pointers");
   FP8LM_CHECK(margin >= 0 && margin <= kMaxFp8Margin, "margin ", margin);
-  current_scale_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, amax, fp8_max, margin);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(current_scale_kernel, 1, 1, 0, stream, scale, scale_inv, amax, fp8_max, margin);
 }
 
 }  // namespace fp8lm::cuda

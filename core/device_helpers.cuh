@@ -10,6 +10,7 @@
 #include <cuda_fp8.h>
 
 #include "core/gradient_ref.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda::device {
 
@@ -207,6 +208,7 @@ namespace {
 __global__ void __launch_bounds__(256) add_column_sums_kernel(GradientRef dst_lo, GradientRef dst_hi,
                                                               int split, const float* __restrict__ partials,
                                                               int rows, int cols) {
+  device::start_after_previous_kernel();
   __shared__ float sums[8][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int col = blockIdx.x * 32 + tx;

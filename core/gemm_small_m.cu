@@ -9,6 +9,7 @@
 
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -87,6 +88,7 @@ __global__ void __launch_bounds__(kThreads)
                         const typename Format::Storage* __restrict__ B, const bf16* __restrict__ C,
                         const bf16* __restrict__ bias, const float* __restrict__ a_scale_inv,
                         const float* __restrict__ b_scale_inv, float alpha, float beta, int M, int N, int K) {
+  device::start_after_previous_kernel();
   constexpr int kPer = Format::kValuesPerPiece;
   using Storage = typename Format::Storage;
   const int pieces = K / kPer;
@@ -184,11 +186,10 @@ void launch(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream) {
   using Storage = typename Format::Storage;
   const int blocks = (desc.N + kRowsPerBlock - 1) / kRowsPerBlock;
   auto run = [&](auto kernel) {
-    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<bf16*>(args.D), static_cast<const Storage*>(args.A),
-                                            static_cast<const Storage*>(args.B), static_cast<const bf16*>(args.C),
-                                            static_cast<const bf16*>(args.bias), args.a_scale_inv, args.b_scale_inv,
-                                            args.alpha, args.beta, desc.M, desc.N, desc.K);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<bf16*>(args.D), static_cast<const Storage*>(args.A),
+                  static_cast<const Storage*>(args.B), static_cast<const bf16*>(args.C),
+                  static_cast<const bf16*>(args.bias), args.a_scale_inv, args.b_scale_inv, args.alpha, args.beta,
+                  desc.M, desc.N, desc.K);
   };
   static_assert(kSmallMMaxRows == 8, "the instantiations below cover M in [1, 8]");
   if (desc.M == 1) return run(gemm_small_m_kernel<Format, 1>);

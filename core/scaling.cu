@@ -3,6 +3,7 @@
 
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 namespace {
@@ -16,6 +17,7 @@ __global__ void __launch_bounds__(kThreads)
     update_delayed_scales_kernel(float* __restrict__ history, float* __restrict__ scale,
                                  float* __restrict__ scale_inv, const float* __restrict__ format_max, int S, int L,
                                  AmaxComputeAlgo algo, int margin, const int* __restrict__ skip, int scale_inv_stride) {
+  device::start_after_previous_kernel();
   extern __shared__ float window[];  // [L]
   if (skip != nullptr && *skip) {  // a skipped step: forget its amaxes, keep every scale
     if (threadIdx.x == 0) history[blockIdx.x] = 0.0f;
@@ -63,6 +65,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void discard_current_amaxes_kernel(float* history, int S, int L, const int* only_if) {
+  device::start_after_previous_kernel();
   if (only_if != nullptr && !*only_if) return;
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s < S) history[s] = 0.0f;  // row 0 of [L, S]
@@ -70,6 +73,7 @@ __global__ void discard_current_amaxes_kernel(float* history, int S, int L, cons
 
 __global__ void current_scale_and_record_kernel(float* scale, float* scale_inv, float* history_slot,
                                                 const float* tensor_amax, float fp8_max, int margin) {
+  device::start_after_previous_kernel();
   const float amax = *tensor_amax;
   const float new_scale = compute_scale(amax, fp8_max, margin, *scale);
   *scale = new_scale;
@@ -101,23 +105,22 @@ void update_delayed_scales(float* history, float* scale, float* scale_inv, const
     CUDA_CHECK(cudaFuncSetAttribute(update_delayed_scales_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   }
-  update_delayed_scales_kernel<<<S, kThreads, smem, stream>>>(history, scale, scale_inv, format_max, S, L, algo, margin,
-                                                                 skip, scale_inv_stride);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(update_delayed_scales_kernel, S, kThreads, smem, stream, history, scale, scale_inv, format_max, S, L,
+                algo, margin, skip, scale_inv_stride);
 }
 
 void discard_current_amaxes(float* history, int S, int L, cudaStream_t stream, const int* only_if) {
   FP8LM_CHECK(S >= 0 && L >= 1, "discard_current_amaxes: S=", S, " L=", L);
   if (S == 0) return;
   FP8LM_CHECK(history != nullptr, "discard_current_amaxes needs history");
-  discard_current_amaxes_kernel<<<(S + kThreads - 1) / kThreads, kThreads, 0, stream>>>(history, S, L, only_if);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(discard_current_amaxes_kernel, (S + kThreads - 1) / kThreads, kThreads, 0, stream, history, S, L,
+                only_if);
 }
 
 void current_scale_and_record(float* scale, float* scale_inv, float* history_slot, const float* tensor_amax,
                               float fp8_max, int margin, cudaStream_t stream) {
-  current_scale_and_record_kernel<<<1, 1, 0, stream>>>(scale, scale_inv, history_slot, tensor_amax, fp8_max, margin);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(current_scale_and_record_kernel, 1, 1, 0, stream, scale, scale_inv, history_slot, tensor_amax, fp8_max,
+                margin);
 }
 
 }  // namespace fp8lm::cuda

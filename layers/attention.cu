@@ -44,6 +44,7 @@
 #include "core/cast_cuda.h"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 #include "layers/attention.h"
 #include "layers/attention_backward_dkdv.cuh"
 #include "layers/attention_backward_dq.cuh"
@@ -66,6 +67,7 @@ template <int HS>
 __global__ void __launch_bounds__(256)
     attention_backward_dot_kernel(float* __restrict__ D, const bf16* __restrict__ dout, const bf16* __restrict__ out,
                                   int rows, int T, int C, int NH) {
+  device::start_after_previous_kernel();
   constexpr int G = HS / 8;  // lanes per row: 4, 8 or 16
   const int gid = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = gid / G;  // (b*T + t)*NH + h
@@ -127,9 +129,8 @@ void launch_forward(bf16* out, float* lse, uint8_t* out_fp8, float* out_amax, co
   set_smem(kernel, Cfg::smem_bytes);
   const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
   const float sl2 = kLog2e / sqrtf(static_cast<float>(HS));
-  kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, T, C, NH,
-                                                      sl2);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, T,
+                C, NH, sl2);
 }
 
 template <int HS>
@@ -142,16 +143,14 @@ void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float*
     auto kernel = attention_backward_dkdv_kernel<HS>;
     set_smem(kernel, Cfg::smem_bytes);
     const dim3 grid((T + Cfg::BK - 1) / Cfg::BK, NH, B);
-    kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
   }
   {
     using Cfg = DqConfig<HS>;
     auto kernel = attention_backward_dq_kernel<HS>;
     set_smem(kernel, Cfg::smem_bytes);
     const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
-    kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
   }
 }
 
@@ -162,9 +161,8 @@ void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_am
   set_smem(attention_forward_wgmma_kernel, Cfg::smem_bytes);
   const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
   const float sl2 = kLog2e / sqrtf(static_cast<float>(Cfg::HS));
-  attention_forward_wgmma_kernel<<<grid, kThreads, Cfg::smem_bytes, stream>>>(out, lse, out_fp8, out_amax, out_scale,
-                                                                              e5m2, qkv, T, C, NH, sl2);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(attention_forward_wgmma_kernel, grid, kThreads, Cfg::smem_bytes, stream, out, lse, out_fp8, out_amax,
+                out_scale, e5m2, qkv, T, C, NH, sl2);
 }
 
 // Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma. With
@@ -180,12 +178,11 @@ void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const b
   const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
   auto launch = [&](auto dkdv_kernel, auto dq_kernel, const DqkvOperandTarget& target) {
     set_smem(dkdv_kernel, Cfg::dkdv_smem_bytes);
-    dkdv_kernel<<<grid, kThreads, Cfg::dkdv_smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2,
-                                                                 scale);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(dkdv_kernel, grid, kThreads, Cfg::dkdv_smem_bytes, stream, dqkv, target, dout, qkv, lse, D, T, C, NH,
+                  sl2, scale);
     set_smem(dq_kernel, Cfg::dq_smem_bytes);
-    dq_kernel<<<grid, kThreads, Cfg::dq_smem_bytes, stream>>>(dqkv, target, dout, qkv, lse, D, T, C, NH, sl2, scale);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(dq_kernel, grid, kThreads, Cfg::dq_smem_bytes, stream, dqkv, target, dout, qkv, lse, D, T, C, NH, sl2,
+                  scale);
   };
   if (operand != nullptr) {
     launch(attention_backward_dkdv_wgmma_kernel<true>, attention_backward_dq_wgmma_kernel<true>, *operand);
@@ -251,11 +248,16 @@ void row_dots(float* D, const __nv_bfloat16* dout, const __nv_bfloat16* out, int
   const int blocks = static_cast<int>((rows * (HS / 8) + threads - 1) / threads);
   const int r = static_cast<int>(rows);
   switch (HS) {
-    case 32: attention_backward_dot_kernel<32><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
-    case 64: attention_backward_dot_kernel<64><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
-    default: attention_backward_dot_kernel<128><<<blocks, threads, 0, stream>>>(D, dout, out, r, T, C, NH); break;
+    case 32:
+      launch_kernel(attention_backward_dot_kernel<32>, blocks, threads, 0, stream, D, dout, out, r, T, C, NH);
+      break;
+    case 64:
+      launch_kernel(attention_backward_dot_kernel<64>, blocks, threads, 0, stream, D, dout, out, r, T, C, NH);
+      break;
+    default:
+      launch_kernel(attention_backward_dot_kernel<128>, blocks, threads, 0, stream, D, dout, out, r, T, C, NH);
+      break;
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 void check_backward_inputs(const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const __nv_bfloat16* out,

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/launch.cuh"
 #include "layers/attention_tiles.cuh"
 
 namespace fp8lm::cuda {
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
                                    const bf16* __restrict__ qkv, const float* __restrict__ lse,
                                    const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+  device::start_after_previous_kernel();
   using Cfg = DkDvConfig<HS>;
   constexpr int LD = Cfg::LD, BK = Cfg::BK, BQ = Cfg::BQ;
   constexpr int KT = HS / 16;  // k-steps over the head dim

@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/launch.cuh"
 #include "layers/attention_tiles.cuh"
 
 namespace fp8lm::cuda {
@@ -39,6 +40,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                  const float* __restrict__ lse, const float* __restrict__ D, int T, int C, int NH,
                                  float sl2, float scale) {
+  device::start_after_previous_kernel();
   using Cfg = DqConfig<HS>;
   constexpr int LD = Cfg::LD, BR = Cfg::BR, BC = Cfg::BC;
   constexpr int KT = HS / 16;

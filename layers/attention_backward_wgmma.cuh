@@ -32,6 +32,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/launch.cuh"
 #include "layers/attention_dqkv_operand.cuh"
 #include "layers/attention_tiles.cuh"
 #include "layers/attention_wgmma.cuh"
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(kThreads, 3)
                                          const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                          const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
                                          int NH, float sl2, float scale) {
+  device::start_after_previous_kernel();
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BK = Cfg::BLOCK, BQ = Cfg::TILE;
 
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(kThreads, 4)
                                        const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                        const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
                                        int NH, float sl2, float scale) {
+  device::start_after_previous_kernel();
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BR = Cfg::BLOCK, BC = Cfg::TILE;
 

@@ -25,6 +25,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "core/launch.cuh"
 #include "layers/attention_tiles.cuh"
 
 namespace fp8lm::cuda {
@@ -109,6 +110,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, uint8_t* __restrict__ out_fp8,
                              float* __restrict__ out_amax, const float* __restrict__ out_scale, bool e5m2,
                              const bf16* __restrict__ qkv, int T, int C, int NH, float sl2) {
+  device::start_after_previous_kernel();
   using Cfg = ForwardConfig<HS, MT>;
   constexpr int LD = Cfg::LD, BR = Cfg::BR, BC = Cfg::BC;
   constexpr int KT = HS / 16;  // k-steps over the head dim (S = Q K^T)

@@ -23,6 +23,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "core/launch.cuh"
 #include "layers/attention_forward.cuh"
 #include "layers/attention_tiles.cuh"
 #include "layers/attention_wgmma.cuh"
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_forward_wgmma_kernel(bf16* __restrict__ out, float* __restrict__ lse, uint8_t* __restrict__ out_fp8,
                                    float* __restrict__ out_amax, const float* __restrict__ out_scale, bool e5m2,
                                    const bf16* __restrict__ qkv, int T, int C, int NH, float sl2) {
+  device::start_after_previous_kernel();
   using Cfg = ForwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BR = Cfg::BR, BC = Cfg::BC;
   constexpr int NT = HS / 8;  // n-tiles over the head dim (O)

@@ -27,6 +27,7 @@
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -174,6 +175,7 @@ template <bool kStaged>
 __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
                          int V, int Vp, float dloss) {
+  device::start_after_previous_kernel();
   extern __shared__ uint4 staged_row[];
   __shared__ float row_lse;
   const int tid = threadIdx.x;
@@ -212,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
 __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_partials_kernel(float* __restrict__ partials, const bf16* __restrict__ logits,
                                   const int32_t* __restrict__ targets, int V, int Vs, int vocab_begin) {
+  device::start_after_previous_kernel();
   const bf16* row = logits + static_cast<size_t>(blockIdx.x) * Vs;
   // Real columns of the slice: its first min(max(V - vocab_begin, 0), Vs). With one rank this
   // is V, the fused kernel's bound.
@@ -235,6 +238,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_finish_kernel(bf16* __restrict__ logits, float* __restrict__ losses,
                                 const float* __restrict__ all_partials, const int32_t* __restrict__ targets, int N,
                                 int V, int Vs, int vocab_begin, int R, float dloss) {
+  device::start_after_previous_kernel();
   __shared__ float row_lse;
   const int i = blockIdx.x;
   const int target = targets[i];
@@ -262,6 +266,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
 
 // *total += sum(losses): each thread sums a fixed strided subset in order, then a fixed tree.
 __global__ void __launch_bounds__(kSumThreads) sum_losses_kernel(float* total, const float* __restrict__ losses, int N) {
+  device::start_after_previous_kernel();
   __shared__ float partial[kSumThreads];
   const int tid = threadIdx.x;
   float sum = 0.0f;
@@ -297,11 +302,10 @@ void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* 
       return true;
     }();
     (void)opted_in;
-    cross_entropy_kernel<true><<<N, kThreads, row_bytes, stream>>>(logits, losses, targets, V, Vp, dloss);
+    launch_kernel(cross_entropy_kernel<true>, N, kThreads, row_bytes, stream, logits, losses, targets, V, Vp, dloss);
   } else {
-    cross_entropy_kernel<false><<<N, kThreads, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
+    launch_kernel(cross_entropy_kernel<false>, N, kThreads, 0, stream, logits, losses, targets, V, Vp, dloss);
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 namespace {
@@ -323,8 +327,7 @@ void cross_entropy_partials(float* partials, const bf16* logits, const int32_t* 
   if (N == 0) return;
   FP8LM_CHECK(partials != nullptr && logits != nullptr && targets != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
-  cross_entropy_partials_kernel<<<N, kThreads, 0, stream>>>(partials, logits, targets, V, Vs, vocab_begin);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(cross_entropy_partials_kernel, N, kThreads, 0, stream, partials, logits, targets, V, Vs, vocab_begin);
 }
 
 void cross_entropy_finish(bf16* logits, float* losses, const float* all_partials, const int32_t* targets, int N,
@@ -339,16 +342,14 @@ void cross_entropy_finish(bf16* logits, float* losses, const float* all_partials
   FP8LM_CHECK(logits != nullptr && losses != nullptr && all_partials != nullptr && targets != nullptr, what,
               ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
-  cross_entropy_finish_kernel<<<N, kThreads, 0, stream>>>(logits, losses, all_partials, targets, N, V, Vs,
-                                                          vocab_begin, R, dloss);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(cross_entropy_finish_kernel, N, kThreads, 0, stream, logits, losses, all_partials, targets, N, V, Vs,
+                vocab_begin, R, dloss);
 }
 
 void sum_losses(float* total, const float* losses, int N, cudaStream_t stream) {
   FP8LM_CHECK(N >= 0, "sum_losses: N must be >= 0, got ", N);
   FP8LM_CHECK(total != nullptr && (N == 0 || losses != nullptr), "sum_losses: null pointer");
-  sum_losses_kernel<<<1, kSumThreads, 0, stream>>>(total, losses, N);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(sum_losses_kernel, 1, kSumThreads, 0, stream, total, losses, N);
 }
 
 }  // namespace fp8lm::cuda

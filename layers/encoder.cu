@@ -17,6 +17,7 @@
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -34,6 +35,7 @@ constexpr int kBackwardThreads = 32;  // one warp per block: 32 chunks of 8 colu
 __global__ void __launch_bounds__(kForwardThreads)
     embedding_lookup_kernel(float* __restrict__ out, const int32_t* __restrict__ tokens, const bf16* __restrict__ wte,
                             int vocab_begin, int vocab_count, int C, size_t total_chunks) {
+  device::start_after_previous_kernel();
   const size_t chunks_per_row = static_cast<size_t>(C / 8);
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total_chunks;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -58,6 +60,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     add_position_embedding_kernel(bf16* __restrict__ out, const float* __restrict__ token_embeddings,
                                   const bf16* __restrict__ wpe, int first_row, int T, int C, size_t total_chunks,
                                   const int32_t* stored_wpe_row) {
+  device::start_after_previous_kernel();
   if (stored_wpe_row) wpe += static_cast<size_t>(*stored_wpe_row) * C;
   const size_t chunks_per_row = static_cast<size_t>(C / 8);
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total_chunks;
@@ -81,6 +84,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
     embedding_lookup_backward_kernel(GradientRef dwte, const bf16* __restrict__ dout,
                                      const int32_t* __restrict__ unique_tokens, const int32_t* __restrict__ offsets,
                                      const int32_t* __restrict__ positions, int C) {
+  device::start_after_previous_kernel();
   const int col = (blockIdx.y * kBackwardThreads + threadIdx.x) * 8;
   if (col >= C) return;
   float acc[8];
@@ -103,6 +107,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
 __global__ void __launch_bounds__(kBackwardThreads)
     position_embedding_backward_kernel(GradientRef dwpe, const bf16* __restrict__ dout, int first_row, int T,
                                        int N, int C) {
+  device::start_after_previous_kernel();
   const int col = (blockIdx.y * kBackwardThreads + threadIdx.x) * 8;
   if (col >= C) return;
   const int t = blockIdx.x;
@@ -147,9 +152,8 @@ void embedding_lookup(float* out, const int32_t* tokens, const bf16* wte, int vo
   FP8LM_CHECK(aligned(out, 16) && aligned(wte, 16), what, ": out and wte must be 16-byte aligned");
   const size_t total_chunks = static_cast<size_t>(N) * (C / 8);
   if (total_chunks == 0) return;
-  embedding_lookup_kernel<<<forward_blocks(total_chunks), kForwardThreads, 0, stream>>>(out, tokens, wte, vocab_begin,
-                                                                                        vocab_count, C, total_chunks);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(embedding_lookup_kernel, forward_blocks(total_chunks), kForwardThreads, 0, stream, out, tokens, wte,
+                vocab_begin, vocab_count, C, total_chunks);
 }
 
 void add_position_embedding(bf16* out, const float* token_embeddings, const bf16* wpe, int first_row, int T, int N,
@@ -162,9 +166,8 @@ void add_position_embedding(bf16* out, const float* token_embeddings, const bf16
               ": out, token_embeddings and wpe must be 16-byte aligned");
   const size_t total_chunks = static_cast<size_t>(N) * (C / 8);
   if (total_chunks == 0) return;
-  add_position_embedding_kernel<<<forward_blocks(total_chunks), kForwardThreads, 0, stream>>>(
-      out, token_embeddings, wpe, first_row, T, C, total_chunks, stored_wpe_row);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(add_position_embedding_kernel, forward_blocks(total_chunks), kForwardThreads, 0, stream, out,
+                token_embeddings, wpe, first_row, T, C, total_chunks, stored_wpe_row);
 }
 
 void embedding_lookup_backward(GradientRef dwte, const bf16* dout, const int32_t* unique_tokens, const int32_t* offsets,
@@ -177,9 +180,8 @@ void embedding_lookup_backward(GradientRef dwte, const bf16* dout, const int32_t
               what, ": null pointer");
   FP8LM_CHECK(aligned(dwte.data, 16) && aligned(dout, 16), what, ": dwte and dout must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(num_unique), column_blocks(C, what));
-  embedding_lookup_backward_kernel<<<grid, kBackwardThreads, 0, stream>>>(dwte, dout, unique_tokens, offsets,
-                                                                          positions, C);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(embedding_lookup_backward_kernel, grid, kBackwardThreads, 0, stream, dwte, dout, unique_tokens, offsets,
+                positions, C);
 }
 
 void position_embedding_backward(GradientRef dwpe, const bf16* dout, int first_row, int T, int N, int C,
@@ -191,8 +193,7 @@ void position_embedding_backward(GradientRef dwpe, const bf16* dout, int first_r
   FP8LM_CHECK(dwpe && dout != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(dwpe.data, 16) && aligned(dout, 16), what, ": dwpe and dout must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(T), column_blocks(C, what));
-  position_embedding_backward_kernel<<<grid, kBackwardThreads, 0, stream>>>(dwpe, dout, first_row, T, N, C);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(position_embedding_backward_kernel, grid, kBackwardThreads, 0, stream, dwpe, dout, first_row, T, N, C);
 }
 
 }  // namespace fp8lm::cuda

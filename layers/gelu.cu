@@ -22,6 +22,7 @@
 #include "core/check_cuda.h"
 #include "core/error.h"
 #include "core/fp8_stats.cuh"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     bias_gelu_forward_kernel(bf16* __restrict__ out_bf16, uint8_t* __restrict__ out_fp8, float* amax,
                              const float* __restrict__ scale, __nv_fp8_interpretation_t interp, bf16* __restrict__ pre,
                              const bf16* __restrict__ bias, int M, int F, Fp8CastCounts* counts) {
+  device::start_after_previous_kernel();
   static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   const size_t chunks_per_row = static_cast<size_t>(F / 8);
   const size_t total = static_cast<size_t>(M) * chunks_per_row;
@@ -119,6 +121,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 __global__ void __launch_bounds__(kForwardThreads)
     count_gelu_fp8_cast_kernel(Fp8CastCounts* counts, const float* __restrict__ scale,
                                __nv_fp8_interpretation_t interp, const bf16* __restrict__ pre, size_t chunks) {
+  device::start_after_previous_kernel();
   const float s = *scale;
   Fp8CastTally tally;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
@@ -172,6 +175,7 @@ __global__ void __launch_bounds__(kTileThreads)
                               __nv_fp8_interpretation_t interp, const bf16* dout, const bf16* __restrict__ pre, int M,
                               int F, Fp8CastCounts* counts, uint8_t* __restrict__ gelu_t,
                               const float* __restrict__ gelu_scale, __nv_fp8_interpretation_t gelu_interp) {
+  device::start_after_previous_kernel();
   static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   static_assert(kFp8 || !kRecompute, "the recomputed output is the FP8 path's");
   __shared__ float column_sums[32][kTile];               // [row group][tile column]
@@ -261,6 +265,7 @@ __global__ void __launch_bounds__(kTileThreads)
 __global__ void __launch_bounds__(kTileThreads)
     gelu_recompute_transposed_kernel(uint8_t* __restrict__ gelu_t, const float* __restrict__ scale,
                                      __nv_fp8_interpretation_t interp, const bf16* __restrict__ pre, int M, int F) {
+  device::start_after_previous_kernel();
   __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];
   const int tid = threadIdx.x;
   const int chunk = tid % 8, row_group = tid / 8;
@@ -320,9 +325,8 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   if (M == 0) return;
   const size_t total = static_cast<size_t>(M) * (F / 8);
   const int blocks = static_cast<int>(std::min<size_t>((total + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
-  bias_gelu_forward_kernel<kFp8, kStats><<<blocks, kForwardThreads, 0, stream>>>(
-      out_bf16, out_fp8, amax, scale, interpretation(dtype), pre, bias, M, F, counts);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(bias_gelu_forward_kernel<kFp8, kStats>, blocks, kForwardThreads, 0, stream, out_bf16, out_fp8, amax,
+                scale, interpretation(dtype), pre, bias, M, F, counts);
 }
 
 template <bool kFp8, bool kStats = false, bool kRecompute = false>
@@ -351,12 +355,11 @@ void launch_backward(uint8_t* dpre_fp8, uint8_t* dpre_t, bf16* dpre_bf16, Gradie
   if (M == 0) return;
   const int row_tiles = (M + kTile - 1) / kTile;
   const dim3 grid((F + kTile - 1) / kTile, row_tiles);
-  gelu_backward_tile_kernel<kFp8, kStats, kRecompute><<<grid, kTileThreads, 0, stream>>>(
-      dpre_fp8, dpre_t, dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts,
-      recomputed.codes_t, recomputed.scale, interpretation(recomputed.dtype));
-  CUDA_CHECK_LAUNCH();
-  add_column_sums_kernel<<<(F + 31) / 32, dim3(32, 8), 0, stream>>>(dbias, GradientRef{}, F, scratch, row_tiles, F);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(gelu_backward_tile_kernel<kFp8, kStats, kRecompute>, grid, kTileThreads, 0, stream, dpre_fp8, dpre_t,
+                dpre_bf16, scratch, amax, scale, interpretation(dtype), dout, pre, M, F, counts, recomputed.codes_t,
+                recomputed.scale, interpretation(recomputed.dtype));
+  launch_kernel(add_column_sums_kernel, (F + 31) / 32, dim3(32, 8), 0, stream, dbias, GradientRef{}, F, scratch,
+                row_tiles, F);
 }
 
 }  // namespace
@@ -376,8 +379,8 @@ void count_gelu_fp8_cast(Fp8CastCounts* counts, const bf16* pre, const float* sc
   if (M == 0) return;
   const size_t chunks = static_cast<size_t>(M) * (F / 8);
   const int blocks = static_cast<int>(std::min<size_t>((chunks + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
-  count_gelu_fp8_cast_kernel<<<blocks, kForwardThreads, 0, stream>>>(counts, scale, interpretation(dtype), pre, chunks);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(count_gelu_fp8_cast_kernel, blocks, kForwardThreads, 0, stream, counts, scale, interpretation(dtype),
+                pre, chunks);
 }
 
 void bias_gelu_forward_bf16(bf16* out, bf16* pre, const bf16* bias, int M, int F, cudaStream_t stream) {
@@ -415,9 +418,8 @@ void gelu_recompute_transposed_fp8(GeluRecomputedOutput out, const bf16* pre, in
   FP8LM_CHECK(aligned(out.codes_t, 16) && aligned(pre, 16), what, ": codes_t and pre must be 16-byte aligned");
   if (M == 0) return;
   const dim3 grid((F + kTile - 1) / kTile, (M + kTile - 1) / kTile);
-  gelu_recompute_transposed_kernel<<<grid, kTileThreads, 0, stream>>>(out.codes_t, out.scale,
-                                                                       interpretation(out.dtype), pre, M, F);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(gelu_recompute_transposed_kernel, grid, kTileThreads, 0, stream, out.codes_t, out.scale,
+                interpretation(out.dtype), pre, M, F);
 }
 
 void gelu_backward_dbias_bf16(bf16* dpre, GradientRef dbias, const bf16* dout, const bf16* pre, int M, int F,

@@ -22,6 +22,7 @@
 #include "core/check_cuda.h"
 #include "core/device_helpers.cuh"
 #include "core/error.h"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -57,6 +58,7 @@ __device__ __forceinline__ void store_pair(void* base, size_t element, float2 va
 // amaxes[0] = max |k|, amaxes[1] = max |v| over qkv [rows, 3C] (running max on the bits).
 __global__ void __launch_bounds__(kAppendThreads) key_value_amax_kernel(float* amaxes, const bf16* __restrict__ qkv,
                                                                         int64_t rows, int C) {
+  device::start_after_previous_kernel();
   unsigned key_bits = 0, value_bits = 0;
   const int64_t pairs = rows * (C / 2);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(kAppendThreads) key_value_amax_kernel(float* a
 }
 
 __global__ void kv_scales_kernel(float* scales, const float* amaxes) {
+  device::start_after_previous_kernel();
   scales[0] = kv_cache_scale(amaxes[0]);
   scales[1] = kv_cache_scale(amaxes[1]);
 }
@@ -82,6 +85,7 @@ __global__ void __launch_bounds__(kAppendThreads) kv_cache_append_kernel(void* k
                                                                          const bf16* __restrict__ qkv, int B, int n,
                                                                          int C, int capacity, int position,
                                                                          const int32_t* stored_position) {
+  device::start_after_previous_kernel();
   if (stored_position) position = *stored_position;
   const int64_t pairs = int64_t(B) * n * (C / 2);
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -131,6 +135,7 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
                                                                                 bool fp8, const float* scales, int C,
                                                                                 int NH, int capacity, int length,
                                                                                 const int32_t* stored_position) {
+  device::start_after_previous_kernel();
   if (stored_position) length = *stored_position + 1;
   const int split = blockIdx.z, first = split * kDecodeThreads;
   if (first >= length) return;  // beyond the stored length: the combining kernel reads no part of it
@@ -205,6 +210,7 @@ __global__ void attention_decode_combine_kernel(bf16* __restrict__ out, uint8_t*
                                                 const float* __restrict__ partials, const float* scales, bool fp8,
                                                 int C, int NH, int stride, int splits,
                                                 const int32_t* stored_position) {
+  device::start_after_previous_kernel();
   if (stored_position) splits = decode_splits(*stored_position + 1);
   const int h = blockIdx.x, b = blockIdx.y, p = threadIdx.x;
   const int HS = C / NH;
@@ -258,16 +264,13 @@ void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, fl
   if (cache_fp8 && position == 0) {
     CUDA_CHECK(cudaMemsetAsync(scratch, 0, kKvCacheScratchFloats * sizeof(float), stream));
     const int blocks = int(std::min<int64_t>(kAmaxMaxBlocks, (pairs + kAppendThreads - 1) / kAppendThreads));
-    key_value_amax_kernel<<<blocks, kAppendThreads, 0, stream>>>(scratch, qkv, int64_t(B) * n, C);
-    CUDA_CHECK_LAUNCH();
-    kv_scales_kernel<<<1, 1, 0, stream>>>(scales, scratch);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(key_value_amax_kernel, blocks, kAppendThreads, 0, stream, scratch, qkv, int64_t(B) * n, C);
+    launch_kernel(kv_scales_kernel, 1, 1, 0, stream, scales, scratch);
   }
   const int64_t blocks = (pairs + kAppendThreads - 1) / kAppendThreads;
   FP8LM_CHECK(blocks < (int64_t{1} << 31), "kv_cache_append: too many rows");
-  kv_cache_append_kernel<<<unsigned(blocks), kAppendThreads, 0, stream>>>(keys, values, cache_fp8, scales, qkv, B, n,
-                                                                          C, capacity, position, stored_position);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(kv_cache_append_kernel, unsigned(blocks), kAppendThreads, 0, stream, keys, values, cache_fp8, scales,
+                qkv, B, n, C, capacity, position, stored_position);
 }
 
 size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity) {
@@ -291,14 +294,12 @@ void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* 
   const int splits = decode_splits(length);
   const int grid_splits = stored_position ? decode_splits(capacity) : splits;  // the parts' stride too
   const size_t shared_bytes = (size_t(HS) + kDecodeThreads + size_t(groups) * HS) * sizeof(float);
-  attention_decode_split_kernel<<<dim3(unsigned(NH), unsigned(B), unsigned(grid_splits)), kDecodeThreads,
-                                  shared_bytes, stream>>>(scratch, qkv, keys, values, cache_fp8, scales, C, NH,
-                                                          capacity, length, stored_position);
-  CUDA_CHECK_LAUNCH();
-  attention_decode_combine_kernel<<<dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream>>>(
-      out, out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
-      NH, grid_splits, splits, stored_position);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(attention_decode_split_kernel, dim3(unsigned(NH), unsigned(B), unsigned(grid_splits)), kDecodeThreads,
+                shared_bytes, stream, scratch, qkv, keys, values, cache_fp8, scales, C, NH, capacity, length,
+                stored_position);
+  launch_kernel(attention_decode_combine_kernel, dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream, out,
+                out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
+                NH, grid_splits, splits, stored_position);
 }
 
 }  // namespace fp8lm::cuda

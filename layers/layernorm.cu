@@ -31,6 +31,7 @@
 #include "core/check_cuda.h"
 #include "core/error.h"
 #include "core/fp8_stats.cuh"
+#include "core/launch.cuh"
 
 namespace fp8lm::cuda {
 
@@ -98,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
                              float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ inp,
                              ResidualArgs residual, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
                              int N, int C, float eps, Fp8CastCounts* counts) {
+  device::start_after_previous_kernel();
   static_assert(kFp8 || !kStats, "statistics describe FP8 casts");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerBlock + warp;
@@ -214,6 +216,7 @@ __global__ void __launch_bounds__(kThreads)
     layernorm_backward_input_kernel(bf16* __restrict__ dinp, const bf16* __restrict__ dout,
                                     const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                                     const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C) {
+  device::start_after_previous_kernel();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int chunks = C / 8;
   const int total_warps = gridDim.x * kWarpsPerBlock;
@@ -265,6 +268,7 @@ __global__ void __launch_bounds__(kThreads)
     layernorm_backward_params_kernel(float* __restrict__ scratch, const bf16* __restrict__ dout,
                                      const bf16* __restrict__ inp, const float* __restrict__ mean,
                                      const float* __restrict__ rstd, int N, int C, int rows_per_split) {
+  device::start_after_previous_kernel();
   __shared__ float sums[8][4][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int col = blockIdx.x * kParamColumns + 2 * tx;
@@ -315,6 +319,7 @@ __global__ void __launch_bounds__(kThreads)
                               const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                               const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
                               int rows_per_block) {
+  device::start_after_previous_kernel();
   __shared__ float2 warp_row_sums[2][kWarpsPerBlock][kR];  // (sum g, sum g*xhat); two iterations' worth
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -468,9 +473,9 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
   if (N == 0) return;
   const int blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const __nv_fp8_interpretation_t interp = interpretation(dtype);
-#define FP8LM_LN_FORWARD(K)                                                                               \
-  layernorm_forward_kernel<K, kFp8, kResidual, kStats><<<blocks, kThreads, 0, stream>>>(                  \
-      out_bf16, out_fp8, amax, scale, interp, mean, rstd, inp, residual, weight, bias, N, C, eps, counts)
+#define FP8LM_LN_FORWARD(K)                                                                                           \
+  launch_kernel(layernorm_forward_kernel<K, kFp8, kResidual, kStats>, blocks, kThreads, 0, stream, out_bf16, out_fp8, \
+                amax, scale, interp, mean, rstd, inp, residual, weight, bias, N, C, eps, counts)
   switch (chunks_per_lane(C)) {
     case 1: FP8LM_LN_FORWARD(1); break;
     case 2: FP8LM_LN_FORWARD(2); break;
@@ -487,7 +492,6 @@ void launch_forward(bf16* out_bf16, uint8_t* out_fp8, float* amax, const float* 
     default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
   }
 #undef FP8LM_LN_FORWARD
-  CUDA_CHECK_LAUNCH();
 }
 
 // The two-kernel form's grids.
@@ -588,16 +592,16 @@ void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, cons
   const int reduce_blocks = (2 * C + 31) / 32;
   if (one_pass_backward(C)) {
     const int blocks = backward_blocks(N, C);
-    layernorm_backward_kernel<kBackwardRows><<<blocks, 32 * backward_warps(C), 0, stream>>>(
-        dinp, scratch, dout, inp, weight, mean, rstd, N, C, backward_rows_per_block(N, C));
-    CUDA_CHECK_LAUNCH();
-    add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, blocks, 2 * C);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(layernorm_backward_kernel<kBackwardRows>, blocks, 32 * backward_warps(C), 0, stream, dinp, scratch,
+                  dout, inp, weight, mean, rstd, N, C, backward_rows_per_block(N, C));
+    launch_kernel(add_column_sums_kernel, reduce_blocks, reduce_block, 0, stream, dweight, dbias, C, scratch, blocks,
+                  2 * C);
     return;
   }
   const int blocks = input_blocks(N);
-#define FP8LM_LN_BACKWARD(K)                                                                                       \
-  layernorm_backward_input_kernel<K><<<blocks, kThreads, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C)
+#define FP8LM_LN_BACKWARD(K)                                                                                          \
+  launch_kernel(layernorm_backward_input_kernel<K>, blocks, kThreads, 0, stream, dinp, dout, inp, weight, mean, rstd, \
+                N, C)
   switch (chunks_per_lane(C)) {
     case 12: FP8LM_LN_BACKWARD(12); break;
     case 16: FP8LM_LN_BACKWARD(16); break;
@@ -606,14 +610,12 @@ void layernorm_backward(bf16* dinp, GradientRef dweight, GradientRef dbias, cons
     default: FP8LM_CHECK(false, what, ": no kernel for C=", C);
   }
 #undef FP8LM_LN_BACKWARD
-  CUDA_CHECK_LAUNCH();
   const int splits = param_splits(N, C);
   const dim3 param_grid((C + kParamColumns - 1) / kParamColumns, splits);
-  layernorm_backward_params_kernel<<<param_grid, dim3(32, 8), 0, stream>>>(scratch, dout, inp, mean, rstd, N, C,
-                                                                           param_rows_per_split(N, C));
-  CUDA_CHECK_LAUNCH();
-  add_column_sums_kernel<<<reduce_blocks, reduce_block, 0, stream>>>(dweight, dbias, C, scratch, splits, 2 * C);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(layernorm_backward_params_kernel, param_grid, dim3(32, 8), 0, stream, scratch, dout, inp, mean, rstd, N,
+                C, param_rows_per_split(N, C));
+  launch_kernel(add_column_sums_kernel, reduce_blocks, reduce_block, 0, stream, dweight, dbias, C, scratch, splits,
+                2 * C);
 }
 
 }  // namespace fp8lm::cuda

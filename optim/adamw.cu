@@ -38,6 +38,7 @@
 #include "core/device_helpers.cuh"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/launch.cuh"
 #include "optim/grad_clip.h"
 #include "optim/grad_norm.cuh"
 
@@ -190,6 +191,7 @@ __global__ void __launch_bounds__(kThreads)
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                            const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok,
                            double* __restrict__ norm_partial, uint32_t first_chunk) {
+  device::start_after_previous_kernel();
   float grad_scale = 1.0f;
   if constexpr (kMode != Pass1::with_norm) {
     if (control->skip) return;  // uniform over the grid
@@ -263,6 +265,7 @@ __global__ void __launch_bounds__(kThreads)
 // Before Pass1::if_clipped: the amaxes of the pass before the decision zeroed, when it clips.
 __global__ void zero_amaxes_if_clipped_kernel(unsigned* __restrict__ amax_bits, int n,
                                               const StepControl* __restrict__ control) {
+  device::start_after_previous_kernel();
   if (control->skip || control->grad_scale == 1.0f) return;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) amax_bits[i] = 0u;
 }
@@ -274,6 +277,7 @@ __global__ void zero_amaxes_if_clipped_kernel(unsigned* __restrict__ amax_bits, 
 __global__ void __launch_bounds__(kScaleThreads)
     adamw_fp8_scales_kernel(float* __restrict__ m_scales, float* __restrict__ v_scales, float* __restrict__ scratch,
                             int count, float beta1, float beta2, const StepControl* __restrict__ control) {
+  device::start_after_previous_kernel();
   if (control->skip) return;
   const unsigned* amax_bits = reinterpret_cast<const unsigned*>(scratch);
   for (int k = threadIdx.x; k < count; k += kScaleThreads) {
@@ -307,6 +311,7 @@ __global__ void __launch_bounds__(kThreads)
                            const StepControl* __restrict__ control, const float* __restrict__ scratch, bool vec_ok,
                            DeviceWeightCastTable casts, const float* __restrict__ fp8_scales,
                            float* __restrict__ amax_row, const uint64_t* __restrict__ working_offsets) {
+  device::start_after_previous_kernel();
   const bool skip = control->skip != 0;
   if (!kCasts && skip) return;
   const ChunkRange c = chunk_of_block(table);
@@ -402,6 +407,7 @@ __global__ void __launch_bounds__(kThreads)
 // tile row t / 4.
 __global__ void __launch_bounds__(kThreads)
     transpose_weight_codes_kernel(DeviceWeightCastTable casts, uint32_t tiles_per_block) {
+  device::start_after_previous_kernel();
   static_assert(kThreads == 256 && device::kByteTile == 64, "4 threads of 16 bytes per tile row");
   constexpr int kTile = device::kByteTile;
   __shared__ device::ByteTile tile;
@@ -451,6 +457,7 @@ __global__ void __launch_bounds__(kThreads)
                       const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
                       const StepControl* __restrict__ control, bool vec_ok,
                       const uint64_t* __restrict__ working_offsets) {
+  device::start_after_previous_kernel();
   if (control->skip) return;
   __shared__ float bias_corrections[2];
   if (threadIdx.x == 0) {
@@ -506,6 +513,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void bias_corrections_kernel(float* out, const long long* steps, int n, float beta1, float beta2) {
+  device::start_after_previous_kernel();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   out[2 * i] = bias_correction(beta1, steps[i]);
@@ -548,11 +556,10 @@ void launch_pass1(GradientView grads, const uint8_t* m_codes, const uint16_t* v_
   const bool vec_ok = gradients_aligned(grads) && aligned(m_codes, 4) && aligned(v_bits, 8);
   with_gradient_type(grads, [&](const auto* typed) {
     using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
-    adamw_fp8_pass1_kernel<G, kMode><<<end_chunk - first_chunk, kThreads, 0, stream>>>(
-        typed, m_codes, v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial,
-        first_chunk);
+    launch_kernel(adamw_fp8_pass1_kernel<G, kMode>, end_chunk - first_chunk, kThreads, 0, stream, typed, m_codes,
+                  v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial,
+                  first_chunk);
   });
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -620,8 +627,7 @@ void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* 
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_moment_amaxes_if_clipped needs every array");
   unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
-  zero_amaxes_if_clipped_kernel<<<1, 256, 0, stream>>>(amax_bits, 2 * table.count, control);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(zero_amaxes_if_clipped_kernel, 1, 256, 0, stream, amax_bits, 2 * table.count, control);
   launch_pass1<Pass1::if_clipped>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, amax_bits, nullptr,
                                   nullptr, stream);
 }
@@ -640,9 +646,8 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
                       aligned(m_codes, 4) && aligned(v_bits, 8);
   uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
   // Also for empty tensors: their scales become 1 (amax 0), as on the CPU.
-  adamw_fp8_scales_kernel<<<1, kScaleThreads, 0, stream>>>(m_scales, v_scales, scratch, table.count, hp.beta1,
-                                                           hp.beta2, control);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(adamw_fp8_scales_kernel, 1, kScaleThreads, 0, stream, m_scales, v_scales, scratch, table.count,
+                hp.beta1, hp.beta2, control);
   const bool casts = weight_casts != nullptr && weight_casts->count > 0;
   if (casts)
     FP8LM_CHECK(slab_offsets == nullptr && fp8_scales != nullptr,
@@ -652,17 +657,14 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
     with_gradient_type(grads, [&](const auto* typed) {
       using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
       auto kernel = casts ? adamw_fp8_pass2_kernel<G, true> : adamw_fp8_pass2_kernel<G, false>;
-      kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, bf16, typed, m_codes, v_bits, m_scales, v_scales,
-                                                        table, slab_offsets, hp, control, scratch, vec_ok,
-                                                        casts ? *weight_casts : none, fp8_scales, amax_row,
-                                                        working_offsets);
+      launch_kernel(kernel, table.num_chunks, kThreads, 0, stream, master, bf16, typed, m_codes, v_bits, m_scales,
+                    v_scales, table, slab_offsets, hp, control, scratch, vec_ok, casts ? *weight_casts : none,
+                    fp8_scales, amax_row, working_offsets);
     });
-    CUDA_CHECK_LAUNCH();
   }
   if (casts && weight_casts->num_tiles > 0) {
     const uint32_t blocks = (weight_casts->num_tiles + kWeightTilesPerBlock - 1) / kWeightTilesPerBlock;
-    transpose_weight_codes_kernel<<<blocks, kThreads, 0, stream>>>(*weight_casts, kWeightTilesPerBlock);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(transpose_weight_codes_kernel, blocks, kThreads, 0, stream, *weight_casts, kWeightTilesPerBlock);
   }
 }
 
@@ -711,11 +713,11 @@ void adamw_step_fp32(float* master, __nv_bfloat16* params_bf16, GradientView gra
   const bool vec_ok = aligned(master, 16) && gradients_aligned(grads) && aligned(params_bf16, 8) && aligned(m, 16) &&
                       aligned(v, 16);
   with_gradient_type(grads, [&](const auto* typed) {
-    adamw_fp32_kernel<<<table.num_chunks, kThreads, 0, stream>>>(master, reinterpret_cast<uint16_t*>(params_bf16),
-                                                                 typed, m, v, table, slab_offsets, hp, control, vec_ok,
-                                                                 working_offsets);
+    using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+    launch_kernel(adamw_fp32_kernel<G>, table.num_chunks, kThreads, 0, stream, master,
+                  reinterpret_cast<uint16_t*>(params_bf16), typed, m, v, table, slab_offsets, hp, control, vec_ok,
+                  working_offsets);
   });
-  CUDA_CHECK_LAUNCH();
 }
 
 void adamw_bias_corrections(float* out, const long long* steps, int n, float beta1, float beta2,
@@ -723,8 +725,7 @@ void adamw_bias_corrections(float* out, const long long* steps, int n, float bet
   FP8LM_CHECK(n >= 0, "n=", n);
   if (n == 0) return;
   FP8LM_CHECK(out && steps, "adamw_bias_corrections needs out and steps");
-  bias_corrections_kernel<<<(n + 255) / 256, 256, 0, stream>>>(out, steps, n, beta1, beta2);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(bias_corrections_kernel, (n + 255) / 256, 256, 0, stream, out, steps, n, beta1, beta2);
 }
 
 }  // namespace fp8lm::cuda

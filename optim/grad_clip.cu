@@ -7,6 +7,7 @@
 
 #include "core/check_cuda.h"
 #include "core/device_helpers.cuh"
+#include "core/launch.cuh"
 #include "optim/grad_norm.cuh"
 #include "core/error.h"
 
@@ -78,6 +79,7 @@ template <typename G>
 __global__ void __launch_bounds__(kThreads)
     grad_norm_chunks_kernel(const G* __restrict__ grads, DeviceTensorTable table, double* __restrict__ partial,
                             bool vec_ok) {
+  device::start_after_previous_kernel();
   const uint32_t c = blockIdx.x;
   const int k = table.chunk_tensor[c];
   const uint64_t tensor_end = table.offsets[k] + table.numels[k];
@@ -109,6 +111,7 @@ __global__ void __launch_bounds__(kThreads)
 // One block: *out = sum of partial[0..n) in a fixed order.
 __global__ void __launch_bounds__(kFinalThreads)
     grad_norm_final_kernel(const double* __restrict__ partial, uint32_t n, double* __restrict__ out) {
+  device::start_after_previous_kernel();
   double sum = 0.0;
   for (uint32_t i = threadIdx.x; i < n; i += kFinalThreads) sum = __dadd_rn(sum, partial[i]);
   sum = device::block_sum_fixed<kFinalThreads>(sum);
@@ -117,19 +120,22 @@ __global__ void __launch_bounds__(kFinalThreads)
 
 __global__ void finalize_step_kernel(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                                      float loss_divisor, double max_grad_norm) {
+  device::start_after_previous_kernel();
   StepControl c = *control;
   decide_step(c, *sum_of_squares, *loss_sum, loss_divisor, max_grad_norm);
   *control = c;
 }
 
-__global__ void set_step_control_kernel(StepControl* control, StepControl value) { *control = value; }
+__global__ void set_step_control_kernel(StepControl* control, StepControl value) {
+  device::start_after_previous_kernel();
+  *control = value;
+}
 
 }  // namespace
 
 void set_step_control(StepControl* control, const StepControl& value, cudaStream_t stream) {
   FP8LM_CHECK(control != nullptr, "set_step_control needs a device StepControl");
-  set_step_control_kernel<<<1, 1, 0, stream>>>(control, value);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(set_step_control_kernel, 1, 1, 0, stream, control, value);
 }
 
 size_t grad_norm_scratch_size(const DeviceTensorTable& table) {
@@ -147,13 +153,12 @@ void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const Dev
   // The vector path loads four gradients at once: 16 bytes in FP32, 8 in BF16.
   const bool vec_ok = reinterpret_cast<uintptr_t>(grads.data) % (grads.bf16 ? 8 : 16) == 0;
   if (grads.bf16) {
-    grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(grads.data),
-                                                                       table, scratch, vec_ok);
+    launch_kernel(grad_norm_chunks_kernel<__nv_bfloat16>, table.num_chunks, kThreads, 0, stream,
+                  static_cast<const __nv_bfloat16*>(grads.data), table, scratch, vec_ok);
   } else {
-    grad_norm_chunks_kernel<<<table.num_chunks, kThreads, 0, stream>>>(static_cast<const float*>(grads.data), table,
-                                                                       scratch, vec_ok);
+    launch_kernel(grad_norm_chunks_kernel<float>, table.num_chunks, kThreads, 0, stream, static_cast<const float*>(grads.data),
+                  table, scratch, vec_ok);
   }
-  CUDA_CHECK_LAUNCH();
   grad_norm_finish(out_sum_of_squares, scratch, table.num_chunks, stream);
 }
 
@@ -164,15 +169,13 @@ void grad_norm_finish(double* out_sum_of_squares, const double* partials, uint32
     return;
   }
   FP8LM_CHECK(partials != nullptr, "grad_norm_finish needs the partial sums");
-  grad_norm_final_kernel<<<1, kFinalThreads, 0, stream>>>(partials, chunks, out_sum_of_squares);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(grad_norm_final_kernel, 1, kFinalThreads, 0, stream, partials, chunks, out_sum_of_squares);
 }
 
 void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                    double max_grad_norm, cudaStream_t stream) {
   FP8LM_CHECK(control && sum_of_squares && loss_sum, "finalize_step needs control, sum_of_squares and loss_sum");
-  finalize_step_kernel<<<1, 1, 0, stream>>>(control, sum_of_squares, loss_sum, loss_divisor, max_grad_norm);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(finalize_step_kernel, 1, 1, 0, stream, control, sum_of_squares, loss_sum, loss_divisor, max_grad_norm);
 }
 
 }  // namespace fp8lm::cuda

@@ -12,6 +12,7 @@
 #include "core/device_helpers.cuh"
 #include "core/error.h"
 #include "core/fp8_stats.cuh"
+#include "core/launch.cuh"
 #include "core/scaling.h"
 #include "optim/grad_clip.h"  // kGradNormChunk
 
@@ -84,6 +85,7 @@ __device__ __forceinline__ unsigned abs_bits_ignoring_nan(float x) {
 
 __global__ void __launch_bounds__(kThreads)
     tensor_amaxes_kernel(float* amaxes, const float* __restrict__ values, DeviceTensorTable table) {
+  device::start_after_previous_kernel();
   const ChunkSpan span = chunk_span(table, blockIdx.x);
   const float* x = values + span.begin;
   unsigned local = 0;
@@ -107,6 +109,7 @@ __global__ void __launch_bounds__(kThreads) scales_from_amaxes_kernel(float* __r
                                                                       float* __restrict__ scale_inv,
                                                                       const float* __restrict__ amaxes, int count,
                                                                       float fp8_max, float headroom) {
+  device::start_after_previous_kernel();
   const int k = blockIdx.x * kThreads + threadIdx.x;
   if (k >= count) return;
   const float s = compute_scale(__fmul_rn(amaxes[k], headroom), fp8_max, /*margin=*/0, /*previous_scale=*/1.0f);
@@ -122,6 +125,7 @@ __global__ void __launch_bounds__(kThreads)
     quantize_tensors_kernel(uint8_t* __restrict__ codes, const float* __restrict__ values, DeviceTensorTable table,
                             const float* __restrict__ scales, const int* __restrict__ scale_index,
                             float* recorded_amax, Fp8CastCounts* counts) {
+  device::start_after_previous_kernel();
   const ChunkSpan span = chunk_span(table, blockIdx.x);
   const int s = scale_index ? scale_index[span.tensor] : span.tensor;
   if (s < 0) return;  // the whole block leaves: none of its threads reaches the block reduction
@@ -168,6 +172,7 @@ __global__ void __launch_bounds__(kThreads)
     sum_fp8_chunks_kernel(float* __restrict__ out, const uint8_t* __restrict__ chunks, int ranks,
                           size_t chunk_stride, DeviceTensorTable table, const float* __restrict__ scale_inv,
                           bool vec_ok) {
+  device::start_after_previous_kernel();
   const ChunkSpan span = chunk_span(table, blockIdx.x);
   const float inv = scale_inv[span.tensor];
   const uint8_t* q = chunks + span.begin;
@@ -201,6 +206,7 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads) f32_to_bf16_kernel(__nv_bfloat16* __restrict__ out,
                                                                const float* __restrict__ in, size_t n, bool vec_ok) {
+  device::start_after_previous_kernel();
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
   const size_t thread = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
   size_t scalar_from = 0;
@@ -221,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) f32_to_bf16_kernel(__nv_bfloat16* __
 __global__ void __launch_bounds__(kThreads) bf16_to_f32_kernel(float* __restrict__ out,
                                                                const __nv_bfloat16* __restrict__ in, size_t n,
                                                                bool vec_ok) {
+  device::start_after_previous_kernel();
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
   const size_t thread = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
   size_t scalar_from = 0;
@@ -258,8 +265,7 @@ void tensor_amaxes(float* amaxes, const float* values, const DeviceTensorTable& 
   if (table.num_chunks == 0) return;
   check_table(table, "tensor_amaxes");
   FP8LM_CHECK(amaxes != nullptr && values != nullptr, "tensor_amaxes needs amaxes and values");
-  tensor_amaxes_kernel<<<table.num_chunks, kThreads, 0, stream>>>(amaxes, values, table);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(tensor_amaxes_kernel, table.num_chunks, kThreads, 0, stream, amaxes, values, table);
 }
 
 void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, int count, float fp8_max,
@@ -269,9 +275,8 @@ void scales_from_amaxes(float* scales, float* scale_inv, const float* amaxes, in
   if (count == 0) return;
   FP8LM_CHECK(scales != nullptr && scale_inv != nullptr && amaxes != nullptr,
               "scales_from_amaxes needs scales, scale_inv and amaxes");
-  scales_from_amaxes_kernel<<<(count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(scales, scale_inv, amaxes,
-                                                                                         count, fp8_max, headroom);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(scales_from_amaxes_kernel, (count + kThreads - 1) / kThreads, kThreads, 0, stream, scales, scale_inv,
+                amaxes, count, fp8_max, headroom);
 }
 
 void quantize_tensors(uint8_t* codes, const float* values, const DeviceTensorTable& table, const float* scales,
@@ -283,14 +288,14 @@ void quantize_tensors(uint8_t* codes, const float* values, const DeviceTensorTab
               "quantize_tensors needs codes, values and scales");
   // Without statistics, the very kernel the casts always ran (kStats = false).
   auto launch = [&](auto kernel) {
-    kernel<<<table.num_chunks, kThreads, 0, stream>>>(codes, values, table, scales, scale_index, recorded_amax, counts);
+    launch_kernel(kernel, table.num_chunks, kThreads, 0, stream, codes, values, table, scales, scale_index,
+                  recorded_amax, counts);
   };
   if (dtype == Fp8Dtype::e4m3) {
     counts ? launch(quantize_tensors_kernel<Fp8Dtype::e4m3, true>) : launch(quantize_tensors_kernel<Fp8Dtype::e4m3>);
   } else {
     counts ? launch(quantize_tensors_kernel<Fp8Dtype::e5m2, true>) : launch(quantize_tensors_kernel<Fp8Dtype::e5m2>);
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_stride,
@@ -304,29 +309,26 @@ void sum_fp8_chunks(float* out, const uint8_t* chunks, int ranks, size_t chunk_s
               "sum_fp8_chunks needs out, chunks and scale_inv");
   const bool vec_ok = aligned(chunks, 4) && chunk_stride % 4 == 0;
   if (dtype == Fp8Dtype::e4m3) {
-    sum_fp8_chunks_kernel<Fp8Dtype::e4m3>
-        <<<table.num_chunks, kThreads, 0, stream>>>(out, chunks, ranks, chunk_stride, table, scale_inv, vec_ok);
+    launch_kernel(sum_fp8_chunks_kernel<Fp8Dtype::e4m3>, table.num_chunks, kThreads, 0, stream, out, chunks, ranks,
+                  chunk_stride, table, scale_inv, vec_ok);
   } else {
-    sum_fp8_chunks_kernel<Fp8Dtype::e5m2>
-        <<<table.num_chunks, kThreads, 0, stream>>>(out, chunks, ranks, chunk_stride, table, scale_inv, vec_ok);
+    launch_kernel(sum_fp8_chunks_kernel<Fp8Dtype::e5m2>, table.num_chunks, kThreads, 0, stream, out, chunks, ranks,
+                  chunk_stride, table, scale_inv, vec_ok);
   }
-  CUDA_CHECK_LAUNCH();
 }
 
 void convert_f32_to_bf16(__nv_bfloat16* out, const float* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   FP8LM_CHECK(out != nullptr && in != nullptr, "convert_f32_to_bf16 needs out and in");
   const bool vec_ok = aligned(in, 16) && aligned(out, 8);
-  f32_to_bf16_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(out, in, n, vec_ok);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(f32_to_bf16_kernel, elementwise_blocks(n), kThreads, 0, stream, out, in, n, vec_ok);
 }
 
 void convert_bf16_to_f32(float* out, const __nv_bfloat16* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   FP8LM_CHECK(out != nullptr && in != nullptr, "convert_bf16_to_f32 needs out and in");
   const bool vec_ok = aligned(in, 8) && aligned(out, 16);
-  bf16_to_f32_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(out, in, n, vec_ok);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(bf16_to_f32_kernel, elementwise_blocks(n), kThreads, 0, stream, out, in, n, vec_ok);
 }
 
 }  // namespace fp8lm::cuda

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Decoding step time on one GPU with the small-M GEMM kernel against cuBLASLt (or, with
-# TOGGLE=cuda-graph, replayed CUDA-graph steps against op-by-op launches), in BF16 and FP8,
+# TOGGLE=cuda-graph, replayed CUDA-graph steps against op-by-op launches; TOGGLE=programmatic-launch,
+# kernels placed while their predecessors finish against plain stream order), in BF16 and FP8,
 # in one call so that the ratios are comparable (docs/INFERENCE.md): fp8lm sample with random
 # weights, a random prompt, greedy decoding, no early stop. FP8 runs --fp8-recipe tensorwise
 # (random weights have no delayed scales); DELAYED_CKPT=DIR adds FP8 rows decoded from that
@@ -19,8 +20,9 @@ prompt=${2:-896}
 new_tokens=${3:-128}
 batch=${4:-1}
 binary=${FP8LM_BINARY:-build/fp8lm}  # build-gpu/fp8lm on the device
-toggle=${TOGGLE:-small-m-gemm}       # the on/off flag compared: small-m-gemm or cuda-graph
-case $toggle in small-m-gemm|cuda-graph) ;; *) echo "TOGGLE must be small-m-gemm or cuda-graph" >&2; exit 2 ;; esac
+toggle=${TOGGLE:-small-m-gemm}       # the on/off flag compared: small-m-gemm, cuda-graph or programmatic-launch
+case $toggle in small-m-gemm|cuda-graph|programmatic-launch) ;;
+  *) echo "TOGGLE must be small-m-gemm, cuda-graph or programmatic-launch" >&2; exit 2 ;; esac
 out=${OUT:-/tmp}/decode_gemm.jsonl
 : > "$out"
 

@@ -403,3 +403,21 @@ TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heu
   CHECK(sample.exit_code == 2);
   CHECK_THAT(sample.output, ContainsSubstring("--gemm-algorithm"));
 }
+
+TEST_CASE("the programmatic-launch flag is on by default, off when asked, and shown at start-up", "[cli][launch]") {
+  CHECK(parse({"--mock-data"}).programmatic_launch);
+  CHECK_FALSE(parse({"--mock-data", "--programmatic-launch", "off"}).programmatic_launch);
+  CHECK(parse({"--mock-data", "--programmatic-launch", "on"}).programmatic_launch);
+  CHECK_THAT(parse_error({"--mock-data", "--programmatic-launch", "yes"}), ContainsSubstring("--programmatic-launch"));
+  const auto run =
+      testing::run_fp8lm("--config " + kTiny + " --mock-data --train-iters 0 --device cpu --programmatic-launch off");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("programmatic-launch"));
+  // sample and eval take it too (kRuntimeFlags), and refuse a bad value naming it.
+  const auto sample = testing::run_fp8lm("sample --config " + kTiny +
+                                         " --random-weights --random-prompt 4 --max-new-tokens 2 --device cpu "
+                                         "--programmatic-launch maybe");
+  CHECK(sample.exit_code == 2);
+  CHECK_THAT(sample.output, ContainsSubstring("--programmatic-launch"));
+}

@@ -232,6 +232,28 @@ TEST_CASE("GPU: AdamW's first pass beside the backward (side lane) gives the ste
   }
 }
 
+TEST_CASE("GPU: programmatic dependent launch gives plain stream order's run bit for bit", "[gpu][model][launch]") {
+  FP8LM_REQUIRE_GPU();
+  // Every lane carries work here: AdamW's first pass on the background lane beside the
+  // backward, two micro-batches, FP32 and BF16 gradients, and a clip every step takes.
+  struct Case {
+    std::vector<std::string> flags;
+    int micro_batches;
+    double clip;
+  };
+  for (const Case& c : {Case{{}, 2, 1.0}, Case{{"--grad-reduce-in-bf16"}, 1, 1e-3}}) {
+    INFO("flags: " << (c.flags.empty() ? std::string("(none)") : c.flags.front()));
+    const auto run = [&](const char* programmatic) {
+      std::vector<std::string> flags = c.flags;
+      flags.insert(flags.end(), {"--programmatic-launch", programmatic});
+      return testing::run_weight_casts("fused", "cuda", "gpt2-124m.json", flags, 2, 64, 50257, c.micro_batches,
+                                       c.clip);
+    };
+    const testing::WeightCastRun stream_order = run("off"), programmatic = run("on");
+    testing::check_same_run(stream_order, programmatic);
+  }
+}
+
 TEST_CASE("current_scale_and_record: the scale from the tensor's amax, recorded for the window", "[gpu][scaling]") {
   FP8LM_REQUIRE_GPU();
   struct Case {
