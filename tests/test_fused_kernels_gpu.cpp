@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -463,6 +464,45 @@ TEST_CASE("gelu backward's recomputed output: the forward's FP8 codes, transpose
       const size_t zeros = size_t(std::count(forward_codes.begin(), forward_codes.end(), uint8_t{0}));
       CHECK(zeros < n / 2);
     }
+  }
+}
+
+TEST_CASE("gelu backward throughput at training shapes", "[gpu][gelu][.bench]") {
+  FP8LM_REQUIRE_GPU();
+  // The training call: E5M2 gradient codes and their transpose, dbias, and the recomputed E4M3
+  // GELU output transposed. Bytes: dout and pre read (2 + 2), three codes written (1 + 1 + 1).
+  for (const auto& [M, F] : {std::pair{8192, 6400}, std::pair{32768, 3072}}) {
+    const size_t n = static_cast<size_t>(M) * F;
+    const std::vector<float> block = random_floats(size_t{1} << 20, 5);
+    std::vector<float> values(n);
+    for (size_t i = 0; i < n; ++i) values[i] = block[i % block.size()];
+    auto d_dout = device_copy(to_bf16(values));
+    auto d_pre = device_copy(to_bf16(values));
+    cuda::DeviceBuffer<uint8_t> dpre(n), dpre_t(n), gelu_t(n);
+    cuda::DeviceBuffer<float> dbias(static_cast<size_t>(F)), scratch(cuda::gelu_backward_scratch_floats(M, F));
+    auto amax = device_scalar(0.0f);
+    auto scale = device_scalar(1.0f);
+    auto call = [&] {
+      cuda::gelu_backward_cast_transpose_dbias_fp8(
+          dpre.data(), dpre_t.data(), dbias.data(), amax.data(), scale.data(), Fp8Dtype::e5m2, d_dout.data(),
+          d_pre.data(), M, F, scratch.data(), kStream, nullptr,
+          {.codes_t = gelu_t.data(), .scale = scale.data(), .dtype = Fp8Dtype::e4m3});
+    };
+    cudaEvent_t start, stop;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    for (int i = 0; i < 3; ++i) call();
+    constexpr int kIters = 20;
+    CUDA_CHECK(cudaEventRecord(start, kStream));
+    for (int i = 0; i < kIters; ++i) call();
+    CUDA_CHECK(cudaEventRecord(stop, kStream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    const double us = 1e3 * ms / kIters;
+    std::printf("gelu backward M=%d F=%d: %.1f us, %.2f TB/s\n", M, F, us, 7.0 * double(n) / (us * 1e-6) / 1e12);
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
   }
 }
 
