@@ -29,9 +29,6 @@ namespace fp8lm::detail {
       ::fp8lm::detail::throw_cuda_error(#call, __FILE__, __LINE__, cudaGetErrorString(fp8lm_cuda_status)); \
   } while (0)
 
-// After a kernel launch: catches bad launch configurations at the launch site.
-#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
-
 #define CUBLAS_CHECK(call)                                                                         \
   do {                                                                                             \
     cublasStatus_t fp8lm_cublas_status = (call);                                                   \

@@ -176,13 +176,18 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   float q[8];
   unpack_bf16x8(*reinterpret_cast<const uint4*>(qkv + size_t(b) * 3 * C + channel), q);
 
-  // Scores: row group + kRowsPerStep * s for s < kSteps.
+  // This thread's 8 channels of rows group + kRowsPerStep * s (s < kSteps), all loads issued at once.
   uint4 raw[kSteps];
+  auto load_rows = [&](const void* cache) {
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    const int row = group + kRowsPerStep * s;
-    raw[s] = row < count ? load_eight(keys, (cache_row0 + row) * C + channel, fp8) : make_uint4(0u, 0u, 0u, 0u);
-  }
+    for (int s = 0; s < kSteps; ++s) {
+      const int row = group + kRowsPerStep * s;
+      raw[s] = row < count ? load_eight(cache, (cache_row0 + row) * C + channel, fp8) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+
+  // Scores.
+  load_rows(keys);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     float k[8];
@@ -204,11 +209,7 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
 
   // The weighted value sum: group g over rows g, g + kRowsPerStep, ... (the rows it scored).
   float acc[8] = {};
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    const int row = group + kRowsPerStep * s;
-    raw[s] = row < count ? load_eight(values, (cache_row0 + row) * C + channel, fp8) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  load_rows(values);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int row = group + kRowsPerStep * s;

@@ -93,6 +93,24 @@ cuda::DeviceBuffer<T> device_copy(const std::vector<T>& host) {
 
 inline void device_sync() { CUDA_CHECK(cudaDeviceSynchronize()); }
 
+// Mean milliseconds of fn() on the legacy stream over `iterations` calls, after two warm-up calls.
+template <typename F>
+double time_ms(F&& fn, int iterations) {
+  for (int i = 0; i < 2; ++i) fn();  // warm-up
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  CUDA_CHECK(cudaEventRecord(start, nullptr));
+  for (int i = 0; i < iterations; ++i) fn();
+  CUDA_CHECK(cudaEventRecord(stop, nullptr));
+  CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
+  return static_cast<double>(ms) / iterations;
+}
+
 // An output buffer filled with kPoisonByte, so an element the kernel never writes fails.
 template <typename T>
 cuda::DeviceBuffer<T> poisoned(size_t n) {

@@ -488,21 +488,8 @@ TEST_CASE("gelu backward throughput at training shapes", "[gpu][gelu][.bench]") 
           d_pre.data(), M, F, scratch.data(), kStream, nullptr,
           {.codes_t = gelu_t.data(), .scale = scale.data(), .dtype = Fp8Dtype::e4m3});
     };
-    cudaEvent_t start, stop;
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) call();
-    constexpr int kIters = 20;
-    CUDA_CHECK(cudaEventRecord(start, kStream));
-    for (int i = 0; i < kIters; ++i) call();
-    CUDA_CHECK(cudaEventRecord(stop, kStream));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    const double us = 1e3 * ms / kIters;
+    const double us = 1e3 * time_ms(call, 20);
     std::printf("gelu backward M=%d F=%d: %.1f us, %.2f TB/s\n", M, F, us, 7.0 * double(n) / (us * 1e-6) / 1e12);
-    CUDA_CHECK(cudaEventDestroy(start));
-    CUDA_CHECK(cudaEventDestroy(stop));
   }
 }
 

@@ -50,6 +50,7 @@ using fp8lm::StepControl;
 using fp8lm::testing::device_copy;
 using fp8lm::testing::kPoisonByte;
 using fp8lm::testing::same_bytes;
+using fp8lm::testing::time_ms;
 
 namespace {
 
@@ -923,23 +924,6 @@ TensorLayout gpt2_xl_layout() {
   layout.add("ln_f.weight", {C}, false);
   layout.add("ln_f.bias", {C}, false);
   return layout;
-}
-
-template <typename F>
-double time_ms(F&& fn, int iterations) {
-  for (int i = 0; i < 2; ++i) fn();  // warm-up
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  CUDA_CHECK(cudaEventRecord(start, nullptr));
-  for (int i = 0; i < iterations; ++i) fn();
-  CUDA_CHECK(cudaEventRecord(stop, nullptr));
-  CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
-  return static_cast<double>(ms) / iterations;
 }
 
 bool first_elements_finite(const float* device, size_t n) {
