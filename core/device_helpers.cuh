@@ -65,6 +65,12 @@ __device__ __forceinline__ void store_bf16x8(bf16* p, const float (&f)[8]) {
   *reinterpret_cast<uint4*>(p) = pack_bf16x8(f);
 }
 
+// GPT-2's GELU, the tanh form (cpu::gelu_forward's), in FP32.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);  // sqrt(2/pi) (x + 0.044715 x^3)
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 // Two FP8 codes, a in the low byte (lower address), b in the high byte.

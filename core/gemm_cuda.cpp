@@ -521,4 +521,12 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   }
 }
 
+bool GemmEngine::gemm_after_layernorm(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm& layernorm,
+                                      cudaStream_t stream) {
+  if (small_m_ != SmallMGemm::on || small_m_gemm_refusal(desc, args, &layernorm) != nullptr) return false;
+  gemm_small_m(desc, args, stream, &layernorm);
+  ++small_m_calls_;
+  return true;
+}
+
 }  // namespace fp8lm::cuda

@@ -64,6 +64,8 @@ namespace fp8lm::cuda {
 
 enum class GemmType : uint8_t { bf16, fp32, e4m3, e5m2 };
 
+struct SmallMLayerNorm;  // core/gemm_small_m_cuda.h
+
 std::string_view to_string(GemmType type);
 constexpr bool is_fp8(GemmType type) { return type == GemmType::e4m3 || type == GemmType::e5m2; }
 constexpr size_t gemm_type_bytes(GemmType type) {
@@ -139,6 +141,15 @@ class GemmEngine {
   // Queues the GEMM on `stream`. Throws RuntimeError (with a HINT) for an unsupported
   // combination, or when cuBLASLt has no algorithm for the shape and alignment.
   void gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream);
+
+  // The GEMM whose A is computed by the small-M kernel's LayerNorm prologue
+  // (core/gemm_small_m_cuda.h): one launch for a decoding step's LayerNorm and the GEMM after
+  // it. Returns false, queuing nothing, when the small-M kernel is off or refuses the problem;
+  // the caller then runs the LayerNorm and gemm() itself.
+  bool gemm_after_layernorm(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm& layernorm,
+                            cudaStream_t stream);
+  // Whether GEMMs of a few rows may go to the small-M kernel (SmallMGemm::on).
+  bool small_m_enabled() const { return small_m_ == SmallMGemm::on; }
 
   // Number of cached plans (tests: repeating a call must not grow it).
   size_t cache_size() const { return plans_.size(); }

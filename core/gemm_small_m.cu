@@ -2,12 +2,14 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "core/check_cuda.h"
+#include "core/device_helpers.cuh"
 #include "core/error.h"
 #include "core/launch.cuh"
 
@@ -78,27 +80,132 @@ struct Bf16Values {
   }
 };
 
-// D [M,N] = alpha * a_scale_inv * b_scale_inv * (A [M,K] . B [N,K]^T) + beta * C [M,N] + bias [N],
-// M <= kMaxM (rows m >= M are skipped, warp-uniformly). Lane l of a warp owns the pieces
-// l, l + 32, l + 64, ... of its rows; the warp's FP32 sums [kRowsPerWarp][kMaxM] are combined
-// across lanes at the end.
-template <typename Format, int kMaxM>
-__global__ void __launch_bounds__(kThreads)
-    gemm_small_m_kernel(bf16* __restrict__ D, const typename Format::Storage* __restrict__ A,
-                        const typename Format::Storage* __restrict__ B, const bf16* __restrict__ C,
-                        const bf16* __restrict__ bias, const float* __restrict__ a_scale_inv,
-                        const float* __restrict__ b_scale_inv, float alpha, float beta, int M, int N, int K) {
+// Everything one launch needs (a kernel parameter: one struct, so a call site reads by name).
+struct Problem {
+  void* D;           // [M,N] bf16, or E4M3 codes under the GELU epilogue with d_scale
+  const void* A;     // [M,K] A's format; with the LayerNorm prologue, where block 0 writes it
+  const void* B;     // [N,K]
+  const bf16* C;     // [M,N] or nullptr
+  const bf16* bias;  // [N] or nullptr
+  const float* a_scale_inv;
+  const float* b_scale_inv;
+  float alpha, beta;
+  int M, N, K;
+  bf16* gelu_input;      // the GELU epilogue: [M,N] bf16(x) (nullptr: none)
+  const float* d_scale;  // an E4M3 D (GELU epilogue only)
+  SmallMLayerNorm layernorm;  // layernorm.input nullptr: A read from memory
+};
+
+// 8 FP32 values rounded to BF16 (round_bf16) and cast with `scale` to 8 E4M3 codes, as
+// layernorm_forward_kernel casts them.
+__device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float scale) {
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; h++)
+    word[h] = device::fp8x2(v[4 * h] * scale, v[4 * h + 1] * scale, __NV_E4M3) |
+              (device::fp8x2(v[4 * h + 2] * scale, v[4 * h + 3] * scale, __NV_E4M3) << 16);
+  return make_uint2(word[0], word[1]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The LayerNorm prologue: every block normalizes the M rows of p.layernorm.input into `a`
+// (shared memory, A's format), warp w taking rows w, w + kWarps, ..., reading each row three
+// times (from L1 after the first). The order of every sum is layernorm_forward_kernel's (lane
+// l adds chunks l, l + 32, ... of 8 values in order, then a butterfly), so the values, codes,
+// mean and rstd are its bits. Block 0 writes them out and raises the amax.
+template <typename Format>
+__device__ void layernorm_prologue(const Problem& p, typename Format::Storage* a) {
+  constexpr bool kE4m3 = sizeof(typename Format::Storage) == 1;
+  const SmallMLayerNorm& ln = p.layernorm;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int C = p.K, chunks = C / 8;
+  const float scale = kE4m3 ? *ln.scale : 1.0f;
+  const bool writer = blockIdx.x == 0;
+  unsigned amax_bits = 0u;
+  for (int m = warp; m < p.M; m += kWarps) {  // warp-uniform
+    const uint4* in_row = static_cast<const uint4*>(ln.input) + size_t(m) * chunks;
+    float sum = 0.0f;
+    for (int i = lane; i < chunks; i += 32) {
+      float x[8];
+      device::unpack_bf16x8(__ldg(in_row + i), x);
+#pragma unroll
+      for (int j = 0; j < 8; j++) sum += x[j];
+    }
+    sum = warp_sum(sum);
+    const float row_mean = sum / C;
+    float squared_deviation = 0.0f;
+    for (int i = lane; i < chunks; i += 32) {
+      float x[8];
+      device::unpack_bf16x8(__ldg(in_row + i), x);
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        const float d = x[j] - row_mean;
+        squared_deviation += d * d;
+      }
+    }
+    squared_deviation = warp_sum(squared_deviation);
+    const float row_rstd = 1.0f / sqrtf(squared_deviation / C + ln.eps);
+    for (int i = lane; i < chunks; i += 32) {
+      float x[8], w[8], b[8], y[8];
+      device::unpack_bf16x8(__ldg(in_row + i), x);
+      device::load_bf16x8(static_cast<const bf16*>(ln.weight) + i * 8, w);
+      device::load_bf16x8(static_cast<const bf16*>(ln.bias) + i * 8, b);
+#pragma unroll
+      for (int j = 0; j < 8; j++) y[j] = (x[j] - row_mean) * row_rstd * w[j] + b[j];
+      const size_t at = size_t(m) * C + size_t(i) * 8;
+      if constexpr (kE4m3) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          y[j] = device::round_bf16(y[j]);
+          amax_bits = max(amax_bits, device::abs_bits(y[j]));
+        }
+        const uint2 codes = e4m3x8(y, scale);
+        *reinterpret_cast<uint2*>(a + at) = codes;
+        if (writer) *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.A)) + at) = codes;
+      } else {
+        const uint4 values = device::pack_bf16x8(y);
+        *reinterpret_cast<uint4*>(a + at) = values;
+        if (writer) *reinterpret_cast<uint4*>(static_cast<bf16*>(const_cast<void*>(p.A)) + at) = values;
+      }
+    }
+    if (writer && lane == 0) {
+      if (ln.mean != nullptr) ln.mean[m] = row_mean;
+      if (ln.rstd != nullptr) ln.rstd[m] = row_rstd;
+    }
+  }
+  if constexpr (kE4m3) {
+    if (writer) device::block_amax_update(ln.amax, amax_bits);  // synchronises block 0
+  }
+  __syncthreads();
+}
+
+// D [M,N] = alpha * a_scale_inv * b_scale_inv * (A [M,K] . B [N,K]^T) + beta * C [M,N] + bias [N]
+// (or the GELU epilogue), M <= kMaxM (rows m >= M are skipped, warp-uniformly). Lane l of a warp
+// owns the pieces l, l + 32, l + 64, ... of its rows; the warp's FP32 sums [kRowsPerWarp][kMaxM]
+// are combined across lanes at the end.
+// kFused: the one-row kernel that also takes the GELU epilogue and the LayerNorm prologue (their
+// code stays out of the others, whose registers it would raise).
+template <typename Format, int kMaxM, bool kLayerNorm = false, bool kFused = false>
+__global__ void __launch_bounds__(kThreads) gemm_small_m_kernel(const Problem p) {
   device::start_after_previous_kernel();
   constexpr int kPer = Format::kValuesPerPiece;
   using Storage = typename Format::Storage;
+  const int M = p.M, N = p.N, K = p.K;
   const int pieces = K / kPer;
   const int lane = threadIdx.x % 32;
   const int first_row = (blockIdx.x * kWarps + threadIdx.x / 32) * kRowsPerWarp;
+
   // A row past N (the last warp of an odd N) streams row N - 1 again and writes nothing:
   // the loop needs no row checks.
   const Storage* b_rows[kRowsPerWarp];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) b_rows[r] = B + size_t(min(first_row + r, N - 1)) * size_t(K);
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    b_rows[r] = static_cast<const Storage*>(p.B) + size_t(min(first_row + r, N - 1)) * size_t(K);
 
   float sums[kRowsPerWarp][kMaxM];
 #pragma unroll
@@ -110,33 +217,45 @@ __global__ void __launch_bounds__(kThreads)
   // (zeros past the row's end).
   auto load_batch = [&](uint4 (&batch)[kPiecesPerBatch][kRowsPerWarp], int begin) {
 #pragma unroll
-    for (int p = 0; p < kPiecesPerBatch; ++p) {
-      const int piece = begin + 32 * p;
+    for (int q = 0; q < kPiecesPerBatch; ++q) {
+      const int piece = begin + 32 * q;
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
-        batch[p][r] = piece < pieces ? load_streaming(b_rows[r] + size_t(piece) * kPer) : make_uint4(0, 0, 0, 0);
+        batch[q][r] = piece < pieces ? load_streaming(b_rows[r] + size_t(piece) * kPer) : make_uint4(0, 0, 0, 0);
     }
   };
   // Double-buffered: the next batch's loads are issued before this batch is used, so a long
   // row (K = 6400 in E4M3: seven batches a lane) keeps loads in flight while it multiplies.
   uint4 b_pieces[kPiecesPerBatch][kRowsPerWarp];
   load_batch(b_pieces, lane);
+
+  // A: the LayerNorm prologue's rows in shared memory (computed while the first batch of B is
+  // in flight), or A as given.
+  const Storage* A = static_cast<const Storage*>(p.A);
+  if constexpr (kLayerNorm) {
+    extern __shared__ uint4 staged[];  // A [M,K]
+    Storage* a = reinterpret_cast<Storage*>(staged);
+    layernorm_prologue<Format>(p, a);
+    A = a;
+  }
+
   for (int begin = lane; begin < pieces; begin += 32 * kPiecesPerBatch) {
     uint4 next_pieces[kPiecesPerBatch][kRowsPerWarp];
     const int next_begin = begin + 32 * kPiecesPerBatch;
     if (next_begin < pieces) load_batch(next_pieces, next_begin);
 #pragma unroll
-    for (int p = 0; p < kPiecesPerBatch; ++p) {
-      const int piece = begin + 32 * p;
+    for (int q = 0; q < kPiecesPerBatch; ++q) {
+      const int piece = begin + 32 * q;
       if (piece < pieces) {
         float b_values[kRowsPerWarp][kPer];
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) Format::decode(b_pieces[p][r], b_values[r]);
+        for (int r = 0; r < kRowsPerWarp; ++r) Format::decode(b_pieces[q][r], b_values[r]);
 #pragma unroll
         for (int m = 0; m < kMaxM; ++m) {
           if (m < M) {
             float a_values[kPer];
-            Format::decode(__ldg(reinterpret_cast<const uint4*>(A + size_t(m) * K + size_t(piece) * kPer)), a_values);
+            const uint4* a_piece = reinterpret_cast<const uint4*>(A + size_t(m) * K + size_t(piece) * kPer);
+            Format::decode(kLayerNorm ? *a_piece : __ldg(a_piece), a_values);
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
@@ -147,9 +266,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (next_begin < pieces) {
 #pragma unroll
-      for (int p = 0; p < kPiecesPerBatch; ++p)
+      for (int q = 0; q < kPiecesPerBatch; ++q)
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) b_pieces[p][r] = next_pieces[p][r];
+        for (int r = 0; r < kRowsPerWarp; ++r) b_pieces[q][r] = next_pieces[q][r];
     }
   }
 
@@ -162,9 +281,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) sums[r][m] += __shfl_xor_sync(0xffffffffu, sums[r][m], offset);
 
-  // CpuOps' order: the scaled product, then + C, then + bias, one rounding to BF16.
-  const float scale =
-      (a_scale_inv ? *a_scale_inv : 1.0f) * (b_scale_inv ? *b_scale_inv : 1.0f) * alpha;
+  // CpuOps' order: the scaled product, then + C, then + bias, one rounding to BF16 (or the
+  // GELU epilogue on that unrounded value).
+  const float scale = (p.a_scale_inv ? *p.a_scale_inv : 1.0f) * (p.b_scale_inv ? *p.b_scale_inv : 1.0f) * p.alpha;
   static_assert(kRowsPerWarp * kMaxM <= 32, "one lane per output of the warp");
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -174,27 +293,44 @@ __global__ void __launch_bounds__(kThreads)
       if (lane != r * kMaxM + m || m >= M || n >= N) continue;
       const size_t at = size_t(m) * N + n;
       float value = sums[r][m] * scale;
-      if (C) value += beta * __bfloat162float(C[at]);
-      if (bias) value += __bfloat162float(bias[n]);
-      D[at] = __float2bfloat16_rn(value);
+      if (p.C) value += p.beta * __bfloat162float(p.C[at]);
+      if (p.bias) value += __bfloat162float(p.bias[n]);
+      if (!kFused || p.gelu_input == nullptr) {
+        static_cast<bf16*>(p.D)[at] = __float2bfloat16_rn(value);
+        continue;
+      }
+      p.gelu_input[at] = __float2bfloat16_rn(value);
+      const float activated = device::gelu_tanh(value);
+      if (p.d_scale == nullptr) {
+        static_cast<bf16*>(p.D)[at] = __float2bfloat16_rn(activated);
+      } else {
+        static_cast<uint8_t*>(p.D)[at] =
+            static_cast<uint8_t>(__nv_cvt_float_to_fp8(activated * *p.d_scale, __NV_SATFINITE, __NV_E4M3));
+      }
     }
   }
 }
 
+// The prologue's shared memory: A in its format.
+size_t layernorm_shared_bytes(int M, int K, size_t a_element_bytes) { return size_t(M) * K * a_element_bytes; }
+// What a block may take without raising its dynamic shared-memory limit.
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+
 template <typename Format>
-void launch(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream) {
-  using Storage = typename Format::Storage;
-  const int blocks = (desc.N + kRowsPerBlock - 1) / kRowsPerBlock;
-  auto run = [&](auto kernel) {
-    launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<bf16*>(args.D), static_cast<const Storage*>(args.A),
-                  static_cast<const Storage*>(args.B), static_cast<const bf16*>(args.C),
-                  static_cast<const bf16*>(args.bias), args.a_scale_inv, args.b_scale_inv, args.alpha, args.beta,
-                  desc.M, desc.N, desc.K);
-  };
+void launch(const Problem& problem, bool layernorm, cudaStream_t stream) {
+  const int blocks = (problem.N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const size_t shared = layernorm ? layernorm_shared_bytes(problem.M, problem.K, sizeof(typename Format::Storage)) : 0;
+  auto run = [&](auto kernel) { launch_kernel(kernel, blocks, kThreads, shared, stream, problem); };
   static_assert(kSmallMMaxRows == 8, "the instantiations below cover M in [1, 8]");
-  if (desc.M == 1) return run(gemm_small_m_kernel<Format, 1>);
-  if (desc.M == 2) return run(gemm_small_m_kernel<Format, 2>);
-  if (desc.M <= 4) return run(gemm_small_m_kernel<Format, 4>);
+  if (problem.gelu_input != nullptr || layernorm) {  // one row (small_m_gemm_refusal)
+    if constexpr (std::is_same_v<Format, E4m3Codes>) {
+      if (layernorm) return run(gemm_small_m_kernel<Format, 1, true, true>);
+    }
+    return run(gemm_small_m_kernel<Format, 1, false, true>);
+  }
+  if (problem.M == 1) return run(gemm_small_m_kernel<Format, 1>);
+  if (problem.M == 2) return run(gemm_small_m_kernel<Format, 2>);
+  if (problem.M <= 4) return run(gemm_small_m_kernel<Format, 4>);
   run(gemm_small_m_kernel<Format, 8>);
 }
 
@@ -202,14 +338,21 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args) {
+const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm) {
   if (desc.M < 1 || desc.M > kSmallMMaxRows) return "M is outside [1, kSmallMMaxRows]";
   if (desc.N < 1) return "N < 1";
   const bool e4m3 = desc.a_type == GemmType::e4m3 && desc.b_type == GemmType::e4m3;
   const bool bf16_inputs = desc.a_type == GemmType::bf16 && desc.b_type == GemmType::bf16;
   if (!e4m3 && !bf16_inputs) return "the operands are not both E4M3 or both BF16";
-  if (desc.d_type != GemmType::bf16) return "D is not BF16";
-  if (args.gelu_input != nullptr) return "a GELU epilogue";
+  const bool gelu = args.gelu_input != nullptr;
+  if (!gelu && desc.d_type != GemmType::bf16) return "D is not BF16";
+  if (gelu) {
+    if (desc.M != 1) return "a GELU epilogue on more than one row (slower than the GELU kernel after it at 8: call 141)";
+    if (desc.d_type != GemmType::bf16 && desc.d_type != GemmType::e4m3) return "a GELU epilogue into neither BF16 nor E4M3";
+    if (args.bias == nullptr || args.C != nullptr) return "a GELU epilogue without a bias, or with C";
+    if ((desc.d_type == GemmType::e4m3) != (args.d_scale != nullptr)) return "an E4M3 D without d_scale (or a BF16 D with one)";
+    if (args.d_amax != nullptr) return "a GELU epilogue that sets D's amax";
+  }
   if (args.bias && desc.bias_type != GemmType::bf16) return "the bias is not BF16";
   if (desc.a_scaling != GemmScaling::tensor || desc.b_scaling != GemmScaling::tensor)
     return "an operand is block-scaled (--fp8-recipe blockwise)";
@@ -219,17 +362,42 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args) {
   if (args.C != nullptr && args.C == args.D) return "C is D (accumulation in place)";
   if (args.C == nullptr && args.beta != 0.0f) return "beta != 0 without C";
   if (bf16_inputs && (args.a_scale_inv || args.b_scale_inv)) return "a scale_inv for a BF16 operand";
+  if (layernorm != nullptr) {
+    if (desc.M != 1 || !e4m3)
+      return "a LayerNorm prologue for more than one row or BF16 operands (slower than the LayerNorm kernel: call 141)";
+    if (!layernorm->input || !layernorm->weight || !layernorm->bias) return "a LayerNorm prologue without input, weight or bias";
+    if (!aligned16(layernorm->input) || !aligned16(layernorm->weight) || !aligned16(layernorm->bias))
+      return "a LayerNorm prologue's input, weight or bias is not 16-byte aligned";
+    if (e4m3 && layernorm->scale == nullptr) return "a LayerNorm prologue into E4M3 without the cast's scale";
+    if (layernorm_shared_bytes(desc.M, desc.K, gemm_type_bytes(desc.a_type)) > kDefaultSharedBytes)
+      return "a LayerNorm prologue whose rows do not fit 48 KB of shared memory";
+  }
   return nullptr;
 }
 
-void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream) {
-  if (const char* refusal = small_m_gemm_refusal(desc, args))
+void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream, const SmallMLayerNorm* layernorm) {
+  if (const char* refusal = small_m_gemm_refusal(desc, args, layernorm))
     throw RuntimeError("small-M GEMM [" + std::to_string(desc.M) + "," + std::to_string(desc.N) + "," +
                            std::to_string(desc.K) + "]: " + refusal,
-                       "GemmEngine::gemm sends such a GEMM to cuBLASLt");
+                       "GemmEngine decides which GEMMs the small-M kernel takes (small_m_gemm_refusal)");
   FP8LM_CHECK(args.A && args.B && args.D, "small-M GEMM needs A, B and D");
-  if (desc.a_type == GemmType::e4m3) return launch<E4m3Codes>(desc, args, stream);
-  launch<Bf16Values>(desc, args, stream);
+  const Problem problem{.D = args.D,
+                        .A = args.A,
+                        .B = args.B,
+                        .C = static_cast<const bf16*>(args.C),
+                        .bias = static_cast<const bf16*>(args.bias),
+                        .a_scale_inv = args.a_scale_inv,
+                        .b_scale_inv = args.b_scale_inv,
+                        .alpha = args.alpha,
+                        .beta = args.beta,
+                        .M = desc.M,
+                        .N = desc.N,
+                        .K = desc.K,
+                        .gelu_input = static_cast<bf16*>(args.gelu_input),
+                        .d_scale = args.d_scale,
+                        .layernorm = layernorm ? *layernorm : SmallMLayerNorm{}};
+  if (desc.a_type == GemmType::e4m3) return launch<E4m3Codes>(problem, layernorm != nullptr, stream);
+  launch<Bf16Values>(problem, layernorm != nullptr, stream);
 }
 
 }  // namespace fp8lm::cuda

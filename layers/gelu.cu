@@ -42,11 +42,6 @@ constexpr int kCodePitch = kTile + 4;   // bytes per shared code row (4-byte ali
 
 // ---- small device helpers ------------------------------------------------------------
 
-__device__ __forceinline__ float gelu(float x) {
-  const float u = kSqrt2OverPi * (x + kCubicCoefficient * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
-}
-
 __device__ __forceinline__ float gelu_derivative(float x) {
   const float u = kSqrt2OverPi * (x + kCubicCoefficient * x * x * x);
   const float tanh_u = tanhf(u);
@@ -98,7 +93,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     for (int j = 0; j < 8; j++) p[j] = round_bf16(p[j] + b[j]);
     store_bf16x8(pre + offset, p);
 #pragma unroll
-    for (int j = 0; j < 8; j++) g[j] = gelu(p[j]);
+    for (int j = 0; j < 8; j++) g[j] = gelu_tanh(p[j]);
     if constexpr (kFp8) {
 #pragma unroll
       for (int j = 0; j < 8; j++) {
@@ -129,7 +124,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     float p[8], g[8];
     load_bf16x8(pre + i * 8, p);
 #pragma unroll
-    for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(p[j]));
+    for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu_tanh(p[j]));
     tally_fp8x8(tally, g, s, fp8x8(g, s, interp), interp);
   }
   commit_fp8_tally(counts, tally, s);
@@ -219,7 +214,7 @@ __global__ void __launch_bounds__(kTileThreads)
         if constexpr (kRecompute) {
           float g[8];  // as bias_gelu_forward_kernel computes and rounds it
 #pragma unroll
-          for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(x[j]));
+          for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu_tanh(x[j]));
           gelu_packed = fp8x8(g, gs, gelu_interp);
         }
       } else {
@@ -281,7 +276,7 @@ __global__ void __launch_bounds__(kTileThreads)
       float x[8], g[8];
       load_bf16x8(pre + static_cast<size_t>(m) * F + f, x);
 #pragma unroll
-      for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu(x[j]));
+      for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu_tanh(x[j]));
       packed = fp8x8(g, s, interp);
     }
     uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodePitch + chunk * 8);

@@ -842,17 +842,34 @@ GptModel::ResidualAdd GptModel::row_parallel_forward(const LinearParams& linear,
 // `input`'s pending add, normalizes this rank's rows into `out`, and gathers all rows.
 void GptModel::layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out,
                                  const Tensor& mean, const Tensor& rstd) {
-  ops_.layernorm_forward({.out = local_rows(out),
-                          .mean = mean,
-                          .rstd = rstd,
-                          .residual_out = input.residual_out,
-                          .residual_in = input.residual_in,
-                          .branch = input.branch,
-                          .branch_bias = input.branch_bias,
-                          .weight = ln.weight,
-                          .bias = ln.bias,
-                          .eps = config_.layer_norm_epsilon});
+  ops_.layernorm_forward(layernorm_call(ln, input, out, mean, rstd));
   tp_->column_parallel_input(out);
+}
+
+LayerNormForward GptModel::layernorm_call(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out,
+                                          const Tensor& mean, const Tensor& rstd) const {
+  return {.out = local_rows(out),
+          .mean = mean,
+          .rstd = rstd,
+          .residual_out = input.residual_out,
+          .residual_in = input.residual_in,
+          .branch = input.branch,
+          .branch_bias = input.branch_bias,
+          .weight = ln.weight,
+          .bias = ln.bias,
+          .eps = config_.layer_norm_epsilon};
+}
+
+// A LayerNorm and the column-parallel GEMM that reads its output (gemm.input) as one op, which
+// a backend may fuse (Ops::layernorm_to_gemm). Under tensor parallelism the output is gathered
+// between the two, so they stay two ops.
+void GptModel::layernorm_to_gemm(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& mean,
+                                 const Tensor& rstd, const GemmCall& gemm) {
+  if (tp_->size() > 1) {
+    layernorm_forward(ln, input, gemm.input, mean, rstd);
+    return ops_.gemm(gemm);
+  }
+  ops_.layernorm_to_gemm({.layernorm = layernorm_call(ln, input, gemm.input, mean, rstd), .gemm = gemm});
 }
 
 void GptModel::forward(const TokenBatch& batch) {
@@ -898,9 +915,9 @@ void GptModel::block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd
   const AttentionShape heads{chunk.B, chunk.T, config_.n_head / tp, config_.n_embd / config_.n_head};
   const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
   auto rows = [&](const Tensor& t) { return chunk.cached ? first_rows(t, chunk_rows) : t; };
-  layernorm_forward(w.ln1, input, rows(a.ln1), rows(a.ln1_mean), rows(a.ln1_rstd));
-  ops_.gemm({.pass = GemmPass::forward, .out = rows(a.qkv), .input = rows(a.ln1), .weight = w.qkv.weight_operand,
-             .bias = w.qkv.bias});
+  layernorm_to_gemm(w.ln1, input, rows(a.ln1_mean), rows(a.ln1_rstd),
+                    {.pass = GemmPass::forward, .out = rows(a.qkv), .input = rows(a.ln1),
+                     .weight = w.qkv.weight_operand, .bias = w.qkv.bias});
   if (chunk.cached) {
     attention_cached(l, chunk, heads);
   } else {
@@ -908,19 +925,19 @@ void GptModel::block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd
   }
   const ResidualAdd attention_output =
       row_parallel_forward(w.proj, rows(a.atty_operand), rows(a.residual), rows(a.residual_mid));
-  layernorm_forward(w.ln2, attention_output, rows(a.ln2), rows(a.ln2_mean), rows(a.ln2_rstd));
-  fc_gelu_forward(w, rows(a.ln2), rows(a.fc_pre), rows(a.gelu));
+  layernorm_to_gemm(w.ln2, attention_output, rows(a.ln2_mean), rows(a.ln2_rstd),
+                    fc_gelu_call(w, rows(a.ln2), rows(a.fc_pre), rows(a.gelu)));
 }
 
 // mlp.c_fc and the GELU in one GEMM (its epilogue): fc_pre keeps c_fc's output for the GELU
 // backward, and gelu is mlp.c_proj's input operand.
-void GptModel::fc_gelu_forward(const BlockParams& w, const Tensor& ln2, const Tensor& fc_pre, const Tensor& gelu) {
-  ops_.gemm({.pass = GemmPass::forward,
-             .out = gelu,
-             .input = ln2,
-             .weight = w.fc.weight_operand,
-             .bias = w.fc.bias,
-             .gelu_input = fc_pre});
+GemmCall GptModel::fc_gelu_call(const BlockParams& w, const Tensor& ln2, const Tensor& fc_pre, const Tensor& gelu) {
+  return {.pass = GemmPass::forward,
+          .out = gelu,
+          .input = ln2,
+          .weight = w.fc.weight_operand,
+          .bias = w.fc.bias,
+          .gelu_input = fc_pre};
 }
 
 void GptModel::recompute_forward(int begin, int last) {
@@ -949,7 +966,7 @@ void GptModel::recompute_selective(int l) {
     layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
     layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
   }
-  if (recompute_.mlp) fc_gelu_forward(w, a.ln2, a.fc_pre, a.gelu);
+  if (recompute_.mlp) ops_.gemm(fc_gelu_call(w, a.ln2, a.fc_pre, a.gelu));
   ops_.set_amax_recording(true);
 }
 
@@ -958,14 +975,15 @@ void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape&
   const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
   const KvCache& cache = kv_[size_t(l)];
   const Tensor qkv = first_rows(a.qkv, chunk_rows);
-  ops_.kv_cache_append(cache, qkv, heads, chunk.position);
   if (chunk.position.value == 0) {
     // A prompt: causal attention among its own tokens, as in training.
+    ops_.kv_cache_append(cache, qkv, heads, chunk.position);
     Tensor lse = a.lse;
     lse.rows = int64_t(chunk.B) * heads.heads;
     lse.cols = chunk.T;
     ops_.attention_forward(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), lse, qkv, heads);
   } else {
+    // One new token: attention_decode appends its key and value first.
     ops_.attention_decode(first_rows(a.atty, chunk_rows), first_rows(a.atty_operand, chunk_rows), qkv, cache, heads,
                           chunk.position);
   }

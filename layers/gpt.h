@@ -371,7 +371,11 @@ class GptModel {
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);
-  void fc_gelu_forward(const BlockParams& w, const Tensor& ln2, const Tensor& fc_pre, const Tensor& gelu);
+  LayerNormForward layernorm_call(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out,
+                                  const Tensor& mean, const Tensor& rstd) const;
+  void layernorm_to_gemm(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& mean, const Tensor& rstd,
+                         const GemmCall& gemm);
+  static GemmCall fc_gelu_call(const BlockParams& w, const Tensor& ln2, const Tensor& fc_pre, const Tensor& gelu);
   Tensor gradient_operand(const Tensor& gradient, const LinearParams& linear,
                           const Tensor* storage = nullptr) const;
   Tensor gradient_operand_buffer(int64_t rows, int64_t cols, const LinearParams& linear) const;

@@ -151,10 +151,11 @@ __device__ __forceinline__ void unpack_eight(const uint4& raw, bool fp8, float (
 template <int HS>
 __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(float* __restrict__ partials,
                                                                                 const bf16* __restrict__ qkv,
-                                                                                const void* keys, const void* values,
-                                                                                bool fp8, const float* scales, int C,
-                                                                                int NH, int capacity, int length,
-                                                                                const int32_t* stored_position) {
+                                                                                void* keys, void* values, bool fp8,
+                                                                                const float* scales, int C, int NH,
+                                                                                int capacity, int length,
+                                                                                const int32_t* stored_position,
+                                                                                bool append) {
   device::start_after_previous_kernel();
   constexpr int kLanesPerRow = HS / 8;
   constexpr int kRowsPerStep = kDecodeThreads / kLanesPerRow;  // rows the block reads at once (= lane groups)
@@ -177,17 +178,39 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   unpack_bf16x8(*reinterpret_cast<const uint4*>(qkv + size_t(b) * 3 * C + channel), q);
 
   // This thread's 8 channels of rows group + kRowsPerStep * s (s < kSteps), all loads issued at once.
+  // With `append`, the new token's row (the last position, in the last split) comes from qkv
+  // (part 1: the key, 2: the value) and is stored into the cache as kv_cache_append stores it.
+  const int new_row = append ? length - 1 - first : -1;
   uint4 raw[kSteps];
-  auto load_rows = [&](const void* cache) {
+  auto load_rows = [&](void* cache, int part) {
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       const int row = group + kRowsPerStep * s;
-      raw[s] = row < count ? load_eight(cache, (cache_row0 + row) * C + channel, fp8) : make_uint4(0u, 0u, 0u, 0u);
+      const size_t element = (cache_row0 + row) * C + channel;
+      if (row == new_row) {
+        raw[s] = *reinterpret_cast<const uint4*>(qkv + size_t(b) * 3 * C + size_t(part) * C + channel);
+        if (fp8) {
+          float x[8];
+          unpack_bf16x8(raw[s], x);
+          const float scale = scales[part - 1];
+          uint32_t word[2];
+#pragma unroll
+          for (int w = 0; w < 2; ++w)
+            word[w] = fp8x2(x[4 * w] * scale, x[4 * w + 1] * scale, __NV_E4M3) |
+                      (fp8x2(x[4 * w + 2] * scale, x[4 * w + 3] * scale, __NV_E4M3) << 16);
+          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + element) = make_uint2(word[0], word[1]);
+          raw[s] = make_uint4(word[0], word[1], 0u, 0u);
+        } else {
+          *reinterpret_cast<uint4*>(static_cast<bf16*>(cache) + element) = raw[s];
+        }
+      } else {
+        raw[s] = row < count ? load_eight(cache, element, fp8) : make_uint4(0u, 0u, 0u, 0u);
+      }
     }
   };
 
   // Scores.
-  load_rows(keys);
+  load_rows(keys, 1);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     float k[8];
@@ -209,7 +232,7 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
 
   // The weighted value sum: group g over rows g, g + kRowsPerStep, ... (the rows it scored).
   float acc[8] = {};
-  load_rows(values);
+  load_rows(values, 2);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int row = group + kRowsPerStep * s;
@@ -310,10 +333,10 @@ size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity) {
   return size_t(B) * NH * decode_splits(capacity) * (C / NH + 2);
 }
 
-void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* values, bool cache_fp8,
-                      const float* scales, int B, int C, int NH, int capacity, int length, float* scratch,
-                      cudaStream_t stream, uint8_t* out_fp8, const float* out_scale, Fp8Dtype out_dtype,
-                      const int32_t* stored_position) {
+void attention_decode(bf16* out, const bf16* qkv, void* keys, void* values, bool cache_fp8, const float* scales,
+                      int B, int C, int NH, int capacity, int length, float* scratch, cudaStream_t stream,
+                      uint8_t* out_fp8, const float* out_scale, Fp8Dtype out_dtype, const int32_t* stored_position,
+                      bool append) {
   check_shape("attention_decode", B, C, NH, capacity);
   FP8LM_CHECK(length >= 1 && length <= capacity, "attention_decode: length ", length, " outside [1, ", capacity, "]");
   FP8LM_CHECK(reinterpret_cast<uintptr_t>(qkv) % 16 == 0 && reinterpret_cast<uintptr_t>(keys) % 16 == 0 &&
@@ -331,7 +354,7 @@ void attention_decode(bf16* out, const bf16* qkv, const void* keys, const void* 
   if (HS == 32) split_kernel = &attention_decode_split_kernel<32>;
   if (HS == 64) split_kernel = &attention_decode_split_kernel<64>;
   launch_kernel(split_kernel, grid, kDecodeThreads, 0, stream, scratch, qkv, keys, values, cache_fp8, scales, C, NH,
-                capacity, length, stored_position);
+                capacity, length, stored_position, append);
   launch_kernel(attention_decode_combine_kernel, dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream, out,
                 out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
                 NH, grid_splits, splits, stored_position);

@@ -77,10 +77,14 @@ void kv_cache_append(void* keys, void* values, bool cache_fp8, float* scales, fl
 // cast_fp8 (core/cast_cuda.h) writes from the BF16 out, bit for bit, without recording an amax:
 // the delayed-scaling cast of a decoding step, which records none, in the same launch.
 size_t attention_decode_scratch_floats(int B, int C, int NH, int capacity);
-void attention_decode(__nv_bfloat16* out, const __nv_bfloat16* qkv, const void* keys, const void* values,
-                      bool cache_fp8, const float* scales, int B, int C, int NH, int capacity, int length,
-                      float* scratch, cudaStream_t stream, uint8_t* out_fp8 = nullptr,
-                      const float* out_scale = nullptr, Fp8Dtype out_dtype = Fp8Dtype::e4m3,
-                      const int32_t* stored_position = nullptr);
+// append: the token's own key and value (qkv's) are first written at position length - 1, as
+// kv_cache_append (n = 1) writes them, by the blocks that read that row: they take it from qkv
+// and store it as they go, one launch less per step (the cache's scales must exist: not the
+// first FP8 append).
+void attention_decode(__nv_bfloat16* out, const __nv_bfloat16* qkv, void* keys, void* values, bool cache_fp8,
+                      const float* scales, int B, int C, int NH, int capacity, int length, float* scratch,
+                      cudaStream_t stream, uint8_t* out_fp8 = nullptr, const float* out_scale = nullptr,
+                      Fp8Dtype out_dtype = Fp8Dtype::e4m3, const int32_t* stored_position = nullptr,
+                      bool append = false);
 
 }  // namespace fp8lm::cuda

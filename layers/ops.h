@@ -228,6 +228,15 @@ struct AttentionBackwardToOperand {
   AttentionShape shape;
 };
 
+// A LayerNorm whose output is the input of the GEMM after it (ln_1 -> c_attn, ln_2 -> c_fc):
+//   layernorm_forward(layernorm); gemm(gemm)      with gemm.input == layernorm.out.
+// That pair is the definition (Ops' default). The CUDA backend runs both in one launch where
+// the small-M GEMM takes them (a decoding step's few rows), with the same bits.
+struct LayerNormToGemm {
+  LayerNormForward layernorm;
+  GemmCall gemm;
+};
+
 // One layer's key/value cache for incremental decoding (layers/kv_cache.h): the keys and
 // values of `capacity` positions of each of B sequences, in the activation dtype or in FP8
 // E4M3 with one scale per tensor (the CPU holds the quantized values fp8(x * scale), as
@@ -455,6 +464,11 @@ class Ops {
   // ---- LayerNorm ------------------------------------------------------------------
   virtual void layernorm_forward(const LayerNormForward& call) = 0;
   virtual void layernorm_backward(const LayerNormBackward& call) = 0;
+  virtual void layernorm_to_gemm(const LayerNormToGemm& call) {
+    FP8LM_CHECK(call.gemm.input.data == call.layernorm.out.data, "layernorm_to_gemm: the GEMM's input is not the LayerNorm's output");
+    layernorm_forward(call.layernorm);
+    gemm(call.gemm);
+  }
 
   // ---- GEMM and casts -------------------------------------------------------------
   virtual void gemm(const GemmCall& call) = 0;
@@ -487,8 +501,9 @@ class Ops {
   // beyond them.
   virtual void kv_cache_append(const KvCache& cache, const Tensor& qkv, const AttentionShape& shape,
                                CachePosition position) = 0;
-  // One new token per sequence (shape.T = 1) at `position`: its query in qkv [B,3C'] attends to
-  // cache positions [0, position], its own key and value among them. out [B,C'] activation,
+  // One new token per sequence (shape.T = 1) at `position`: its key and value in qkv [B,3C'] are
+  // appended at `position` (as kv_cache_append would), then its query attends to cache
+  // positions [0, position], its own key and value among them. out [B,C'] activation,
   // operand = out in the next GEMM's dtype (a view of out when that is the activation dtype).
   virtual void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
                                 const AttentionShape& shape, CachePosition position) = 0;

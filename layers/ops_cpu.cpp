@@ -418,6 +418,7 @@ class CpuOps final : public Ops {
   }
   void attention_decode(const Tensor& out, const Tensor& operand, const Tensor& qkv, const KvCache& cache,
                         const AttentionShape& shape, CachePosition where) override {
+    kv_cache_append(cache, qkv, shape, where);
     const int length = (where.stored ? *where.stored : where.value) + 1;
     const bool fp8 = is_fp8(cache.keys.dtype);
     FP8LM_CHECK(length >= 1 && length <= cache.capacity, "attention_decode: length ", length, " outside [1, ",

@@ -586,25 +586,8 @@ class CudaOps final : public Ops {
     args.D = call.out.data;
     desc.d_type = gemm_type_of(call.out.dtype);
     switch (call.pass) {
-      case GemmPass::forward:  // D [M,N] = input [M,K] . weight [N,K]^T (+ bias)
-        desc.M = rows(call.input);
-        desc.N = rows(call.weight);
-        desc.K = cols(call.input);
-        set_operand_a(desc, args, call.input, call.input.data);
-        set_operand_b(desc, args, call.weight, call.weight.data);
-        // Transformer Engine: fast accumulation in forward only, and never with block scaling
-        // (its Float8BlockScaling requires split accumulation; cuBLASLt refuses it).
-        desc.fast_accum = !block_scaled(call.input);
-        if (call.bias) {
-          args.bias = call.bias.data;
-          desc.bias_type = gemm_type_of(call.bias.dtype);
-        }
-        if (call.residual) {
-          FP8LM_CHECK(call.residual.dtype == call.out.dtype && call.residual.data != call.out.data,
-                      "forward GEMM residual: the output's dtype, not aliasing it");
-          args.C = call.residual.data;
-          args.beta = 1.0f;
-        }
+      case GemmPass::forward:
+        forward_gemm_args(call, desc, args);
         break;
       case GemmPass::dgrad:  // D [M,K] = grad [M,N] . (weight^T [K,N])^T
         desc.M = rows(call.grad);
@@ -649,6 +632,69 @@ class CudaOps final : public Ops {
     gemm_->gemm(desc, args, stream_);
   }
 
+  // D [M,N] = input [M,K] . weight [N,K]^T (+ bias) (+ residual): a forward GemmCall as the
+  // engine's descriptor and arguments (the GELU epilogue's fields aside).
+  void forward_gemm_args(const GemmCall& call, cuda::GemmDesc& desc, cuda::GemmArgs& args) {
+    args.D = call.out.data;
+    desc.d_type = gemm_type_of(call.out.dtype);
+    desc.M = rows(call.input);
+    desc.N = rows(call.weight);
+    desc.K = cols(call.input);
+    set_operand_a(desc, args, call.input, call.input.data);
+    set_operand_b(desc, args, call.weight, call.weight.data);
+    // Transformer Engine: fast accumulation in forward only, and never with block scaling
+    // (its Float8BlockScaling requires split accumulation; cuBLASLt refuses it).
+    desc.fast_accum = !block_scaled(call.input);
+    if (call.bias) {
+      args.bias = call.bias.data;
+      desc.bias_type = gemm_type_of(call.bias.dtype);
+    }
+    if (call.residual) {
+      FP8LM_CHECK(call.residual.dtype == call.out.dtype && call.residual.data != call.out.data,
+                  "forward GEMM residual: the output's dtype, not aliasing it");
+      args.C = call.residual.data;
+      args.beta = 1.0f;
+    }
+  }
+
+  // ln_1 -> c_attn and ln_2 -> c_fc (ops.h): one launch of the small-M GEMM with its LayerNorm
+  // prologue where it takes them (a decoding step), else the two ops.
+  void layernorm_to_gemm(const LayerNormToGemm& call) override {
+    if (!layernorm_prologue(call)) Ops::layernorm_to_gemm(call);
+  }
+  // The prologue computes the LayerNorm as layernorm_forward's one-kernel forms do: a plain
+  // LayerNorm (no residual add) into BF16, or into E4M3 with its delayed scale (not current
+  // scaling, whose scale needs the output's amax first; no cast statistics).
+  bool layernorm_prologue(const LayerNormToGemm& call) {
+    const LayerNormForward& ln = call.layernorm;
+    const GemmCall& gemm_call = call.gemm;
+    if (ln.branch || rows(ln.residual_in) > cuda::kSmallMMaxRows || !gemm_->small_m_enabled()) return false;
+    FP8LM_CHECK(gemm_call.input.data == ln.out.data && rows(gemm_call.input) == rows(ln.residual_in) &&
+                    cols(gemm_call.input) == cols(ln.residual_in),
+                "layernorm_to_gemm: the GEMM's input is not the LayerNorm's output");
+    const bool fp8 = is_fp8(ln.out.dtype);
+    const int s = ln.out.scaling_state;
+    if (fp8 && (ln.out.dtype != DType::e4m3 || block_scaled(ln.out) || table_->uses_current_scaling() ||
+                counts_of(s) != nullptr))
+      return false;
+    cuda::GemmDesc desc;
+    cuda::GemmArgs args;
+    if (gemm_call.gelu_input) {
+      if (!small_m_gelu_args(gemm_call, desc, args)) return false;
+    } else {
+      forward_gemm_args(gemm_call, desc, args);
+    }
+    const cuda::SmallMLayerNorm prologue{.input = ln.residual_in.data,
+                                         .weight = ln.weight.data,
+                                         .bias = ln.bias.data,
+                                         .eps = ln.eps,
+                                         .scale = fp8 ? scale_.data() + s : nullptr,
+                                         .amax = fp8 ? amax_slot(s) : nullptr,
+                                         .mean = ln.mean ? f32(ln.mean) : nullptr,
+                                         .rstd = ln.rstd ? f32(ln.rstd) : nullptr};
+    return gemm_->gemm_after_layernorm(desc, args, prologue, stream_);
+  }
+
   void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
     const int M = rows(in), N = cols(in);
     if (out.data == in.data) {
@@ -683,6 +729,11 @@ class CudaOps final : public Ops {
     const bool per_tensor_e4m3 = out.dtype == DType::e4m3 && !block_scaled(out) && !table_->uses_current_scaling() &&
                                  call.input.dtype == DType::e4m3 && call.weight.dtype == DType::e4m3;
     const bool bf16_out = out.dtype == DType::bf16 && !block_scaled(call.input);
+    if (M <= cuda::kSmallMMaxRows) {
+      cuda::GemmDesc desc;
+      cuda::GemmArgs args;
+      if (small_m_gelu_args(call, desc, args)) return gemm_->gemm(desc, args, stream_);
+    }
     if (M <= cuda::kSmallMMaxRows || !(per_tensor_e4m3 || bf16_out)) {
       gemm({.pass = GemmPass::forward, .out = pre, .input = call.input, .weight = call.weight});
       return bias_gelu(out, pre, call.bias);
@@ -710,6 +761,21 @@ class CudaOps final : public Ops {
     if (recording_) cuda::raise_amax(amax_slot(s), gemm_amax_.data(), stream_);
     if (Fp8CastCounts* counts = counts_of(s))
       cuda::count_gelu_fp8_cast(counts, cbf(pre), scale_.data() + s, Fp8Dtype::e4m3, M, F, stream_);
+  }
+  // c_fc of a few rows (a decoding step) in the small-M kernel with its GELU epilogue: the
+  // descriptor and arguments, or false where that kernel does not take it. An E4M3 output
+  // needs its delayed scale, and no amax or statistics (amaxes not recorded), which the
+  // kernel does not take.
+  bool small_m_gelu_args(const GemmCall& call, cuda::GemmDesc& desc, cuda::GemmArgs& args) {
+    const Tensor& out = call.out;
+    if (rows(call.gelu_input) > cuda::kSmallMMaxRows || !gemm_->small_m_enabled()) return false;
+    const bool e4m3_out = out.dtype == DType::e4m3 && !block_scaled(out) && !table_->uses_current_scaling() &&
+                          !recording_ && counts_of(out.scaling_state) == nullptr;
+    if (!e4m3_out && out.dtype != DType::bf16) return false;
+    forward_gemm_args(call, desc, args);
+    args.gelu_input = call.gelu_input.data;
+    if (e4m3_out) args.d_scale = scale_.data() + out.scaling_state;
+    return cuda::small_m_gemm_refusal(desc, args) == nullptr;
   }
   // pre [M,F] += bias (saved for backward); out [M,F] = gelu(pre) in out's dtype: the GELU
   // epilogue's two-kernel form.
@@ -820,7 +886,8 @@ class CudaOps final : public Ops {
                            cache.scales, shape.B, shape.width(), shape.heads, cache.capacity, position.value + 1,
                            float_scratch_.data(), stream_, fused_cast ? u8(operand) : nullptr,
                            fused_cast ? scale_.data() + operand.scaling_state : nullptr,
-                           is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3, position.stored);
+                           is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3, position.stored,
+                           /*append=*/true);
     if (operand.data != out.data && !fused_cast) quantize(operand, out, Tensor{});
   }
   void download_values(float* host, const Tensor& source) override {

@@ -32,7 +32,9 @@
 #include "core/gpt_config.h"
 #include "core/random.h"
 #include "core/scaling.h"
+#include "layers/gelu.h"
 #include "layers/gpt.h"
+#include "layers/layernorm.h"
 #include "layers/ops_cuda.h"
 #include "tests/decoder_testing.h"
 #include "tests/gpu_testing.h"
@@ -218,7 +220,186 @@ GemmDesc decoding_desc(int M, int N, int K, GemmType type) {
   return desc;
 }
 
+// The GELU epilogue (c_fc in a decoding step) against the CPU's: gelu_input = bf16(x) and
+// D = gelu(x) (BF16, or E4M3 with d_scale) for x = the scaled product + bias, which the kernel
+// has within delta of the CPU's (the header's bound). gelu is evaluated over [x - delta,
+// x + delta] (it is not monotone below -0.7518, so that point counts when inside), widened by
+// the GPU's tanhf (2 ulp) and the products of its formula; the output must be a rounding of a
+// value in that range.
+void check_gelu_epilogue(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_b, uint64_t seed) {
+  const size_t mk = size_t(p.M) * p.K, mn = size_t(p.M) * p.N;
+  const Operand a = make_operand(random_floats(mk, seed + 1, 1.0f), p.type);
+  const float scale = a.scale_inv * b.scale_inv;
+  const std::vector<float> bias = testing::bf16_rounded(random_floats(size_t(p.N), seed + 3, 0.5f));
+  std::vector<float> product(mn);
+  cpu::gemm_nt(product.data(), a.values.data(), b.values.data(), p.M, p.N, p.K, scale, false);
+  const double u = std::ldexp(1.0, -24);
+  const double chains = p.K / 32.0 + 21 + p.K / 8.0 + 15 + 8;
+  const bool fp8 = p.type == GemmType::e4m3;
+  DeviceBuffer<uint8_t> d_a = device_bytes(a.bytes, 0);
+  DeviceBuffer<float> d_scale_inv = testing::device_copy(std::vector<float>{a.scale_inv, b.scale_inv});
+  DeviceBuffer<uint8_t> d_bias = device_bytes(bf16_bytes(bias), 0);
+  const float d_scale = 16.0f;
+  DeviceBuffer<float> d_d_scale = testing::device_scalar(d_scale);
+  for (const GemmType d_type : {GemmType::bf16, GemmType::e4m3}) {
+    INFO(to_string(p.type) << " M=" << p.M << " N=" << p.N << " K=" << p.K << ", GELU epilogue into "
+                           << to_string(d_type));
+    DeviceBuffer<uint8_t> d_out = device_bytes(std::vector<uint8_t>(2 * mn, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_pre = device_bytes(std::vector<uint8_t>(2 * mn, kPoisonByte), 0);
+    GemmDesc desc = decoding_desc(p.M, p.N, p.K, p.type);
+    desc.d_type = d_type;
+    GemmArgs args;
+    args.D = d_out.data();
+    args.A = d_a.data();
+    args.B = d_b.data();
+    args.a_scale_inv = fp8 ? d_scale_inv.data() : nullptr;
+    args.b_scale_inv = fp8 ? d_scale_inv.data() + 1 : nullptr;
+    args.bias = d_bias.data();
+    args.gelu_input = d_pre.data();
+    if (d_type == GemmType::e4m3) args.d_scale = d_d_scale.data();
+    REQUIRE(cuda::small_m_gemm_refusal(desc, args) == nullptr);
+    cuda::gemm_small_m(desc, args, nullptr);
+    testing::device_sync();
+    const std::vector<uint8_t> out_bytes = d_out.download(), pre_bytes = d_pre.download();
+    size_t outside_pre = 0, outside_out = 0;
+    for (int m = 0; m < p.M; ++m)
+      for (int n = 0; n < p.N; ++n) {
+        const size_t at = size_t(m) * p.N + n;
+        const float x = product[at] + bias[size_t(n)];
+        double terms = std::fabs(double(bias[size_t(n)]));
+        const float* a_row = a.values.data() + size_t(m) * p.K;
+        const float* b_row = b.values.data() + size_t(n) * p.K;
+        for (int k = 0; k < p.K; ++k) terms += std::fabs(double(a_row[k]) * b_row[k] * scale);
+        const double delta = chains * u * terms;
+        uint16_t bits;
+        std::memcpy(&bits, &pre_bytes[2 * at], 2);
+        const float pre = bf16_to_float(bits);
+        if (!(pre >= round_to_bf16(float(x - delta)) && pre <= round_to_bf16(float(x + delta)))) ++outside_pre;
+
+        double low = std::min(cpu::gelu(float(x - delta)), cpu::gelu(float(x + delta)));
+        double high = std::max(cpu::gelu(float(x - delta)), cpu::gelu(float(x + delta)));
+        if (x - delta < -0.7517916 && x + delta > -0.7517916) low = std::min(low, double(cpu::gelu(-0.7517916f)));
+        const double slack = 8 * u * (std::fabs(x) + delta + 1e-3);
+        low -= slack;
+        high += slack;
+        bool inside;
+        if (d_type == GemmType::bf16) {
+          std::memcpy(&bits, &out_bytes[2 * at], 2);
+          const float out = bf16_to_float(bits);
+          inside = out >= round_to_bf16(float(low)) && out <= round_to_bf16(float(high));
+        } else {
+          const float out = fp8_decode(out_bytes[at], Fp8Dtype::e4m3);
+          inside = out >= fp8_decode(fp8_encode(float(low * d_scale), Fp8Dtype::e4m3), Fp8Dtype::e4m3) &&
+                   out <= fp8_decode(fp8_encode(float(high * d_scale), Fp8Dtype::e4m3), Fp8Dtype::e4m3);
+        }
+        if (!inside) {
+          if (outside_out < 5) UNSCOPED_INFO("element [" << m << "," << n << "]: x " << x << ", output outside");
+          ++outside_out;
+        }
+      }
+    CHECK(outside_pre == 0);
+    CHECK(outside_out == 0);
+  }
+}
+
+// The LayerNorm prologue against the two kernels it replaces: layernorm_forward_{bf16,fp8},
+// then the small-M GEMM on its output. The same bits everywhere: D (and gelu_input under the
+// GELU epilogue), the LayerNorm's output that block 0 writes, mean, rstd and the amax.
+void check_layernorm_prologue(int M, int N, int C, GemmType type, bool gelu, uint64_t seed) {
+  INFO(to_string(type) << " M=" << M << " N=" << N << " C=" << C << (gelu ? ", GELU epilogue" : ""));
+  const bool fp8 = type == GemmType::e4m3;
+  const size_t mc = size_t(M) * C, mn = size_t(M) * N;
+  // A residual stream with an offset and a spread, as a block's input has.
+  std::vector<float> x = random_floats(mc, seed, 2.0f);
+  for (float& v : x) v += 0.3f;
+  DeviceBuffer<uint8_t> d_x = device_bytes(bf16_bytes(x), 0);
+  DeviceBuffer<uint8_t> d_w = device_bytes(bf16_bytes(random_floats(size_t(C), seed + 1, 1.0f)), 0);
+  DeviceBuffer<uint8_t> d_lb = device_bytes(bf16_bytes(random_floats(size_t(C), seed + 2, 0.2f)), 0);
+  const Operand weight = make_operand(random_floats(size_t(N) * C, seed + 3, 0.05f), type);
+  DeviceBuffer<uint8_t> d_b = device_bytes(weight.bytes, 0);
+  DeviceBuffer<uint8_t> d_bias = device_bytes(bf16_bytes(random_floats(size_t(N), seed + 4, 0.5f)), 0);
+  // The cast's scale, A's scale_inv (its reciprocal, 16 bytes on), B's scale_inv, D's scale.
+  DeviceBuffer<float> d_scales = testing::device_copy(std::vector<float>{32.0f, 0, 0, 0, 1.0f / 32, 0, 0, 0,
+                                                                         weight.scale_inv, 0, 0, 0, 8.0f});
+  struct Outputs {
+    std::vector<uint8_t> d, pre, ln, mean, rstd;
+    std::vector<float> amax;
+  };
+  auto run = [&](bool fused) {
+    const size_t a_bytes = mc * (fp8 ? 1 : 2), d_bytes = mn * (gelu && fp8 ? 1 : 2);
+    DeviceBuffer<uint8_t> d_ln = device_bytes(std::vector<uint8_t>(a_bytes, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_out = device_bytes(std::vector<uint8_t>(d_bytes, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_pre = device_bytes(std::vector<uint8_t>(2 * mn, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_stats = device_bytes(std::vector<uint8_t>(8 * size_t(M), kPoisonByte), 0);
+    DeviceBuffer<float> d_amax = testing::device_copy(std::vector<float>{0.25f});
+    float* mean = reinterpret_cast<float*>(d_stats.data());
+    float* rstd = mean + M;
+    GemmDesc desc = decoding_desc(M, N, C, type);
+    GemmArgs args;
+    args.D = d_out.data();
+    args.A = d_ln.data();
+    args.B = d_b.data();
+    args.a_scale_inv = fp8 ? d_scales.data() + 4 : nullptr;
+    args.b_scale_inv = fp8 ? d_scales.data() + 8 : nullptr;
+    args.bias = d_bias.data();
+    if (gelu) {
+      args.gelu_input = d_pre.data();
+      desc.d_type = fp8 ? GemmType::e4m3 : GemmType::bf16;
+      if (fp8) args.d_scale = d_scales.data() + 12;
+    }
+    const auto* input = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
+    const auto* ln_weight = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
+    const auto* ln_bias = reinterpret_cast<const __nv_bfloat16*>(d_lb.data());
+    if (fused) {
+      const cuda::SmallMLayerNorm prologue{.input = input, .weight = ln_weight, .bias = ln_bias, .eps = 1e-5f,
+                                           .scale = fp8 ? d_scales.data() : nullptr,
+                                           .amax = fp8 ? d_amax.data() : nullptr, .mean = mean, .rstd = rstd};
+      REQUIRE(cuda::small_m_gemm_refusal(desc, args, &prologue) == nullptr);
+      cuda::gemm_small_m(desc, args, nullptr, &prologue);
+    } else {
+      if (fp8) {
+        cuda::layernorm_forward_fp8(d_ln.data(), d_amax.data(), d_scales.data(), Fp8Dtype::e4m3, mean, rstd, input,
+                                    ln_weight, ln_bias, M, C, 1e-5f, nullptr);
+      } else {
+        cuda::layernorm_forward_bf16(reinterpret_cast<__nv_bfloat16*>(d_ln.data()), mean, rstd, input, ln_weight,
+                                     ln_bias, M, C, 1e-5f, nullptr);
+      }
+      cuda::gemm_small_m(desc, args, nullptr);
+    }
+    testing::device_sync();
+    return Outputs{d_out.download(), d_pre.download(), d_ln.download(), d_stats.download(), {}, d_amax.download()};
+  };
+  const Outputs fused = run(true), separate = run(false);
+  CHECK(fused.ln == separate.ln);
+  CHECK(fused.mean == separate.mean);  // mean and rstd together: the one stats buffer
+  CHECK(fused.amax == separate.amax);
+  CHECK(fused.d == separate.d);
+  if (gelu) CHECK(fused.pre == separate.pre);
+}
+
 }  // namespace
+
+TEST_CASE("small-M GEMM's GELU epilogue matches the CPU's, into BF16 and E4M3", "[gpu][gemm]") {
+  FP8LM_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (const GemmType type : {GemmType::e4m3, GemmType::bf16})
+    for (const auto& [K, N] : {std::pair{1600, 6400}, std::pair{48, 40}}) {
+      const Operand weight = make_operand(random_floats(size_t(N) * K, seed += 10, 0.05f), type);
+      DeviceBuffer<uint8_t> d_weight = device_bytes(weight.bytes, 0);
+      check_gelu_epilogue({1, N, K, type}, weight, d_weight, seed += 10);  // one row: small_m_gemm_refusal
+    }
+}
+
+TEST_CASE("small-M GEMM's LayerNorm prologue gives the LayerNorm kernel's and the GEMM's bits", "[gpu][gemm]") {
+  FP8LM_REQUIRE_GPU();
+  // One row of E4M3 operands: where the prologue runs (small_m_gemm_refusal).
+  uint64_t seed = 900;
+  for (const bool gelu : {false, true}) {
+    check_layernorm_prologue(1, 4800, 1600, GemmType::e4m3, gelu, seed += 10);  // ln_1 -> c_attn, gpt2-1558m
+    check_layernorm_prologue(1, 3072, 768, GemmType::e4m3, gelu, seed += 10);   // ln_2 -> c_fc, gpt2-124m
+    check_layernorm_prologue(1, 40, 48, GemmType::e4m3, gelu, seed += 10);      // fewer chunks than lanes
+  }
+}
 
 TEST_CASE("small-M GEMM matches the CPU's exact FP8/BF16 emulation at decoding shapes", "[gpu][gemm]") {
   FP8LM_REQUIRE_GPU();
@@ -251,6 +432,9 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   CHECK(cuda::small_m_gemm_refusal(fp8, residual) == nullptr);
 
   auto refused = [&](GemmDesc desc, GemmArgs a) { return cuda::small_m_gemm_refusal(desc, a) != nullptr; };
+  auto refused_with = [&](GemmDesc desc, GemmArgs a, cuda::SmallMLayerNorm ln) {
+    return cuda::small_m_gemm_refusal(desc, a, &ln) != nullptr;
+  };
   CHECK(refused(decoding_desc(9, 4800, 1600, GemmType::e4m3), args));    // training sizes: M = B x T
   CHECK(refused(decoding_desc(1024, 4800, 1600, GemmType::e4m3), args));
   CHECK(refused(decoding_desc(1, 4800, 1604, GemmType::e4m3), args));  // K not a multiple of 16
@@ -277,6 +461,41 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   in_place.C = in_place.D;
   in_place.beta = 1.0f;
   CHECK(refused(fp8, in_place));
+
+  // The GELU epilogue (c_fc): a bias, no C, E4M3 D with its scale and no amax.
+  GemmArgs gelu = args;
+  gelu.bias = memory + 2;
+  gelu.gelu_input = memory + 768;
+  CHECK(cuda::small_m_gemm_refusal(fp8, gelu) == nullptr);
+  CHECK(refused(decoding_desc(2, 4800, 1600, GemmType::e4m3), gelu));  // more than one row
+  desc = fp8;
+  desc.d_type = GemmType::e4m3;
+  CHECK(refused(desc, gelu));  // no d_scale
+  const float* some_scale = reinterpret_cast<const float*>(memory + 896);
+  gelu.d_scale = some_scale;
+  CHECK(cuda::small_m_gemm_refusal(desc, gelu) == nullptr);
+  GemmArgs gelu_amax = gelu;
+  gelu_amax.d_amax = reinterpret_cast<float*>(memory + 900);  // cuBLASLt's SET amax: not here
+  CHECK(refused(desc, gelu_amax));
+  GemmArgs gelu_no_bias = gelu;
+  gelu_no_bias.bias = nullptr;
+  CHECK(refused(desc, gelu_no_bias));
+  desc.d_type = GemmType::e4m3;
+  CHECK(refused(desc, args));  // an E4M3 D without the GELU epilogue
+
+  // The LayerNorm prologue: one row of E4M3 operands, 16-byte-aligned input, weight and bias,
+  // the cast's scale, and a row that fits 48 KB of shared memory.
+  cuda::SmallMLayerNorm layernorm{.input = memory, .weight = memory + 256, .bias = memory + 512, .scale = some_scale};
+  CHECK(cuda::small_m_gemm_refusal(fp8, args, &layernorm) == nullptr);
+  CHECK(refused_with(decoding_desc(2, 4800, 1600, GemmType::e4m3), args, layernorm));
+  CHECK(refused_with(decoding_desc(1, 4800, 1600, GemmType::bf16), args, layernorm));
+  CHECK(refused_with(decoding_desc(1, 4800, 65536, GemmType::e4m3), args, layernorm));  // 64 KB
+  cuda::SmallMLayerNorm unscaled = layernorm;
+  unscaled.scale = nullptr;
+  CHECK(refused_with(fp8, args, unscaled));
+  cuda::SmallMLayerNorm misaligned_input = layernorm;
+  misaligned_input.input = memory + 2;
+  CHECK(refused_with(fp8, args, misaligned_input));
 }
 
 TEST_CASE("GemmEngine sends decoding GEMMs to the small-M kernel and the rest to cuBLASLt", "[gpu][gemm]") {

@@ -134,6 +134,24 @@ TEST_CASE("GPU key/value cache: append and decode equal the CPU twin, BF16 and F
     const std::vector<uint8_t> expected_codes =
         testing::encode_all(testing::from_bf16(gpu_out), operand_scale, Fp8Dtype::e4m3);
     CHECK(testing::same_bytes(d_codes.download(), expected_codes));
+
+    // The step's append folded into the decoding launch (append = true): a cache holding only the
+    // prompt ends with the CPU's cache, and the output is the separate append's, bit for bit.
+    cuda::DeviceBuffer<uint8_t> d_keys_folded, d_values_folded;
+    d_keys_folded.allocate(cache_elements * element);
+    d_values_folded.allocate(cache_elements * element);
+    CUDA_CHECK(cudaMemset(d_keys_folded.data(), 0, cache_elements * element));
+    CUDA_CHECK(cudaMemset(d_values_folded.data(), 0, cache_elements * element));
+    cuda::kv_cache_append(d_keys_folded.data(), d_values_folded.data(), fp8, d_scales.data(), d_scratch.data(),
+                          d_prompt.data(), B, prompt, C, capacity, 0, nullptr);
+    cuda::DeviceBuffer<__nv_bfloat16> d_out_folded = testing::poisoned<__nv_bfloat16>(size_t(B) * C);
+    cuda::attention_decode(d_out_folded.data(), d_step.data(), d_keys_folded.data(), d_values_folded.data(), fp8,
+                           d_scales.data(), B, C, NH, capacity, prompt + 1, d_decode_scratch.data(), nullptr, nullptr,
+                           nullptr, Fp8Dtype::e4m3, nullptr, /*append=*/true);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(d_keys_folded.download() == d_keys.download());
+    CHECK(d_values_folded.download() == d_values.download());
+    CHECK(testing::same_bytes(d_out_folded.download(), gpu_out));
   }
 }
 
