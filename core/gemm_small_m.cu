@@ -114,17 +114,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // The LayerNorm prologue: every block normalizes the M rows of p.layernorm.input into `a`
-// (shared memory, A's format), warp w taking rows w, w + kWarps, ..., reading each row three
+// (shared memory, E4M3 codes), warp w taking rows w, w + kWarps, ..., reading each row three
 // times (from L1 after the first). The order of every sum is layernorm_forward_kernel's (lane
-// l adds chunks l, l + 32, ... of 8 values in order, then a butterfly), so the values, codes,
-// mean and rstd are its bits. Block 0 writes them out and raises the amax.
-template <typename Format>
-__device__ void layernorm_prologue(const Problem& p, typename Format::Storage* a) {
-  constexpr bool kE4m3 = sizeof(typename Format::Storage) == 1;
+// l adds chunks l, l + 32, ... of 8 values in order, then a butterfly), so the codes, mean and
+// rstd are its bits. Block 0 writes them out and raises the amax.
+__device__ void layernorm_prologue(const Problem& p, uint8_t* a) {
   const SmallMLayerNorm& ln = p.layernorm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int C = p.K, chunks = C / 8;
-  const float scale = kE4m3 ? *ln.scale : 1.0f;
+  const float scale = *ln.scale;
   const bool writer = blockIdx.x == 0;
   unsigned amax_bits = 0u;
   for (int m = warp; m < p.M; m += kWarps) {  // warp-uniform
@@ -158,29 +156,21 @@ __device__ void layernorm_prologue(const Problem& p, typename Format::Storage* a
 #pragma unroll
       for (int j = 0; j < 8; j++) y[j] = (x[j] - row_mean) * row_rstd * w[j] + b[j];
       const size_t at = size_t(m) * C + size_t(i) * 8;
-      if constexpr (kE4m3) {
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-          y[j] = device::round_bf16(y[j]);
-          amax_bits = max(amax_bits, device::abs_bits(y[j]));
-        }
-        const uint2 codes = e4m3x8(y, scale);
-        *reinterpret_cast<uint2*>(a + at) = codes;
-        if (writer) *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.A)) + at) = codes;
-      } else {
-        const uint4 values = device::pack_bf16x8(y);
-        *reinterpret_cast<uint4*>(a + at) = values;
-        if (writer) *reinterpret_cast<uint4*>(static_cast<bf16*>(const_cast<void*>(p.A)) + at) = values;
+      for (int j = 0; j < 8; j++) {
+        y[j] = device::round_bf16(y[j]);
+        amax_bits = max(amax_bits, device::abs_bits(y[j]));
       }
+      const uint2 codes = e4m3x8(y, scale);
+      *reinterpret_cast<uint2*>(a + at) = codes;
+      if (writer) *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.A)) + at) = codes;
     }
     if (writer && lane == 0) {
       if (ln.mean != nullptr) ln.mean[m] = row_mean;
       if (ln.rstd != nullptr) ln.rstd[m] = row_rstd;
     }
   }
-  if constexpr (kE4m3) {
-    if (writer) device::block_amax_update(ln.amax, amax_bits);  // synchronises block 0
-  }
+  if (writer) device::block_amax_update(ln.amax, amax_bits);  // synchronises block 0
   __syncthreads();
 }
 
@@ -233,10 +223,10 @@ __global__ void __launch_bounds__(kThreads) gemm_small_m_kernel(const Problem p)
   // in flight), or A as given.
   const Storage* A = static_cast<const Storage*>(p.A);
   if constexpr (kLayerNorm) {
+    static_assert(std::is_same_v<Format, E4m3Codes>, "the prologue writes E4M3 codes");
     extern __shared__ uint4 staged[];  // A [M,K]
-    Storage* a = reinterpret_cast<Storage*>(staged);
-    layernorm_prologue<Format>(p, a);
-    A = a;
+    layernorm_prologue(p, reinterpret_cast<uint8_t*>(staged));
+    A = reinterpret_cast<const Storage*>(staged);
   }
 
   for (int begin = lane; begin < pieces; begin += 32 * kPiecesPerBatch) {
@@ -311,15 +301,15 @@ __global__ void __launch_bounds__(kThreads) gemm_small_m_kernel(const Problem p)
   }
 }
 
-// The prologue's shared memory: A in its format.
-size_t layernorm_shared_bytes(int M, int K, size_t a_element_bytes) { return size_t(M) * K * a_element_bytes; }
+// The prologue's shared memory: A's E4M3 codes.
+size_t layernorm_shared_bytes(int M, int K) { return size_t(M) * K; }
 // What a block may take without raising its dynamic shared-memory limit.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
 template <typename Format>
 void launch(const Problem& problem, bool layernorm, cudaStream_t stream) {
   const int blocks = (problem.N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const size_t shared = layernorm ? layernorm_shared_bytes(problem.M, problem.K, sizeof(typename Format::Storage)) : 0;
+  const size_t shared = layernorm ? layernorm_shared_bytes(problem.M, problem.K) : 0;
   auto run = [&](auto kernel) { launch_kernel(kernel, blocks, kThreads, shared, stream, problem); };
   static_assert(kSmallMMaxRows == 8, "the instantiations below cover M in [1, 8]");
   if (problem.gelu_input != nullptr || layernorm) {  // one row (small_m_gemm_refusal)
@@ -368,8 +358,8 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, con
     if (!layernorm->input || !layernorm->weight || !layernorm->bias) return "a LayerNorm prologue without input, weight or bias";
     if (!aligned16(layernorm->input) || !aligned16(layernorm->weight) || !aligned16(layernorm->bias))
       return "a LayerNorm prologue's input, weight or bias is not 16-byte aligned";
-    if (e4m3 && layernorm->scale == nullptr) return "a LayerNorm prologue into E4M3 without the cast's scale";
-    if (layernorm_shared_bytes(desc.M, desc.K, gemm_type_bytes(desc.a_type)) > kDefaultSharedBytes)
+    if (layernorm->scale == nullptr) return "a LayerNorm prologue without the cast's scale";
+    if (layernorm_shared_bytes(desc.M, desc.K) > kDefaultSharedBytes)
       return "a LayerNorm prologue whose rows do not fit 48 KB of shared memory";
   }
   return nullptr;

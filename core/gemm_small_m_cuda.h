@@ -20,7 +20,7 @@
 // The LayerNorm prologue (SmallMLayerNorm, GemmEngine::gemm_after_layernorm; one row, E4M3
 // operands): A is not read but
 // computed by every block from the LayerNorm's input rows, in layernorm_forward_kernel's order
-// (layers/layernorm.cu) - the same bits as layernorm_forward_{bf16,fp8} followed by this GEMM;
+// (layers/layernorm.cu) - the same bits as layernorm_forward_fp8 followed by this GEMM;
 // block 0 also writes the LayerNorm's outputs (A, mean, rstd, the amax), so the op stays
 // "LayerNorm, then GEMM" for whoever reads them later. One launch instead of two per LayerNorm
 // of a decoding step.
@@ -54,18 +54,18 @@ namespace fp8lm::cuda {
 // registers; 8 covers decoding batches up to 8 (beyond, cuBLASLt's tiles start to pay off).
 inline constexpr int kSmallMMaxRows = 8;
 
-// The LayerNorm prologue: A [M,K] = LayerNorm(input [M,K]) in A's format (layernorm.h's
-// layernorm_forward_bf16 / _fp8 contract, K the row width).
+// The LayerNorm prologue: A [M,K] = LayerNorm(input [M,K]) as E4M3 codes (layernorm.h's
+// layernorm_forward_fp8 contract, K the row width).
 struct SmallMLayerNorm {
   const void* input = nullptr;   // [M,K] bf16, 16-byte aligned
   const void* weight = nullptr;  // [K] bf16, 16-byte aligned
   const void* bias = nullptr;    // [K] bf16, 16-byte aligned
   float eps = 1e-5f;
-  const float* scale = nullptr;  // E4M3 A: the cast's scale (required; A's scale_inv is GemmArgs::a_scale_inv)
-  float* amax = nullptr;         // E4M3 A, nullable: raised to max |bf16(LayerNorm)| (atomicMax on the bits)
+  const float* scale = nullptr;  // the cast's scale (required; A's scale_inv is GemmArgs::a_scale_inv)
+  float* amax = nullptr;         // nullable: raised to max |bf16(LayerNorm)| (atomicMax on the bits)
   float* mean = nullptr;         // [M], nullable
   float* rstd = nullptr;         // [M], nullable
-  // GemmArgs::A is where block 0 writes the LayerNorm's output (its codes or BF16 values).
+  // GemmArgs::A is where block 0 writes the LayerNorm's output (its codes).
 };
 
 // nullptr when the kernel takes the problem, else the condition it misses (a static string:

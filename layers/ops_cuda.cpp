@@ -658,25 +658,23 @@ class CudaOps final : public Ops {
   }
 
   // ln_1 -> c_attn and ln_2 -> c_fc (ops.h): one launch of the small-M GEMM with its LayerNorm
-  // prologue where it takes them (a decoding step), else the two ops.
+  // prologue where it takes them (an FP8 decoding step at batch 1), else the two ops.
   void layernorm_to_gemm(const LayerNormToGemm& call) override {
     if (!layernorm_prologue(call)) Ops::layernorm_to_gemm(call);
   }
-  // The prologue computes the LayerNorm as layernorm_forward's one-kernel forms do: a plain
-  // LayerNorm (no residual add) into BF16, or into E4M3 with its delayed scale (not current
-  // scaling, whose scale needs the output's amax first; no cast statistics).
+  // The prologue computes the LayerNorm as layernorm_forward's one-kernel FP8 form does: a plain
+  // LayerNorm (no residual add) into E4M3 with its delayed scale (not current scaling, whose
+  // scale needs the output's amax first; no cast statistics). The small-M kernel takes one row.
   bool layernorm_prologue(const LayerNormToGemm& call) {
     const LayerNormForward& ln = call.layernorm;
     const GemmCall& gemm_call = call.gemm;
-    if (ln.branch || rows(ln.residual_in) > cuda::kSmallMMaxRows || !gemm_->small_m_enabled()) return false;
+    const int s = ln.out.scaling_state;
+    if (ln.branch || rows(ln.residual_in) != 1 || !gemm_->small_m_enabled() || ln.out.dtype != DType::e4m3 ||
+        block_scaled(ln.out) || table_->uses_current_scaling() || counts_of(s) != nullptr)
+      return false;
     FP8LM_CHECK(gemm_call.input.data == ln.out.data && rows(gemm_call.input) == rows(ln.residual_in) &&
                     cols(gemm_call.input) == cols(ln.residual_in),
                 "layernorm_to_gemm: the GEMM's input is not the LayerNorm's output");
-    const bool fp8 = is_fp8(ln.out.dtype);
-    const int s = ln.out.scaling_state;
-    if (fp8 && (ln.out.dtype != DType::e4m3 || block_scaled(ln.out) || table_->uses_current_scaling() ||
-                counts_of(s) != nullptr))
-      return false;
     cuda::GemmDesc desc;
     cuda::GemmArgs args;
     if (gemm_call.gelu_input) {
@@ -688,8 +686,8 @@ class CudaOps final : public Ops {
                                          .weight = ln.weight.data,
                                          .bias = ln.bias.data,
                                          .eps = ln.eps,
-                                         .scale = fp8 ? scale_.data() + s : nullptr,
-                                         .amax = fp8 ? amax_slot(s) : nullptr,
+                                         .scale = scale_.data() + s,
+                                         .amax = amax_slot(s),
                                          .mean = ln.mean ? f32(ln.mean) : nullptr,
                                          .rstd = ln.rstd ? f32(ln.rstd) : nullptr};
     return gemm_->gemm_after_layernorm(desc, args, prologue, stream_);
@@ -762,13 +760,13 @@ class CudaOps final : public Ops {
     if (Fp8CastCounts* counts = counts_of(s))
       cuda::count_gelu_fp8_cast(counts, cbf(pre), scale_.data() + s, Fp8Dtype::e4m3, M, F, stream_);
   }
-  // c_fc of a few rows (a decoding step) in the small-M kernel with its GELU epilogue: the
+  // c_fc of one row (a decoding step at batch 1) in the small-M kernel with its GELU epilogue: the
   // descriptor and arguments, or false where that kernel does not take it. An E4M3 output
   // needs its delayed scale, and no amax or statistics (amaxes not recorded), which the
   // kernel does not take.
   bool small_m_gelu_args(const GemmCall& call, cuda::GemmDesc& desc, cuda::GemmArgs& args) {
     const Tensor& out = call.out;
-    if (rows(call.gelu_input) > cuda::kSmallMMaxRows || !gemm_->small_m_enabled()) return false;
+    if (rows(call.gelu_input) != 1 || !gemm_->small_m_enabled()) return false;
     const bool e4m3_out = out.dtype == DType::e4m3 && !block_scaled(out) && !table_->uses_current_scaling() &&
                           !recording_ && counts_of(out.scaling_state) == nullptr;
     if (!e4m3_out && out.dtype != DType::bf16) return false;

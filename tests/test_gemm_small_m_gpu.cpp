@@ -302,12 +302,11 @@ void check_gelu_epilogue(const Problem& p, const Operand& b, DeviceBuffer<uint8_
   }
 }
 
-// The LayerNorm prologue against the two kernels it replaces: layernorm_forward_{bf16,fp8},
-// then the small-M GEMM on its output. The same bits everywhere: D (and gelu_input under the
-// GELU epilogue), the LayerNorm's output that block 0 writes, mean, rstd and the amax.
-void check_layernorm_prologue(int M, int N, int C, GemmType type, bool gelu, uint64_t seed) {
-  INFO(to_string(type) << " M=" << M << " N=" << N << " C=" << C << (gelu ? ", GELU epilogue" : ""));
-  const bool fp8 = type == GemmType::e4m3;
+// The LayerNorm prologue against the two kernels it replaces: layernorm_forward_fp8, then the
+// small-M GEMM on its codes. The same bits everywhere: D (and gelu_input under the GELU
+// epilogue), the codes that block 0 writes, mean, rstd and the amax.
+void check_layernorm_prologue(int M, int N, int C, bool gelu, uint64_t seed) {
+  INFO("M=" << M << " N=" << N << " C=" << C << (gelu ? ", GELU epilogue" : ""));
   const size_t mc = size_t(M) * C, mn = size_t(M) * N;
   // A residual stream with an offset and a spread, as a block's input has.
   std::vector<float> x = random_floats(mc, seed, 2.0f);
@@ -315,63 +314,57 @@ void check_layernorm_prologue(int M, int N, int C, GemmType type, bool gelu, uin
   DeviceBuffer<uint8_t> d_x = device_bytes(bf16_bytes(x), 0);
   DeviceBuffer<uint8_t> d_w = device_bytes(bf16_bytes(random_floats(size_t(C), seed + 1, 1.0f)), 0);
   DeviceBuffer<uint8_t> d_lb = device_bytes(bf16_bytes(random_floats(size_t(C), seed + 2, 0.2f)), 0);
-  const Operand weight = make_operand(random_floats(size_t(N) * C, seed + 3, 0.05f), type);
+  const Operand weight = make_operand(random_floats(size_t(N) * C, seed + 3, 0.05f), GemmType::e4m3);
   DeviceBuffer<uint8_t> d_b = device_bytes(weight.bytes, 0);
   DeviceBuffer<uint8_t> d_bias = device_bytes(bf16_bytes(random_floats(size_t(N), seed + 4, 0.5f)), 0);
   // The cast's scale, A's scale_inv (its reciprocal, 16 bytes on), B's scale_inv, D's scale.
   DeviceBuffer<float> d_scales = testing::device_copy(std::vector<float>{32.0f, 0, 0, 0, 1.0f / 32, 0, 0, 0,
                                                                          weight.scale_inv, 0, 0, 0, 8.0f});
   struct Outputs {
-    std::vector<uint8_t> d, pre, ln, mean, rstd;
+    std::vector<uint8_t> d, pre, codes, mean_rstd;
     std::vector<float> amax;
   };
   auto run = [&](bool fused) {
-    const size_t a_bytes = mc * (fp8 ? 1 : 2), d_bytes = mn * (gelu && fp8 ? 1 : 2);
-    DeviceBuffer<uint8_t> d_ln = device_bytes(std::vector<uint8_t>(a_bytes, kPoisonByte), 0);
-    DeviceBuffer<uint8_t> d_out = device_bytes(std::vector<uint8_t>(d_bytes, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_codes = device_bytes(std::vector<uint8_t>(mc, kPoisonByte), 0);
+    DeviceBuffer<uint8_t> d_out = device_bytes(std::vector<uint8_t>(mn * (gelu ? 1 : 2), kPoisonByte), 0);
     DeviceBuffer<uint8_t> d_pre = device_bytes(std::vector<uint8_t>(2 * mn, kPoisonByte), 0);
     DeviceBuffer<uint8_t> d_stats = device_bytes(std::vector<uint8_t>(8 * size_t(M), kPoisonByte), 0);
     DeviceBuffer<float> d_amax = testing::device_copy(std::vector<float>{0.25f});
     float* mean = reinterpret_cast<float*>(d_stats.data());
     float* rstd = mean + M;
-    GemmDesc desc = decoding_desc(M, N, C, type);
+    GemmDesc desc = decoding_desc(M, N, C, GemmType::e4m3);
     GemmArgs args;
     args.D = d_out.data();
-    args.A = d_ln.data();
+    args.A = d_codes.data();
     args.B = d_b.data();
-    args.a_scale_inv = fp8 ? d_scales.data() + 4 : nullptr;
-    args.b_scale_inv = fp8 ? d_scales.data() + 8 : nullptr;
+    args.a_scale_inv = d_scales.data() + 4;
+    args.b_scale_inv = d_scales.data() + 8;
     args.bias = d_bias.data();
-    if (gelu) {
+    if (gelu) {  // c_fc: E4M3 out with its scale
       args.gelu_input = d_pre.data();
-      desc.d_type = fp8 ? GemmType::e4m3 : GemmType::bf16;
-      if (fp8) args.d_scale = d_scales.data() + 12;
+      desc.d_type = GemmType::e4m3;
+      args.d_scale = d_scales.data() + 12;
     }
     const auto* input = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
     const auto* ln_weight = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
     const auto* ln_bias = reinterpret_cast<const __nv_bfloat16*>(d_lb.data());
     if (fused) {
       const cuda::SmallMLayerNorm prologue{.input = input, .weight = ln_weight, .bias = ln_bias, .eps = 1e-5f,
-                                           .scale = fp8 ? d_scales.data() : nullptr,
-                                           .amax = fp8 ? d_amax.data() : nullptr, .mean = mean, .rstd = rstd};
+                                           .scale = d_scales.data(), .amax = d_amax.data(), .mean = mean,
+                                           .rstd = rstd};
       REQUIRE(cuda::small_m_gemm_refusal(desc, args, &prologue) == nullptr);
       cuda::gemm_small_m(desc, args, nullptr, &prologue);
     } else {
-      if (fp8) {
-        cuda::layernorm_forward_fp8(d_ln.data(), d_amax.data(), d_scales.data(), Fp8Dtype::e4m3, mean, rstd, input,
-                                    ln_weight, ln_bias, M, C, 1e-5f, nullptr);
-      } else {
-        cuda::layernorm_forward_bf16(reinterpret_cast<__nv_bfloat16*>(d_ln.data()), mean, rstd, input, ln_weight,
-                                     ln_bias, M, C, 1e-5f, nullptr);
-      }
+      cuda::layernorm_forward_fp8(d_codes.data(), d_amax.data(), d_scales.data(), Fp8Dtype::e4m3, mean, rstd, input,
+                                  ln_weight, ln_bias, M, C, 1e-5f, nullptr);
       cuda::gemm_small_m(desc, args, nullptr);
     }
     testing::device_sync();
-    return Outputs{d_out.download(), d_pre.download(), d_ln.download(), d_stats.download(), {}, d_amax.download()};
+    return Outputs{d_out.download(), d_pre.download(), d_codes.download(), d_stats.download(), d_amax.download()};
   };
   const Outputs fused = run(true), separate = run(false);
-  CHECK(fused.ln == separate.ln);
-  CHECK(fused.mean == separate.mean);  // mean and rstd together: the one stats buffer
+  CHECK(fused.codes == separate.codes);
+  CHECK(fused.mean_rstd == separate.mean_rstd);
   CHECK(fused.amax == separate.amax);
   CHECK(fused.d == separate.d);
   if (gelu) CHECK(fused.pre == separate.pre);
@@ -395,9 +388,9 @@ TEST_CASE("small-M GEMM's LayerNorm prologue gives the LayerNorm kernel's and th
   // One row of E4M3 operands: where the prologue runs (small_m_gemm_refusal).
   uint64_t seed = 900;
   for (const bool gelu : {false, true}) {
-    check_layernorm_prologue(1, 4800, 1600, GemmType::e4m3, gelu, seed += 10);  // ln_1 -> c_attn, gpt2-1558m
-    check_layernorm_prologue(1, 3072, 768, GemmType::e4m3, gelu, seed += 10);   // ln_2 -> c_fc, gpt2-124m
-    check_layernorm_prologue(1, 40, 48, GemmType::e4m3, gelu, seed += 10);      // fewer chunks than lanes
+    check_layernorm_prologue(1, 4800, 1600, gelu, seed += 10);  // ln_1 -> c_attn (ln_2 -> c_fc), gpt2-1558m
+    check_layernorm_prologue(1, 3072, 768, gelu, seed += 10);   // gpt2-124m
+    check_layernorm_prologue(1, 40, 48, gelu, seed += 10);      // fewer chunks than lanes
   }
 }
 
