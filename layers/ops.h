@@ -231,7 +231,7 @@ struct AttentionBackwardToOperand {
 // A LayerNorm whose output is the input of the GEMM after it (ln_1 -> c_attn, ln_2 -> c_fc):
 //   layernorm_forward(layernorm); gemm(gemm)      with gemm.input == layernorm.out.
 // That pair is the definition (Ops' default). The CUDA backend runs both in one launch where
-// the small-M GEMM takes them (a decoding step's few rows), with the same bits.
+// the small-M GEMM takes them (an FP8 decoding step at batch 1), with the same bits.
 struct LayerNormToGemm {
   LayerNormForward layernorm;
   GemmCall gemm;

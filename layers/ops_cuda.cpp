@@ -717,8 +717,9 @@ class CudaOps final : public Ops {
   // gelu_input and the output in the GEMM itself: at gpt2-1558m's shape 0.184 ms against
   // 0.133 for the GEMM and 0.097 for the GELU kernel after it (device call 94). It needs an
   // output scale known before the GEMM: not current scaling, not block scaling. A decoding
-  // step's few rows go to the small-M kernel and the GELU kernel instead (about 2x cuBLASLt's
-  // speed there, docs/INFERENCE.md).
+  // step's one row goes to the small-M kernel with its own GELU epilogue, a few rows to the
+  // small-M kernel and the GELU kernel after it (about 2x cuBLASLt's speed there,
+  // docs/INFERENCE.md).
   void gemm_gelu(const GemmCall& call) {
     const Tensor &out = call.out, &pre = call.gelu_input;
     check_gelu_epilogue(call);
