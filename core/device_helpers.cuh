@@ -78,6 +78,24 @@ __device__ __forceinline__ uint32_t fp8x2(float a, float b, __nv_fp8_interpretat
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp));
 }
 
+// Eight values times s as 8 FP8 codes in two little-endian words (value 0 in the lowest byte).
+__device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_interpretation_t interp) {
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    word[h] = fp8x2(v[4 * h] * s, v[4 * h + 1] * s, interp) | (fp8x2(v[4 * h + 2] * s, v[4 * h + 3] * s, interp) << 16);
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+// The sum over a warp's 32 lanes, a butterfly: every lane ends with the same bits (IEEE
+// addition is commutative).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // |x| as ordered bits: for x >= 0 the unsigned order is the float order, and every NaN
 // (sign cleared) is above +inf.
 __device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(fabsf(x)); }

@@ -96,23 +96,6 @@ struct Problem {
   SmallMLayerNorm layernorm;  // layernorm.input nullptr: A read from memory
 };
 
-// 8 FP32 values rounded to BF16 (round_bf16) and cast with `scale` to 8 E4M3 codes, as
-// layernorm_forward_kernel casts them.
-__device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float scale) {
-  uint32_t word[2];
-#pragma unroll
-  for (int h = 0; h < 2; h++)
-    word[h] = device::fp8x2(v[4 * h] * scale, v[4 * h + 1] * scale, __NV_E4M3) |
-              (device::fp8x2(v[4 * h + 2] * scale, v[4 * h + 3] * scale, __NV_E4M3) << 16);
-  return make_uint2(word[0], word[1]);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // The LayerNorm prologue: every block normalizes the M rows of p.layernorm.input into `a`
 // (shared memory, E4M3 codes), warp w taking rows w, w + kWarps, ..., reading each row three
 // times (from L1 after the first). The order of every sum is layernorm_forward_kernel's (lane
@@ -134,7 +117,7 @@ __device__ void layernorm_prologue(const Problem& p, uint8_t* a) {
 #pragma unroll
       for (int j = 0; j < 8; j++) sum += x[j];
     }
-    sum = warp_sum(sum);
+    sum = device::warp_sum(sum);
     const float row_mean = sum / C;
     float squared_deviation = 0.0f;
     for (int i = lane; i < chunks; i += 32) {
@@ -146,7 +129,7 @@ __device__ void layernorm_prologue(const Problem& p, uint8_t* a) {
         squared_deviation += d * d;
       }
     }
-    squared_deviation = warp_sum(squared_deviation);
+    squared_deviation = device::warp_sum(squared_deviation);
     const float row_rstd = 1.0f / sqrtf(squared_deviation / C + ln.eps);
     for (int i = lane; i < chunks; i += 32) {
       float x[8], w[8], b[8], y[8];
@@ -161,7 +144,7 @@ __device__ void layernorm_prologue(const Problem& p, uint8_t* a) {
         y[j] = device::round_bf16(y[j]);
         amax_bits = max(amax_bits, device::abs_bits(y[j]));
       }
-      const uint2 codes = e4m3x8(y, scale);
+      const uint2 codes = device::fp8x8(y, scale, __NV_E4M3);
       *reinterpret_cast<uint2*>(a + at) = codes;
       if (writer) *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.A)) + at) = codes;
     }

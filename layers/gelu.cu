@@ -49,16 +49,6 @@ __device__ __forceinline__ float gelu_derivative(float x) {
   return 0.5f * (1.0f + tanh_u) + 0.5f * x * (1.0f - tanh_u * tanh_u) * du_dx;
 }
 
-// Eight values (already bf16-rounded) times s as 8 FP8 codes in two little-endian words.
-__device__ __forceinline__ uint2 fp8x8(const float (&v)[8], float s, __nv_fp8_interpretation_t interp) {
-  uint32_t word[2];
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    word[h] = fp8x2(v[4 * h] * s, v[4 * h + 1] * s, interp) | (fp8x2(v[4 * h + 2] * s, v[4 * h + 3] * s, interp) << 16);
-  }
-  return make_uint2(word[0], word[1]);
-}
-
 // The FP8 cast statistics of eight values v (already bf16-rounded) cast with s into `packed`.
 __device__ __forceinline__ void tally_fp8x8(Fp8CastTally& tally, const float (&v)[8], float s, uint2 packed,
                                             __nv_fp8_interpretation_t interp) {

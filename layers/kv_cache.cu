@@ -192,14 +192,9 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
         if (fp8) {
           float x[8];
           unpack_bf16x8(raw[s], x);
-          const float scale = scales[part - 1];
-          uint32_t word[2];
-#pragma unroll
-          for (int w = 0; w < 2; ++w)
-            word[w] = fp8x2(x[4 * w] * scale, x[4 * w + 1] * scale, __NV_E4M3) |
-                      (fp8x2(x[4 * w + 2] * scale, x[4 * w + 3] * scale, __NV_E4M3) << 16);
-          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + element) = make_uint2(word[0], word[1]);
-          raw[s] = make_uint4(word[0], word[1], 0u, 0u);
+          const uint2 codes = fp8x8(x, scales[part - 1], __NV_E4M3);
+          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + element) = codes;
+          raw[s] = make_uint4(codes.x, codes.y, 0u, 0u);
         } else {
           *reinterpret_cast<uint4*>(static_cast<bf16*>(cache) + element) = raw[s];
         }

@@ -40,18 +40,10 @@ namespace {
 using bf16 = __nv_bfloat16;
 using namespace device;
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarpsPerBlock = 8;  // rows per block (forward), warps per block (backward)
 constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---- small device helpers ------------------------------------------------------------
-
-__device__ __forceinline__ float warp_sum(float v) {
-  // Butterfly: every lane ends with the same bits (IEEE addition is commutative).
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
 
 // LayerNorm backward of one row, in the two passes both backward kernels make over it:
 // first g = dy * w and the row sums of g and g * xhat (xhat = (x - mean) * rstd), then
@@ -172,18 +164,14 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 8; j++) y[j] = (x[j] - row_mean) * row_rstd * w[j] + b[j];
         const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
         if constexpr (kFp8) {
-          uint32_t word[2];
 #pragma unroll
           for (int j = 0; j < 8; j++) {
             y[j] = round_bf16(y[j]);
             amax_local = max(amax_local, abs_bits(y[j]));
           }
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            word[h] = fp8x2(y[4 * h] * s, y[4 * h + 1] * s, interp) |
-                      (fp8x2(y[4 * h + 2] * s, y[4 * h + 3] * s, interp) << 16);
-          }
-          *reinterpret_cast<uint2*>(out_fp8 + offset) = make_uint2(word[0], word[1]);
+          const uint2 codes = fp8x8(y, s, interp);
+          const uint32_t word[2] = {codes.x, codes.y};
+          *reinterpret_cast<uint2*>(out_fp8 + offset) = codes;
           if constexpr (kStats) {
             const Fp8Dtype dtype = interp == __NV_E4M3 ? Fp8Dtype::e4m3 : Fp8Dtype::e5m2;
 #pragma unroll

@@ -386,6 +386,16 @@ TEST_CASE("the FP8 margin takes every value of its range, 64 included, with fini
 }
 
 // (A test name starting with "--" would reach Catch2 as a flag when ctest runs it.)
+// `fp8lm sample` with FLAG VALUE: refused (exit 2) naming the flag.
+static void check_sample_refuses(const std::string& flag, const std::string& value) {
+  const auto sample = testing::run_fp8lm("sample --config " + kTiny +
+                                         " --random-weights --random-prompt 4 --max-new-tokens 2 --device cpu " +
+                                         flag + " " + value);
+  INFO(sample.output);
+  CHECK(sample.exit_code == 2);
+  CHECK_THAT(sample.output, ContainsSubstring(flag));
+}
+
 TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heuristic's first when asked", "[cli]") {
   CHECK(parse({"--mock-data"}).gemm_algorithm == GemmAlgorithmChoice::timed);
   CHECK(parse({"--mock-data", "--gemm-algorithm", "heuristic"}).gemm_algorithm == GemmAlgorithmChoice::heuristic);
@@ -397,11 +407,7 @@ TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heu
   CHECK(run.exit_code == 0);
   CHECK_THAT(run.output, ContainsSubstring("gemm-algorithm"));
   CHECK_THAT(run.output, ContainsSubstring("heuristic"));
-  const auto sample = testing::run_fp8lm("sample --config " + kTiny +
-                                         " --random-weights --random-prompt 4 --max-new-tokens 2 --device cpu "
-                                         "--gemm-algorithm fastest");
-  CHECK(sample.exit_code == 2);
-  CHECK_THAT(sample.output, ContainsSubstring("--gemm-algorithm"));
+  check_sample_refuses("--gemm-algorithm", "fastest");
 }
 
 TEST_CASE("the programmatic-launch flag is on by default, off when asked, and shown at start-up", "[cli][launch]") {
@@ -415,9 +421,5 @@ TEST_CASE("the programmatic-launch flag is on by default, off when asked, and sh
   CHECK(run.exit_code == 0);
   CHECK_THAT(run.output, ContainsSubstring("programmatic-launch"));
   // sample and eval take it too (kRuntimeFlags), and refuse a bad value naming it.
-  const auto sample = testing::run_fp8lm("sample --config " + kTiny +
-                                         " --random-weights --random-prompt 4 --max-new-tokens 2 --device cpu "
-                                         "--programmatic-launch maybe");
-  CHECK(sample.exit_code == 2);
-  CHECK_THAT(sample.output, ContainsSubstring("--programmatic-launch"));
+  check_sample_refuses("--programmatic-launch", "maybe");
 }
