@@ -230,6 +230,88 @@ TEST_CASE("AdamW fp8_fp16: first step equals fp32; stored m within E4M3 precisio
   for (size_t j = 0; j < p_ref.size(); ++j) CHECK_THAT(p_fp8[j], WithinAbs(p_ref[j], 1.1 * hp.lr * 0x1p-4));
 }
 
+TEST_CASE("AdamW fp8_fp16: a clipped step's moment amaxes are bounds from pass 1's maxima, exact without a clip",
+          "[optim]") {
+  // Tensors with moments built up by unclipped steps, then gradients that agree with m in some
+  // tensors, oppose it in others and are random in the rest; for each clip coefficient the
+  // amaxes moment_amaxes_for() takes from the maxima against those of the moments computed
+  // element by element with the coefficient (what a second pass after the decision read).
+  TensorLayout layout;
+  for (int k = 0; k < 24; ++k) layout.add("t" + std::to_string(k), {int64_t(37 + 11 * k)}, false);
+  const size_t count = layout.tensors().size();
+  const AdamWHyperparams hp{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.0f};
+  Uniform uniform(17);
+  std::vector<float> params = slab(layout), grads = slab(layout);
+  AdamW fp8(layout, OptimizerStatePrecision::fp8_fp16);
+  for (int step = 0; step < 4; ++step) {
+    for (float& g : grads) g = uniform(-1.0f, 1.0f) * (step + 1.0f);
+    fp8.step(params.data(), grads.data(), hp);
+  }
+  for (size_t k = 0; k < count; ++k) {
+    const TensorInfo& t = layout.tensors()[k];
+    for (size_t i = 0; i < t.numel; ++i) {
+      const float m = fp8.first_moment(t.offset + i), scale = uniform(0.5f, 30.0f) * float(k % 5 + 1);
+      const float agreeing = m >= 0.0f ? scale : -scale;
+      grads[t.offset + i] = k % 3 == 0 ? agreeing : k % 3 == 1 ? -agreeing : uniform(-scale, scale);
+    }
+  }
+  const int64_t t_next = fp8.step_count() + 1;
+  AdamWStateSlabs state{.m8 = fp8.m8().data(), .v16 = fp8.v16().data(), .m_scales = fp8.m_scales().data(),
+                        .v_scales = fp8.v_scales().data()};
+  std::vector<float> maxima(kMomentMaxima * count, 0.0f);
+  cpu::adamw_moment_amaxes(layout, grads.data(), state, hp, t_next, maxima.data());
+
+  for (const float c : {1.0f, 0.9f, 0.3f, 0.01f}) {
+    INFO("clip coefficient " << c);
+    for (size_t k = 0; k < count; ++k) {
+      INFO("tensor " << k);
+      const TensorInfo& t = layout.tensors()[k];
+      const AdamWStepScalars s = adamw_step_scalars(hp, t_next, c, false);
+      float exact_m = 0.0f, exact_v = 0.0f;
+      for (size_t i = 0; i < t.numel; ++i) {
+        float m = fp8.first_moment(t.offset + i), v = fp8.second_moment(t.offset + i);
+        adamw_moments(grads[t.offset + i], m, v, s);
+        exact_m = std::max(exact_m, std::fabs(m));
+        exact_v = std::max(exact_v, v);
+      }
+      float amax_m = 0.0f, amax_v = 0.0f;
+      moment_amaxes_for(maxima.data() + k, count, s, amax_m, amax_v);
+      if (c == 1.0f) {
+        CHECK(amax_m == exact_m);
+        CHECK(amax_v == exact_v);
+        continue;
+      }
+      CHECK(amax_m >= exact_m);  // never a saturated moment
+      CHECK(amax_v >= exact_v);
+      // v's terms are never negative, so the exact amax is at least each of the sum bound's
+      // two terms: the bound is within 2x. So is m's where the gradient agrees with m.
+      CHECK(amax_v <= 2.0f * exact_v * (1.0f + 1e-6f));
+      if (k % 3 == 0) CHECK(amax_m <= 2.0f * exact_m * (1.0f + 1e-6f));
+    }
+  }
+}
+
+TEST_CASE("AdamW fp8_fp16: the first clipped step's moment scales are exact", "[optim]") {
+  TensorLayout layout;
+  const TensorInfo t = layout.add("t", {300}, false);
+  Uniform uniform(5);
+  std::vector<float> params = slab(layout), grads = slab(layout);
+  for (size_t i = 0; i < t.numel; ++i) grads[i] = uniform(-3.0f, 3.0f);
+  const AdamWHyperparams hp{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.0f};
+  AdamW ref(layout, OptimizerStatePrecision::fp32), fp8(layout, OptimizerStatePrecision::fp8_fp16);
+  std::vector<float> p_ref = params;
+  ref.step(p_ref.data(), grads.data(), hp, 0.125f);
+  fp8.step(params.data(), grads.data(), hp, 0.125f);
+  float amax_m = 0.0f, amax_v = 0.0f;
+  for (size_t i = 0; i < t.numel; ++i) {
+    amax_m = std::max(amax_m, std::fabs(ref.m32()[i]));
+    amax_v = std::max(amax_v, ref.v32()[i]);
+  }
+  // The stored moments are zero, so the gradient term is all of each bound.
+  CHECK(fp8.m_scales()[0] == moment_scale(amax_m, kE4M3Max));
+  CHECK(fp8.v_scales()[0] == moment_scale(amax_v, kFp16Max));
+}
+
 TEST_CASE("AdamW fp8_fp16: small gradients keep v representable through the scale", "[optim]") {
   TensorLayout layout;
   const TensorInfo t = layout.add("t", {64}, false);
