@@ -901,16 +901,16 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   // then run after the update, op by op: the fused casts count nothing).
   s.stop_fp8_statistics(/*keep=*/s.counting_step == step);
   if (s.collects_fp8_statistics(step + 1)) s.start_fp8_statistics(step + 1);
-  // Pass 1's maxima do not depend on the clip coefficient: where the norm's read took them,
-  // a step that clips reads the gradients and moments once less (optim/adamw.h's
-  // moment_amaxes_for bounds its amaxes).
-  if (!s.norm_in_first_pass)
+  if (s.norm_in_first_pass) {
+    ops.adamw_moment_amaxes_if_clipped(updates.front());
+  } else {
     for (const AdamWCall& update : updates) ops.adamw_moment_amaxes(update);
-  // A tensor split across ranks gets one moment scale: from the MAX of every part's maxima.
+  }
+  // A tensor split across ranks gets one moment scale: the MAX of every part's amax.
   if (s.world().size() > 1 && s.state_precision == OptimizerStatePrecision::fp8_fp16) {
     for (const AdamWCall& update : updates) {
       const size_t tensors = update.table->layout().tensors().size();
-      s.world().all_reduce(update.scratch, update.scratch, kMomentMaxima * tensors, CommDtype::f32, ReduceOp::max);
+      s.world().all_reduce(update.scratch, update.scratch, 2 * tensors, CommDtype::f32, ReduceOp::max);
     }
   }
   // Not while the scales are still current scaling's (the first steps of --fp8-interval > 1),

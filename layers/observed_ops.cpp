@@ -309,6 +309,10 @@ class ObservedOps final : public Ops {
     observed(named("optimizer", "adamw first pass finish"),
              [&] { inner_->adamw_first_pass_finish(call, sum_of_squares); });
   }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    // Nothing unless the step clips (then pass 1 again); the profile counts no bytes.
+    observed(named("optimizer", "adamw_moment_amaxes if clipped"), [&] { inner_->adamw_moment_amaxes_if_clipped(call); });
+  }
   void adamw_apply(const AdamWCall& call) override {
     // Reads the gradient; reads and writes the master weight and both moments; writes the
     // working copy, and the FP8 weights and their transposes it casts (one byte each).

@@ -314,9 +314,8 @@ struct AdamWCall {
   AdamWStateSlabs state;
   AdamWHyperparams hyperparams;
   const StepControl* control = nullptr;
-  // [adamw_scratch_floats(tensors)] backend memory; between the halves its first
-  // kMomentMaxima * tensors floats are the moment maxima (optim/adamw.h, one row of
-  // [tensors] each) that the caller MAX-reduces across ranks.
+  // [adamw_scratch_floats(tensors)] backend memory; between the halves its first 2*tensors
+  // floats are the moment amaxes (m then v) that the caller MAX-reduces across ranks.
   float* scratch = nullptr;
   // Optional (make_weight_casts): FP8 weight operands that adamw_apply writes from their
   // updated master values in the same pass, each exactly what quantize(operand, its FP32
@@ -328,8 +327,7 @@ struct AdamWCall {
   const WeightCastTable* weight_casts = nullptr;
 };
 
-// The moment maxima, the previous scales' inverses (m, v) and the two bias corrections.
-inline size_t adamw_scratch_floats(size_t tensors) { return (kMomentMaxima + 2) * tensors + 2; }
+inline size_t adamw_scratch_floats(size_t tensors) { return 4 * tensors + 2; }
 
 class Ops {
  public:
@@ -538,12 +536,13 @@ class Ops {
   virtual void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                              float loss_divisor, double max_grad_norm) = 0;
   virtual void set_step_control(StepControl* control, const StepControl& value) = 0;
-  // fp8_fp16 state: pass 1, the moment maxima (optim/adamw.h's MomentMaximum; they do not
-  // depend on the clip coefficient) into call.scratch. fp32: nothing.
+  // fp8_fp16 state: pass 1, the updated moments' amaxes into call.scratch. fp32: nothing.
   virtual void adamw_moment_amaxes(const AdamWCall& call) = 0;
   // fp8_fp16 state, where call.table is also the norm's table: pass 1 before finalize_step, in
-  // the same read of the gradients as their norm: adamw_moment_amaxes's maxima, and
-  // *sum_of_squares = grad_sum_of_squares(call.grads, *call.table), bit for bit.
+  // the same read of the gradients as their norm: the amaxes as if the clip coefficient were
+  // 1, and *sum_of_squares = grad_sum_of_squares(call.grads, *call.table), bit for bit. After
+  // finalize_step, adamw_moment_amaxes_if_clipped redoes the amaxes when the coefficient is not
+  // 1 (decided in stream order; nothing runs otherwise). Together: adamw_moment_amaxes's amaxes.
   void adamw_moment_amaxes_and_norm(const AdamWCall& call, double* sum_of_squares) {
     adamw_first_pass_begin(call);
     adamw_first_pass_part(call, {.first = 0, .end = call.table->layout().tensors().size()}, Lane::main);
@@ -560,8 +559,9 @@ class Ops {
   virtual void adamw_first_pass_begin(const AdamWCall& call) = 0;
   virtual void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane lane) = 0;
   virtual void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) = 0;
-  // The update: new moment scales from the (agreed) maxima and the step's clip coefficient
-  // (moment_amaxes_for), parameters, moments, and the working copy.
+  virtual void adamw_moment_amaxes_if_clipped(const AdamWCall& call) = 0;
+  // The update: new moment scales from the (agreed) amaxes, parameters, moments, and the
+  // working copy.
   virtual void adamw_apply(const AdamWCall& call) = 0;
 };
 

@@ -469,13 +469,13 @@ class CpuOps final : public Ops {
   void set_step_control(StepControl* control, const StepControl& value) override { *control = value; }
   void adamw_moment_amaxes(const AdamWCall& call) override {
     if (call.control->skip || call.precision != OptimizerStatePrecision::fp8_fp16) return;
-    moment_amaxes(call);
+    moment_amaxes(call, call.control->grad_scale);
   }
   // The parts' amaxes are running maxima over their tensors; the norm is taken at the end, over
   // every tensor at once (the CPU runs the parts in order anyway).
   void adamw_first_pass_begin(const AdamWCall& call) override {
     check_first_pass(call);
-    std::fill(call.scratch, call.scratch + kMomentMaxima * call.table->layout().tensors().size(), 0.0f);
+    std::fill(call.scratch, call.scratch + 2 * call.table->layout().tensors().size(), 0.0f);
   }
   void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane) override {
     check_first_pass(call);
@@ -484,12 +484,16 @@ class CpuOps final : public Ops {
                 "AdamW's first pass: tensors [", tensors.first, ", ", tensors.end, ") outside the table");
     check_adamw_hyperparams(call.hyperparams);
     cpu::adamw_moment_amaxes(layout, f32(call.grads), call.state, call.hyperparams,
-                             std::max<int64_t>(call.control->step_count, 1), call.scratch, nullptr, tensors.first,
-                             tensors.end);
+                             std::max<int64_t>(call.control->step_count, 1), /*grad_scale=*/1.0f, call.scratch,
+                             nullptr, tensors.first, tensors.end);
   }
   void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) override {
     check_first_pass(call);
     grad_sum_of_squares(sum_of_squares, call.grads, *call.table);
+  }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    if (call.control->skip || call.control->grad_scale == 1.0f) return;
+    moment_amaxes(call, call.control->grad_scale);
   }
   void adamw_apply(const AdamWCall& call) override {
     check_adamw_hyperparams(call.hyperparams);
@@ -528,14 +532,15 @@ class CpuOps final : public Ops {
       std::copy(call.master + t.offset, call.master + t.offset + t.numel, working + offset);
     }
   }
-  // Pass 1 (the bias corrections it does not use come from the step count the step will have
-  // if applied).
-  void moment_amaxes(const AdamWCall& call) {
+  // Pass 1 with `grad_scale` (the bias corrections it does not use come from the step count
+  // the step will have if applied).
+  void moment_amaxes(const AdamWCall& call, float grad_scale) {
     check_adamw_hyperparams(call.hyperparams);
     const size_t count = call.table->layout().tensors().size();
-    std::fill(call.scratch, call.scratch + kMomentMaxima * count, 0.0f);
+    std::fill(call.scratch, call.scratch + 2 * count, 0.0f);
     cpu::adamw_moment_amaxes(call.table->layout(), f32(call.grads), call.state, call.hyperparams,
-                             std::max<int64_t>(call.control->step_count, 1), call.scratch, slab_layout(call));
+                             std::max<int64_t>(call.control->step_count, 1), grad_scale, call.scratch,
+                             slab_layout(call));
   }
   static void check_first_pass(const AdamWCall& call) {
     FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,

@@ -956,6 +956,12 @@ class CudaOps final : public Ops {
     auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(*call.table));
     cuda::adamw_fp8_fp16_first_pass_finish(device.table(), sum_of_squares, device.norm_scratch(), stream_);
   }
+  void adamw_moment_amaxes_if_clipped(const AdamWCall& call) override {
+    FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16, "fp8-fp16 state only");
+    cuda::adamw_fp8_fp16_moment_amaxes_if_clipped(gradient_view(call.grads), call.state.m8, call.state.v16,
+                                                  call.state.m_scales, call.state.v_scales, device_table(*call.table),
+                                                  call.hyperparams, call.control, call.scratch, stream_);
+  }
   void adamw_apply(const AdamWCall& call) override {
     const cuda::DeviceTensorTable& table = device_table(*call.table);
     FP8LM_CHECK(call.working != nullptr, "the GPU's working copy is BF16");

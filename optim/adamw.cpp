@@ -73,44 +73,34 @@ void adamw_tensor_fp32(float* params, const float* grads, float* m, float* v, si
   }
 }
 
-void adamw_moment_maxima_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
-                                  float m_scale, float v_scale, const AdamWStepScalars& s, float* maxima,
-                                  size_t stride) {
+void adamw_moment_amax_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
+                                float m_scale, float v_scale, const AdamWStepScalars& s, float& amax_m, float& amax_v) {
   const int64_t count = static_cast<int64_t>(n);
   // The stored moments were quantized with these scales.
   const float old_m_scale_inv = 1.0f / m_scale;
   const float old_v_scale_inv = 1.0f / v_scale;
-  AdamWStepScalars unclipped = s;
-  unclipped.grad_scale = 1.0f;
-  float updated_m = 0.0f, updated_v = 0.0f, stored_m = 0.0f, stored_v = 0.0f, gradient = 0.0f;
-#pragma omp parallel for schedule(static) reduction(max : updated_m, updated_v, stored_m, stored_v, gradient) \
-    if (n >= kParallelThreshold)
+  float tensor_m = 0.0f, tensor_v = 0.0f;
+#pragma omp parallel for schedule(static) reduction(max : tensor_m, tensor_v) if (n >= kParallelThreshold)
   for (int64_t i = 0; i < count; ++i) {
     float mi = dequantize_m(m_codes[i], old_m_scale_inv);
     float vi = dequantize_v(v_bits[i], old_v_scale_inv);
-    stored_m = running_max(stored_m, std::fabs(mi));
-    stored_v = running_max(stored_v, vi);  // v >= 0
-    gradient = running_max(gradient, std::fabs(grads[i]));
-    adamw_moments(grads[i], mi, vi, unclipped);
-    updated_m = running_max(updated_m, std::fabs(mi));
-    updated_v = running_max(updated_v, vi);
+    adamw_moments(grads[i], mi, vi, s);
+    tensor_m = running_max(tensor_m, std::fabs(mi));
+    tensor_v = running_max(tensor_v, vi);  // v >= 0
   }
-  const float tensor[kMomentMaxima] = {updated_m, updated_v, stored_m, stored_v, gradient};
-  for (int r = 0; r < kMomentMaxima; ++r) maxima[r * stride] = running_max(maxima[r * stride], tensor[r]);
+  amax_m = running_max(amax_m, tensor_m);
+  amax_v = running_max(amax_v, tensor_v);
 }
 
 void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits, size_t n,
-                          float& m_scale, float& v_scale, const float* maxima, size_t stride,
-                          const AdamWStepScalars& s) {
+                          float& m_scale, float& v_scale, float amax_m, float amax_v, const AdamWStepScalars& s) {
   const int64_t count = static_cast<int64_t>(n);
-  float amax_m = 0.0f, amax_v = 0.0f;
-  moment_amaxes_for(maxima, stride, s, amax_m, amax_v);
   const float old_m_scale_inv = 1.0f / m_scale;
   const float old_v_scale_inv = 1.0f / v_scale;
   const float new_m_scale = moment_scale(amax_m, kFirstMomentMax);
   const float new_v_scale = moment_scale(amax_v, kSecondMomentMax);
-  // The moments (pass 1's, with this step's clip coefficient), the parameter update from
-  // their FP32 values, then re-quantization.
+  // The same moments as pass 1 (same inputs, same operations, so the same values), the
+  // parameter update from their FP32 values, then re-quantization.
 #pragma omp parallel for schedule(static) if (n >= kParallelThreshold)
   for (int64_t i = 0; i < count; ++i) {
     float mi = dequantize_m(m_codes[i], old_m_scale_inv);
@@ -138,23 +128,22 @@ const float* gradient_of(const float* grads, const TensorLayout& layout, const T
 }  // namespace
 
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
-                         const AdamWHyperparams& hp, int64_t t, float* maxima, const TensorLayout* grad_layout,
-                         size_t first_tensor, size_t end_tensor) {
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
+                         const TensorLayout* grad_layout, size_t first_tensor, size_t end_tensor) {
   const auto& tensors = layout.tensors();
   const size_t count = tensors.size();
   FP8LM_CHECK(first_tensor <= count, "AdamW pass 1: first tensor ", first_tensor, " of ", count);
   for (size_t k = first_tensor; k < std::min(count, end_tensor); ++k) {
     const TensorInfo& info = tensors[k];
-    const AdamWStepScalars s = adamw_step_scalars(hp, t, /*grad_scale=*/1.0f, info.weight_decay);
-    adamw_moment_maxima_fp8_fp16(gradient_of(grads, layout, grad_layout, k), state.m8 + info.offset,
-                                 state.v16 + info.offset, info.numel, state.m_scales[k], state.v_scales[k], s,
-                                 maxima + k, count);
+    const AdamWStepScalars s = adamw_step_scalars(hp, t, grad_scale, info.weight_decay);
+    adamw_moment_amax_fp8_fp16(gradient_of(grads, layout, grad_layout, k), state.m8 + info.offset, state.v16 + info.offset, info.numel,
+                               state.m_scales[k], state.v_scales[k], s, amaxes[k], amaxes[count + k]);
   }
 }
 
 void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                  const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
-                 const float* maxima, const TensorLayout* grad_layout) {
+                 const float* amaxes, const TensorLayout* grad_layout) {
   const auto& tensors = layout.tensors();
   const size_t count = tensors.size();
   for (size_t k = 0; k < count; ++k) {
@@ -166,16 +155,17 @@ void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, 
       adamw_tensor_fp32(p, g, state.m32 + info.offset, state.v32 + info.offset, info.numel, s);
     } else {
       adamw_apply_fp8_fp16(p, g, state.m8 + info.offset, state.v16 + info.offset, info.numel, state.m_scales[k],
-                           state.v_scales[k], maxima + k, count, s);
+                           state.v_scales[k], amaxes[k], amaxes[count + k], s);
     }
   }
 }
 
 void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                 const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale) {
-  std::vector<float> maxima(kMomentMaxima * layout.tensors().size(), 0.0f);
-  if (precision == OptimizerStatePrecision::fp8_fp16) adamw_moment_amaxes(layout, grads, state, hp, t, maxima.data());
-  adamw_apply(layout, precision, params, grads, state, hp, t, grad_scale, maxima.data());
+  std::vector<float> amaxes(2 * layout.tensors().size(), 0.0f);
+  if (precision == OptimizerStatePrecision::fp8_fp16)
+    adamw_moment_amaxes(layout, grads, state, hp, t, grad_scale, amaxes.data());
+  adamw_apply(layout, precision, params, grads, state, hp, t, grad_scale, amaxes.data());
 }
 
 }  // namespace cpu

@@ -173,15 +173,15 @@ __device__ __forceinline__ void store_vec(T* base, uint64_t i, V value) {
 
 // ---- kernels -------------------------------------------------------------------------------
 
-// Pass 1 (fp8_fp16): each tensor's moment maxima (optim/adamw.h's MomentMaximum: the moments
-// updated as if the clip coefficient were 1, the stored moments, the gradient); nothing else
-// is written. maxima_bits [kMomentMaxima, count], as float bits (values >= 0, so unsigned
+// Pass 1 (fp8_fp16): the per-tensor amax of the updated moments; nothing but the amax is
+// written. amax_bits [2, count]: m then v, as float bits (values >= 0, so unsigned
 // comparison orders them; NaN never enters, as on the CPU's running_max).
-// kMode: after_decision, after the step's decision (nothing when it skips); with_norm, before
-// it, also writing each chunk's gradient sum of squares to norm_partial exactly as
-// grad_norm_squared's chunk kernel does (the same chunks, the same per-thread order, the same
-// block tree).
-enum class Pass1 { after_decision, with_norm };
+// kMode: after_decision, the pass as the step's decision (control) says; with_norm, before the
+// decision, as if the clip coefficient were 1, also writing each chunk's gradient sum of
+// squares to norm_partial exactly as grad_norm_squared's chunk kernel does (the same chunks,
+// the same per-thread order, the same block tree); if_clipped, after the decision, only when
+// it clips (the amaxes zeroed first by zero_amaxes_if_clipped_kernel).
+enum class Pass1 { after_decision, with_norm, if_clipped };
 
 template <typename G, Pass1 kMode>
 __global__ void __launch_bounds__(kThreads)
@@ -189,33 +189,30 @@ __global__ void __launch_bounds__(kThreads)
                            const uint16_t* __restrict__ v_bits, const float* __restrict__ m_scales,
                            const float* __restrict__ v_scales, DeviceTensorTable table,
                            const uint64_t* __restrict__ slab_offsets, AdamWHyperparams hp,
-                           const StepControl* __restrict__ control, unsigned* __restrict__ maxima_bits, bool vec_ok,
+                           const StepControl* __restrict__ control, unsigned* __restrict__ amax_bits, bool vec_ok,
                            double* __restrict__ norm_partial, uint32_t first_chunk) {
   device::start_after_previous_kernel();
-  if constexpr (kMode == Pass1::after_decision) {
+  float grad_scale = 1.0f;
+  if constexpr (kMode != Pass1::with_norm) {
     if (control->skip) return;  // uniform over the grid
+    grad_scale = control->grad_scale;
+    if (kMode == Pass1::if_clipped && grad_scale == 1.0f) return;
   }
   const ChunkRange c = chunk_of_block(table, first_chunk);
-  // Moments need only beta (bias corrections enter the parameter update); no clip here.
-  const AdamWStepScalars s = adamw_scalars(hp, false, 1.0f, 1.0f, 1.0f);
+  // Moments need only beta and grad_scale (bias corrections enter the parameter update).
+  const AdamWStepScalars s = adamw_scalars(hp, false, grad_scale, 1.0f, 1.0f);
   double sum_of_squares = 0.0;
   const float m_inv = __fdiv_rn(1.0f, m_scales[c.k]);
   const float v_inv = __fdiv_rn(1.0f, v_scales[c.k]);
 
-  // Running maxima in MomentMaximum's order (fmaxf: NaN never wins, as in running_max()). The
-  // stored moments' are taken on their codes, which order as their magnitudes do (E4M3 without
-  // the sign bit; FP16 bits of v >= 0), four and two at a time, and decoded once at the end:
-  // the same values, in the fewest instructions (at the H200's bandwidth this pass is close to
-  // issue-bound).
-  float maxima[kMomentMaxima] = {};
-  uint32_t m_code_max = 0, v_bits_max = 0;  // bytes, halves
+  float amax_m = 0.0f, amax_v = 0.0f;
   auto element = [&](float g, uint8_t mc, uint16_t vb) {
     if constexpr (kMode == Pass1::with_norm) sum_of_squares = device::add_square(sum_of_squares, g);
     float m = decode_m(mc, m_inv), v = decode_v(vb, v_inv);
-    maxima[kGradient] = fmaxf(maxima[kGradient], fabsf(g));
     adamw_moments(g, m, v, s);
-    maxima[kUpdatedM] = fmaxf(maxima[kUpdatedM], fabsf(m));
-    maxima[kUpdatedV] = fmaxf(maxima[kUpdatedV], v);
+    const float abs_m = fabsf(m);
+    amax_m = abs_m > amax_m ? abs_m : amax_m;  // running_max(): NaN never wins
+    amax_v = v > amax_v ? v : amax_v;
   };
 
   const uint64_t b = c.begin, gb = slab_index(table, slab_offsets, c);  // gb: grads
@@ -229,86 +226,72 @@ __global__ void __launch_bounds__(kThreads)
       uint8_t mc[4];
       uint16_t vb[4];
       device::load_gradient4(grads, gb + 4ull * j, g);
-      const uint32_t m_word = load_vec<uint32_t>(m_codes, i);
-      const uint2 v_words = load_vec<uint2>(v_bits, i);
-      m_code_max = __vmaxu4(m_code_max, m_word & 0x7F7F7F7Fu);
-      v_bits_max = __vmaxu2(__vmaxu2(v_bits_max, v_words.x), v_words.y);
-      unpack4(m_word, mc);
-      unpack4(v_words, vb);
+      unpack4(load_vec<uint32_t>(m_codes, i), mc);
+      unpack4(load_vec<uint2>(v_bits, i), vb);
 #pragma unroll
       for (int l = 0; l < 4; ++l) element(g[l], mc[l], vb[l]);
     }
     scalar_from = nvec * 4;
   }
-  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) {
-    const uint8_t mc = m_codes[b + i];
-    const uint16_t vb = v_bits[b + i];
-    m_code_max = max(m_code_max, static_cast<uint32_t>(mc & 0x7F));
-    v_bits_max = max(v_bits_max, static_cast<uint32_t>(vb));
-    element(device::gradient_at(grads, gb + i), mc, vb);
-  }
-  m_code_max = max(max(m_code_max & 0xFF, (m_code_max >> 8) & 0xFF), max((m_code_max >> 16) & 0xFF, m_code_max >> 24));
-  v_bits_max = max(v_bits_max & 0xFFFF, v_bits_max >> 16);
-  maxima[kStoredM] = decode_m(static_cast<uint8_t>(m_code_max), m_inv);
-  maxima[kStoredV] = decode_v(static_cast<uint16_t>(v_bits_max), v_inv);
+  for (uint32_t i = scalar_from + threadIdx.x; i < c.n; i += kThreads) element(device::gradient_at(grads, gb + i), m_codes[b + i], v_bits[b + i]);
 
   if constexpr (kMode == Pass1::with_norm) {
     sum_of_squares = device::block_sum_fixed<kThreads>(sum_of_squares);
     if (threadIdx.x == 0) norm_partial[first_chunk + blockIdx.x] = sum_of_squares;
   }
-  // Block maxima (exact, order-independent), then one atomic per block and maximum.
-  __shared__ float warp_maxima[kMomentMaxima][kThreads / 32];
+  // Block max (exact, order-independent), then one atomic per block and moment.
+  __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
 #pragma unroll
-  for (int r = 0; r < kMomentMaxima; ++r) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-      maxima[r] = fmaxf(maxima[r], __shfl_xor_sync(0xFFFFFFFFu, maxima[r], offset));
-    if (threadIdx.x % 32 == 0) warp_maxima[r][threadIdx.x / 32] = maxima[r];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax_m = fmaxf(amax_m, __shfl_xor_sync(0xFFFFFFFFu, amax_m, offset));
+    amax_v = fmaxf(amax_v, __shfl_xor_sync(0xFFFFFFFFu, amax_v, offset));
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_m[threadIdx.x / 32] = amax_m;
+    warp_v[threadIdx.x / 32] = amax_v;
   }
   __syncthreads();
-  if (threadIdx.x < kMomentMaxima) {
-    const int r = static_cast<int>(threadIdx.x);
-    float block = 0.0f;
-    for (int w = 0; w < kThreads / 32; ++w) block = fmaxf(block, warp_maxima[r][w]);
-    if (block > 0.0f) atomicMax(maxima_bits + r * table.count + c.k, __float_as_uint(block));
+  if (threadIdx.x == 0) {
+    float block_m = 0.0f, block_v = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      block_m = fmaxf(block_m, warp_m[w]);
+      block_v = fmaxf(block_v, warp_v[w]);
+    }
+    if (block_m > 0.0f) atomicMax(amax_bits + c.k, __float_as_uint(block_m));
+    if (block_v > 0.0f) atomicMax(amax_bits + table.count + c.k, __float_as_uint(block_v));
   }
 }
 
-// Between the passes (one block): for every tensor, keep the inverse of the old scales
-// (pass 2 dequantizes with them) and store the new scales, from the maxima and the step's
-// clip coefficient (moment_amaxes_for); and the bias corrections.
-// scratch: [0, kMomentMaxima count) the maxima's bits, then [count] old 1/m_scale, [count]
-// old 1/v_scale, 1 - beta1^t, 1 - beta2^t (ScratchLayout).
-struct ScratchLayout {
-  int count;
-  __device__ int old_m_inv(int k) const { return kMomentMaxima * count + k; }
-  __device__ int old_v_inv(int k) const { return (kMomentMaxima + 1) * count + k; }
-  __device__ int bias_correction1() const { return (kMomentMaxima + 2) * count; }
-  __device__ int bias_correction2() const { return (kMomentMaxima + 2) * count + 1; }
-};
+// Before Pass1::if_clipped: the amaxes of the pass before the decision zeroed, when it clips.
+__global__ void zero_amaxes_if_clipped_kernel(unsigned* __restrict__ amax_bits, int n,
+                                              const StepControl* __restrict__ control) {
+  device::start_after_previous_kernel();
+  if (control->skip || control->grad_scale == 1.0f) return;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) amax_bits[i] = 0u;
+}
 
+// Between the passes (one block): for every tensor, keep the inverse of the old scales
+// (pass 2 dequantizes with them) and store the new scales; and the bias corrections.
+// scratch: [0, 2count) amax bits, [2count, 3count) old 1/m_scale, [3count, 4count) old
+// 1/v_scale, [4count] 1 - beta1^t, [4count + 1] 1 - beta2^t.
 __global__ void __launch_bounds__(kScaleThreads)
     adamw_fp8_scales_kernel(float* __restrict__ m_scales, float* __restrict__ v_scales, float* __restrict__ scratch,
-                            int count, AdamWHyperparams hp, const StepControl* __restrict__ control) {
+                            int count, float beta1, float beta2, const StepControl* __restrict__ control) {
   device::start_after_previous_kernel();
   if (control->skip) return;
-  const ScratchLayout at{count};
-  const AdamWStepScalars s = adamw_scalars(hp, false, control->grad_scale, 1.0f, 1.0f);
+  const unsigned* amax_bits = reinterpret_cast<const unsigned*>(scratch);
   for (int k = threadIdx.x; k < count; k += kScaleThreads) {
-    float maxima[kMomentMaxima];
-#pragma unroll
-    for (int r = 0; r < kMomentMaxima; ++r) maxima[r] = __uint_as_float(reinterpret_cast<const unsigned*>(scratch)[r * count + k]);
-    float amax_m = 0.0f, amax_v = 0.0f;
-    moment_amaxes_for(maxima, 1, s, amax_m, amax_v);
-    scratch[at.old_m_inv(k)] = __fdiv_rn(1.0f, m_scales[k]);
-    scratch[at.old_v_inv(k)] = __fdiv_rn(1.0f, v_scales[k]);
+    const float amax_m = __uint_as_float(amax_bits[k]);
+    const float amax_v = __uint_as_float(amax_bits[count + k]);
+    scratch[2 * count + k] = __fdiv_rn(1.0f, m_scales[k]);
+    scratch[3 * count + k] = __fdiv_rn(1.0f, v_scales[k]);
     m_scales[k] = moment_scale(amax_m, kMomentMMax);
     v_scales[k] = moment_scale(amax_v, kMomentVMax);
   }
   if (threadIdx.x == 0) {
     const long long t = control->step_count;
-    scratch[at.bias_correction1()] = bias_correction(hp.beta1, t);
-    scratch[at.bias_correction2()] = bias_correction(hp.beta2, t);
+    scratch[4 * count] = bias_correction(beta1, t);
+    scratch[4 * count + 1] = bias_correction(beta2, t);
   }
 }
 
@@ -345,13 +328,13 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (skip && codes == nullptr) return;  // block-uniform
   }
-  const ScratchLayout at{table.count};
-  const float m_inv = scratch[at.old_m_inv(c.k)];  // the scales the stored moments were quantized with
-  const float v_inv = scratch[at.old_v_inv(c.k)];
+  const int count = table.count;
+  const float m_inv = scratch[2 * count + c.k];  // the scales the stored moments were quantized with
+  const float v_inv = scratch[3 * count + c.k];
   const float m_scale = m_scales[c.k];  // the new scales
   const float v_scale = v_scales[c.k];
-  const AdamWStepScalars s = adamw_scalars(hp, table.decay[c.k] != 0, control->grad_scale,
-                                           scratch[at.bias_correction1()], scratch[at.bias_correction2()]);
+  const AdamWStepScalars s =
+      adamw_scalars(hp, table.decay[c.k] != 0, control->grad_scale, scratch[4 * count], scratch[4 * count + 1]);
 
   const Pass2Scales q{m_inv, v_inv, m_scale, v_scale};
   auto update = [&](float g, float& p, uint8_t& mc, uint16_t& vb, uint16_t& pb) { pass2_element(g, p, mc, vb, pb, q, s); };
@@ -557,16 +540,14 @@ void with_gradient_type(GradientView grads, Launch&& launch) {
 
 }  // namespace
 
-size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) {
-  return (kMomentMaxima + 2) * static_cast<size_t>(table.count) + 2;
-}
+size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table) { return 4 * static_cast<size_t>(table.count) + 2; }
 
 namespace {
 
 template <Pass1 kMode>
 void launch_pass1(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits, const float* m_scales,
                   const float* v_scales, const DeviceTensorTable& table, const AdamWHyperparams& hp,
-                  const StepControl* control, unsigned* maxima_bits, const uint64_t* slab_offsets, double* norm_partial,
+                  const StepControl* control, unsigned* amax_bits, const uint64_t* slab_offsets, double* norm_partial,
                   cudaStream_t stream, uint32_t first_chunk = 0, uint32_t end_chunk = UINT32_MAX) {
   end_chunk = end_chunk == UINT32_MAX ? table.num_chunks : end_chunk;
   FP8LM_CHECK(first_chunk <= end_chunk && end_chunk <= table.num_chunks, "AdamW pass 1: chunks [", first_chunk, ", ",
@@ -576,7 +557,7 @@ void launch_pass1(GradientView grads, const uint8_t* m_codes, const uint16_t* v_
   with_gradient_type(grads, [&](const auto* typed) {
     using G = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
     launch_kernel(adamw_fp8_pass1_kernel<G, kMode>, end_chunk - first_chunk, kThreads, 0, stream, typed, m_codes,
-                  v_bits, m_scales, v_scales, table, slab_offsets, hp, control, maxima_bits, vec_ok, norm_partial,
+                  v_bits, m_scales, v_scales, table, slab_offsets, hp, control, amax_bits, vec_ok, norm_partial,
                   first_chunk);
   });
 }
@@ -591,17 +572,16 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
   if (table.count == 0) return;
   FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
               "adamw_fp8_fp16_moment_amaxes needs every array");
-  unsigned* maxima_bits = reinterpret_cast<unsigned*>(scratch);
-  CUDA_CHECK(cudaMemsetAsync(maxima_bits, 0, kMomentMaxima * static_cast<size_t>(table.count) * sizeof(unsigned),
-                             stream));
-  launch_pass1<Pass1::after_decision>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, maxima_bits,
+  unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
+  CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
+  launch_pass1<Pass1::after_decision>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, amax_bits,
                                       slab_offsets, nullptr, stream);
 }
 
 void adamw_fp8_fp16_first_pass_begin(const DeviceTensorTable& table, float* scratch, cudaStream_t stream) {
   if (table.count == 0) return;
   FP8LM_CHECK(scratch != nullptr, "adamw_fp8_fp16_first_pass_begin needs the scratch");
-  CUDA_CHECK(cudaMemsetAsync(scratch, 0, kMomentMaxima * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
+  CUDA_CHECK(cudaMemsetAsync(scratch, 0, 2 * static_cast<size_t>(table.count) * sizeof(unsigned), stream));
 }
 
 void adamw_fp8_fp16_first_pass_part(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
@@ -638,6 +618,20 @@ void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_
   adamw_fp8_fp16_first_pass_finish(table, sum_of_squares, norm_scratch, stream);
 }
 
+void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                             const float* m_scales, const float* v_scales,
+                                             const DeviceTensorTable& table, const AdamWHyperparams& hp,
+                                             const StepControl* control, float* scratch, cudaStream_t stream) {
+  check_adamw_hyperparams(hp);
+  if (table.count == 0) return;
+  FP8LM_CHECK(grads && m_codes && v_bits && m_scales && v_scales && control && scratch,
+              "adamw_fp8_fp16_moment_amaxes_if_clipped needs every array");
+  unsigned* amax_bits = reinterpret_cast<unsigned*>(scratch);
+  launch_kernel(zero_amaxes_if_clipped_kernel, 1, 256, 0, stream, amax_bits, 2 * table.count, control);
+  launch_pass1<Pass1::if_clipped>(grads, m_codes, v_bits, m_scales, v_scales, table, hp, control, amax_bits, nullptr,
+                                  nullptr, stream);
+}
+
 void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientView grads, uint8_t* m_codes,
                           uint16_t* v_bits, float* m_scales, float* v_scales, const DeviceTensorTable& table,
                           const AdamWHyperparams& hp, const StepControl* control, float* scratch,
@@ -652,8 +646,8 @@ void adamw_fp8_fp16_apply(float* master, __nv_bfloat16* params_bf16, GradientVie
                       aligned(m_codes, 4) && aligned(v_bits, 8);
   uint16_t* bf16 = reinterpret_cast<uint16_t*>(params_bf16);
   // Also for empty tensors: their scales become 1 (amax 0), as on the CPU.
-  launch_kernel(adamw_fp8_scales_kernel, 1, kScaleThreads, 0, stream, m_scales, v_scales, scratch, table.count, hp,
-                control);
+  launch_kernel(adamw_fp8_scales_kernel, 1, kScaleThreads, 0, stream, m_scales, v_scales, scratch, table.count,
+                hp.beta1, hp.beta2, control);
   const bool casts = weight_casts != nullptr && weight_casts->count > 0;
   if (casts)
     FP8LM_CHECK(slab_offsets == nullptr && fp8_scales != nullptr,

@@ -33,11 +33,8 @@
 //             Only the scales are state; scale_inv is derived from them (one FP32
 //             division per tensor), so a checkpoint holds the codes and the scales.
 //             Each step, for each tensor:
-//               pass 1: dequantize m and v, apply the moment update above as if the clip
-//                       coefficient were 1, and reduce max |m| and max v over these
-//                       UPDATED moments, with max |m| and max v as stored and max |grad|
-//                       (moment_amaxes_for() below: no clip, these are the amaxes; a
-//                       clip, bounds on them from the five maxima);
+//               pass 1: dequantize m and v, apply the moment update above, and reduce
+//                       amax_m = max |m| and amax_v = max v over the UPDATED moments;
 //               new scales: m_scale = 448 / amax_m, v_scale = 65504 / amax_v
 //                       (compute_scale() of core/scaling.h with margin 0: scale 1 when
 //                       the amax is 0 or not finite, capped at FLT_MAX);
@@ -57,9 +54,9 @@
 //             E4M3's 3-bit mantissa is what makes the run drift from fp32 (a few percent
 //             of the distance travelled on the toy problem of tests/test_optim.cpp).
 //
-// GPU contract. The CUDA kernel must reproduce these semantics exactly: the maxima are
-// taken over this step's moments (not a history), the amaxes come from them through
-// moment_amaxes_for() and the scales through compute_scale(), the parameter update uses the
+// GPU contract. The CUDA kernel must reproduce these semantics exactly: the amax is
+// taken over the updated moments of this step (not the stored ones, not a history),
+// the scale comes from that amax through compute_scale(), the parameter update uses the
 // unquantized updated moments, and quantization rounds to nearest even and saturates
 // (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3); __float2half_rn after clamping to
 // 65504). It may recompute the moments in its second pass (as the CPU does) or keep
@@ -184,62 +181,20 @@ FP8LM_HOST_DEVICE inline float moment_scale(float amax, float format_max) {
   return compute_scale(amax, format_max, /*margin=*/0, /*previous_scale=*/1.0f);
 }
 
-// What pass 1 gathers for each tensor before the step's clip coefficient is known: maxima
-// over its elements, each a row of [tensors] floats (non-negative, so that a MAX-reduction
-// across ranks combines the parts of a sharded tensor).
-enum MomentMaximum : int {
-  kUpdatedM = 0,  // max |m| updated as if the clip coefficient were 1
-  kUpdatedV,      // max v, the same
-  kStoredM,       // max |m| as stored (dequantized), before the update
-  kStoredV,       // max v as stored
-  kGradient,      // max |grad|, unscaled
-  kMomentMaxima
-};
-
-// The amaxes the new moment scales come from, for the step's clip coefficient c =
-// s.grad_scale. c = 1: the updated moments' own maxima. c < 1: the least of the upper bounds
-// the maxima give, each computed with adamw_moments()'s operations so that rounding (which is
-// monotone) keeps it a bound:
-//   |m(c)| <= max(b1 |m_stored|, |m(1)|)     (m(c) is affine in c: between its values at 0 and 1)
-//   |m(c)| <= b1 |m_stored| + (1 - b1) |c g|
-//   v(c)   <= v(1)                           (v(c) grows with c)
-//   v(c)   <= b2 v_stored + (1 - b2) (c g)^2
-// So no clipped moment exceeds its format's maximum once scaled, and a step that clips needs
-// no second read of every gradient and moment after the coefficient is known (3.5 ms a step
-// at gpt2-1558m). The price: a clipped step's scales may be conservative (they are exact
-// where the stored term or the gradient term dominates, as at the first step).
-FP8LM_HOST_DEVICE inline void moment_amaxes_for(const float* maxima, size_t stride, const AdamWStepScalars& s,
-                                                float& amax_m, float& amax_v) {
-  amax_m = maxima[kUpdatedM * stride];
-  amax_v = maxima[kUpdatedV * stride];
-  if (s.grad_scale == 1.0f) return;
-  const float g = exact::mul(maxima[kGradient * stride], s.grad_scale);
-  const float stored_m = exact::mul(s.beta1, maxima[kStoredM * stride]);
-  const float m_bound = exact::add(stored_m, exact::mul(exact::sub(1.0f, s.beta1), g));
-  const float v_bound =
-      exact::add(exact::mul(s.beta2, maxima[kStoredV * stride]), exact::mul(exact::mul(exact::sub(1.0f, s.beta2), g), g));
-  const float m_hull = stored_m > amax_m ? stored_m : amax_m;
-  amax_m = m_bound < m_hull ? m_bound : m_hull;
-  amax_v = v_bound < amax_v ? v_bound : amax_v;
-}
-
 namespace cpu {
 
 // One tensor, fp32 state. All arrays [n]; params, m, v updated in place.
 void adamw_tensor_fp32(float* params, const float* grads, float* m, float* v, size_t n,
                        const AdamWStepScalars& s);
 
-// One tensor, fp8_fp16 state, in two passes; all arrays [n]. First the moment maxima
-// (MomentMaximum; s.grad_scale is ignored: the update as if it were 1), raised as running
-// maxima into maxima[r * stride], then the update with s.grad_scale and the new scales
-// moment_scale() of moment_amaxes_for(maxima): params, m_codes (E4M3) and v_bits (FP16) in
+// One tensor, fp8_fp16 state, in two passes; all arrays [n]. First the updated moments'
+// amaxes (running maxima into amax_m, amax_v), then the update with the new scales
+// moment_scale(amax_m), moment_scale(amax_v): params, m_codes (E4M3) and v_bits (FP16) in
 // place; m_scale and v_scale are read to dequantize the stored moments, then overwritten.
-void adamw_moment_maxima_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
-                                  float m_scale, float v_scale, const AdamWStepScalars& s, float* maxima,
-                                  size_t stride);
+void adamw_moment_amax_fp8_fp16(const float* grads, const uint8_t* m_codes, const uint16_t* v_bits, size_t n,
+                                float m_scale, float v_scale, const AdamWStepScalars& s, float& amax_m, float& amax_v);
 void adamw_apply_fp8_fp16(float* params, const float* grads, uint8_t* m_codes, uint16_t* v_bits, size_t n,
-                          float& m_scale, float& v_scale, const float* maxima, size_t stride,
-                          const AdamWStepScalars& s);
+                          float& m_scale, float& v_scale, float amax_m, float amax_v, const AdamWStepScalars& s);
 
 }  // namespace cpu
 
@@ -262,13 +217,11 @@ void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, f
 
 // The same step in two halves, for state sharded across ranks (ZeRO-1), where a tensor's
 // FP8/FP16 moment scales must come from the amax over every rank's part of it:
-//   adamw_moment_amaxes: fp8_fp16 pass 1; maxima [kMomentMaxima, tensors] raised as running
-//                        maxima over this rank's elements (nothing else written; it does
-//                        not depend on the clip coefficient);
-//   (the caller MAX-reduces the maxima across ranks)
-//   adamw_apply:         the new scales from the maxima and grad_scale, the parameter
-//                        update and the re-quantization (fp32 state: the whole update;
-//                        maxima unused).
+//   adamw_moment_amaxes: fp8_fp16 pass 1; amaxes [2, tensors] (m then v) += as running
+//                        maxima of this rank's updated moments (nothing else written);
+//   (the caller MAX-reduces amaxes across ranks)
+//   adamw_apply:         the new scales from amaxes, the parameter update and the
+//                        re-quantization (fp32 state: the whole update; amaxes unused).
 // With one rank, the two halves are adamw_step bit for bit.
 // grad_layout (optional): where each tensor's gradient sits in `grads`, when not at layout's
 // offsets (ZeRO-1 reduces the gradients in place in the model's slab while the parameters
@@ -276,12 +229,12 @@ void adamw_step(const TensorLayout& layout, OptimizerStatePrecision precision, f
 // first_tensor, end_tensor: only tensors [first_tensor, end_tensor) (end_tensor past the last:
 // to the end), for the first pass run in parts (Ops::adamw_first_pass_part).
 void adamw_moment_amaxes(const TensorLayout& layout, const float* grads, const AdamWStateSlabs& state,
-                         const AdamWHyperparams& hp, int64_t t, float* maxima,
+                         const AdamWHyperparams& hp, int64_t t, float grad_scale, float* amaxes,
                          const TensorLayout* grad_layout = nullptr, size_t first_tensor = 0,
                          size_t end_tensor = SIZE_MAX);
 void adamw_apply(const TensorLayout& layout, OptimizerStatePrecision precision, float* params, const float* grads,
                  const AdamWStateSlabs& state, const AdamWHyperparams& hp, int64_t t, float grad_scale,
-                 const float* maxima, const TensorLayout* grad_layout = nullptr);
+                 const float* amaxes, const TensorLayout* grad_layout = nullptr);
 
 }  // namespace cpu
 

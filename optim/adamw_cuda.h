@@ -76,8 +76,8 @@ class DeviceWeightCasts {
   DeviceWeightCastTable table_;
 };
 
-// Floats of scratch adamw_step_fp8_fp16() needs: (kMomentMaxima + 2) * table.count + 2
-// (per-tensor moment maxima, the previous scale inverses, the two bias corrections).
+// Floats of scratch adamw_step_fp8_fp16() needs: 4 * table.count + 2
+// (per-tensor amax of m and v, the previous scale inverses, the two bias corrections).
 size_t adamw_fp8_fp16_scratch_size(const DeviceTensorTable& table);
 
 // One AdamW step with FP8-LLM state. Four launches on `stream` (memset, pass 1, scales,
@@ -103,10 +103,9 @@ void adamw_step_fp8_fp16(float* master, __nv_bfloat16* params_bf16, GradientView
                          const AdamWHyperparams& hp, const StepControl* control, float* scratch, cudaStream_t stream);
 
 // The same step in two halves, for state sharded across ranks (see cpu::adamw_moment_amaxes):
-// the first leaves the moment maxima in scratch[0, kMomentMaxima * count) (non-negative
-// floats, one row of [count] per MomentMaximum) for the caller to MAX-reduce across ranks in
-// place; the second takes the new scales from them and the step's clip coefficient
-// (moment_amaxes_for) and runs pass 2. Together they are adamw_step_fp8_fp16.
+// the first leaves the updated moments' amaxes in scratch[0, 2*count) (as non-negative
+// floats: m then v) for the caller to MAX-reduce across ranks in place; the second takes
+// the new scales from them and runs pass 2. Together they are adamw_step_fp8_fp16.
 // slab_offsets [table.count] (device, optional): where each tensor's gradient and BF16
 // working value sit, when not at table.offsets (the distributed optimizer: the master and
 // state packed in the shard, the gradients reduce-scattered and the working copy gathered in
@@ -117,9 +116,11 @@ void adamw_fp8_fp16_moment_amaxes(GradientView grads, const uint8_t* m_codes, co
                                   const AdamWHyperparams& hp, const StepControl* control, float* scratch,
                                   cudaStream_t stream, const uint64_t* slab_offsets = nullptr);
 // The first half in the gradients' one read that also takes their norm, for an optimizer
-// whose table is the norm's (every tensor whole, counted once): before the step's decision
-// (the maxima do not depend on it), and *sum_of_squares = what grad_norm_squared computes
-// over `table`, bit for bit (norm_scratch: grad_norm_scratch_size(table) doubles).
+// whose table is the norm's (every tensor whole, counted once): before the step's decision,
+// the amaxes as if the clip coefficient were 1, and *sum_of_squares = what grad_norm_squared
+// computes over `table`, bit for bit (norm_scratch: grad_norm_scratch_size(table) doubles).
+// After finalize_step, adamw_fp8_fp16_moment_amaxes_if_clipped redoes the amaxes with the
+// coefficient when it is not 1 (decided on the device; nothing runs otherwise).
 void adamw_fp8_fp16_moment_amaxes_and_norm(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
                                            const float* m_scales, const float* v_scales,
                                            const DeviceTensorTable& table, const AdamWHyperparams& hp, float* scratch,
@@ -138,6 +139,10 @@ void adamw_fp8_fp16_first_pass_part(GradientView grads, const uint8_t* m_codes, 
                                     float* scratch, double* norm_scratch, cudaStream_t stream);
 void adamw_fp8_fp16_first_pass_finish(const DeviceTensorTable& table, double* sum_of_squares,
                                       const double* norm_scratch, cudaStream_t stream);
+void adamw_fp8_fp16_moment_amaxes_if_clipped(GradientView grads, const uint8_t* m_codes, const uint16_t* v_bits,
+                                             const float* m_scales, const float* v_scales,
+                                             const DeviceTensorTable& table, const AdamWHyperparams& hp,
+                                             const StepControl* control, float* scratch, cudaStream_t stream);
 // weight_casts (optional, with slab_offsets nullptr): its tensors are updated tile by tile and
 // their FP8 operands written in the same pass, with the FP8 scales `fp8_scales` [states]
 // and amaxes raised in `amax_row` [states] (nullptr: none recorded); under control->skip

@@ -259,13 +259,14 @@ TEST_CASE("the training step: AdamW's first pass with the norm, decision, scale 
     // scales are still current scaling's, which need each weight's amax before its cast: the
     // weights are cast after the update. Step 1 updates the scales, then AdamW's update pass
     // casts the FP8 weights (and W^T) with them.
-    // AdamW's first pass reads the gradients for their norm too, before the decision; its
-    // maxima serve a step that clips too (optim/adamw.h's moment_amaxes_for).
+    // AdamW's first pass reads the gradients for their norm too, before the decision; after
+    // it, the amaxes again only if the step clips.
     // (The first pass's parts of block 0 and the embedding come first: the backward queued the
     // others beside its attention backwards.)
     drop_first_pass_parts(log);
     std::vector<std::string> expected = {"adamw first pass finish", "finalize_step",
                                          step == 1 ? "update_scales" : "discard_current_amaxes",
+                                         "adamw_moment_amaxes if clipped",
                                          step == 1 ? "adamw_apply + " + std::to_string(4 * layers) + " FP8 weights"
                                                    : "adamw_apply"};
     expected.push_back("quantize -> bf16");  // the LM head's BF16 copy (CPU)
@@ -339,6 +340,7 @@ void check_step_weight_casts(const std::vector<std::string>& precision_flags,
   const auto fp8_blocks = std::count(block_dtypes.begin(), block_dtypes.end(), std::string("e4m3"));
   drop_first_pass_parts(log);
   std::vector<std::string> expected = {"adamw first pass finish", "finalize_step", "update_scales",
+                                       "adamw_moment_amaxes if clipped",
                                        "adamw_apply + " + std::to_string(4 * fp8_blocks) + " FP8 weights",
                                        "quantize -> bf16"};  // ... and the LM head's BF16 copy
   for (const char* block : block_dtypes)

@@ -206,6 +206,9 @@ struct GpuOptimizer {
                                                   m_scales.data(), v_scales.data(), table(), hp, scratch.data(),
                                                   sum.data(), norm_scratch.data(), nullptr);
       cuda::finalize_step(control.data(), sum.data(), loss.data(), loss_divisor, max_norm, nullptr);
+      cuda::adamw_fp8_fp16_moment_amaxes_if_clipped(grads.data() + shift, m8.data() + shift, v16.data() + shift,
+                                                    m_scales.data(), v_scales.data(), table(), hp, control.data(),
+                                                    scratch.data(), nullptr);
       cuda::adamw_fp8_fp16_apply(master.data() + shift, bf16.data() + shift, grads.data() + shift, m8.data() + shift,
                                  v16.data() + shift, m_scales.data(), v_scales.data(), table(), hp, control.data(),
                                  scratch.data(), nullptr);
