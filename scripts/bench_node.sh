@@ -17,6 +17,10 @@
 #        same model on fewer GPUs, in a call of its own (13 rows at N = 4: 293 s in device call 32).
 # ROWS=REGEX runs only the rows whose tag matches (grep -E), for a table split over calls; the
 # tags are in --dry-run's output.
+# GLOBAL_BATCH=N trains the gpt-6.7b rows on N sequences a step (each rank accumulating N / (DP x
+# micro-batch) micro-batches before the optimizer step), as NeMo's published runs do (GBS 128);
+# their tags end in -gbsN. MICRO_BATCH sets those rows' micro-batch (default 1); STEPS and WARMUP
+# the steps of every benchmark row (default 16 and 6).
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
 # data/nlp-corpus, made by scripts/prepare_data.sh), at lr 1e-4 after 10 warm-up steps.
 # LOSS_DATA=mock trains on --mock-data instead: its loss falls from 10.9 to 2.5 in 25 steps, and
@@ -76,7 +80,7 @@ run() {  # tag ranks args...: one fp8lm run, its JSON line tagged into bench_nod
 bench() {  # tag ranks config micro-batch flags...
   local tag=$1 ranks=$2 config=$3 batch=$4; shift 4
   run "$tag" "$ranks" --config "configs/$config.json" --mock-data --benchmark --micro-batch-size "$batch" \
-    --train-iters 16 --benchmark-warmup 6 --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn "$@"
+    --train-iters "${STEPS:-16}" --benchmark-warmup "${WARMUP:-6}" --log-interval 100 --eval-interval 0 --eval-iters 0 --log-level warn "$@"
 }
 overlap=(--overlap-grad-reduce --overlap-param-gather)
 
@@ -117,6 +121,8 @@ if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
   [ "$gpus" = 4 ] && layouts="4 1|2 2|1 4"
   [ "$gpus" = 2 ] && layouts="2 1|1 2"
   IFS='|' read -ra layout_list <<< "$layouts"
+  batch_flags=() batch_tag=""
+  [ -n "${GLOBAL_BATCH:-}" ] && batch_flags=(--global-batch-size "$GLOBAL_BATCH") batch_tag=-gbs$GLOBAL_BATCH
   for layout in "${layout_list[@]}"; do
     set -- $layout
     tp=$1 dp=$2
@@ -125,8 +131,8 @@ if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
       for variant in "fp8|--fp8-hybrid" "fp8-fp8grads|--fp8-hybrid --fp8-grad-comm" "bf16|--bf16 --grad-reduce-in-bf16"; do
         name=${variant%%|*} precision=${variant#*|}
         [ "$dp" = 1 ] && [ "$name" = fp8-fp8grads ] && continue  # nothing to reduce across data-parallel ranks
-        bench "6.7b-tp$tp-dp$dp${sp:+-sp}-$name" "$gpus" gpt-6.7b 1 --tensor-model-parallel-size "$tp" $sp $precision \
-          $([ "$dp" -gt 1 ] && echo "${overlap[@]}")
+        bench "6.7b-tp$tp-dp$dp${sp:+-sp}-$name$batch_tag" "$gpus" gpt-6.7b "${MICRO_BATCH:-1}" \
+          --tensor-model-parallel-size "$tp" $sp $precision "${batch_flags[@]}" $([ "$dp" -gt 1 ] && echo "${overlap[@]}")
       done
     done
   done
