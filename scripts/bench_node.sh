@@ -19,7 +19,7 @@
 # tags are in --dry-run's output.
 # GLOBAL_BATCH=N trains the gpt-6.7b rows on N sequences a step (each rank accumulating N / (DP x
 # micro-batch) micro-batches before the optimizer step), as NeMo's published runs do (GBS 128);
-# their tags end in -gbsN. MICRO_BATCH sets those rows' micro-batch (default 1); STEPS and WARMUP
+# their tags end in -gbsN. MICRO_BATCH=M sets those rows' micro-batch (default 1; tags -mbM); STEPS and WARMUP
 # the steps of every benchmark row (default 16 and 6).
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
 # data/nlp-corpus, made by scripts/prepare_data.sh), at lr 1e-4 after 10 warm-up steps.
@@ -123,6 +123,7 @@ if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
   IFS='|' read -ra layout_list <<< "$layouts"
   batch_flags=() batch_tag=""
   [ -n "${GLOBAL_BATCH:-}" ] && batch_flags=(--global-batch-size "$GLOBAL_BATCH") batch_tag=-gbs$GLOBAL_BATCH
+  [ -n "${MICRO_BATCH:-}" ] && batch_tag=$batch_tag-mb$MICRO_BATCH
   for layout in "${layout_list[@]}"; do
     set -- $layout
     tp=$1 dp=$2
