@@ -12,7 +12,8 @@
 # N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
 #        without sequence parallelism, and at DP = 8 (the distributed optimizer, no TP), FP8 and
 #        BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8; the loss rows of N = 4 plus TP = 4 x
-#        DP = 2 on all eight, with and without SP.
+#        DP = 2 on all eight, with and without SP. At 4 and 8 the gpt-6.7b rows end with the
+#        anchors' method: DP = N over a global batch of 128 sequences, micro-batch 2, FP8 and BF16.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4, TP = 2 x DP = 2, DP = 4): the
 #        same model on fewer GPUs, in a call of its own (13 rows at N = 4: 293 s in device call 32).
 # ROWS=REGEX runs only the rows whose tag matches (grep -E), for a table split over calls; the
@@ -137,6 +138,15 @@ if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
       done
     done
   done
+  # The anchors' method: data parallelism alone over a global batch of 128 sequences at
+  # micro-batch 2, as NeMo's published per-GPU figures are measured (docs/PERFORMANCE.md).
+  if [ -z "${GLOBAL_BATCH:-}" ] && [ "$gpus" -ge 4 ]; then
+    for variant in "fp8|--fp8-hybrid" "bf16|--bf16 --grad-reduce-in-bf16"; do
+      name=${variant%%|*} precision=${variant#*|}
+      STEPS=6 WARMUP=2 bench "6.7b-tp1-dp$gpus-$name-gbs128-mb2" "$gpus" gpt-6.7b 2 --global-batch-size 128 $precision \
+        "${overlap[@]}"
+    done
+  fi
 fi
 
 # Losses across layouts and a resume across layouts (4 GPUs and more).

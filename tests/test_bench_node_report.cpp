@@ -79,3 +79,31 @@ TEST_CASE("bench_node_report.py: the node table and the loss rows against the to
   CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp2dp2-sp: 4/4 steps, largest relative loss gap to one GPU "
                                               "0.00e+00, first gradient norm's 1.0e+00"));
 }
+
+// scripts/bench_node.sh --dry-run: the gpt-6.7b rows at the anchors' global batch, by default and
+// with GLOBAL_BATCH / MICRO_BATCH / STEPS / WARMUP set (the commands only: no GPU is needed).
+TEST_CASE("bench_node.sh: the gpt-6.7b rows at a global batch, as the anchors are measured", "[scripts]") {
+  const std::string script = testing::source_path("scripts/bench_node.sh");
+  auto result = testing::run_command("bash " + script + " 4 --6.7b-only --dry-run");
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  // Every layout at micro-batch 1 with one micro-batch a rank, then DP = 4 over 128 sequences.
+  CHECK_THAT(result.output, ContainsSubstring("6.7b-tp2-dp2-fp8: "));
+  CHECK_THAT(result.output, ContainsSubstring("--micro-batch-size 1 --train-iters 16 --benchmark-warmup 6"));
+  CHECK_THAT(result.output, ContainsSubstring("6.7b-tp1-dp4-fp8-gbs128-mb2: "));
+  CHECK_THAT(result.output, ContainsSubstring("6.7b-tp1-dp4-bf16-gbs128-mb2: "));
+  CHECK_THAT(result.output, ContainsSubstring("-np 4 build-gpu/fp8lm --config configs/gpt-6.7b.json --mock-data --benchmark "
+                                              "--micro-batch-size 2 --train-iters 6 --benchmark-warmup 2"));
+  CHECK_THAT(result.output, ContainsSubstring("--global-batch-size 128 --fp8-hybrid --overlap-grad-reduce"));
+
+  // GLOBAL_BATCH puts every gpt-6.7b row on that batch (and replaces the anchor rows); ROWS picks.
+  result = testing::run_command("GLOBAL_BATCH=64 MICRO_BATCH=1 STEPS=5 WARMUP=1 ROWS='tp2-dp2-fp8-gbs' bash " + script +
+                                " 4 --6.7b-only --dry-run");
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  CHECK_THAT(result.output, ContainsSubstring("6.7b-tp2-dp2-fp8-gbs64-mb1: "));
+  CHECK_THAT(result.output, ContainsSubstring("--micro-batch-size 1 --train-iters 5 --benchmark-warmup 1"));
+  CHECK_THAT(result.output, ContainsSubstring("--tensor-model-parallel-size 2 --fp8-hybrid --global-batch-size 64"));
+  CHECK_THAT(result.output, !ContainsSubstring("gbs128"));
+  CHECK_THAT(result.output, !ContainsSubstring("6.7b-tp4"));
+}
