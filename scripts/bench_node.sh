@@ -20,8 +20,9 @@
 # tags are in --dry-run's output.
 # GLOBAL_BATCH=N trains the gpt-6.7b rows on N sequences a step (each rank accumulating N / (DP x
 # micro-batch) micro-batches before the optimizer step), as NeMo's published runs do (GBS 128);
-# their tags end in -gbsN. MICRO_BATCH=M sets those rows' micro-batch (default 1; tags -mbM); STEPS and WARMUP
-# the steps of every benchmark row (default 16 and 6).
+# their tags end in -gbsN. MICRO_BATCH=M sets those rows' micro-batch (default 1; tags -mbM).
+# STEPS and WARMUP set every benchmark row's steps and warm-up steps (default 16 and 6; the
+# anchor rows' 6 and 2).
 # The loss runs train gpt2-124m on real English, the llm.c shards LOSS_DATA/train_*.bin (default
 # data/nlp-corpus, made by scripts/prepare_data.sh), at lr 1e-4 after 10 warm-up steps.
 # LOSS_DATA=mock trains on --mock-data instead: its loss falls from 10.9 to 2.5 in 25 steps, and
@@ -143,7 +144,7 @@ if [ -z "$losses_only" ] && { [ "$gpus" = 8 ] || [ -n "$only_6_7b" ]; }; then
   if [ -z "${GLOBAL_BATCH:-}" ] && [ "$gpus" -ge 4 ]; then
     for variant in "fp8|--fp8-hybrid" "bf16|--bf16 --grad-reduce-in-bf16"; do
       name=${variant%%|*} precision=${variant#*|}
-      STEPS=6 WARMUP=2 bench "6.7b-tp1-dp$gpus-$name-gbs128-mb2" "$gpus" gpt-6.7b 2 --global-batch-size 128 $precision \
+      STEPS=${STEPS:-6} WARMUP=${WARMUP:-2} bench "6.7b-tp1-dp$gpus-$name-gbs128-mb2" "$gpus" gpt-6.7b 2 --global-batch-size 128 $precision \
         "${overlap[@]}"
     done
   fi
