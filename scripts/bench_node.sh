@@ -3,17 +3,19 @@
 # config sets it, mock data, FP8 hybrid unless a row says BF16; mean step after warm-up.
 #   scripts/bench_node.sh N [--dry-run] [--losses-only | --6.7b-only]
 # N = 2: gpt2-1558m at DP = 1 and 2 with FP32, BF16 and FP8 gradients (FP8 with and without
-#        --fp8-param-gather), both overlaps; gpt2-774m at TP = 2 with and without sequence
-#        parallelism (25 heads at 1558M: no TP size of 2 or 4 divides them).
+#        --fp8-param-gather), both overlaps, and BF16 training on one GPU and on N; gpt2-774m at
+#        TP = 2 with and without sequence parallelism (25 heads at 1558M: no TP size of 2 or 4
+#        divides them).
 # N = 4: the same at DP = 4 and TP = 4, TP = 2 x DP = 2, each with and without sequence
 #        parallelism; the distributed optimizer off at DP = 4; 50-step losses of TP = 4 and
 #        TP = 2 x DP = 2, each with and without sequence parallelism, against one GPU (and one GPU
 #        at half the micro-batch, the noise floor); a save at TP = 2 x DP = 2 resumed at TP = 4.
-# N = 8: gpt-6.7b (T = 2048, micro-batch 1) at TP = 8, TP = 4 x DP = 2, TP = 2 x DP = 4, with and
-#        without sequence parallelism, and at DP = 8 (the distributed optimizer, no TP), FP8 and
-#        BF16, BF16 and FP8 gradients; gpt2-1558m at DP = 8; the loss rows of N = 4 plus TP = 4 x
-#        DP = 2 on all eight, with and without SP. At 4 and 8 the gpt-6.7b rows end with the
-#        anchors' method: DP = N over a global batch of 128 sequences, micro-batch 2, FP8 and BF16.
+# N = 8: gpt2-1558m at DP = 8 as at 2 and 4; gpt-6.7b (T = 2048, micro-batch 1) at TP = 8,
+#        TP = 4 x DP = 2, TP = 2 x DP = 4, with and without sequence parallelism, and at DP = 8
+#        (the distributed optimizer, no TP), FP8 and BF16, BF16 and FP8 gradients; the loss rows
+#        of N = 4 plus TP = 4 x DP = 2 on all eight, with and without SP.
+# At 4 and 8 the gpt-6.7b rows end with the anchors' method: DP = N over a global batch of 128
+#        sequences, micro-batch 2, FP8 and BF16.
 # --6.7b-only runs only the gpt-6.7b rows, for N = 4 too (TP = 4, TP = 2 x DP = 2, DP = 4): the
 #        same model on fewer GPUs, in a call of its own (13 rows at N = 4: 293 s in device call 32).
 # ROWS=REGEX runs only the rows whose tag matches (grep -E), for a table split over calls; the
@@ -30,6 +32,9 @@
 # tolerance the layouts are judged by (device call 19, docs/PERFORMANCE.md); at lr 6e-4 it
 # spikes (call 16). LOSS_LR and LOSS_WARMUP override the schedule; LOSS_PRECISION=bf16 runs them
 # in BF16 (default fp8-hybrid). --losses-only runs only those (4 GPUs and more).
+# At 8 GPUs the table outruns one device call (600 s; 47 rows at 15-80 s each, most of it
+# start-up): split it by ROWS, for instance '^dp', '^6.7b-tp[248]' and
+# '^(6.7b-tp1|loss|save|resume)'.
 # --dry-run prints the commands instead of running them (no GPU needed). Needs build-gpu/fp8lm
 # (scripts/gpu_test.sh builds it). Writes bench_node.jsonl and bench_node.md to $OUT (or
 # build-gpu/logs).
@@ -92,13 +97,15 @@ bench dp1 1 gpt2-1558m 8 --fp8-hybrid
 for dp in 2 4 8; do
   [ "$dp" -le "$gpus" ] || continue
   bench "dp$dp-fp32" "$dp" gpt2-1558m 8 --fp8-hybrid "${overlap[@]}"
-  [ "$dp" = 8 ] && continue
   bench "dp$dp-bf16" "$dp" gpt2-1558m 8 --fp8-hybrid --grad-reduce-in-bf16 "${overlap[@]}"
   bench "dp$dp-fp8" "$dp" gpt2-1558m 8 --fp8-hybrid --fp8-grad-comm "${overlap[@]}"
   bench "dp$dp-fp8-params" "$dp" gpt2-1558m 8 --fp8-hybrid --fp8-grad-comm --fp8-param-gather "${overlap[@]}"
 done
 [ "$gpus" -ge 4 ] && bench dp4-no-distributed-optimizer 4 gpt2-1558m 8 --fp8-hybrid --no-use-distributed-optimizer \
   --overlap-grad-reduce
+# BF16 training on one GPU and across the node (its efficiency is against the BF16 GPU's row).
+bench dp1-bf16-training 1 gpt2-1558m 8 --bf16
+bench "dp$gpus-bf16-training" "$gpus" gpt2-1558m 8 --bf16 --grad-reduce-in-bf16 "${overlap[@]}"
 
 # Tensor parallelism at gpt2-774m, micro-batch 8.
 if [ "$gpus" -le 4 ]; then

@@ -14,7 +14,8 @@ LOSS_RUNS = ("loss-tp4", "loss-tp4-sp", "loss-tp2dp2", "loss-tp2dp2-sp", "loss-t
 
 
 def table(rows):
-    one = {r["model"]: r["step_ms"] for r in rows if r.get("ranks") == 1 and "step_ms" in r}
+    # One GPU's step for each model and precision ("peer": fp8lm-fp8-hybrid, fp8lm-bf16, ...).
+    one = {(r["model"], r.get("peer")): r["step_ms"] for r in rows if r.get("ranks") == 1 and "step_ms" in r}
     print("| run | model | ranks | tp x dp | step | tokens/s per GPU | model TFLOP/s per GPU | DP efficiency "
           "| peak memory per rank | optimizer memory per rank | bytes sent per rank per step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -22,7 +23,8 @@ def table(rows):
         if "step_ms" not in r:
             continue
         # Data-parallel efficiency: the same model on one GPU over this row's step.
-        eff = f"{one[r['model']] / r['step_ms'] * 100:.1f}%" if r["tp"] == 1 and r["dp"] > 1 and r["model"] in one else "-"
+        key = (r["model"], r.get("peer"))
+        eff = f"{one[key] / r['step_ms'] * 100:.1f}%" if r["tp"] == 1 and r["dp"] > 1 and key in one else "-"
         sent = r.get("bytes_per_step", {})
         traffic = " + ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sent.items() if v > 1e6) or "-"
         print(f"| {r['tag']} | {r['model']} | {r['ranks']} | {r['tp']} x {r['dp']} | {r['step_ms']:.2f} ms | "

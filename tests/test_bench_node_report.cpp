@@ -19,8 +19,10 @@ namespace {
 
 const std::string kScript = testing::source_path("scripts/bench_node_report.py");
 
-std::string bench_line(const char* tag, int ranks, int tp, int dp, double step_ms, double optimizer_gib) {
-  return std::string("{\"tag\":\"") + tag + "\",\"ranks\":" + std::to_string(ranks) + ",\"model\":\"gpt2-1558m\",\"tp\":" +
+std::string bench_line(const char* tag, int ranks, int tp, int dp, double step_ms, double optimizer_gib,
+                       const std::string& peer = "fp8lm-fp8-hybrid") {
+  return std::string("{\"tag\":\"") + tag + "\",\"peer\":\"" + peer + "\",\"ranks\":" + std::to_string(ranks) +
+         ",\"model\":\"gpt2-1558m\",\"tp\":" +
          std::to_string(tp) + ",\"dp\":" + std::to_string(dp) + ",\"step_ms\":" + std::to_string(step_ms) +
          ",\"tok_s_per_gpu\":1000.0,\"tflops\":" + std::to_string(500.0 * ranks) + ",\"peak_gib\":30.0,\"optimizer_gib\":" +
          std::to_string(optimizer_gib) + ",\"bytes_per_step\":{\"dp_overlapped\":4673088000.0,\"world\":6952.0}}\n";
@@ -78,6 +80,23 @@ TEST_CASE("bench_node_report.py: the node table and the loss rows against the to
   CHECK_THAT(result.output, ContainsSubstring("ok loss-tp4-sp: 4/4 steps"));
   CHECK_THAT(result.output, ContainsSubstring("FAIL loss-tp2dp2-sp: 4/4 steps, largest relative loss gap to one GPU "
                                               "0.00e+00, first gradient norm's 1.0e+00"));
+}
+
+// Data-parallel efficiency is against one GPU of the same model and precision: a BF16 row is not
+// measured against the FP8 GPU's step.
+TEST_CASE("bench_node_report.py: each precision's efficiency against its own one-GPU row", "[scripts]") {
+  if (std::system("command -v python3 > /dev/null 2>&1") != 0) SKIP("python3 is not installed");
+  testing::TempDir dir;
+  std::ofstream(dir.file("bench.jsonl")) << bench_line("dp1", 1, 1, 1, 150.0, 10.0)
+                                         << bench_line("dp1-bf16-training", 1, 1, 1, 200.0, 10.0, "fp8lm-bf16")
+                                         << bench_line("dp4-fp32", 4, 1, 4, 160.0, 2.5)
+                                         << bench_line("dp4-bf16-training", 4, 1, 4, 250.0, 2.5, "fp8lm-bf16");
+  const auto result = testing::run_command(kScript + " " + dir.file("bench.jsonl") + " " + dir.file(""));
+  INFO(result.output);
+  CHECK(result.exit_code == 0);
+  CHECK_THAT(result.output, ContainsSubstring("| dp4-fp32 | gpt2-1558m | 4 | 1 x 4 | 160.00 ms | 1,000 | 500 | 93.8% |"));
+  CHECK_THAT(result.output,
+             ContainsSubstring("| dp4-bf16-training | gpt2-1558m | 4 | 1 x 4 | 250.00 ms | 1,000 | 500 | 80.0% |"));
 }
 
 // scripts/bench_node.sh --dry-run: the gpt-6.7b rows at the anchors' global batch, by default and
