@@ -351,6 +351,11 @@ struct TrainingEngine::State {
   HostValues initial_slab(const GptConfig& config, uint64_t seed);
   // The working copy and the master weights from this rank's slab of values.
   void set_slab_parameters(std::span<const float> own);
+  // Under the distributed optimizer: only this rank's shard of the initial weights (1/DP of
+  // its slab), and the working copy gathered from every rank's shard as after a step.
+  bool draws_shard_only() const;
+  HostValues initial_shard(const GptConfig& config, uint64_t seed);
+  void set_shard_parameters(std::span<const float> shard_values);
   std::vector<float> canonical_tensor_scales(const float* memory_order);
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
@@ -572,9 +577,13 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
 
   if (start == ParameterStart::set_by_caller) return;
   const auto began = std::chrono::steady_clock::now();
-  const HostValues initial = s.initial_slab(setup.model, o.seed);
+  const bool shard_only = s.draws_shard_only();
+  const HostValues initial = shard_only ? s.initial_shard(setup.model, o.seed) : s.initial_slab(setup.model, o.seed);
   const auto drawn = std::chrono::steady_clock::now();
-  s.set_slab_parameters(initial);
+  if (shard_only)
+    s.set_shard_parameters(initial);
+  else
+    s.set_slab_parameters(initial);
   s.startup.draw_initial_values = std::chrono::duration<double>(drawn - began).count();
   s.startup.set_parameters = std::chrono::duration<double>(std::chrono::steady_clock::now() - drawn).count();
 }
@@ -1073,6 +1082,57 @@ HostValues TrainingEngine::State::initial_slab(const GptConfig& config, uint64_t
                          parallel.tp_size);
   }
   return own;
+}
+
+// The working copy can be gathered in place from the ranks' shards when it is the whole slab
+// in its own order and travels as values (under --fp8-param-gather the Linear weights travel
+// as FP8 codes, whose scales the first step sets: that start draws the slab).
+bool TrainingEngine::State::draws_shard_only() const {
+  return sharded && !fp8_param_gather && master != model->working() && model->working_offsets_on_backend() == nullptr;
+}
+
+HostValues TrainingEngine::State::initial_shard(const GptConfig& config, uint64_t seed) {
+  const TensorLayout& slab = model->layout();
+  const auto began = std::chrono::steady_clock::now();
+  HostValues values = HostValues::zeros(shard.size);  // the buckets' padding stays 0, as in the slab
+  startup.zero_host_values = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  for (const ShardPlan::Part& p : shard.parts) {
+    const size_t part_end = p.part_begin + p.size;
+    for (const TensorInfo& t : slab.tensors()) {
+      const size_t first = std::max(p.part_begin, t.offset), last = std::min(part_end, t.offset + size_t(t.numel));
+      if (first >= last) continue;
+      const size_t index = size_t(canonical.index_of(t.name));
+      init_gpt_tensor_part_range(values.data() + p.shard_offset + (first - p.part_begin), canonical.tensors()[index],
+                                 index, config, seed, t, parallel.tp_rank, parallel.tp_size, first - t.offset,
+                                 last - t.offset);
+    }
+  }
+  return values;
+}
+
+void TrainingEngine::State::set_shard_parameters(std::span<const float> shard_values) {
+  ops->synchronize();
+  FP8LM_CHECK(draws_shard_only() && shard_values.size() == shard.size, "set_shard_parameters: ", shard_values.size(),
+              " values for a shard of ", shard.size);
+  ops->upload(master, shard_values.data(), shard_values.size() * sizeof(float));
+  // This rank's part of each bucket in the working copy, rounded as set_working_values rounds
+  // the whole slab; then every rank's parts on every rank.
+  const DType working_dtype = activation_dtype();
+  char* working = static_cast<char*>(model->working());
+  for (const ShardPlan::Part& p : shard.parts) {
+    Tensor part;
+    part.data = working + p.part_begin * ops->element_bytes(working_dtype);
+    part.dtype = working_dtype;
+    part.rows = 1;
+    part.cols = int64_t(p.size);
+    ops->upload_values(part, shard_values.data() + p.shard_offset);
+  }
+  for (size_t b = 0; b < shard.parts.size(); ++b) gather_bucket(b, dp(), Ops::Lane::main);
+  stop_fp8_statistics(/*keep=*/false);
+  model->refresh_weight_operands();
+  weights_from_refresh = true;
+  std::fill(refresh_pending.begin(), refresh_pending.end(), false);
+  ops->synchronize();
 }
 
 // Per-tensor scales between the model's tensor order and the canonical one (every rank of

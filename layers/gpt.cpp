@@ -137,11 +137,20 @@ void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, cons
 
 void init_gpt_tensor_part(float* part_values, const TensorInfo& tensor, size_t index, const GptConfig& config,
                           uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size) {
+  init_gpt_tensor_part_range(part_values, tensor, index, config, seed, part, tp_rank, tp_size, 0, size_t(part.numel));
+}
+
+void init_gpt_tensor_part_range(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                                uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size, size_t begin,
+                                size_t end) {
+  FP8LM_CHECK(begin <= end && end <= size_t(part.numel), "init_gpt_tensor_part_range: [", begin, ", ", end,
+              ") of ", part.numel, " elements of ", tensor.name);
   std::vector<DrawPiece> pieces;
   detail::for_each_part_run(part, tp_rank, tp_size, [&](size_t part_index, size_t full_index, size_t count) {
-    add_pieces(pieces, part_index, full_index, count);
+    const size_t first = std::max(part_index, begin), last = std::min(part_index + count, end);
+    if (first < last) add_pieces(pieces, first - begin, full_index + (first - part_index), last - first);
   });
-  draw_pieces(tensor_draw(tensor, index, config, seed), pieces, part_values);
+  draw_pieces(tensor_draw(tensor, index, config, seed), pieces, values);
 }
 
 void init_gpt_parameters(float* params, const TensorLayout& layout, const GptConfig& cfg, uint64_t seed) {

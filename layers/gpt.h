@@ -94,6 +94,12 @@ void init_gpt_tensor(float* values, const TensorInfo& tensor, size_t index, cons
 inline constexpr size_t kInitStreamElements = size_t{1} << 16;
 void init_gpt_tensor_part(float* part_values, const TensorInfo& tensor, size_t index, const GptConfig& config,
                           uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size);
+// Elements [begin, end) of that part alone (a data-parallel rank's share of it under the
+// distributed optimizer): the values init_gpt_tensor_part puts there.
+//   values [end - begin]
+void init_gpt_tensor_part_range(float* values, const TensorInfo& tensor, size_t index, const GptConfig& config,
+                                uint64_t seed, const TensorInfo& part, int tp_rank, int tp_size, size_t begin,
+                                size_t end);
 
 // Whether a scaling state is a Linear's input operand, an activation ("h.3.mlp.c_fc.input"),
 // rather than its weight or its output gradient.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -267,7 +269,7 @@ class CudaOps final : public Ops {
     if (bytes <= kLargeUploadBytes) {
       CUDA_CHECK(cudaMemcpyAsync(destination, host, bytes, cudaMemcpyHostToDevice, stream_));
     } else {  // the master weights at start-up: tens of GB, faster pinned than pageable
-      DoubleBufferedStaging staging(kLargeUploadBytes);
+      DoubleBufferedStaging& staging = large_upload_staging();
       for (size_t begin = 0, k = 0; begin < bytes; begin += kLargeUploadBytes, ++k) {
         const size_t count = std::min(kLargeUploadBytes, bytes - begin);
         auto* stage = static_cast<char*>(staging.wait_for_buffer(k % 2));
@@ -290,8 +292,12 @@ class CudaOps final : public Ops {
     // Rounded by every host thread into two pinned buffers in turn, so that rounding a chunk
     // overlaps the copy of the one before: one thread and a pageable copy took tens of seconds
     // for gpt-6.7b's 6.7 billion values.
+    // A large upload (one rank's part of a bucket of the working copy at start-up comes dozens of
+    // times) reuses the pinned buffers: pinning them again for each costs tens of milliseconds.
     const size_t chunk = std::min(n, kLargeUploadBytes / sizeof(uint16_t));
-    DoubleBufferedStaging staging(chunk * sizeof(uint16_t));
+    std::optional<DoubleBufferedStaging> small_staging;
+    if (chunk * sizeof(uint16_t) < kLargeUploadBytes / 8) small_staging.emplace(chunk * sizeof(uint16_t));
+    DoubleBufferedStaging& staging = small_staging ? *small_staging : large_upload_staging();
     auto* device_bits = static_cast<uint16_t*>(destination.data);
     for (size_t begin = 0, k = 0; begin < n; begin += chunk, ++k) {
       const size_t count = std::min(chunk, n - begin);
@@ -988,6 +994,13 @@ class CudaOps final : public Ops {
 
  private:
   static constexpr int kStagingSlots = 4;
+
+  // kLargeUploadBytes of pinned memory twice, made at the first large upload and kept.
+  DoubleBufferedStaging& large_upload_staging() {
+    if (!large_upload_staging_) large_upload_staging_ = std::make_unique<DoubleBufferedStaging>(kLargeUploadBytes);
+    return *large_upload_staging_;
+  }
+  std::unique_ptr<DoubleBufferedStaging> large_upload_staging_;
 
   static void check_first_pass(const AdamWCall& call) {
     FP8LM_CHECK(call.precision == OptimizerStatePrecision::fp8_fp16 && call.slab_table == nullptr,

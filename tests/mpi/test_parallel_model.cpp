@@ -214,21 +214,31 @@ TEST_CASE("mpi: the collectives of a tensor-parallel block sit where the model s
 
 TEST_CASE("mpi: every layout starts from the canonical model's initial weights, drawn rank by rank",
           "[mpi][parallel]") {
-  // Each rank draws only the tensors it holds (TrainingEngine::State::initial_slab); gathered
-  // back, they are the one-process initialisation bit for bit, with and without the
-  // distributed optimizer.
+  // Each rank draws only the tensors it holds (TrainingEngine::State::initial_slab), and under
+  // the distributed optimizer only its shard of them, the working copy gathered from every
+  // rank's (initial_shard); gathered back, the master is the one-process initialisation bit
+  // for bit, and the first forward (the working copy, the FP8 weight operands cast from it)
+  // gives the same loss either way.
   for (int tp : {1, 2}) {
-    for (const char* optimizer : {"--use-distributed-optimizer", "--no-use-distributed-optimizer"}) {
-      const ParallelLayout layout = detect_parallel_layout(tp);
-      const RunSetup setup = tiny_setup(layout, "cpu", {"--fp8-hybrid", "--seed", "31", optimizer});
-      TrainingEngine engine(setup, layout);
-      const TensorLayout canonical = make_gpt_layout(setup.model);
-      std::vector<float> expected(canonical.total_elements(), 0.0f);
-      init_gpt_parameters(expected.data(), canonical, setup.model, 31);
-      INFO("tp " << tp << ", " << optimizer);
-      const std::vector<float> actual = engine.parameters();
-      REQUIRE(actual.size() == expected.size());
-      CHECK(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(float)) == 0);
+    for (const char* precision : {"--fp8-hybrid", "--bf16"}) {
+      std::vector<double> first_losses;
+      for (const char* optimizer : {"--use-distributed-optimizer", "--no-use-distributed-optimizer"}) {
+        const ParallelLayout layout = detect_parallel_layout(tp);
+        const RunSetup setup = tiny_setup(layout, "cpu", {precision, "--seed", "31", optimizer});
+        TrainingEngine engine(setup, layout);
+        const TensorLayout canonical = make_gpt_layout(setup.model);
+        std::vector<float> expected(canonical.total_elements(), 0.0f);
+        init_gpt_parameters(expected.data(), canonical, setup.model, 31);
+        INFO("tp " << tp << ", " << precision << ", " << optimizer);
+        const std::vector<float> actual = engine.parameters();
+        REQUIRE(actual.size() == expected.size());
+        CHECK(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(float)) == 0);
+        const size_t tokens = size_t(setup.options.micro_batch_size) * size_t(setup.seq_length);
+        const auto x = testing::tiny_tokens(tokens, 7 + layout.dp_rank), y = testing::tiny_tokens(tokens, 8);
+        first_losses.push_back(engine.evaluate(x.data(), y.data()));
+      }
+      INFO("tp " << tp << ", " << precision);
+      CHECK(std::memcmp(&first_losses[0], &first_losses[1], sizeof(double)) == 0);
     }
   }
 }
