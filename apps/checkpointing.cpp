@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <cerrno>
 #include <csignal>
@@ -443,6 +444,29 @@ std::string manifest_string(const nlohmann::json& state, const std::string& stat
 
 // The FP8 settings of the run that saved `state`, when it trained with FP8 GEMMs. Keys added
 // after the first checkpoints may be absent: their flags were off then.
+CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::json& state,
+                                                               const std::string& state_path) {
+  CheckpointManifest::OptimizerSettings saved;
+  auto number = [&](const char* key) -> std::optional<double> {
+    const nlohmann::json::json_pointer pointer(std::string("/args/") + key);
+    if (!state.contains(pointer)) return std::nullopt;
+    const nlohmann::json& value = state[pointer];
+    FP8LM_INPUT_CHECK(value.is_number(), state_path, ": key \"args/", key, "\" must be a number");
+    return value.get<double>();
+  };
+  saved.weight_decay = number("weight_decay");
+  saved.adam_beta2 = number("adam_beta2");
+  if (state.contains(nlohmann::json::json_pointer("/args/lr_decay_style"))) {
+    const std::string style = manifest_string(state, state_path, "/args/lr_decay_style");
+    FP8LM_INPUT_CHECK(style == "cosine" || style == "linear" || style == "constant", state_path,
+                      ": key \"args/lr_decay_style\" must be cosine, linear or constant, not \"", style, "\"");
+    saved.lr_decay_style = style == "cosine"   ? LrDecayStyle::cosine
+                           : style == "linear" ? LrDecayStyle::linear
+                                               : LrDecayStyle::constant;
+  }
+  return saved;
+}
+
 std::optional<CheckpointManifest::Fp8Settings> saved_fp8_settings(const nlohmann::json& state,
                                                                   const std::string& state_path) {
   const nlohmann::json::json_pointer precision("/args/precision");
@@ -542,6 +566,7 @@ CheckpointManifest read_manifest(const fs::path& dir, bool verify_data) {
                                                        : std::string("checkpoint");
   manifest.precision = state.contains("precision") ? manifest_string(state, state_path, "/precision") : "?";
   manifest.fp8 = saved_fp8_settings(state, state_path);
+  manifest.optimizer = saved_optimizer_settings(state, state_path);
 
   const nlohmann::json& files = manifest_field(state, state_path, "/files");
   FP8LM_INPUT_CHECK(files.is_object(), state_path, ": key \"files\" must be an object of file records");
@@ -803,16 +828,25 @@ void adopt_resume_checkpoint(TrainOptions& options) {
                  options.seed, *manifest.seed, manifest.dir, *manifest.seed);
     options.seed = *manifest.seed;
   }
-  if (!manifest.fp8 || !options.fp8_enabled()) return;
-  // The recipe that wrote the checkpoint, for the flags left out: its amax histories then
-  // resume as they were, whatever this build's defaults (which changed to Megatron-LM's).
-  const CheckpointManifest::Fp8Settings& saved = *manifest.fp8;
+  // The settings that wrote the checkpoint, for the flags left out: the run then resumes as it
+  // was, whatever this build's defaults (which changed to Megatron-LM's).
   auto adopt = [&](const char* flag, auto& value, auto saved_value, auto describe) {
     if (options.given(flag) || value == saved_value) return;
     spdlog::info("{} not given: resuming with the checkpoint's {} (the default is {})", flag, describe(saved_value),
                  describe(value));
     value = saved_value;
   };
+  auto real = [](double value) {  // the shortest text that reads back as the value
+    char text[32];
+    return std::string(text, std::to_chars(text, text + sizeof text, value).ptr);
+  };
+  auto style_name = [](LrDecayStyle style) { return std::string(to_string(style)); };
+  const CheckpointManifest::OptimizerSettings& optimizer = manifest.optimizer;
+  if (optimizer.lr_decay_style) adopt("--lr-decay-style", options.lr_decay_style, *optimizer.lr_decay_style, style_name);
+  if (optimizer.weight_decay) adopt("--weight-decay", options.weight_decay, *optimizer.weight_decay, real);
+  if (optimizer.adam_beta2) adopt("--adam-beta2", options.adam_beta2, *optimizer.adam_beta2, real);
+  if (!manifest.fp8 || !options.fp8_enabled()) return;
+  const CheckpointManifest::Fp8Settings& saved = *manifest.fp8;
   auto number = [](int value) { return std::to_string(value); };
   auto algo_name = [](AmaxComputeAlgo algo) { return std::string(to_string(algo)); };
   auto recipe_name = [](ScalingRecipe recipe) { return std::string(to_string(recipe)); };

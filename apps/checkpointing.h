@@ -85,6 +85,15 @@ struct CheckpointManifest {
     std::optional<ScalingRecipe> recipe;  // --fp8-recipe; absent in hand-made manifests
   };
   std::optional<Fp8Settings> fp8;
+  // The saving run's optimizer settings whose defaults changed to Megatron-LM's (cosine -> linear,
+  // weight decay 0.1 -> 0.01, beta2 0.95 -> 0.999): a resume takes them for the flags it leaves
+  // out, so that a run saved before the change continues as it began. Absent: not recorded.
+  struct OptimizerSettings {
+    std::optional<LrDecayStyle> lr_decay_style;
+    std::optional<double> weight_decay;
+    std::optional<double> adam_beta2;
+  };
+  OptimizerSettings optimizer;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)
 };
 

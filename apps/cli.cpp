@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "apps/megatron_flags.h"
 #include "core/error.h"
 #include "core/gpt_config.h"
 #include "core/indexed_dataset.h"
@@ -91,6 +92,7 @@ std::vector<RealFlag> real_flags(const TrainOptions& o) {
   return {
       {"--lr", &o.lr, 0.0, true, 1.0, true, "AdamW steps move each weight by about lr"},
       {"--min-lr", &o.min_lr, 0.0, true, 1.0, true, nullptr},
+      {"--lr-warmup-init", &o.lr_warmup_init, 0.0, true, 1.0, true, nullptr},
       {"--weight-decay", &o.weight_decay, 0.0, true, 10.0, true, nullptr},
       {"--adam-beta1", &o.adam_beta1, 0.0, true, 1.0, false, nullptr},
       {"--adam-beta2", &o.adam_beta2, 0.0, true, 1.0, false, nullptr},
@@ -147,6 +149,15 @@ void validate_options(const TrainOptions& o) {
               num(o.micro_batch_size) + ")");
   require(o.seq_length >= 0, "--seq-length must be >= 1 (got " + num(o.seq_length) + ")");
   require(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0 (got " + num(o.lr_warmup_iters) + ")");
+  if (o.lr_warmup_fraction) {
+    const double fraction = *o.lr_warmup_fraction;
+    require(std::isfinite(fraction) && fraction >= 0.0 && fraction <= 1.0,
+            "--lr-warmup-fraction must be in [0, 1] (got " + format_real(fraction) + ")");
+    require(o.lr_warmup_iters == 0, "--lr-warmup-fraction contradicts --lr-warmup-iters " + num(o.lr_warmup_iters) +
+                                        ": give one (as Megatron asserts)");
+  }
+  require(o.lr_warmup_init <= o.lr, "--lr-warmup-init (" + format_real(o.lr_warmup_init) +
+                                        ") must not exceed --lr (" + format_real(o.lr) + ")");
   require(o.lr_decay_iters >= -1, "--lr-decay-iters must be >= 0 (got " + num(o.lr_decay_iters) + ")");
   require(o.train_iters >= 0, "--train-iters must be >= 0 (got " + num(o.train_iters) + ")");
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
@@ -154,6 +165,14 @@ void validate_options(const TrainOptions& o) {
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
   require(!o.ckpt_step || !o.load_dir.empty(), "--ckpt-step needs --load DIR");
   require(o.exit_interval >= 0, "--exit-interval must be >= 0 (got " + num(o.exit_interval) + ")");
+  require(!o.exit_duration_in_mins || *o.exit_duration_in_mins >= 0,
+          "--exit-duration-in-mins must be >= 0 (got " + (o.exit_duration_in_mins ? num(*o.exit_duration_in_mins) : "") +
+              ")");
+  require(!o.given("--accumulate-allreduce-grads-in-fp32") || !o.grad_reduce_in_bf16,
+          "--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16");
+  require(o.tokenizer_type.empty() || o.tokenizer_type == "GPT2BPETokenizer",
+          "--tokenizer-type " + o.tokenizer_type + " is not supported; only GPT2BPETokenizer (GPT-2's byte-level BPE)");
+  require(o.vocab_file.empty() == o.merge_file.empty(), "--vocab-file and --merge-file go together");
   require(!o.ckpt_step || *o.ckpt_step >= 0, "--ckpt-step must be >= 0");
   require(o.load_dir.empty() || o.init_from.empty(), "--load and --init-from are alternatives; give one");
   require(o.eval_interval >= 0, "--eval-interval must be >= 0 (got " + num(o.eval_interval) + ")");
@@ -257,6 +276,13 @@ void validate_options(const TrainOptions& o) {
   positive(o.model.ffn_hidden_size, "--ffn-hidden-size");
   positive(o.model.max_position_embeddings, "--max-position-embeddings");
   positive(o.model.vocab_size, "--vocab-size");
+  auto positive_real = [&](const std::optional<double>& value, const char* flag, double max) {
+    require(!value || (std::isfinite(*value) && *value > 0.0 && *value <= max),
+            std::string(flag) + " must be a number in (0, " + format_real(max) + "] (got " +
+                (value ? format_real(*value) : "") + ")");
+  };
+  positive_real(o.model.init_method_std, "--init-method-std", 10.0);
+  positive_real(o.model.norm_epsilon, "--norm-epsilon", 0.5);
   require(!o.model.vocab_size || *o.model.vocab_size <= kMaxVocabSize,
           "--vocab-size " + (o.model.vocab_size ? num(*o.model.vocab_size) : "") + " exceeds " + num(kMaxVocabSize) +
               ": tokens are stored as uint16, so the vocabulary holds at most 65,536 ids");
@@ -282,6 +308,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--ffn-hidden-size", o.model.ffn_hidden_size, "Override n_inner (MLP width)")->group(model);
   app.add_option("--max-position-embeddings", o.model.max_position_embeddings, "Override n_positions")->group(model);
   app.add_option("--vocab-size", o.model.vocab_size, "Override vocab_size")->group(model);
+  app.add_option("--init-method-std", o.model.init_method_std,
+                 "Standard deviation of the initial weights (the residual projections': this / sqrt(2 x layers)); "
+                 "overrides initializer_range (default 0.02)")
+      ->group(model);
+  app.add_option("--norm-epsilon", o.model.norm_epsilon, "Override layer_norm_epsilon (default 1e-5)")->group(model);
   app.add_option("--transformer-impl", o.transformer_impl,
                  "Accepted for Megatron compatibility; fp8lm has one implementation")
       ->check(CLI::IsMember({"transformer_engine", "local"}))
@@ -394,9 +425,13 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--lr", o.lr, "Peak learning rate")->group(training);
   app.add_option("--min-lr", o.min_lr, "Learning rate at the end of decay")->group(training);
   app.add_option("--lr-warmup-iters", o.lr_warmup_iters, "Linear warm-up steps")->group(training);
+  app.add_option("--lr-warmup-fraction", o.lr_warmup_fraction,
+                 "Linear warm-up over this fraction of the decay steps (instead of --lr-warmup-iters)")
+      ->group(training);
+  app.add_option("--lr-warmup-init", o.lr_warmup_init, "Learning rate the warm-up starts from")->group(training);
   app.add_option("--lr-decay-iters", o.lr_decay_iters, "Decay steps (-1: --train-iters)")->group(training);
-  std::string decay_style = "cosine";
-  app.add_option("--lr-decay-style", decay_style, "cosine, linear or constant")
+  std::string decay_style(to_string(o.lr_decay_style));
+  app.add_option("--lr-decay-style", decay_style, "cosine, linear (Megatron's default) or constant")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}))
       ->group(training);
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay (2-D weights only)")->group(training);
@@ -423,6 +458,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(data);
   app.add_option("--split", o.split, "Train/valid/test weights over --data-path's documents")->group(data);
   std::string data_format = "llmc";
+  app.add_option("--vocab-file", o.vocab_file,
+                 "GPT-2's encoder.json: checked to fit the model's vocabulary (the data is tokenized already)")
+      ->group(data);
+  app.add_option("--merge-file", o.merge_file, "GPT-2's vocab.bpe, with --vocab-file")->group(data);
+  app.add_option("--tokenizer-type", o.tokenizer_type, "Only GPT2BPETokenizer (Megatron's name)")->group(data);
   app.add_option("--data-format", data_format,
                  "Shard format: llmc (llm.c .bin: header with magic 20240520, then uint16 tokens) or raw-uint16 "
                  "(nanoGPT: uint16 tokens only)")
@@ -438,7 +478,14 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--exit-interval", o.exit_interval,
                  "Stop (saving a checkpoint with --save) once the iteration is a multiple of N; 0: off")
       ->group(checkpoints);
+  app.add_option("--exit-duration-in-mins", o.exit_duration_in_mins,
+                 "Stop (saving a checkpoint with --save) after the step that ends this many minutes into the run")
+      ->group(checkpoints);
   app.add_option("--ckpt-step", o.ckpt_step, "With --load: resume from this iteration instead of `latest`")
+      ->group(checkpoints);
+  app.add_flag("--finetune", o.finetune,
+               "With --load: start from the checkpoint's weights only, at iteration 0 with a fresh optimizer "
+               "(as --init-from)")
       ->group(checkpoints);
   app.add_option("--init-from", o.init_from,
                  "Start from these weights only: a Hugging Face GPT-2 model.safetensors (or its directory) "
@@ -525,6 +572,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "attention, GELU, casts, loss, optimizer) against its floor")
       ->group(system);
 
+  MegatronFlagValues megatron;
+  add_megatron_compatibility_flags(app, megatron);
+  // Unknown arguments are reported here, the first in command-line order, with the nearest flag.
+  app.allow_extras();
+
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from the back
   try {
     app.parse(reversed);
@@ -535,6 +587,13 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   } catch (const CLI::ParseError& e) {
     bad_flag(e.what());
   }
+  if (const std::vector<std::string> extras = app.remaining(); !extras.empty()) {
+    std::vector<std::string> known;
+    for (const CLI::Option* option : app.get_options())
+      for (const std::string& name : option->get_lnames()) known.push_back("--" + name);
+    bad_flag(unknown_flag_message(extras.front(), known));
+  }
+  o.megatron_no_effect = check_megatron_compatibility_flags(megatron, o.megatron_warnings);
 
   o.seed = parse_unsigned_flag("--seed", seed_text);
   o.bf16_blocks = parse_block_list("--bf16-blocks", bf16_blocks);
@@ -576,7 +635,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   if (no_distributed_optimizer) o.use_distributed_optimizer = false;
   o.fp8_grad_reduce = fp8_grad_reduce == "all-to-all" ? GradReduceAlgorithm::all_to_all : GradReduceAlgorithm::reduce_scatter;
   o.data_format = data_format == "raw-uint16" ? TokenFileFormat::raw_uint16 : TokenFileFormat::llmc;
-  if (app.count("--split") > 0 && o.data_path.empty()) bad_flag("--split needs --data-path (it splits its documents)");
+  if (app.count("--split") > 0 && o.data_path.empty()) {
+    // Megatron scripts swap --data-path for --mock-data and keep their --split.
+    if (!o.mock_data) bad_flag("--split needs --data-path (it splits its documents)");
+    o.megatron_no_effect.push_back("--split " + o.split + " with --mock-data: the mock stream has no documents to split");
+  }
   if (app.count("--data-format") > 0 && !o.data_path.empty())
     bad_flag("--data-format names the llm.c shard format; --data-path's indexed datasets name their dtype in PREFIX.idx");
   o.device = lookup<DeviceKind>(
@@ -584,6 +647,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.gemm_algorithm = gemm_algorithm == "heuristic" ? GemmAlgorithmChoice::heuristic : GemmAlgorithmChoice::timed;
   o.programmatic_launch = programmatic_launch == "on";
   validate_options(o);
+  if (o.finetune && o.load_dir.empty())
+    bad_flag("--finetune needs --load DIR (the checkpoint whose weights it starts from)");
+  if (o.finetune) {  // Megatron's --load DIR --finetune: what --init-from DIR does
+    o.init_from = o.load_dir;
+    o.load_dir.clear();
+  }
   return parsed;
 }
 

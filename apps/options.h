@@ -38,6 +38,8 @@ struct ModelOverrides {  // Megatron's model-shape flags; each overrides --confi
   std::optional<int> ffn_hidden_size;          // --ffn-hidden-size
   std::optional<int> max_position_embeddings;  // --max-position-embeddings
   std::optional<int> vocab_size;               // --vocab-size
+  std::optional<double> init_method_std;       // --init-method-std: overrides initializer_range
+  std::optional<double> norm_epsilon;          // --norm-epsilon: overrides layer_norm_epsilon
 };
 
 struct TrainOptions {
@@ -94,12 +96,17 @@ struct TrainOptions {
   double lr = 6e-4;                                 // --lr
   double min_lr = 0.0;                              // --min-lr
   int64_t lr_warmup_iters = 0;                      // --lr-warmup-iters
+  // --lr-warmup-fraction: warm-up over this fraction of the decay steps instead (Megatron's)
+  std::optional<double> lr_warmup_fraction;
+  double lr_warmup_init = 0.0;                      // --lr-warmup-init: the warm-up's starting rate
   int64_t lr_decay_iters = -1;                      // --lr-decay-iters; -1 = --train-iters
-  LrDecayStyle lr_decay_style = LrDecayStyle::cosine;  // --lr-decay-style
+  // Megatron's defaults (megatron/training/arguments.py): linear decay, weight decay 0.01,
+  // beta2 0.999; GPT-2/GPT-3 recipes pass cosine, 0.1 and 0.95 (scripts/quickstart.sh does).
+  LrDecayStyle lr_decay_style = LrDecayStyle::linear;  // --lr-decay-style
   int64_t train_iters = 100;                        // --train-iters
-  double weight_decay = 0.1;                        // --weight-decay
+  double weight_decay = 0.01;                       // --weight-decay
   double adam_beta1 = 0.9;                          // --adam-beta1
-  double adam_beta2 = 0.95;                         // --adam-beta2
+  double adam_beta2 = 0.999;                        // --adam-beta2
   double adam_eps = 1e-8;                           // --adam-eps
   double clip_grad = 1.0;                           // --clip-grad; 0 = no clipping
   int max_skipped_steps = 10;                       // --max-skipped-steps: non-finite steps in a row
@@ -121,6 +128,11 @@ struct TrainOptions {
   std::optional<int64_t> ckpt_step;  // --ckpt-step: resume from this iteration, not `latest`
   std::string init_from;             // --init-from: weights only (a Hugging Face model or checkpoint)
   int64_t exit_interval = 0;         // --exit-interval: stop (and save) when iteration % N == 0
+  // --exit-duration-in-mins: stop (and save) after the step that ends this many minutes into
+  // the run, every rank at the same step (Megatron's, whole minutes)
+  std::optional<int64_t> exit_duration_in_mins;
+  // --finetune with --load: the checkpoint's weights only, from iteration 0 (as --init-from)
+  bool finetune = false;
 
   // Evaluation and logging
   int64_t eval_interval = 1000;      // --eval-interval; 0 = never
@@ -129,6 +141,13 @@ struct TrainOptions {
   std::string metrics_file;          // --metrics-file (JSONL)
   int64_t fp8_stats_interval = 0;    // --fp8-stats-interval: per-tensor FP8 statistics every N steps; 0 = off
   std::string log_level = "info";    // --log-level
+  // --vocab-file / --merge-file / --tokenizer-type: Megatron's tokenizer flags; fp8lm train
+  // checks the files and that their vocabulary fits the model's (the data is already tokenized)
+  std::string vocab_file, merge_file, tokenizer_type;
+  // Megatron flags given that change nothing here ("--flag: why"), and warnings for outputs
+  // fp8lm does not write (apps/megatron_flags.h): shown at start-up
+  std::vector<std::string> megatron_no_effect;
+  std::vector<std::string> megatron_warnings;
 
   // Parallelism and device
   int tensor_model_parallel_size = 1;  // --tensor-model-parallel-size

@@ -13,6 +13,7 @@
 #include "apps/cli.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/tokenizer.h"
 
 #include <nlohmann/json.hpp>
 
@@ -51,7 +52,7 @@ GptConfig model_config_from(const TrainOptions& o) {
     config.n_inner = m.ffn_hidden_size.value_or(0);  // 0: the default, 4 x n_embd (below)
   }
   if (m.num_layers || m.hidden_size || m.num_attention_heads || m.ffn_hidden_size || m.max_position_embeddings ||
-      m.vocab_size) {
+      m.vocab_size || m.init_method_std || m.norm_epsilon) {
     // Re-validate the overridden shape through the same rules as a config file.
     nlohmann::json json = to_hf_json(config);
     if (m.num_layers) json["n_layer"] = *m.num_layers;
@@ -59,6 +60,8 @@ GptConfig model_config_from(const TrainOptions& o) {
     if (m.num_attention_heads) json["n_head"] = *m.num_attention_heads;
     if (m.max_position_embeddings) json["n_positions"] = *m.max_position_embeddings;
     if (m.vocab_size) json["vocab_size"] = *m.vocab_size;
+    if (m.init_method_std) json["initializer_range"] = *m.init_method_std;
+    if (m.norm_epsilon) json["layer_norm_epsilon"] = *m.norm_epsilon;
     // null: parse_gpt_config derives 4 x n_embd, in 64 bits and checked.
     json["n_inner"] = m.ffn_hidden_size ? nlohmann::json(*m.ffn_hidden_size)
                                         : (config.n_inner && !m.hidden_size ? nlohmann::json(config.n_inner)
@@ -124,6 +127,13 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                     " does not divide the padded vocabulary ", m.padded_vocab_size(), " into slices of a multiple of 8");
 
   const TrainOptions& o = setup.options;  // with what a resume took from its checkpoint
+  if (!o.vocab_file.empty()) {
+    // Megatron takes the vocabulary from the tokenizer; fp8lm from the config, so the two must agree.
+    const int tokens = Gpt2Tokenizer::load(o.vocab_file, o.merge_file).vocab_size();
+    FP8LM_INPUT_CHECK(tokens <= m.vocab_size, "--vocab-file ", o.vocab_file, " has ", tokens,
+                      " tokens, more than the model's vocab_size ", m.vocab_size,
+                      " (give a config with vocab_size >= ", tokens, ", or --vocab-size ", tokens, ")");
+  }
   if (o.first_last_layers_bf16) {
     const int64_t bf16_layers = int64_t{o.num_layers_at_start_in_bf16} + o.num_layers_at_end_in_bf16;
     if (bf16_layers > m.n_layer)
@@ -290,6 +300,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"vocab_size (padded)", str(m.vocab_size) + " (" + str(m.padded_vocab_size()) + ")"},
       {"n_positions", str(m.n_positions)},
       {"layer_norm_epsilon", format_double(m.layer_norm_epsilon)},
+      {"init-method-std (initializer_range)", format_double(m.initializer_range)},
       {"parameters", str(m.num_parameters_unpadded())},
       {"transformer-impl", o.transformer_impl + " (fp8lm's own kernels)"},
       {"precision", precision},
@@ -327,7 +338,9 @@ SettingsTable settings_table(const RunSetup& s) {
       {"tokens per step", str(int64_t{s.global_batch_size} * s.seq_length)},
       {"train-iters", str(o.train_iters)},
       {"lr / min-lr", format_double(o.lr) + " / " + format_double(o.min_lr)},
-      {"lr-warmup-iters", str(o.lr_warmup_iters)},
+      {"lr-warmup", o.lr_warmup_fraction ? format_double(*o.lr_warmup_fraction) + " of the decay steps"
+                                         : str(o.lr_warmup_iters) + " steps"},
+      {"lr-warmup-init", format_double(o.lr_warmup_init)},
       {"lr-decay-iters", str(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters)},
       {"lr-decay-style", std::string(to_string(o.lr_decay_style))},
       {"weight-decay", format_double(o.weight_decay)},
@@ -343,8 +356,10 @@ SettingsTable settings_table(const RunSetup& s) {
       {"save", or_none(o.save_dir)},
       {"save-interval", str(o.save_interval)},
       {"load", or_none(o.load_dir) + (o.ckpt_step ? " (ckpt-step " + str(*o.ckpt_step) + ")" : "")},
-      {"init-from", or_none(o.init_from)},
+      {"init-from", or_none(o.init_from) + (o.finetune ? " (--load with --finetune)" : "")},
       {"exit-interval", str(o.exit_interval)},
+      {"exit-duration-in-mins", o.exit_duration_in_mins ? str(*o.exit_duration_in_mins) : "(none)"},
+      {"vocab-file / merge-file", o.vocab_file.empty() ? std::string("(none)") : o.vocab_file + " / " + o.merge_file},
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},
@@ -375,6 +390,7 @@ SettingsTable settings_table(const RunSetup& s) {
                                      (o.profile_ops ? ", every op class profiled)" : ")")
                                : "off"},
   };
+  for (const std::string& note : o.megatron_no_effect) rows.push_back({"Megatron flag, no effect here", note});
   for (auto& row : memory_estimate_rows(s.memory, s.use_cuda)) rows.push_back(std::move(row));
   return rows;
 }

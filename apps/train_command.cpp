@@ -27,6 +27,8 @@ int train(const ParsedCommandLine& parsed, MpiSession& mpi) {
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
   log_settings_table("fp8lm train settings", settings_table(setup));
   warn_if_bound_to_one_cpu(setup);
+  if (layout.world_rank == 0)
+    for (const std::string& warning : o.megatron_warnings) spdlog::warn("{}", warning);
   // A rank that dies or hangs ends the job within the timeout instead of leaving the others
   // waiting in a collective (a single process has nobody to wait for).
   std::unique_ptr<Watchdog> watchdog;

@@ -288,6 +288,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
 }  // namespace
 
 TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) {
+  const auto run_start = std::chrono::steady_clock::now();  // --exit-duration-in-mins counts from here
   // The run's set-up; --fp8-auto-precision adds to its BF16 blocks as the run goes, and the
   // engines built after a switch and the checkpoints take it from here.
   RunSetup setup = initial_setup;
@@ -366,8 +367,10 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   LrSchedule schedule;
   schedule.max_lr = o.lr;
   schedule.min_lr = o.min_lr;
-  schedule.warmup_iters = o.lr_warmup_iters;
   schedule.decay_iters = o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters;
+  schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * double(schedule.decay_iters)
+                                               : double(o.lr_warmup_iters);
+  schedule.warmup_init_lr = o.lr_warmup_init;
   schedule.style = o.lr_decay_style;
   validate_lr_schedule(schedule);
 
@@ -508,19 +511,27 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       summary.last_val_loss = evaluate(iteration);
     summary.steps = iteration;
 
-    // Every rank stops at the same iteration: a signal seen by any rank stops all of them.
-    float stop = float(pending_stop_signal());
-    if (world().size() > 1) world().all_reduce(&stop, &stop, 1, CommDtype::f32, ReduceOp::max);
-    const int signal_number = int(stop);
+    // Every rank stops at the same iteration: a signal seen by any rank, or the time limit
+    // passed on any rank's clock, stops all of them (one all-reduce of both).
+    const double minutes = std::chrono::duration<double>(Clock::now() - run_start).count() / 60.0;
+    float stop[2] = {float(pending_stop_signal()),
+                     o.exit_duration_in_mins && minutes > double(*o.exit_duration_in_mins) ? 1.0f : 0.0f};
+    if (world().size() > 1) world().all_reduce(stop, stop, 2, CommDtype::f32, ReduceOp::max);
+    const int signal_number = int(stop[0]);
+    const bool out_of_time = stop[1] > 0.0f && iteration < o.train_iters;
     const bool periodic = o.save_interval > 0 && iteration % o.save_interval == 0;
-    const bool exit_now = o.exit_interval > 0 && iteration % o.exit_interval == 0;
+    const bool exit_now = (o.exit_interval > 0 && iteration % o.exit_interval == 0) || out_of_time;
     if (!o.save_dir.empty() && (periodic || exit_now || signal_number != 0 || iteration == o.train_iters)) {
       std::optional<Watchdog::Pause> quiet;  // rank 0 writes; the others wait for it
       if (watchdog) quiet.emplace(*watchdog);
       summary.last_checkpoint = save_checkpoint(o.save_dir, setup, *engine, progress_now(iteration));
     }
     if (exit_now && signal_number == 0 && iteration < o.train_iters) {
-      spdlog::info("--exit-interval {}: stopping after iteration {}", o.exit_interval, iteration);
+      if (out_of_time)
+        spdlog::info("--exit-duration-in-mins {}: stopping after iteration {}, {:.1f} minutes into the run",
+                     *o.exit_duration_in_mins, iteration, minutes);
+      else
+        spdlog::info("--exit-interval {}: stopping after iteration {}", o.exit_interval, iteration);
       metrics_file.close();
       return summary;
     }

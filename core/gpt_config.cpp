@@ -19,7 +19,7 @@ namespace {
 
 // Keys fp8lm reads.
 const std::set<std::string, std::less<>> kModelKeys = {
-    "n_layer", "n_head", "n_embd", "n_inner", "vocab_size", "n_positions", "n_ctx", "layer_norm_epsilon",
+    "n_layer", "n_head", "n_embd", "n_inner", "vocab_size", "n_positions", "n_ctx", "layer_norm_epsilon", "initializer_range",
     "activation_function", "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "reorder_and_upcast_attn"};
 
@@ -32,7 +32,7 @@ const std::set<std::string, std::less<>> kIgnoredHuggingFaceKeys = {
     "bos_token_id", "chunk_size_feed_forward", "cross_attention_hidden_size", "decoder_start_token_id",
     "diversity_penalty", "do_sample", "early_stopping", "embd_pdrop", "encoder_no_repeat_ngram_size", "eos_token_id",
     "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id", "forced_eos_token_id",
-    "gradient_checkpointing", "id2label", "initializer_range", "is_decoder", "is_encoder_decoder", "label2id",
+    "gradient_checkpointing", "id2label", "is_decoder", "is_encoder_decoder", "label2id",
     "length_penalty", "max_length", "min_length", "model_type", "n_special", "no_repeat_ngram_size", "num_beam_groups",
     "num_beams", "num_return_sequences", "output_attentions", "output_hidden_states", "output_past", "output_scores",
     "pad_token_id", "predict_special_tokens", "prefix", "problem_type", "pruned_heads", "remove_invalid_values",
@@ -119,6 +119,7 @@ GptConfig parse_gpt_config(const nlohmann::json& json_value, const std::string& 
   config.n_inner = static_cast<int>(n_inner);
   config.layer_norm_epsilon =
       static_cast<float>(json.get_or<double>("layer_norm_epsilon", config.layer_norm_epsilon, 1e-30, 0.5));
+  config.initializer_range = json.get_or<double>("initializer_range", config.initializer_range, 1e-30, 10.0);
   check_supported_variant(json);
 
   // Tokens are stored as uint16 (llm.c shards, the data loader): ids 0..65535.
@@ -140,7 +141,7 @@ GptConfig parse_gpt_config(const nlohmann::json& json_value, const std::string& 
     std::string list;
     for (const std::string& key : unknown) list += (list.empty() ? "\"" : ", \"") + key + "\"";
     spdlog::warn("{}: ignoring unknown key{} {} (fp8lm reads n_layer, n_head, n_embd, n_inner, vocab_size, "
-                 "n_positions, layer_norm_epsilon; a misspelt key keeps its default)",
+                 "n_positions, layer_norm_epsilon, initializer_range; a misspelt key keeps its default)",
                  source, unknown.size() > 1 ? "s" : "", list);
   }
   return config;
@@ -179,6 +180,7 @@ nlohmann::json to_hf_json(const GptConfig& config) {
           {"n_positions", config.n_positions},
           {"n_ctx", config.n_positions},
           {"layer_norm_epsilon", config.layer_norm_epsilon},
+          {"initializer_range", config.initializer_range},
           {"tie_word_embeddings", true}};
 }
 

@@ -19,6 +19,9 @@ struct GptConfig {
   int vocab_size = 0;         // V: tokens the tokenizer produces
   int n_positions = 0;        // maximum sequence length (learned position table rows)
   float layer_norm_epsilon = 1e-5f;
+  // Standard deviation of the initial weights (GPT-2's, and Megatron's --init-method-std); the
+  // residual projections (attn.c_proj, mlp.c_proj) draw with this / sqrt(2 x n_layer).
+  double initializer_range = 0.02;
 
   // Rows of the token embedding / LM head. Padded to a multiple of 128 so the LM-head
   // GEMM tiles evenly on the tensor cores; padded rows never receive a target.

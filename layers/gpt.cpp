@@ -74,8 +74,8 @@ TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, 
     draw.constant = ends_with(t.name, ".bias") ? 0.0f : 1.0f;  // LayerNorm gains: 1
     return draw;
   }
-  const double residual_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
-  draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : 0.02;
+  const double residual_std = cfg.initializer_range / std::sqrt(2.0 * cfg.n_layer);
+  draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : cfg.initializer_range;
   draw.filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
   draw.key = seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull;
   return draw;

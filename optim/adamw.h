@@ -95,7 +95,7 @@ inline constexpr uint64_t kNoWorkingValue = ~uint64_t{0};
 struct AdamWHyperparams {
   float lr = 0.0f;
   float beta1 = 0.9f;
-  float beta2 = 0.95f;
+  float beta2 = 0.999f;  // Megatron's --adam-beta2 default, as TrainOptions'
   float eps = 1e-8f;
   float weight_decay = 0.0f;  // applied to tensors with TensorInfo::weight_decay only
 };

@@ -6,8 +6,8 @@
 // Megatron's get_lr() evaluated at num_steps = iteration + 1, the number of optimizer
 // steps taken once this one is done:
 //
-//   W = warmup_iters, D = decay_iters, n = iteration + 1
-//   n <= W (warm-up)     lr = max_lr * n / W           (iteration 0: max_lr / W; iteration W-1: max_lr)
+//   W = warmup_iters, D = decay_iters, n = iteration + 1, init = warmup_init_lr
+//   n <= W (warm-up)     lr = init + (max_lr - init) * n / W   (iteration W-1: max_lr when W is whole)
 //   constant style       lr = max_lr                   (for every n > W, as in Megatron)
 //   n > D                lr = min_lr
 //   otherwise            ratio = (n - W) / (D - W)     (in (0, 1]; iteration D-1 has ratio 1)
@@ -19,7 +19,8 @@
 // step that changes nothing. The shift by one avoids that wasted step; the curve is
 // otherwise Megatron's, one step earlier. Consequences: iterations W-1 and D-1 hit
 // max_lr and min_lr exactly, and with D = --train-iters the last step runs at min_lr.
-// Without warm-up (W = 0) iteration 0 is already one step into the decay.
+// Without warm-up (W = 0) iteration 0 is already one step into the decay. W need not be whole:
+// --lr-warmup-fraction F makes it F x D, as Megatron's sample-counted warm-up does.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +35,15 @@ std::string_view to_string(LrDecayStyle style);  // "cosine", "linear", "constan
 struct LrSchedule {
   double max_lr = 6e-4;        // --lr
   double min_lr = 0.0;         // --min-lr
-  int64_t warmup_iters = 0;    // --lr-warmup-iters
+  double warmup_iters = 0.0;   // --lr-warmup-iters, or --lr-warmup-fraction x decay_iters
+  double warmup_init_lr = 0.0; // --lr-warmup-init
   int64_t decay_iters = 0;     // --lr-decay-iters (>= warmup_iters unless constant)
-  LrDecayStyle style = LrDecayStyle::cosine;  // --lr-decay-style
+  LrDecayStyle style = LrDecayStyle::linear;  // --lr-decay-style (Megatron's default)
 };
 
 // Throws InputError, naming the flag, when the schedule is inconsistent:
-// min_lr < 0, max_lr < min_lr, warmup_iters < 0, or decay_iters < warmup_iters
+// min_lr < 0, max_lr < min_lr, warmup_init_lr outside [0, max_lr], warmup_iters < 0, or
+// decay_iters < warmup_iters
 // (cosine / linear only; a constant schedule never reads decay_iters).
 void validate_lr_schedule(const LrSchedule& schedule);
 

@@ -162,7 +162,8 @@ if [ "$gpus" -ge 4 ] && [ -z "$only_6_7b" ]; then
   data=(--mock-data)
   [ "$loss_data" != mock ] && data=(--train-data-path "$loss_data/train_*.bin")
   common=(--config configs/gpt2-124m.json "${data[@]}" --global-batch-size 16 --seq-length 512
-        --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --log-interval 1 --eval-interval 0
+        --train-iters 50 --lr "${LOSS_LR:-1e-4}" --lr-warmup-iters "${LOSS_WARMUP:-10}" --lr-decay-style cosine
+        --weight-decay 0.1 --adam-beta2 0.95 --log-interval 1 --eval-interval 0
         --eval-iters 0 --log-level warn "--${LOSS_PRECISION:-fp8-hybrid}")
   loss=("${common[@]}" --micro-batch-size 4)
   run loss-dp1 1 "${loss[@]}" --metrics-file "$logs/loss-dp1.jsonl"

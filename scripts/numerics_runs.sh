@@ -104,7 +104,7 @@ one_run() {  # run seed
   "$bin" --config "configs/$config.json" $(flags_of "$run") --seed "$seed" \
     --train-data-path "$data/train_*.bin" --valid-data-path "$data/val_*.bin" \
     --micro-batch-size "$micro_batch" --seq-length "$seq_length" --train-iters "$iters" \
-    --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 50 --weight-decay 0.1 \
+    --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 50 --weight-decay 0.1 --lr-decay-style cosine --adam-beta2 0.95 \
     --eval-interval "$eval_interval" --eval-iters "$eval_iters" --log-interval 10 \
     --metrics-file "$out/$tag.jsonl" "${save[@]}" "${stats[@]}" "${extra[@]}" > "$out/$tag.log" 2>&1
   local status=$?

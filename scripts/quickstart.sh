@@ -29,7 +29,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   device=cuda
   say "a GPU is present: gpt2-124m, FP8 (hybrid), on the GPU"
   model=(--config configs/gpt2-124m.json --device cuda --micro-batch-size 16 --seq-length 512
-         --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 60)
+         --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 60 --weight-decay 0.1)
   iters=${FP8LM_QUICKSTART_ITERS:-600}
 else
   device=cpu
@@ -39,7 +39,8 @@ else
   iters=${FP8LM_QUICKSTART_ITERS:-800}
 fi
 
-build/fp8lm "${model[@]}" --fp8-hybrid --train-iters "$iters" \
+# GPT-2's recipe: cosine decay, beta2 0.95 (Megatron's defaults are linear and 0.999).
+build/fp8lm "${model[@]}" --fp8-hybrid --train-iters "$iters" --lr-decay-style cosine --adam-beta2 0.95 \
   --train-data-path "$corpus/train_*.bin" --valid-data-path "$corpus/val_*.bin" \
   --log-interval 20 --eval-interval 100 --eval-iters 20 \
   --save "$run/checkpoint" --metrics-file "$run/train.jsonl"

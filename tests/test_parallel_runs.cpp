@@ -403,3 +403,34 @@ TEST_CASE("auto precision under mpirun: every rank switches the same blocks, ran
   std::ifstream state(dir.file("ck/iter_0000012/state.json"));
   CHECK(nlohmann::json::parse(state)["args"]["bf16_blocks"] == nlohmann::json::array({0, 1, 2}));
 }
+
+TEST_CASE("a Megatron script's flags under mpirun: TP = 2 with sequence parallelism, and every rank stops at the "
+          "step --exit-duration-in-mins passes",
+          "[parallel][cpu][megatron]") {
+  const testing::TempDir dir;
+  const std::string megatron =
+      "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 --use-mcore-models "
+      "--attention-dropout 0 --hidden-dropout 0 --distributed-backend nccl --no-gradient-accumulation-fusion "
+      "--lr-warmup-iters 0 --lr-warmup-fraction 0.25 --init-method-std 0.02 --fp8-format hybrid --log-level info ";
+  const auto whole = run_ranks(4, base_args(megatron + "--metrics-file " + dir.file("whole.jsonl")));
+  INFO(whole.output);
+  REQUIRE(whole.exit_code == 0);
+  const auto reference = testing::run_fp8lm(base_args("--fp8-hybrid --lr-warmup-iters 0 --lr-warmup-fraction 0.25 --metrics-file " +
+                                                      dir.file("one.jsonl")));
+  REQUIRE(reference.exit_code == 0);
+  REQUIRE(losses(dir.file("whole.jsonl")).size() == 12);
+  CHECK(largest_relative_gap(losses(dir.file("whole.jsonl")), losses(dir.file("one.jsonl"))) < 2e-3);
+  CHECK(testing::metrics_field(dir.file("whole.jsonl"), "lr") == testing::metrics_field(dir.file("one.jsonl"), "lr"));
+
+  // A limit of 0 minutes passes during the first step on every rank's clock: all four stop after
+  // it (one all-reduce decides), rank 0 saves the checkpoint, and the job exits 0.
+  const auto stopped = run_ranks(4, base_args(megatron + "--exit-duration-in-mins 0 --save " + dir.file("ck") +
+                                              " --metrics-file " + dir.file("stopped.jsonl")));
+  INFO(stopped.output);
+  REQUIRE(stopped.exit_code == 0);
+  CHECK_THAT(stopped.output, ContainsSubstring("--exit-duration-in-mins 0: stopping after iteration 1"));
+  CHECK(losses(dir.file("stopped.jsonl")).size() == 1);
+  std::string latest;
+  std::ifstream(dir.file("ck/latest")) >> latest;
+  CHECK(latest == "1");
+}

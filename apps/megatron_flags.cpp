@@ -1,0 +1,219 @@
+#include "apps/megatron_flags.h"
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+
+#include <CLI/CLI.hpp>
+
+#include "core/error.h"
+
+namespace fp8lm {
+
+namespace {
+
+using Kind = MegatronFlagKind;
+
+constexpr const char* kNoDropout =
+    "fp8lm trains without dropout, as llm.c and nanoGPT pretrain GPT-2 (Megatron's default is 0.1)";
+constexpr const char* kMetricsElsewhere =
+    "fp8lm writes every log line to --metrics-file as JSON instead (scripts/plot_loss.sh plots it)";
+constexpr const char* kWholeState =
+    "fp8lm's checkpoints hold the whole training state, so that a resume is bit-exact; --finetune (or "
+    "--init-from DIR) starts from the weights alone";
+constexpr const char* kCountIterations = "fp8lm counts optimizer steps: give --train-iters, --lr-decay-iters and "
+                                         "--lr-warmup-iters (or --lr-warmup-fraction)";
+
+// Megatron-LM's flags (megatron/training/arguments.py) that fp8lm does not implement with their
+// meaning; those it does are apps/cli.cpp's own options.
+const std::vector<MegatronFlag> kFlags = {
+    // Megatron's implementation switches: fp8lm has one implementation, with these choices made.
+    {"--use-mcore-models", false, Kind::no_effect, nullptr, "Megatron's model classes; fp8lm has one implementation"},
+    {"--use-legacy-models", false, Kind::no_effect, nullptr, "Megatron's model classes; fp8lm has one implementation"},
+    {"--use-flash-attn", false, Kind::no_effect, nullptr,
+     "fp8lm's attention is always fused (FlashAttention's algorithm, on Hopper's wgmma)"},
+    {"--no-masked-softmax-fusion", false, Kind::no_effect, nullptr,
+     "fp8lm's fused attention never forms the softmax matrix"},
+    {"--no-bias-gelu-fusion", false, Kind::no_effect, nullptr,
+     "a Megatron kernel switch; fp8lm adds the bias and applies the GELU in c_fc's GEMM epilogue"},
+    {"--no-bias-dropout-fusion", false, Kind::no_effect, nullptr, "a Megatron kernel switch; fp8lm has no dropout"},
+    {"--no-gradient-accumulation-fusion", false, Kind::no_effect, nullptr,
+     "a Megatron kernel switch; fp8lm's weight-gradient GEMMs always add into the gradient slab"},
+    {"--no-persist-layer-norm", false, Kind::no_effect, nullptr,
+     "Apex's persistent LayerNorm switch; fp8lm has its own LayerNorm kernels"},
+    {"--no-async-tensor-model-parallel-allreduce", false, Kind::no_effect, nullptr,
+     "a deprecated Megatron switch; fp8lm places its tensor-parallel collectives itself"},
+    {"--attention-softmax-in-fp32", false, Kind::no_effect, nullptr, "fp8lm's softmax is always computed in FP32"},
+    {"--accumulate-allreduce-grads-in-fp32", false, Kind::no_effect, nullptr,
+     "fp8lm's default already: FP32 gradients (--grad-reduce-in-bf16 keeps them in BF16)"},
+    {"--use-cpu-initialization", false, Kind::no_effect, nullptr, "fp8lm draws the initial weights on the host"},
+    {"--exit-signal-handler", false, Kind::no_effect, nullptr,
+     "fp8lm always finishes the step, saves (with --save) and exits on SIGTERM"},
+    {"--log-throughput", false, Kind::no_effect, nullptr, "fp8lm's progress lines always show tokens/s"},
+    {"--timing-log-level", true, Kind::no_effect, nullptr,
+     "Megatron's timers; fp8lm times each op class with --benchmark --profile-ops"},
+    {"--num-workers", true, Kind::no_effect, nullptr,
+     "PyTorch's data-loader processes; fp8lm prepares the next batch while the device runs the step"},
+    {"--no-mmap-bin-files", false, Kind::no_effect, nullptr, "fp8lm maps the .bin files; the tokens read are the same"},
+    {"--data-cache-path", true, Kind::no_effect, nullptr,
+     "Megatron caches its sample index files there; fp8lm builds its index in memory at start-up"},
+    {"--make-vocab-size-divisible-by", true, Kind::no_effect, nullptr,
+     "fp8lm pads the vocabulary to a multiple of 128 (its kernels' tile); the padded rows take no part in the loss"},
+
+    // Choices fp8lm makes one way: that value, or an error.
+    {"--attention-dropout", true, Kind::one_value, "0", kNoDropout},
+    {"--hidden-dropout", true, Kind::one_value, "0", kNoDropout},
+    {"--position-embedding-type", true, Kind::one_value, "learned_absolute",
+     "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
+    {"--normalization", true, Kind::one_value, "LayerNorm", "fp8lm's GPT normalizes with LayerNorm (GPT-2)"},
+    {"--pipeline-model-parallel-size", true, Kind::one_value, "1",
+     "fp8lm parallelizes with tensor, sequence and data parallelism, not pipeline stages"},
+    {"--context-parallel-size", true, Kind::one_value, "1",
+     "fp8lm has no context parallelism (--sequence-parallel splits the LayerNorm and residual regions)"},
+    {"--expert-model-parallel-size", true, Kind::one_value, "1", "fp8lm's GPT has no experts"},
+    {"--distributed-backend", true, Kind::one_value, "nccl",
+     "fp8lm moves device buffers over NCCL (and host buffers over MPI)"},
+    {"--optimizer", true, Kind::one_value, "adam", "fp8lm's optimizer is Megatron's adam: AdamW"},
+
+    // Outputs fp8lm does not write: a warning, not an error.
+    {"--tensorboard-dir", true, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--tensorboard-log-interval", true, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--log-timers-to-tensorboard", false, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--log-validation-ppl-to-tensorboard", false, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--log-memory-to-tensorboard", false, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--wandb-project", true, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--wandb-exp-name", true, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--wandb-save-dir", true, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--log-params-norm", false, Kind::not_written, nullptr,
+     "fp8lm logs the gradient norm, not the parameters' norm"},
+    {"--log-num-zeros-in-grad", false, Kind::not_written, nullptr,
+     "fp8lm does not count zero gradients (--fp8-stats-interval counts each FP8 operand's underflows)"},
+
+    // Features fp8lm does not have.
+    {"--fp16", false, Kind::refused, nullptr,
+     "fp8lm trains in BF16 or FP8 (--bf16, --fp8-format hybrid); it has no FP16 mixed precision"},
+    {"--untie-embeddings-and-output-weights", false, Kind::refused, nullptr,
+     "fp8lm's LM head is tied to the token embedding, as GPT-2's"},
+    {"--swiglu", false, Kind::refused, nullptr, "fp8lm's MLP is GPT-2's: c_fc, GELU, c_proj"},
+    {"--squared-relu", false, Kind::refused, nullptr, "fp8lm's MLP is GPT-2's: c_fc, GELU, c_proj"},
+    {"--disable-bias-linear", false, Kind::refused, nullptr, "fp8lm's Linear layers have biases, as GPT-2's"},
+    {"--group-query-attention", false, Kind::refused, nullptr, "fp8lm's attention is multi-head, as GPT-2's"},
+    {"--num-experts", true, Kind::refused, nullptr, "fp8lm's GPT is dense: it has no experts"},
+    {"--qk-layernorm", false, Kind::refused, nullptr, "fp8lm's attention has no query/key LayerNorm"},
+    {"--apply-layernorm-1p", false, Kind::refused, nullptr, "fp8lm's LayerNorm gains are stored as they apply"},
+    {"--use-rotary-position-embeddings", false, Kind::refused, nullptr,
+     "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
+    {"--rampup-batch-size", true, Kind::refused, nullptr, "fp8lm keeps --global-batch-size for the whole run"},
+    {"--train-samples", true, Kind::refused, nullptr, kCountIterations},
+    {"--lr-decay-samples", true, Kind::refused, nullptr, kCountIterations},
+    {"--lr-warmup-samples", true, Kind::refused, nullptr, kCountIterations},
+    {"--no-load-optim", false, Kind::refused, nullptr, kWholeState},
+    {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
+    {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},
+    {"--no-save-rng", false, Kind::refused, nullptr, kWholeState},
+    {"--ckpt-format", true, Kind::refused, nullptr,
+     "fp8lm writes its own checkpoints (safetensors inside, docs/RELIABILITY.md); `fp8lm convert` exports a "
+     "Hugging Face model"},
+};
+
+// "0", "0.0", "0e0": a number equal to the accepted one; other values compare as text.
+bool accepted(const std::string& value, const char* wanted) {
+  double got = 0.0, want = 0.0;
+  const std::string w = wanted;
+  const auto [got_end, got_error] = std::from_chars(value.data(), value.data() + value.size(), got);
+  const auto [want_end, want_error] = std::from_chars(w.data(), w.data() + w.size(), want);
+  const bool numbers = got_error == std::errc() && got_end == value.data() + value.size() &&
+                       want_error == std::errc() && want_end == w.data() + w.size();
+  return numbers ? got == want : value == w;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+const std::vector<MegatronFlag>& megatron_compatibility_flags() { return kFlags; }
+
+void add_megatron_compatibility_flags(CLI::App& app, MegatronFlagValues& values) {
+  const char* group = "Megatron compatibility (docs/MEGATRON.md)";
+  values.values.assign(kFlags.size(), {});
+  values.given.assign(kFlags.size(), 0);
+  for (size_t i = 0; i < kFlags.size(); ++i) {
+    const MegatronFlag& flag = kFlags[i];
+    std::string help = flag.kind == Kind::no_effect     ? "No effect: "
+                       : flag.kind == Kind::one_value   ? std::string("Only ") + flag.accepted_value + ": "
+                       : flag.kind == Kind::not_written ? "Not written: "
+                                                        : "Refused: ";
+    help += flag.why;
+    int* given = &values.given[i];
+    if (flag.takes_value) {
+      CLI::Option* option = app.add_option(flag.name, values.values[i], help)->group(group);
+      // Megatron's --rampup-batch-size takes three numbers; a repeated flag keeps its last value.
+      if (std::string(flag.name) == "--rampup-batch-size")
+        option->expected(1, CLI::detail::expected_max_vector_size);
+      else
+        option->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+      option->each([given](const std::string&) { *given = 1; });
+    } else {
+      app.add_flag_callback(flag.name, [given] { *given = 1; }, help)->group(group);
+    }
+  }
+}
+
+std::vector<std::string> check_megatron_compatibility_flags(const MegatronFlagValues& values,
+                                                            std::vector<std::string>& warnings) {
+  std::vector<std::string> no_effect;
+  for (size_t i = 0; i < kFlags.size(); ++i) {
+    if (!values.given[i]) continue;
+    const MegatronFlag& flag = kFlags[i];
+    const std::string name = flag.name;
+    std::string value;
+    for (const std::string& word : values.values[i]) value += (value.empty() ? "" : " ") + word;
+    const std::string shown = flag.takes_value ? name + " " + value : name;
+    switch (flag.kind) {
+      case Kind::no_effect: no_effect.push_back(shown + ": " + flag.why); break;
+      case Kind::not_written: warnings.push_back(shown + " is not written: " + flag.why); break;
+      case Kind::one_value:
+        if (!accepted(value, flag.accepted_value))
+          throw InputError(shown + " is not supported: " + flag.why,
+                           "pass " + name + " " + flag.accepted_value + ", or leave it out (docs/MEGATRON.md)");
+        break;
+      case Kind::refused:
+        throw InputError(name + " is not supported: " + flag.why, "leave it out (docs/MEGATRON.md lists the Megatron "
+                                                                  "flags fp8lm implements, accepts and refuses)");
+    }
+  }
+  return no_effect;
+}
+
+std::string unknown_flag_message(const std::string& flag, const std::vector<std::string>& known_flags) {
+  const std::string name = flag.substr(0, flag.find('='));
+  std::string nearest;
+  size_t best = std::numeric_limits<size_t>::max();
+  for (const std::string& known : known_flags) {
+    const size_t distance = edit_distance(name, known);
+    if (distance < best) {
+      best = distance;
+      nearest = known;
+    }
+  }
+  // A few letters off (a typo, a singular for a plural), not a different flag.
+  const bool close = !nearest.empty() && best <= std::max<size_t>(2, name.size() / 8);
+  std::string message = name.rfind('-', 0) == 0 ? "unknown flag " + name : "unexpected argument '" + flag + "'";
+  if (close) message += " (did you mean " + nearest + "?)";
+  return message;
+}
+
+}  // namespace fp8lm

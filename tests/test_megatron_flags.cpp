@@ -1,0 +1,339 @@
+// A Megatron-LM GPT script's flags (docs/MEGATRON.md): Megatron's defaults, the flags fp8lm
+// implements with Megatron's meaning (--lr-warmup-fraction, --lr-warmup-init, --init-method-std,
+// --norm-epsilon, --exit-duration-in-mins, --finetune, the tokenizer files), the ones it accepts
+// without effect, with one value, or with a warning, and the ones it refuses.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch_approx.hpp>
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <nlohmann/json.hpp>
+
+#include "apps/cli.h"
+#include "apps/megatron_flags.h"
+#include "apps/run_setup.h"
+#include "byte_vocabulary.h"
+#include "cli_testing.h"
+#include "core/error.h"
+#include "core/gpt_config.h"
+#include "core/tensor.h"
+#include "layers/gpt.h"
+#include "optim/lr_schedule.h"
+#include "temp_dir.h"
+
+using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+const std::string kTiny = testing::source_path("configs/tiny.json");
+
+TrainOptions parse(std::vector<std::string> args) { return parse_train_command_line(args).options; }
+
+// The error's message and hint, as the binary prints them.
+std::string parse_error(std::vector<std::string> args) {
+  try {
+    parse_train_command_line(args);
+  } catch (const InputError& e) {
+    return e.full_message();
+  }
+  return "(no error)";
+}
+
+bool contains(const std::vector<std::string>& lines, const std::string& text) {
+  for (const std::string& line : lines)
+    if (line.find(text) != std::string::npos) return true;
+  return false;
+}
+
+// A short CPU run of the tiny model on mock data.
+std::string tiny_run(const std::string& extra) {
+  return "train --config " + kTiny +
+         " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 2 --eval-interval 0 "
+         "--eval-iters 0 --log-interval 1 " +
+         extra;
+}
+
+}  // namespace
+
+TEST_CASE("a Megatron GPT pretraining script's flags run as written", "[cli][megatron]") {
+  // The flags of a Megatron-LM GPT-2 pretraining script (examples/gpt3 style), on the tiny model.
+  const std::string megatron =
+      "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --use-mcore-models "
+      "--transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --num-attention-heads 2 "
+      "--seq-length 32 --max-position-embeddings 64 --attention-dropout 0.0 --hidden-dropout 0.0 "
+      "--position-embedding-type learned_absolute --normalization LayerNorm --norm-epsilon 1e-5 "
+      "--init-method-std 0.02 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 6.0e-4 --min-lr 6.0e-5 "
+      "--lr-decay-style cosine --lr-decay-iters 3 --lr-warmup-fraction .01 --weight-decay 0.1 --adam-beta1 0.9 "
+      "--adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --bf16 --fp8-format hybrid --fp8-amax-history-len "
+      "1024 --fp8-amax-compute-algo max --use-flash-attn --no-masked-softmax-fusion --no-bias-gelu-fusion "
+      "--no-bias-dropout-fusion --no-gradient-accumulation-fusion --attention-softmax-in-fp32 "
+      "--accumulate-allreduce-grads-in-fp32 --distributed-backend nccl --mock-data --split 949,50,1 "
+      "--log-interval 1 --log-throughput --timing-log-level 0 --eval-interval 1000 --eval-iters 0 "
+      "--num-workers 2 --tensorboard-dir ";
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm("train --config " + kTiny + " " + megatron + dir.file("tb") +
+                                      " --device cpu --metrics-file " + dir.file("m.jsonl"));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK(testing::metrics_losses(dir.file("m.jsonl")).size() == 3);
+  CHECK_THAT(run.output, ContainsSubstring("Megatron flag, no effect here") &&
+                             ContainsSubstring("--use-flash-attn: fp8lm's attention is always fused") &&
+                             ContainsSubstring("--num-workers 2: PyTorch's data-loader processes"));
+  CHECK_THAT(run.output, ContainsSubstring("--tensorboard-dir " + dir.file("tb") + " is not written"));
+  CHECK_THAT(run.output, ContainsSubstring("init-method-std (initializer_range)") && ContainsSubstring("0.006"));
+  CHECK_THAT(run.output, ContainsSubstring("--split 949,50,1 with --mock-data: the mock stream has no documents"));
+}
+
+TEST_CASE("defaults follow Megatron: linear decay, weight decay 0.01, beta2 0.999, no warm-up", "[cli][megatron]") {
+  const TrainOptions o = parse({"--mock-data"});
+  CHECK(o.lr_decay_style == LrDecayStyle::linear);
+  CHECK(o.weight_decay == 0.01);
+  CHECK(o.adam_beta1 == 0.9);
+  CHECK(o.adam_beta2 == 0.999);
+  CHECK(o.adam_eps == 1e-8);
+  CHECK(o.clip_grad == 1.0);
+  CHECK(o.lr_warmup_iters == 0);
+  CHECK(!o.lr_warmup_fraction);
+  CHECK(o.lr_warmup_init == 0.0);
+  CHECK(o.min_lr == 0.0);
+  CHECK(o.seed == 1234);
+  CHECK(o.eval_interval == 1000);
+  CHECK(o.eval_iters == 100);
+  CHECK(o.log_interval == 100);
+  CHECK(o.fp8.amax_history_len == 1);
+  CHECK(o.fp8.amax_compute_algo == AmaxComputeAlgo::most_recent);
+  CHECK(GptConfig{}.initializer_range == 0.02);
+  CHECK(GptConfig{}.layer_norm_epsilon == 1e-5f);
+  CHECK(LrSchedule{}.style == LrDecayStyle::linear);
+}
+
+TEST_CASE("every compatibility flag is accepted, limited to its value, warned about or refused, as listed",
+          "[cli][megatron]") {
+  for (const MegatronFlag& flag : megatron_compatibility_flags()) {
+    INFO(flag.name);
+    std::vector<std::string> args = {"--mock-data", flag.name};
+    switch (flag.kind) {
+      case MegatronFlagKind::no_effect: {
+        if (flag.takes_value) args.push_back("2");
+        const TrainOptions o = parse(args);
+        CHECK(contains(o.megatron_no_effect, std::string(flag.name) + (flag.takes_value ? " 2: " : ": ") + flag.why));
+        CHECK(o.megatron_warnings.empty());
+        break;
+      }
+      case MegatronFlagKind::one_value: {
+        args.push_back(flag.accepted_value);
+        CHECK(parse(args).megatron_no_effect.empty());
+        args.back() = "7";
+        CHECK_THAT(parse_error(args), ContainsSubstring(std::string(flag.name) + " 7 is not supported: " + flag.why) &&
+                                          ContainsSubstring(std::string("pass ") + flag.name + " " + flag.accepted_value));
+        break;
+      }
+      case MegatronFlagKind::not_written: {
+        if (flag.takes_value) args.push_back("x");
+        const TrainOptions o = parse(args);
+        CHECK(contains(o.megatron_warnings, " is not written: " + std::string(flag.why)));
+        CHECK(contains(o.megatron_warnings, flag.name));
+        break;
+      }
+      case MegatronFlagKind::refused: {
+        if (flag.takes_value) args.push_back("1");
+        CHECK_THAT(parse_error(args), ContainsSubstring(std::string(flag.name) + " is not supported: " + flag.why));
+        break;
+      }
+    }
+  }
+  // Numbers compare as numbers, words as words.
+  CHECK(parse({"--mock-data", "--attention-dropout", "0.0", "--hidden-dropout", "0e0"}).megatron_no_effect.empty());
+  CHECK_THAT(parse_error({"--mock-data", "--hidden-dropout", "0.1"}),
+             ContainsSubstring("--hidden-dropout 0.1 is not supported: fp8lm trains without dropout"));
+  CHECK_THAT(parse_error({"--mock-data", "--normalization", "layernorm"}), ContainsSubstring("not supported"));
+  // Megatron's --rampup-batch-size takes three numbers: the error names the flag, not a number.
+  CHECK_THAT(parse_error({"--mock-data", "--rampup-batch-size", "16", "16", "1000"}),
+             ContainsSubstring("--rampup-batch-size is not supported"));
+  CHECK_THAT(parse_error({"--mock-data", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"}),
+             ContainsSubstring("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"));
+}
+
+TEST_CASE("an unknown flag is named, first in command-line order, with the nearest flag when one is close",
+          "[cli][megatron]") {
+  CHECK_THAT(parse_error({"--mock-data", "--lr-warmup-iter", "5", "--zzz"}),
+             ContainsSubstring("unknown flag --lr-warmup-iter (did you mean --lr-warmup-iters?)"));
+  CHECK_THAT(parse_error({"--mock-data", "--zzz-qqq-www"}), ContainsSubstring("unknown flag --zzz-qqq-www") &&
+                                                               !ContainsSubstring("did you mean"));
+  CHECK_THAT(parse_error({"--mock-data", "stray"}), ContainsSubstring("unexpected argument 'stray'"));
+  CHECK_THAT(parse_error({"--mock-data", "--tensorboard_dir=x"}),
+             ContainsSubstring("unknown flag --tensorboard_dir (did you mean --tensorboard-dir?)"));
+  const auto run = testing::run_fp8lm("train --mock-data --use-mcore-model");
+  CHECK(run.exit_code == 2);
+  CHECK_THAT(run.output, ContainsSubstring("unknown flag --use-mcore-model (did you mean --use-mcore-models?)"));
+}
+
+TEST_CASE("the warm-up: --lr-warmup-fraction warms up over that fraction of the decay steps, from --lr-warmup-init",
+          "[cli][megatron]") {
+  // Megatron counts the warm-up in samples, F x decay steps x batch: a fractional step count.
+  const LrSchedule fractional{.max_lr = 1.0, .min_lr = 0.0, .warmup_iters = 0.01 * 250, .decay_iters = 250,
+                              .style = LrDecayStyle::linear};
+  CHECK(learning_rate(0, fractional) == 1.0 / 2.5);
+  CHECK(learning_rate(1, fractional) == 2.0 / 2.5);
+  CHECK(learning_rate(2, fractional) == 1.0 - (3.0 - 2.5) / (250.0 - 2.5));
+  const LrSchedule with_init{.max_lr = 1.0, .min_lr = 0.0, .warmup_iters = 4, .warmup_init_lr = 0.2, .decay_iters = 8};
+  CHECK(learning_rate(0, with_init) == 0.2 + 0.8 * 1.0 / 4.0);
+  CHECK(learning_rate(3, with_init) == 1.0);
+  CHECK_THROWS_AS(learning_rate(0, LrSchedule{.max_lr = 1.0, .warmup_iters = 2, .warmup_init_lr = 2.0, .decay_iters = 4}),
+                  InputError);
+
+  CHECK(*parse({"--mock-data", "--lr-warmup-fraction", "0.25"}).lr_warmup_fraction == 0.25);
+  CHECK_THAT(parse_error({"--mock-data", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"}),
+             ContainsSubstring("--lr-warmup-fraction contradicts --lr-warmup-iters 3"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-warmup-fraction", "1.5"}),
+             ContainsSubstring("--lr-warmup-fraction must be in [0, 1]"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr", "1e-4", "--lr-warmup-init", "1e-3"}),
+             ContainsSubstring("--lr-warmup-init (0.001) must not exceed --lr (1e-04)"));
+
+  // Through the trainer: half of 4 decay steps is a 2-step warm-up, from 1e-4 to 1e-3.
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm(tiny_run("--train-iters 4 --lr 1e-3 --lr-warmup-init 1e-4 "
+                                               "--lr-warmup-fraction 0.5 --metrics-file " + dir.file("m.jsonl")));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const std::vector<double> lr = testing::metrics_field(dir.file("m.jsonl"), "lr");
+  REQUIRE(lr.size() == 4);
+  CHECK(lr[0] == 1e-4 + (1e-3 - 1e-4) * 0.5);
+  CHECK(lr[1] == 1e-3);
+  CHECK(lr[3] == 0.0);  // linear decay to --min-lr 0, Megatron's defaults
+}
+
+TEST_CASE("the initial weights: --init-method-std sets the initial weights' deviation, --norm-epsilon LayerNorm's epsilon",
+          "[cli][megatron]") {
+  const testing::TempDir dir;
+  const RunSetup setup = resolve_run_setup(parse({"--config", kTiny, "--mock-data", "--device", "cpu",
+                                                  "--init-method-std", "0.01", "--norm-epsilon", "1e-6"}));
+  CHECK(setup.model.initializer_range == 0.01);
+  CHECK(setup.model.layer_norm_epsilon == 1e-6f);
+  // A config file's initializer_range (Hugging Face's key) is read, and the flag overrides it.
+  const std::string config = testing::write_tiny_config(dir, "c.json", {{"initializer_range", 0.04}});
+  CHECK(resolve_run_setup(parse({"--config", config, "--mock-data", "--device", "cpu"})).model.initializer_range == 0.04);
+  CHECK(resolve_run_setup(parse({"--config", config, "--mock-data", "--device", "cpu", "--init-method-std", "0.01"}))
+            .model.initializer_range == 0.01);
+  CHECK(to_hf_json(setup.model)["initializer_range"] == 0.01);
+  CHECK_THAT(parse_error({"--mock-data", "--init-method-std", "-0.02"}),
+             ContainsSubstring("--init-method-std must be a number in (0, 10]"));
+
+  // The draw is the standard normal times the deviation: halving it halves every weight exactly;
+  // the residual projections draw with deviation / sqrt(2 x layers), biases and gains are constant.
+  GptConfig wide = setup.model, narrow = setup.model;
+  wide.initializer_range = 0.02;
+  narrow.initializer_range = 0.01;
+  const TensorLayout layout = make_gpt_layout(wide);
+  std::vector<float> a(layout.total_elements()), b(layout.total_elements());
+  init_gpt_parameters(a.data(), layout, wide, 7);
+  init_gpt_parameters(b.data(), layout, narrow, 7);
+  for (const TensorInfo& t : layout.tensors()) {
+    INFO(t.name);
+    const bool constant = t.shape.size() == 1;
+    double sum_squares = 0.0;
+    for (int64_t i = 0; i < t.numel; ++i) {
+      const float wide_value = a[size_t(t.offset + i)], narrow_value = b[size_t(t.offset + i)];
+      if (constant) {
+        REQUIRE(wide_value == narrow_value);
+      } else {
+        REQUIRE(wide_value == 2.0f * narrow_value);
+      }
+      sum_squares += double(wide_value) * wide_value;
+    }
+    const bool residual = t.name.find("c_proj.weight") != std::string::npos;
+    const int64_t drawn = t.name == "wte.weight" ? int64_t{wide.vocab_size} * wide.n_embd : t.numel;
+    if (!constant && drawn > 4000) {
+      const double expected = residual ? 0.02 / std::sqrt(2.0 * wide.n_layer) : 0.02;
+      CHECK(std::sqrt(sum_squares / double(drawn)) == Catch::Approx(expected).epsilon(0.05));
+    }
+  }
+}
+
+TEST_CASE("a time limit: --exit-duration-in-mins stops after the step that passes it, with a checkpoint", "[cli][megatron]") {
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm(tiny_run("--train-iters 5 --exit-duration-in-mins 0 --save " + dir.file("ckpt") +
+                                               " --metrics-file " + dir.file("m.jsonl")));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("--exit-duration-in-mins 0: stopping after iteration 1"));
+  CHECK(testing::metrics_losses(dir.file("m.jsonl")).size() == 1);
+  std::string latest;
+  std::ifstream(dir.file("ckpt/latest")) >> latest;
+  CHECK(latest == "1");
+  CHECK_THAT(parse_error({"--mock-data", "--exit-duration-in-mins", "-1"}),
+             ContainsSubstring("--exit-duration-in-mins must be >= 0"));
+}
+
+TEST_CASE("fine-tuning: --load DIR --finetune starts from the checkpoint's weights alone, as --init-from DIR", "[cli][megatron]") {
+  const testing::TempDir dir;
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 3 --save " + dir.file("ckpt"))).exit_code == 0);
+  const auto finetune = testing::run_fp8lm(tiny_run("--train-iters 2 --load " + dir.file("ckpt") +
+                                                    " --finetune --metrics-file " + dir.file("finetune.jsonl")));
+  INFO(finetune.output);
+  REQUIRE(finetune.exit_code == 0);
+  CHECK_THAT(finetune.output, ContainsSubstring("(--load with --finetune)"));
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 2 --init-from " + dir.file("ckpt") + " --metrics-file " +
+                                      dir.file("init.jsonl")))
+              .exit_code == 0);
+  // Iterations 1 and 2 of a new run (a resume would have continued at 4), the same losses.
+  const std::vector<double> iterations = testing::metrics_field(dir.file("finetune.jsonl"), "iter");
+  REQUIRE(iterations.size() == 2);
+  CHECK(iterations[0] == 1.0);
+  CHECK(testing::metrics_losses(dir.file("finetune.jsonl")) == testing::metrics_losses(dir.file("init.jsonl")));
+  CHECK_THAT(parse_error({"--mock-data", "--finetune"}), ContainsSubstring("--finetune needs --load DIR"));
+}
+
+TEST_CASE("the tokenizer files: --vocab-file and --merge-file are checked against the model's vocabulary", "[cli][megatron]") {
+  const testing::TempDir dir;
+  const testing::ByteVocabulary files = testing::write_byte_vocabulary(dir);
+  const std::string tokenizer = " --tokenizer-type GPT2BPETokenizer --vocab-file " + files.vocab_file +
+                                " --merge-file " + files.merge_file;
+  // The tiny model has 256 ids; the tokenizer 258.
+  const auto too_small = testing::run_fp8lm(tiny_run("--train-iters 0" + tokenizer));
+  CHECK(too_small.exit_code == 2);
+  CHECK_THAT(too_small.output, ContainsSubstring("--vocab-file " + files.vocab_file + " has 258 tokens, more than "
+                                                 "the model's vocab_size 256"));
+  const auto fits = testing::run_fp8lm(tiny_run("--train-iters 1 --vocab-size 258" + tokenizer));
+  INFO(fits.output);
+  CHECK(fits.exit_code == 0);
+  CHECK_THAT(parse_error({"--mock-data", "--vocab-file", files.vocab_file}),
+             ContainsSubstring("--vocab-file and --merge-file go together"));
+  CHECK_THAT(parse_error({"--mock-data", "--tokenizer-type", "Llama2Tokenizer"}),
+             ContainsSubstring("--tokenizer-type Llama2Tokenizer is not supported; only GPT2BPETokenizer"));
+}
+
+TEST_CASE("a resume takes the checkpoint's decay style, weight decay and beta2 for the flags it leaves out",
+          "[cli][megatron][checkpoint]") {
+  // A run saved with GPT-2's recipe (before the defaults became Megatron's, that recipe was
+  // fp8lm's default) continues with it when resumed without the flags: bit for bit.
+  const testing::TempDir dir;
+  const std::string recipe = " --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 --lr 1e-3";
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("whole.jsonl") + recipe))
+              .exit_code == 0);
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --save " + dir.file("ckpt") + recipe))
+              .exit_code == 0);
+  const auto resumed = testing::run_fp8lm(tiny_run("--train-iters 4 --lr 1e-3 --load " + dir.file("ckpt") +
+                                                   " --metrics-file " + dir.file("resumed.jsonl")));
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("--lr-decay-style not given: resuming with the checkpoint's cosine") &&
+                                 ContainsSubstring("--weight-decay not given: resuming with the checkpoint's 0.1") &&
+                                 ContainsSubstring("--adam-beta2 not given: resuming with the checkpoint's 0.95"));
+  const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
+  const std::vector<double> rest = testing::metrics_losses(dir.file("resumed.jsonl"));
+  REQUIRE(whole.size() == 4);
+  REQUIRE(rest.size() == 2);
+  CHECK(rest[0] == whole[2]);
+  CHECK(rest[1] == whole[3]);
+  // A flag given wins over the checkpoint, as every flag of a resume does.
+  const auto given = testing::run_fp8lm(tiny_run("--train-iters 3 --lr 1e-3 --adam-beta2 0.99 --load " +
+                                                 dir.file("ckpt")));
+  CHECK(given.exit_code == 0);
+  CHECK_THAT(given.output, !ContainsSubstring("--adam-beta2 not given"));
+}
