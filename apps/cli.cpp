@@ -163,7 +163,8 @@ void validate_options(const TrainOptions& o) {
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
   require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
-  require(!o.ckpt_step || !o.load_dir.empty(), "--ckpt-step needs --load DIR");
+  // --init-from takes --ckpt-step too: --load DIR --finetune becomes --init-from DIR.
+  require(!o.ckpt_step || !o.load_dir.empty() || !o.init_from.empty(), "--ckpt-step needs --load DIR");
   require(o.exit_interval >= 0, "--exit-interval must be >= 0 (got " + num(o.exit_interval) + ")");
   require(!o.exit_duration_in_mins || *o.exit_duration_in_mins >= 0,
           "--exit-duration-in-mins must be >= 0 (got " + (o.exit_duration_in_mins ? num(*o.exit_duration_in_mins) : "") +

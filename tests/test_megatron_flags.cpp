@@ -287,6 +287,13 @@ TEST_CASE("fine-tuning: --load DIR --finetune starts from the checkpoint's weigh
   CHECK(iterations[0] == 1.0);
   CHECK(testing::metrics_losses(dir.file("finetune.jsonl")) == testing::metrics_losses(dir.file("init.jsonl")));
   CHECK_THAT(parse_error({"--mock-data", "--finetune"}), ContainsSubstring("--finetune needs --load DIR"));
+  // An earlier iteration with --ckpt-step: iteration 2 of the first run (saved every step).
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 3 --save-interval 1 --save " + dir.file("every"))).exit_code == 0);
+  const auto earlier = testing::run_fp8lm(tiny_run("--train-iters 1 --load " + dir.file("every") +
+                                                   " --ckpt-step 2 --finetune --log-level info"));
+  INFO(earlier.output);
+  CHECK(earlier.exit_code == 0);
+  CHECK_THAT(earlier.output, ContainsSubstring("iter_0000002"));
 }
 
 TEST_CASE("the tokenizer files: --vocab-file and --merge-file are checked against the model's vocabulary", "[cli][megatron]") {
