@@ -136,6 +136,8 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"lr", o.lr},
           {"min_lr", o.min_lr},
           {"lr_warmup_iters", o.lr_warmup_iters},
+          {"lr_warmup_fraction", o.lr_warmup_fraction ? nlohmann::json(*o.lr_warmup_fraction) : nlohmann::json()},
+          {"lr_warmup_init", o.lr_warmup_init},
           {"lr_decay_iters", o.lr_decay_iters},
           {"lr_decay_style", std::string(to_string(o.lr_decay_style))},
           {"train_iters", o.train_iters},
@@ -442,8 +444,7 @@ std::string manifest_string(const nlohmann::json& state, const std::string& stat
   return value.get<std::string>();
 }
 
-// The FP8 settings of the run that saved `state`, when it trained with FP8 GEMMs. Keys added
-// after the first checkpoints may be absent: their flags were off then.
+// The decay style, weight decay and beta2 of the run that saved `state`, those it recorded.
 CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::json& state,
                                                                const std::string& state_path) {
   CheckpointManifest::OptimizerSettings saved;
@@ -467,6 +468,8 @@ CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::j
   return saved;
 }
 
+// The FP8 settings of the run that saved `state`, when it trained with FP8 GEMMs. Keys added
+// after the first checkpoints may be absent: their flags were off then.
 std::optional<CheckpointManifest::Fp8Settings> saved_fp8_settings(const nlohmann::json& state,
                                                                   const std::string& state_path) {
   const nlohmann::json::json_pointer precision("/args/precision");
