@@ -129,10 +129,10 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   const TrainOptions& o = setup.options;  // with what a resume took from its checkpoint
   if (!o.vocab_file.empty()) {
     // Megatron takes the vocabulary from the tokenizer; fp8lm from the config, so the two must agree.
-    const int tokens = Gpt2Tokenizer::load(o.vocab_file, o.merge_file).vocab_size();
-    FP8LM_INPUT_CHECK(tokens <= m.vocab_size, "--vocab-file ", o.vocab_file, " has ", tokens,
-                      " tokens, more than the model's vocab_size ", m.vocab_size,
-                      " (give a config with vocab_size >= ", tokens, ", or --vocab-size ", tokens, ")");
+    const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_file, o.merge_file);
+    tokenizer.check_fits_model(o.vocab_file, m.vocab_size,
+                               "give a config with vocab_size >= " + std::to_string(tokenizer.vocab_size()) +
+                                   ", or --vocab-size " + std::to_string(tokenizer.vocab_size()));
   }
   if (o.first_last_layers_bf16) {
     const int64_t bf16_layers = int64_t{o.num_layers_at_start_in_bf16} + o.num_layers_at_end_in_bf16;

@@ -205,9 +205,7 @@ int run_sample_command(const std::vector<std::string>& args) {
     Random random(o.seed);
     for (int i = 0; i < o.random_prompt; ++i) prompt.push_back(int32_t(random.next_u64() % uint64_t(model.vocab_size)));
   }
-  if (tokenizer && tokenizer->vocab_size() > model.vocab_size)
-    fail("--vocab-file has " + std::to_string(tokenizer->vocab_size()) + " tokens, more than the model's vocab_size " +
-         std::to_string(model.vocab_size));
+  if (tokenizer) tokenizer->check_fits_model(o.vocab_file, model.vocab_size, kHelpHint);
 
   const GeneratorShape shape{.batch = o.batch_size,
                              .max_prompt = P,

@@ -321,6 +321,13 @@ std::vector<std::string_view> gpt2_pre_tokenize(std::string_view text) {
   return pieces;
 }
 
+void Gpt2Tokenizer::check_fits_model(const std::string& vocab_file, int model_vocab_size, const std::string& hint) const {
+  if (vocab_size() <= model_vocab_size) return;
+  throw InputError("--vocab-file " + vocab_file + " has " + std::to_string(vocab_size()) +
+                       " tokens, more than the model's vocab_size " + std::to_string(model_vocab_size),
+                   hint);
+}
+
 Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& vocab_file, const std::string& merge_file) {
   const ByteAlphabet alphabet;
   int16_t byte_of_code_point[324];

@@ -78,6 +78,9 @@ class Gpt2Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const;
 
   int vocab_size() const { return static_cast<int>(token_bytes_.size()); }
+  // InputError unless every id fits a model of `model_vocab_size` rows: "--vocab-file FILE has N
+  // tokens, more than the model's vocab_size V", with `hint`.
+  void check_fits_model(const std::string& vocab_file, int model_vocab_size, const std::string& hint) const;
   int end_of_text_id() const { return end_of_text_id_; }  // "<|endoftext|>", 50256 in GPT-2
   size_t num_merges() const { return num_merges_; }
 

@@ -15,6 +15,7 @@
 #include "apps/run_setup.h"
 #include "captured_log.h"
 #include "cli_testing.h"
+#include "train_flags_testing.h"
 #include "temp_dir.h"
 #include "core/error.h"
 
@@ -23,16 +24,8 @@ using Catch::Matchers::ContainsSubstring;
 
 namespace {
 
-TrainOptions parse(std::vector<std::string> args) { return parse_train_command_line(args).options; }
-
-std::string parse_error(std::vector<std::string> args) {
-  try {
-    parse_train_command_line(args);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+constexpr auto parse = testing::parse_train_flags;
+constexpr auto parse_error = testing::train_flags_error;
 
 const std::string kTiny = testing::source_path("configs/tiny.json");
 

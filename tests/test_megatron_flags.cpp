@@ -18,6 +18,7 @@
 #include "apps/run_setup.h"
 #include "byte_vocabulary.h"
 #include "cli_testing.h"
+#include "train_flags_testing.h"
 #include "core/error.h"
 #include "core/gpt_config.h"
 #include "core/tensor.h"
@@ -32,17 +33,8 @@ namespace {
 
 const std::string kTiny = testing::source_path("configs/tiny.json");
 
-TrainOptions parse(std::vector<std::string> args) { return parse_train_command_line(args).options; }
-
-// The error's message and hint, as the binary prints them.
-std::string parse_error(std::vector<std::string> args) {
-  try {
-    parse_train_command_line(args);
-  } catch (const InputError& e) {
-    return e.full_message();
-  }
-  return "(no error)";
-}
+constexpr auto parse = testing::parse_train_flags;
+constexpr auto parse_error = testing::train_flags_error;
 
 bool contains(const std::vector<std::string>& lines, const std::string& text) {
   for (const std::string& line : lines)
@@ -306,9 +298,23 @@ TEST_CASE("the tokenizer files: --vocab-file and --merge-file are checked agains
   CHECK(too_small.exit_code == 2);
   CHECK_THAT(too_small.output, ContainsSubstring("--vocab-file " + files.vocab_file + " has 258 tokens, more than "
                                                  "the model's vocab_size 256"));
-  const auto fits = testing::run_fp8lm(tiny_run("--train-iters 1 --vocab-size 258" + tokenizer));
+  const auto fits = testing::run_fp8lm(tiny_run("--train-iters 1 --vocab-size 258 --save " + dir.file("ckpt") + tokenizer));
   INFO(fits.output);
   CHECK(fits.exit_code == 0);
+  // fp8lm sample checks the same way, with the same message: the tiny checkpoint has 258 ids,
+  // a model of 256 does not fit the tokenizer.
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 1 --save " + dir.file("small"))).exit_code == 0);
+  const auto sample = testing::run_fp8lm("sample --device cpu --load " + dir.file("small") + " --prompt ab" +
+                                         " --max-new-tokens 2 --vocab-file " + files.vocab_file + " --merge-file " +
+                                         files.merge_file);
+  CHECK(sample.exit_code == 2);
+  CHECK_THAT(sample.output, ContainsSubstring("--vocab-file " + files.vocab_file + " has 258 tokens, more than "
+                                              "the model's vocab_size 256"));
+  const auto sample_fits = testing::run_fp8lm("sample --device cpu --load " + dir.file("ckpt") + " --prompt ab" +
+                                              " --max-new-tokens 2 --vocab-file " + files.vocab_file + " --merge-file " +
+                                              files.merge_file);
+  INFO(sample_fits.output);
+  CHECK(sample_fits.exit_code == 0);
   CHECK_THAT(parse_error({"--mock-data", "--vocab-file", files.vocab_file}),
              ContainsSubstring("--vocab-file and --merge-file go together"));
   CHECK_THAT(parse_error({"--mock-data", "--tokenizer-type", "Llama2Tokenizer"}),
