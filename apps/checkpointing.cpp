@@ -822,6 +822,39 @@ void check_export_directory(const std::string& to, const std::string& load, cons
 }
 
 
+void start_fresh_without_checkpoint(TrainOptions& options) {
+  if (options.command != RunCommand::train || options.load_dir.empty() || options.save_dir.empty()) return;
+  std::error_code error;
+  const fs::path load = options.load_dir;
+  // The same directory however spelled ("ckpt", "./ckpt/", a link), existing or not yet.
+  auto normal = [](const fs::path& path) {
+    std::error_code ignored;
+    fs::path resolved = fs::weakly_canonical(path, ignored);
+    return resolved.has_filename() ? resolved : resolved.parent_path();
+  };
+  const bool same = fs::exists(load, error) && fs::exists(options.save_dir, error)
+                        ? fs::equivalent(load, options.save_dir, error)
+                        : normal(load) == normal(options.save_dir);
+  if (!same) return;
+  if (fs::exists(load, error)) {
+    if (!fs::is_directory(load, error) || is_checkpoint_directory(load)) return;
+    for (const fs::directory_entry& entry : fs::directory_iterator(load, error)) {
+      const std::string name = entry.path().filename().string();
+      if (name == kLatestFile || name == kStateFile || name.rfind("iter_", 0) == 0) return;  // read_checkpoint judges
+    }
+  }
+  if (options.exit_on_missing_checkpoint || options.ckpt_step)
+    throw InputError("--load " + options.load_dir + ": no checkpoint there yet" +
+                         (options.ckpt_step ? " (--ckpt-step " + std::to_string(*options.ckpt_step) + " names one)"
+                                            : std::string(" (--exit-on-missing-checkpoint)")),
+                     "leave out --exit-on-missing-checkpoint to start from iteration 0 when --load is the --save "
+                     "directory");
+  spdlog::warn("--load {}: no checkpoint there yet (it is the --save directory): training from iteration 0, as "
+               "Megatron does; --exit-on-missing-checkpoint makes this an error",
+               options.load_dir);
+  options.load_dir.clear();
+}
+
 void adopt_resume_checkpoint(TrainOptions& options) {
   if (options.load_dir.empty()) return;
   const CheckpointManifest manifest = read_checkpoint(options.load_dir, options.ckpt_step, /*verify_data=*/false);

@@ -170,6 +170,15 @@ InferenceWeights read_inference_weights(const std::string& path, std::optional<i
                                         const TensorLayout& layout, const GptConfig& config, bool fp8,
                                         const ScalingSnapshot& expected_scaling);
 
+// Megatron's idiom for a job that is restarted until it is done, `--save DIR --load DIR`: the
+// first run finds no checkpoint in DIR and trains from iteration 0, as Megatron does, with a
+// warning (this clears options.load_dir). Only for `fp8lm train`, only when --load is the --save
+// directory, and only when that directory holds nothing of a checkpoint (no `latest`, no
+// state.json, no iter_* directory); any other --load without a checkpoint stays an error (a
+// mistyped path never starts a run afresh), and so does this one under
+// --exit-on-missing-checkpoint (InputError naming the directory).
+void start_fresh_without_checkpoint(TrainOptions& options);
+
 // For --load, at start-up: refuses a --load that is not a complete checkpoint (state.json
 // and its checksum; the data files are verified when they are read), and makes the
 // checkpoint's seed the run's, with a warning naming both values when --seed differs: the

@@ -133,6 +133,61 @@ void validate_real_flags(const TrainOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// Megatron's dtype flags, as given ("" where not).
+struct PrecisionAwareOptimizerFlags {
+  bool enabled = false;
+  std::string main_grads, main_params, exp_avg, exp_avg_sq;
+  bool state_precision_given = false;
+};
+
+// Megatron asserts that every dtype stays fp32 without --use-precision-aware-optimizer; with it,
+// the dtypes map onto the state fp8lm keeps: the moments as E4M3 + FP16 (FP8-LLM's, the default)
+// or FP32 + FP32, the gradients in FP32 or BF16, the master weights in FP32. A moment's dtype
+// left out takes fp8lm's default for it, not Megatron's fp32.
+void resolve_precision_aware_optimizer(TrainOptions& o, const PrecisionAwareOptimizerFlags& flags) {
+  const std::pair<const char*, const std::string*> dtypes[] = {{"--main-grads-dtype", &flags.main_grads},
+                                                               {"--main-params-dtype", &flags.main_params},
+                                                               {"--exp-avg-dtype", &flags.exp_avg},
+                                                               {"--exp-avg-sq-dtype", &flags.exp_avg_sq}};
+  for (const auto& [flag, dtype] : dtypes)
+    if (!flags.enabled && !dtype->empty() && *dtype != "fp32")
+      bad_flag(std::string(flag) + " " + *dtype +
+               " needs --use-precision-aware-optimizer (Megatron asserts fp32 without it)");
+  if (flags.main_params == "fp16")
+    bad_flag("--main-params-dtype fp16 is not supported: fp8lm keeps FP32 master weights (the FP8-LLM recipe's "
+             "optimizer: FP32 master, E4M3 first moment, FP16 second moment)");
+  if (flags.main_grads == "bf16") {
+    if (o.given("--accumulate-allreduce-grads-in-fp32"))
+      bad_flag("--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32");
+    o.grad_reduce_in_bf16 = true;
+  } else if (flags.main_grads == "fp32" && o.grad_reduce_in_bf16) {
+    bad_flag("--main-grads-dtype fp32 contradicts --grad-reduce-in-bf16");
+  }
+  if (flags.exp_avg.empty() && flags.exp_avg_sq.empty()) return;
+  const bool fp32_default = o.optimizer_state == OptimizerStatePrecision::fp32 && flags.state_precision_given;
+  const std::string first = !flags.exp_avg.empty() ? flags.exp_avg : fp32_default ? "fp32" : "fp8";
+  const std::string second = !flags.exp_avg_sq.empty() ? flags.exp_avg_sq : fp32_default ? "fp32" : "fp16";
+  OptimizerStatePrecision state;
+  if (first == "fp8" && second == "fp16") {
+    state = OptimizerStatePrecision::fp8_fp16;
+  } else if (first == "fp32" && second == "fp32") {
+    state = OptimizerStatePrecision::fp32;
+  } else {
+    throw InputError("--exp-avg-dtype " + first + " with --exp-avg-sq-dtype " + second +
+                         " is not a state fp8lm keeps: its AdamW stores the moments as E4M3 + FP16 (FP8-LLM's, "
+                         "the default) or FP32 + FP32",
+                     "pass --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16, or fp32 and fp32");
+  }
+  if (flags.state_precision_given && state != o.optimizer_state)
+    bad_flag("--exp-avg-dtype " + first + " --exp-avg-sq-dtype " + second + " contradicts --optimizer-state-precision " +
+             std::string(o.optimizer_state == OptimizerStatePrecision::fp32 ? "fp32" : "fp8-fp16"));
+  o.optimizer_state = state;
+}
+
+}  // namespace
+
 void validate_options(const TrainOptions& o) {
   auto require = [](bool ok, const std::string& message) {
     if (!ok) bad_flag(message);
@@ -376,6 +431,27 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "AdamW moments: fp8-fp16 (E4M3 m, FP16 v, FP8-LLM) or fp32")
       ->check(CLI::IsMember({"fp8-fp16", "fp32"}))
       ->group(precision);
+  // Megatron's precision-aware optimizer (Transformer Engine's FusedAdam): the dtypes of the main
+  // gradients, the master weights and the two moments, resolved onto fp8lm's own choices below.
+  bool precision_aware_optimizer = false;
+  std::string main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype;
+  app.add_flag("--use-precision-aware-optimizer", precision_aware_optimizer,
+               "Megatron's switch for the four dtype flags below (fp8lm's AdamW is always precision-aware)")
+      ->group(precision);
+  app.add_option("--main-grads-dtype", main_grads_dtype, "Gradients: fp32 (default) or bf16 (= --grad-reduce-in-bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->group(precision);
+  app.add_option("--main-params-dtype", main_params_dtype, "Master weights: fp32 (fp8lm keeps FP32 master weights)")
+      ->check(CLI::IsMember({"fp32", "fp16"}))
+      ->group(precision);
+  app.add_option("--exp-avg-dtype", exp_avg_dtype,
+                 "First moment: fp8 (E4M3, with --exp-avg-sq-dtype fp16) or fp32 (with fp32)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8"}))
+      ->group(precision);
+  app.add_option("--exp-avg-sq-dtype", exp_avg_sq_dtype,
+                 "Second moment: fp16 (with --exp-avg-dtype fp8) or fp32 (with fp32)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8"}))
+      ->group(precision);
   std::string weight_casts = "fused";
   app.add_option("--optimizer-weight-casts", weight_casts,
                  "fused: AdamW's update pass also writes the next step's FP8 Linear weights and their transposes "
@@ -473,7 +549,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   // ---- Checkpoints
   const char* checkpoints = "Checkpoints";
   app.add_option("--save", o.save_dir, "Checkpoint directory to write")->group(checkpoints);
-  app.add_option("--load", o.load_dir, "Checkpoint directory to resume from")->group(checkpoints);
+  app.add_option("--load", o.load_dir,
+                 "Checkpoint directory to resume from (the --save directory without a checkpoint yet: from iteration 0)")
+      ->group(checkpoints);
+  app.add_flag("--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint,
+               "With --load: an error, not a fresh start, when --load holds no checkpoint yet")
+      ->group(checkpoints);
   app.add_option("--save-interval", o.save_interval, "Save every N steps (0: only at the end and on SIGTERM)")
       ->group(checkpoints);
   app.add_option("--exit-interval", o.exit_interval,
@@ -625,6 +706,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
   o.optimizer_state =
       state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;
+  resolve_precision_aware_optimizer(o, {.enabled = precision_aware_optimizer,
+                                        .main_grads = main_grads_dtype,
+                                        .main_params = main_params_dtype,
+                                        .exp_avg = exp_avg_dtype,
+                                        .exp_avg_sq = exp_avg_sq_dtype,
+                                        .state_precision_given = app.count("--optimizer-state-precision") > 0});
   o.fused_weight_casts = weight_casts == "fused";
   o.first_pass_in_backward = first_pass == "backward";
   o.lr_decay_style = lookup<LrDecayStyle>(

@@ -21,6 +21,19 @@ constexpr const char* kMetricsElsewhere =
 constexpr const char* kWholeState =
     "fp8lm's checkpoints hold the whole training state, so that a resume is bit-exact; --finetune (or "
     "--init-from DIR) starts from the weights alone";
+constexpr const char* kNonFiniteSteps =
+    "fp8lm always checks: a step with a non-finite loss or gradient is skipped, and --max-skipped-steps in a "
+    "row stop the run";
+constexpr const char* kPythonRuntime = "Python's garbage collector; fp8lm has none";
+constexpr const char* kOwnCheckpoints = "a distributed-checkpoint option; fp8lm writes its own checkpoints";
+constexpr const char* kLossScaling =
+    "FP16 loss scaling, which Megatron applies only with --fp16; BF16 and FP8 training need none";
+constexpr const char* kProfileElsewhere =
+    "fp8lm writes no profiler trace; --benchmark --profile-ops times each op class";
+constexpr const char* kWholeSequence =
+    "fp8lm's attention is causal over the whole sequence, across documents, as GPT-2 was trained";
+constexpr const char* kNoPipeline =
+    "fp8lm parallelizes with tensor, sequence and data parallelism, not pipeline stages";
 constexpr const char* kCountIterations = "fp8lm counts optimizer steps: give --train-iters, --lr-decay-iters and "
                                          "--lr-warmup-iters (or --lr-warmup-fraction)";
 
@@ -49,7 +62,8 @@ const std::vector<MegatronFlag> kFlags = {
     {"--use-cpu-initialization", false, Kind::no_effect, nullptr, "fp8lm draws the initial weights on the host"},
     {"--exit-signal-handler", false, Kind::no_effect, nullptr,
      "fp8lm always finishes the step, saves (with --save) and exits on SIGTERM"},
-    {"--log-throughput", false, Kind::no_effect, nullptr, "fp8lm's progress lines always show tokens/s"},
+    {"--log-throughput", false, Kind::no_effect, nullptr,
+     "fp8lm's progress lines always show tokens/s and model TFLOP/s per GPU"},
     {"--timing-log-level", true, Kind::no_effect, nullptr,
      "Megatron's timers; fp8lm times each op class with --benchmark --profile-ops"},
     {"--num-workers", true, Kind::no_effect, nullptr,
@@ -59,6 +73,53 @@ const std::vector<MegatronFlag> kFlags = {
      "Megatron caches its sample index files there; fp8lm builds its index in memory at start-up"},
     {"--make-vocab-size-divisible-by", true, Kind::no_effect, nullptr,
      "fp8lm pads the vocabulary to a multiple of 128 (its kernels' tile); the padded rows take no part in the loss"},
+    {"--cross-entropy-loss-fusion", false, Kind::no_effect, nullptr, "fp8lm's loss is always one fused kernel"},
+    {"--apply-query-key-layer-scaling", false, Kind::no_effect, nullptr,
+     "a rescaling for FP16 softmax; fp8lm's softmax is computed in FP32, where it cancels out"},
+    {"--deterministic-mode", false, Kind::no_effect, nullptr,
+     "fp8lm's kernels are always deterministic: a run repeats bit for bit and resumes bit-exactly"},
+    {"--check-for-nan-in-loss-and-grad", false, Kind::no_effect, nullptr, kNonFiniteSteps},
+    {"--no-check-for-nan-in-loss-and-grad", false, Kind::no_effect, nullptr, kNonFiniteSteps},
+    {"--calculate-per-token-loss", false, Kind::no_effect, nullptr,
+     "without a loss mask every micro-batch has the same number of tokens, so fp8lm's mean over the global "
+     "batch's tokens is Megatron's per-token loss"},
+    {"--manual-gc", false, Kind::no_effect, nullptr, kPythonRuntime},
+    {"--manual-gc-interval", true, Kind::no_effect, nullptr, kPythonRuntime},
+    {"--empty-unused-memory-level", true, Kind::no_effect, nullptr,
+     "PyTorch's caching allocator; fp8lm allocates its slabs once, at start-up"},
+    {"--ddp-bucket-size", true, Kind::no_effect, nullptr,
+     "fp8lm's gradient buckets are its parameter slab's: per block, its Linear weights and its other parameters "
+     "(docs/PARALLEL.md)"},
+    {"--overlap-param-gather-with-optimizer-step", false, Kind::no_effect, nullptr,
+     "a schedule of Megatron's interleaved pipeline; fp8lm's --overlap-param-gather overlaps each bucket's gather "
+     "with the next forward"},
+    {"--tp-comm-overlap", false, Kind::no_effect, nullptr,
+     "Transformer Engine's userbuffers, which overlap tensor-parallel communication with the GEMMs; fp8lm runs its "
+     "tensor-parallel collectives between its GEMMs"},
+    {"--async-save", false, Kind::no_effect, nullptr,
+     "fp8lm writes each checkpoint before the next step (under a temporary name, then renamed)"},
+    {"--ckpt-fully-parallel-save", false, Kind::no_effect, nullptr, kOwnCheckpoints},
+    {"--ckpt-fully-parallel-load", false, Kind::no_effect, nullptr, kOwnCheckpoints},
+    {"--ckpt-assume-constant-structure", false, Kind::no_effect, nullptr, kOwnCheckpoints},
+    {"--dist-ckpt-strictness", true, Kind::no_effect, nullptr, kOwnCheckpoints},
+    {"--use-checkpoint-args", false, Kind::no_effect, nullptr,
+     "fp8lm takes the model's shape from --load's checkpoint whenever --config is left out"},
+    {"--override-opt_param-scheduler", false, Kind::no_effect, nullptr,
+     "fp8lm's resume already takes the schedule from the flags given (the checkpoint's decay style, weight decay "
+     "and beta2 only for those left out)"},
+    {"--mmap-bin-files", false, Kind::no_effect, nullptr, "fp8lm always maps the .bin files"},
+    {"--legacy-tokenizer", false, Kind::no_effect, nullptr, "fp8lm has one GPT-2 BPE tokenizer"},
+    {"--num-query-groups", true, Kind::no_effect, nullptr,
+     "read by Megatron only with --group-query-attention, which fp8lm refuses"},
+    {"--sgd-momentum", true, Kind::no_effect, nullptr, "read by Megatron only with --optimizer sgd"},
+    {"--no-bias-swiglu-fusion", false, Kind::no_effect, nullptr, "fp8lm's MLP has no SwiGLU"},
+    {"--no-rope-fusion", false, Kind::no_effect, nullptr, "fp8lm's GPT has no rotary embeddings"},
+    {"--loss-scale", true, Kind::no_effect, nullptr, kLossScaling},
+    {"--initial-loss-scale", true, Kind::no_effect, nullptr, kLossScaling},
+    {"--min-loss-scale", true, Kind::no_effect, nullptr, kLossScaling},
+    {"--loss-scale-window", true, Kind::no_effect, nullptr, kLossScaling},
+    {"--hysteresis", true, Kind::no_effect, nullptr, kLossScaling},
+    {"--fp16-lm-cross-entropy", false, Kind::no_effect, nullptr, kLossScaling},
 
     // Choices fp8lm makes one way: that value, or an error.
     {"--attention-dropout", true, Kind::one_value, "0", kNoDropout},
@@ -74,6 +135,7 @@ const std::vector<MegatronFlag> kFlags = {
     {"--distributed-backend", true, Kind::one_value, "nccl",
      "fp8lm moves device buffers over NCCL (and host buffers over MPI)"},
     {"--optimizer", true, Kind::one_value, "adam", "fp8lm's optimizer is Megatron's adam: AdamW"},
+    {"--weight-decay-incr-style", true, Kind::one_value, "constant", "fp8lm's weight decay is --weight-decay throughout"},
 
     // Outputs fp8lm does not write: a warning, not an error.
     {"--tensorboard-dir", true, Kind::not_written, nullptr, kMetricsElsewhere},
@@ -88,6 +150,16 @@ const std::vector<MegatronFlag> kFlags = {
      "fp8lm logs the gradient norm, not the parameters' norm"},
     {"--log-num-zeros-in-grad", false, Kind::not_written, nullptr,
      "fp8lm does not count zero gradients (--fp8-stats-interval counts each FP8 operand's underflows)"},
+    {"--log-loss-scale-to-tensorboard", false, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--log-world-size-to-tensorboard", false, Kind::not_written, nullptr, kMetricsElsewhere},
+    {"--profile", false, Kind::not_written, nullptr, kProfileElsewhere},
+    {"--use-pytorch-profiler", false, Kind::not_written, nullptr, kProfileElsewhere},
+    {"--profile-step-start", true, Kind::not_written, nullptr, kProfileElsewhere},
+    {"--profile-step-end", true, Kind::not_written, nullptr, kProfileElsewhere},
+    {"--record-memory-history", false, Kind::not_written, nullptr,
+     "PyTorch's allocator history; fp8lm's start-up table gives its memory by class"},
+    {"--test-data-path", true, Kind::not_written, nullptr,
+     "fp8lm evaluates --valid-data-path during training; `fp8lm eval --valid-data-path` scores a test set"},
 
     // Features fp8lm does not have.
     {"--fp16", false, Kind::refused, nullptr,
@@ -111,6 +183,24 @@ const std::vector<MegatronFlag> kFlags = {
     {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-rng", false, Kind::refused, nullptr, kWholeState},
+    {"--eod-mask-loss", false, Kind::refused, nullptr,
+     "fp8lm's loss covers every position; it has no end-of-document loss mask"},
+    {"--reset-position-ids", false, Kind::refused, nullptr, kWholeSequence},
+    {"--reset-attention-mask", false, Kind::refused, nullptr, kWholeSequence},
+    {"--no-fp8-wgrad", false, Kind::refused, nullptr,
+     "fp8lm runs every Linear GEMM in FP8, the weight gradients' too (--bf16-blocks keeps whole blocks in BF16)"},
+    {"--fp8-dot-product-attention", false, Kind::refused, nullptr, "fp8lm's attention stays in BF16"},
+    {"--fp8-multi-head-attention", false, Kind::refused, nullptr, "fp8lm's attention stays in BF16"},
+    {"--tokenizer-model", true, Kind::refused, nullptr,
+     "fp8lm reads GPT-2's BPE from --vocab-file and --merge-file (GPT2BPETokenizer)"},
+    {"--virtual-pipeline-model-parallel-size", true, Kind::refused, nullptr, kNoPipeline},
+    {"--num-layers-per-virtual-pipeline-stage", true, Kind::refused, nullptr, kNoPipeline},
+    {"--use-torch-fsdp2", false, Kind::refused, nullptr,
+     "fp8lm shards the optimizer state (--use-distributed-optimizer), not the parameters"},
+    {"--skip-train", false, Kind::refused, nullptr, "`fp8lm eval --load DIR` evaluates a checkpoint"},
+    {"--use-checkpoint-opt_param-scheduler", false, Kind::refused, nullptr,
+     "fp8lm's checkpoints keep the decay style, weight decay and beta2, not --lr, --min-lr or the warm-up and "
+     "decay steps: a resume takes those from the flags"},
     {"--ckpt-format", true, Kind::refused, nullptr,
      "fp8lm writes its own checkpoints (safetensors inside, docs/RELIABILITY.md); `fp8lm convert` exports a "
      "Hugging Face model"},

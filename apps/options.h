@@ -133,6 +133,9 @@ struct TrainOptions {
   std::optional<int64_t> exit_duration_in_mins;
   // --finetune with --load: the checkpoint's weights only, from iteration 0 (as --init-from)
   bool finetune = false;
+  // --exit-on-missing-checkpoint: a --load that is also --save and holds no checkpoint yet is
+  // an error instead of a fresh start (start_fresh_without_checkpoint, apps/checkpointing.h)
+  bool exit_on_missing_checkpoint = false;
 
   // Evaluation and logging
   int64_t eval_interval = 1000;      // --eval-interval; 0 = never

@@ -108,9 +108,10 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   validate_options(options);
   RunSetup setup;
   setup.options = options;
-  adopt_resume_checkpoint(setup.options);  // --load must be a complete checkpoint; its seed wins
-  validate_options(setup.options);         // again: a recipe taken from the checkpoint has its own refusals
-  setup.model = model_config_from(options);
+  start_fresh_without_checkpoint(setup.options);  // --save DIR --load DIR: the job's first run
+  adopt_resume_checkpoint(setup.options);         // --load must be a complete checkpoint; its seed wins
+  validate_options(setup.options);                // again: a recipe taken from the checkpoint has its own refusals
+  setup.model = model_config_from(setup.options);
   setup.parallel = parallel;
   const int tp = options.tensor_model_parallel_size;
   FP8LM_INPUT_CHECK(tp == parallel.tp_size, "--tensor-model-parallel-size ", tp, " needs ", tp,

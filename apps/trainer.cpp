@@ -236,7 +236,7 @@ void report_benchmark(const RunSetup& setup, TrainingEngine& engine, const Bench
   const GptConfig& m = setup.model;
   const int gpus = setup.parallel.world_size;
   const double tokens = double(setup.global_batch_size) * setup.seq_length;
-  const double flops_per_token = 6.0 * double(m.num_parameters()) + 12.0 * m.n_layer * setup.seq_length * m.n_embd;
+  const double flops_per_token = m.training_flops_per_token(setup.seq_length);
   const double tokens_per_s = tokens / (median_ms * 1e-3);
   const double mfu = flops_per_token * tokens_per_s / 989e12;
   const std::string mode = o.precision_name();
@@ -467,6 +467,9 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       const double seconds = std::chrono::duration<double>(Clock::now() - interval_start).count();
       const double ms_per_iter = 1e3 * seconds / double(interval_steps);
       const double tokens_per_second = double(tokens_per_step) * interval_steps / seconds;
+      // Megatron's --log-throughput figure: model TFLOP/s per GPU.
+      const double tflops_per_gpu =
+          setup.model.training_flops_per_token(setup.seq_length) * tokens_per_second / world().size() / 1e12;
       // The ETA extrapolates this process's mean step time (a resumed run counts from its start).
       const double elapsed = std::chrono::duration<double>(Clock::now() - loop_start).count();
       const double eta = elapsed / double(iteration - start_step) * double(o.train_iters - iteration);
@@ -474,15 +477,16 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       summary.last_loss = m.loss;
       spdlog::info(
           "iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
-          "elapsed {} | ETA {}{}",
-          iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second, format_duration(elapsed),
-          format_duration(eta),
+          "{:.{}f} TFLOP/s/GPU | elapsed {} | ETA {}{}",
+          iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second, tflops_per_gpu,
+          tflops_per_gpu < 10.0 ? 3 : 1, format_duration(elapsed), format_duration(eta),
           summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
       metrics_file.write({{"iter", iteration},
                           {"loss", m.loss},
                           {"lr", lr},
                           {"grad_norm", m.grad_norm},
                           {"tokens_per_s", tokens_per_second},
+                          {"tflops_per_gpu", tflops_per_gpu},
                           {"ms_per_iter", ms_per_iter},
                           {"elapsed_s", elapsed},
                           {"skipped_steps", summary.skipped_steps}});

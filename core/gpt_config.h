@@ -31,6 +31,12 @@ struct GptConfig {
   int64_t num_parameters() const;
   // Parameters as Hugging Face counts them (vocab_size rows, tied head).
   int64_t num_parameters_unpadded() const;
+  // A training step's model FLOPs per token at this sequence length: 6 N + 12 L T C (PaLM's,
+  // nanoGPT's and llm.c's count: the GEMMs forward and backward, and the attention's two
+  // products; recomputation not counted).
+  double training_flops_per_token(int seq_length) const {
+    return 6.0 * double(num_parameters()) + 12.0 * n_layer * double(seq_length) * n_embd;
+  }
 };
 
 // Token ids are stored as uint16 (llm.c shards, the data loader).

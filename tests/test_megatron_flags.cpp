@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -349,4 +350,116 @@ TEST_CASE("a resume takes the checkpoint's decay style, weight decay and beta2 f
                                                  dir.file("ckpt")));
   CHECK(given.exit_code == 0);
   CHECK_THAT(given.output, !ContainsSubstring("--adam-beta2 not given"));
+}
+
+TEST_CASE("the precision-aware optimizer's dtypes map onto the state fp8lm keeps, or are refused by name",
+          "[cli][megatron]") {
+  const std::string kSwitch = "--use-precision-aware-optimizer";
+  SECTION("without a dtype flag the switch changes nothing: FP8-LLM's state, FP32 gradients") {
+    for (const auto& args : {std::vector<std::string>{"--mock-data"}, {"--mock-data", kSwitch}}) {
+      const TrainOptions o = parse(args);
+      CHECK(o.optimizer_state == OptimizerStatePrecision::fp8_fp16);
+      CHECK(!o.grad_reduce_in_bf16);
+    }
+  }
+  SECTION("the moments: fp8 + fp16 is FP8-LLM's state, fp32 + fp32 the FP32 one") {
+    CHECK(parse({"--mock-data", kSwitch, "--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp16"}).optimizer_state ==
+          OptimizerStatePrecision::fp8_fp16);
+    CHECK(parse({"--mock-data", kSwitch, "--exp-avg-dtype", "fp32", "--exp-avg-sq-dtype", "fp32"}).optimizer_state ==
+          OptimizerStatePrecision::fp32);
+    // Megatron's explicit defaults need no switch.
+    CHECK(parse({"--mock-data", "--exp-avg-dtype", "fp32", "--exp-avg-sq-dtype", "fp32", "--main-grads-dtype", "fp32",
+                 "--main-params-dtype", "fp32"})
+              .optimizer_state == OptimizerStatePrecision::fp32);
+    // One moment named: the other keeps fp8lm's default for it.
+    CHECK(parse({"--mock-data", kSwitch, "--exp-avg-dtype", "fp8"}).optimizer_state ==
+          OptimizerStatePrecision::fp8_fp16);
+    CHECK(parse({"--mock-data", "--optimizer-state-precision", "fp32", "--exp-avg-sq-dtype", "fp32"}).optimizer_state ==
+          OptimizerStatePrecision::fp32);
+  }
+  SECTION("the gradients: bf16 is --grad-reduce-in-bf16") {
+    CHECK(parse({"--mock-data", kSwitch, "--main-grads-dtype", "bf16"}).grad_reduce_in_bf16);
+    CHECK(!parse({"--mock-data", kSwitch, "--main-grads-dtype", "fp32"}).grad_reduce_in_bf16);
+  }
+  SECTION("what fp8lm does not keep, or a contradiction, is an error naming the flags") {
+    CHECK_THAT(parse_error({"--mock-data", "--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp16"}),
+               ContainsSubstring("--exp-avg-dtype fp8 needs --use-precision-aware-optimizer"));
+    CHECK_THAT(parse_error({"--mock-data", "--main-grads-dtype", "bf16"}),
+               ContainsSubstring("--main-grads-dtype bf16 needs --use-precision-aware-optimizer"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--main-params-dtype", "fp16"}),
+               ContainsSubstring("--main-params-dtype fp16 is not supported: fp8lm keeps FP32 master weights"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"}),
+               ContainsSubstring("--exp-avg-dtype bf16 with --exp-avg-sq-dtype bf16 is not a state fp8lm keeps") &&
+                   ContainsSubstring("HINT: pass --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--exp-avg-dtype", "fp32"}),
+               ContainsSubstring("--exp-avg-dtype fp32 with --exp-avg-sq-dtype fp16 is not a state fp8lm keeps"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp16",
+                            "--optimizer-state-precision", "fp32"}),
+               ContainsSubstring("contradicts --optimizer-state-precision fp32"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--main-grads-dtype", "fp32", "--grad-reduce-in-bf16"}),
+               ContainsSubstring("--main-grads-dtype fp32 contradicts --grad-reduce-in-bf16"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32"}),
+               ContainsSubstring("--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32"));
+    CHECK_THAT(parse_error({"--mock-data", kSwitch, "--exp-avg-dtype", "int8"}), ContainsSubstring("--exp-avg-dtype"));
+  }
+  SECTION("a run with Megatron's FP8-LLM-like flags trains, in BF16 gradients") {
+    const testing::TempDir dir;
+    const auto run = testing::run_fp8lm(tiny_run("--train-iters 2 --fp8-hybrid " + kSwitch +
+                                                 " --main-grads-dtype bf16 --main-params-dtype fp32 --exp-avg-dtype fp8 "
+                                                 "--exp-avg-sq-dtype fp16 --metrics-file " + dir.file("m.jsonl")));
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    CHECK(testing::metrics_losses(dir.file("m.jsonl")).size() == 2);
+    std::vector<std::string> lines;
+    std::istringstream output(run.output);
+    for (std::string line; std::getline(output, line);) lines.push_back(line);
+    CHECK(contains(lines, "gradient communication"));
+    for (const std::string& line : lines)
+      if (line.find("gradient communication") != std::string::npos) CHECK_THAT(line, ContainsSubstring("bf16"));
+  }
+}
+
+TEST_CASE("a job restarted until done, --save DIR --load DIR: the first run starts from iteration 0, the next resumes",
+          "[cli][megatron][checkpoint]") {
+  const testing::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::string job = " --save " + ckpt + " --load " + ckpt + "/ --save-interval 2 --lr 1e-3";
+  // The whole run at once, for the losses a resumed job must repeat.
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --lr 1e-3 --metrics-file " + dir.file("whole.jsonl")))
+              .exit_code == 0);
+
+  // The first run: nothing in DIR yet (it does not even exist); it stops at iteration 2 as a
+  // job's time limit would.
+  const auto first = testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --metrics-file " +
+                                                  dir.file("first.jsonl") + job));
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  CHECK_THAT(first.output, ContainsSubstring("no checkpoint there yet (it is the --save directory): training from "
+                                             "iteration 0, as Megatron does"));
+  // The same command again continues where it stopped, bit for bit.
+  const auto second = testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("second.jsonl") + job));
+  INFO(second.output);
+  REQUIRE(second.exit_code == 0);
+  CHECK_THAT(second.output, ContainsSubstring("resumed from") && !ContainsSubstring("no checkpoint there yet"));
+  const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
+  const std::vector<double> first_losses = testing::metrics_losses(dir.file("first.jsonl"));
+  const std::vector<double> second_losses = testing::metrics_losses(dir.file("second.jsonl"));
+  REQUIRE(whole.size() == 4);
+  REQUIRE(first_losses.size() == 2);
+  REQUIRE(second_losses.size() == 2);
+  CHECK(first_losses[1] == whole[1]);
+  CHECK(second_losses[0] == whole[2]);
+  CHECK(second_losses[1] == whole[3]);
+
+  // Megatron's --exit-on-missing-checkpoint makes an empty DIR an error; so is a --load that is
+  // not the --save directory (a mistyped path never starts a run afresh).
+  const std::string empty = dir.file("empty");
+  std::filesystem::create_directories(empty);
+  const auto strict = testing::run_fp8lm(tiny_run("--train-iters 2 --save " + empty + " --load " + empty +
+                                                  " --exit-on-missing-checkpoint"));
+  CHECK(strict.exit_code == 2);
+  CHECK_THAT(strict.output, ContainsSubstring("--load " + empty + ": no checkpoint there yet (--exit-on-missing-checkpoint)"));
+  const auto elsewhere = testing::run_fp8lm(tiny_run("--train-iters 2 --save " + empty + " --load " + dir.file("typo")));
+  CHECK(elsewhere.exit_code == 2);
+  CHECK_THAT(elsewhere.output, ContainsSubstring(dir.file("typo") + ": no such checkpoint directory"));
 }
