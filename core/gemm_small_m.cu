@@ -284,6 +284,130 @@ __global__ void __launch_bounds__(kThreads) gemm_small_m_kernel(const Problem p)
   }
 }
 
+// ---- The tensor-core form, for kSmallMMaxRows < M <= kSmallMTensorCoreMaxRows
+// At 16 to 64 rows the FP32 sums above cost more than the weights' bytes (each lane multiplies
+// a loaded piece by every row), so these rows go to the tensor cores, still in one pass over B.
+// A block owns 16 rows of B (16 columns of D) and its warps split K: warp w takes the 64-byte
+// chunks w, w + W, w + 2W, ... of those rows. In a chunk, lane l (g = l / 4, t = l % 4) loads
+// 16 bytes at byte 16 t of B's rows g and g + 8, and the same 16 bytes of each row 8 j + g of A
+// (j < kTiles); each such piece is two mma k-steps (m16n8k32 for E4M3, m16n8k16 for BF16) with
+// B as the 16-row operand and A as the 8-column one. The pieces' four 4-byte words give the
+// fragments' registers in the order the mma's layout wants (rows g and g + 8, K slots 4t and
+// 4t + 16 for E4M3, 2t and 2t + 8 for BF16): the products' K order is a permutation of the
+// chunk's, the same for A and B, so the sums are those of A . B^T in another order. Each warp
+// keeps kInFlight chunks of B loading while it multiplies one; the warps' partial sums meet in
+// shared memory and are added in warp order (no atomics: bit-reproducible).
+constexpr int kMmaRowsPerBlock = 16;
+constexpr int kChunkBytes = 64;
+constexpr int kInFlight = 4;
+
+template <typename Format>
+__device__ __forceinline__ void mma_16x8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<Format, E4m3Codes>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// D [M,N] as gemm_small_m_kernel's, M <= 8 kTiles; N a multiple of 16, K a whole number of
+// 64-byte chunks. Dynamic shared memory: the warps' partial sums, W x kTiles x 4 x 32 floats.
+template <typename Format, int kTiles>
+__global__ void __launch_bounds__(kTiles <= 4 ? 512 : 256) gemm_small_m_mma_kernel(const Problem p) {
+  device::start_after_previous_kernel();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const size_t row_bytes = size_t(p.K) * sizeof(typename Format::Storage);
+  const int chunks = int(row_bytes / kChunkBytes);
+  const int first_row = blockIdx.x * kMmaRowsPerBlock;
+  const uint8_t* b_low = static_cast<const uint8_t*>(p.B) + size_t(first_row + g) * row_bytes + 16 * t;
+  const uint8_t* b_high = b_low + 8 * row_bytes;
+  const uint8_t* a_lane = static_cast<const uint8_t*>(p.A) + size_t(g) * row_bytes + 16 * t;
+
+  float sums[kTiles][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sums[j][r] = 0.0f;
+
+  // This warp's chunks are warp, warp + warps, ...: kInFlight of them loading at any time.
+  uint4 low[kInFlight], high[kInFlight];
+  auto load_chunk = [&](int slot, int chunk) {
+    if (chunk < chunks) {
+      low[slot] = load_streaming(b_low + size_t(chunk) * kChunkBytes);
+      high[slot] = load_streaming(b_high + size_t(chunk) * kChunkBytes);
+    }
+  };
+#pragma unroll
+  for (int slot = 0; slot < kInFlight; ++slot) load_chunk(slot, warp + slot * warps);
+  for (int base = warp; base < chunks; base += kInFlight * warps) {
+#pragma unroll
+    for (int slot = 0; slot < kInFlight; ++slot) {
+      const int chunk = base + slot * warps;
+      if (chunk >= chunks) break;
+      const uint4 w_low = low[slot], w_high = high[slot];
+      load_chunk(slot, chunk + kInFlight * warps);
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        uint4 a = make_uint4(0, 0, 0, 0);
+        if (8 * j + g < p.M) a = __ldg(reinterpret_cast<const uint4*>(a_lane + size_t(8 * j) * row_bytes +
+                                                                       size_t(chunk) * kChunkBytes));
+        mma_16x8<Format>(sums[j], w_low.x, w_high.x, w_low.y, w_high.y, a.x, a.y);
+        mma_16x8<Format>(sums[j], w_low.z, w_high.z, w_low.w, w_high.w, a.z, a.w);
+      }
+    }
+  }
+
+  // The warps' partials, then their sum in warp order and the epilogue (CpuOps' order: the
+  // scaled product, + C, + bias, one rounding to BF16).
+  extern __shared__ float partials[];  // [warps][kTiles][4][32]
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) partials[((warp * kTiles + j) * 4 + r) * 32 + lane] = sums[j][r];
+  __syncthreads();
+  const float scale = (p.a_scale_inv ? *p.a_scale_inv : 1.0f) * (p.b_scale_inv ? *p.b_scale_inv : 1.0f) * p.alpha;
+  for (int i = threadIdx.x; i < kTiles * 4 * 32; i += blockDim.x) {
+    const int j = i / 128, r = (i / 32) % 4, owner = i % 32;
+    // Accumulator r of lane `owner` in tile j: D's row 8 j + 2 (owner % 4) + (r % 2), column
+    // first_row + owner / 4 + 8 (r / 2).
+    const int m = 8 * j + 2 * (owner % 4) + (r % 2), n = first_row + owner / 4 + 8 * (r / 2);
+    if (m >= p.M) continue;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += partials[w * kTiles * 128 + i];
+    const size_t at = size_t(m) * p.N + n;
+    float value = total * scale;
+    if (p.C) value += p.beta * __bfloat162float(p.C[at]);
+    if (p.bias) value += __bfloat162float(p.bias[n]);
+    static_cast<bf16*>(p.D)[at] = __float2bfloat16_rn(value);
+  }
+}
+
+template <typename Format>
+void launch_mma(const Problem& problem, cudaStream_t stream) {
+  const int blocks = problem.N / kMmaRowsPerBlock;
+  auto run = [&](auto kernel, int tiles) {
+    // Bytes in flight: a narrow B (few blocks) splits K over more warps, within 48 KB of partials
+    // (and the 256 threads of eight tiles' launch bounds).
+    const int warps = problem.N <= 2048 && tiles <= 4 ? 16 : 8;
+    const size_t shared = size_t(warps) * tiles * 4 * 32 * sizeof(float);
+    launch_kernel(kernel, blocks, 32 * warps, shared, stream, problem);
+  };
+  static_assert(kSmallMTensorCoreMaxRows == 64, "the instantiations below cover M up to 64");
+  if (problem.M <= 16) return run(gemm_small_m_mma_kernel<Format, 2>, 2);
+  if (problem.M <= 32) return run(gemm_small_m_mma_kernel<Format, 4>, 4);
+  run(gemm_small_m_mma_kernel<Format, 8>, 8);
+}
+
 // The prologue's shared memory: A's E4M3 codes.
 size_t layernorm_shared_bytes(int M, int K) { return size_t(M) * K; }
 // What a block may take without raising its dynamic shared-memory limit.
@@ -311,9 +435,22 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm) {
-  if (desc.M < 1 || desc.M > kSmallMMaxRows) return "M is outside [1, kSmallMMaxRows]";
+namespace {
+
+// The conditions both forms share, then each form's own.
+const char* refusal_in_form(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm,
+                            SmallMForm form) {
+  const int max_rows = form == SmallMForm::fp32_sums ? kSmallMMaxRows : kSmallMTensorCoreMaxRows;
+  if (desc.M < 1 || desc.M > max_rows)
+    return form == SmallMForm::fp32_sums ? "M is outside [1, kSmallMMaxRows]" : "M is outside [1, kSmallMTensorCoreMaxRows]";
   if (desc.N < 1) return "N < 1";
+  if (form == SmallMForm::tensor_cores) {
+    if (args.gelu_input != nullptr || layernorm != nullptr)
+      return "a GELU epilogue or LayerNorm prologue in the tensor-core form (the FP32 form's, at one row)";
+    if (desc.N % kMmaRowsPerBlock != 0) return "N is not a multiple of 16 (the tensor-core form's block of B's rows)";
+    const int bytes = desc.a_type == GemmType::e4m3 ? 1 : 2;
+    if ((size_t(desc.K) * bytes) % kChunkBytes != 0) return "K is not a whole number of 64-byte chunks";
+  }
   const bool e4m3 = desc.a_type == GemmType::e4m3 && desc.b_type == GemmType::e4m3;
   const bool bf16_inputs = desc.a_type == GemmType::bf16 && desc.b_type == GemmType::bf16;
   if (!e4m3 && !bf16_inputs) return "the operands are not both E4M3 or both BF16";
@@ -348,8 +485,43 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, con
   return nullptr;
 }
 
-void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream, const SmallMLayerNorm* layernorm) {
-  if (const char* refusal = small_m_gemm_refusal(desc, args, layernorm))
+}  // namespace
+
+std::optional<SmallMForm> small_m_form(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm) {
+  // Measured on an H100 (device calls 180-184, docs/INFERENCE.md): one row is the FP32 form's
+  // (it holds the one-row epilogue and prologue, and the tensor cores' 16-row tiles gained
+  // nothing there in a whole step); two to 16 rows of E4M3 the tensor cores' (the FP32 form
+  // multiplies every loaded piece by every row: at 8 rows it took 2-4x as long); BF16 one row,
+  // and up to 8 rows of a vocabulary-wide output (the tied LM head: 0.11 ms of a batch-8 step
+  // in the FP32 form, 0.65 ms in cuBLASLt's kernel), else cuBLASLt's from two rows (its BF16
+  // kernels read the blocks' weights faster than either form); wider, cuBLASLt's.
+  const bool e4m3 = desc.a_type == GemmType::e4m3;
+  const SmallMForm preferred = desc.M == 1 || !e4m3 ? SmallMForm::fp32_sums : SmallMForm::tensor_cores;
+  const int widest = e4m3 ? kSmallMTensorCoreRowsE4m3 : desc.N >= kSmallMVocabularyWideN ? kSmallMMaxRows : kSmallMRowsBf16;
+  if (desc.M > widest) return std::nullopt;
+  for (const SmallMForm form : {preferred, preferred == SmallMForm::fp32_sums ? SmallMForm::tensor_cores
+                                                                              : SmallMForm::fp32_sums})
+    if (refusal_in_form(desc, args, layernorm, form) == nullptr) return form;
+  return std::nullopt;
+}
+
+const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm,
+                                 std::optional<SmallMForm> form) {
+  if (form) return refusal_in_form(desc, args, layernorm, *form);
+  if (small_m_form(desc, args, layernorm)) return nullptr;
+  if (desc.M > (desc.a_type == GemmType::e4m3          ? kSmallMTensorCoreRowsE4m3
+                : desc.N >= kSmallMVocabularyWideN ? kSmallMMaxRows
+                                                   : kSmallMRowsBf16))
+    return "more rows than the small-M kernel serves faster than cuBLASLt";
+  // Why the FP32 form, the one that takes the most kinds of problem, does not take it.
+  return refusal_in_form(desc, args, layernorm, SmallMForm::fp32_sums);
+}
+
+void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream, const SmallMLayerNorm* layernorm,
+                  std::optional<SmallMForm> form) {
+  if (!form) form = small_m_form(desc, args, layernorm);
+  const char* refusal = form ? small_m_gemm_refusal(desc, args, layernorm, form) : small_m_gemm_refusal(desc, args, layernorm);
+  if (refusal != nullptr)
     throw RuntimeError("small-M GEMM [" + std::to_string(desc.M) + "," + std::to_string(desc.N) + "," +
                            std::to_string(desc.K) + "]: " + refusal,
                        "GemmEngine decides which GEMMs the small-M kernel takes (small_m_gemm_refusal)");
@@ -369,7 +541,10 @@ void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t strea
                         .gelu_input = static_cast<bf16*>(args.gelu_input),
                         .d_scale = args.d_scale,
                         .layernorm = layernorm ? *layernorm : SmallMLayerNorm{}};
-  if (desc.a_type == GemmType::e4m3) return launch<E4m3Codes>(problem, layernorm != nullptr, stream);
+  const bool e4m3 = desc.a_type == GemmType::e4m3;
+  if (*form == SmallMForm::tensor_cores)
+    return e4m3 ? launch_mma<E4m3Codes>(problem, stream) : launch_mma<Bf16Values>(problem, stream);
+  if (e4m3) return launch<E4m3Codes>(problem, layernorm != nullptr, stream);
   launch<Bf16Values>(problem, layernorm != nullptr, stream);
 }
 

@@ -8,6 +8,8 @@
 // alignment) or both BF16, C and bias BF16, C nullptr or another buffer than D, M in
 // [1, kSmallMMaxRows], K a multiple of 16, A and B 16-byte aligned. D is BF16, or, under the
 // GELU epilogue, BF16 or E4M3 (small_m_gemm_refusal says which condition a problem misses).
+// M in (kSmallMMaxRows, kSmallMTensorCoreMaxRows] goes to the kernel's tensor-core form, with
+// N a multiple of 16, K whole 64-byte chunks, and neither epilogue nor prologue below.
 // GemmEngine::gemm decides, in one place, which GEMMs it serves; calling it with anything else
 // is a RuntimeError, never a quietly different computation.
 //
@@ -37,12 +39,17 @@
 // (Asking L2 for a block's rows of B before the wait for the kernel ahead - one bulk prefetch,
 // so that they stream while that kernel runs - made decoding slower: device call 140.)
 //
-// Numerics: every product of two E4M3 (or two BF16) values is exact in FP32, and the sums are
+// Numerics (the tensor-core form: mma.sync's sums, whose E4M3 adder keeps about 13 bits below
+// a step's largest term, as cuBLASLt's fast-accumulation FP8 GEMMs of the forward do; below,
+// the FP32 form): every product of two E4M3 (or two BF16) values is exact in FP32, and the sums are
 // FP32; only the order of the summation differs from the CPU's cpu::gemm_nt (each lane sums its
 // 16-byte pieces in K order, then the 32 lanes combine in a fixed butterfly). The epilogue adds
 // beta * C, then the bias, to the FP32 result and rounds to BF16 once, as cuBLASLt's epilogue
 // and CpuOps' add_epilogue do. No atomics: the result is bit-reproducible.
 #pragma once
+
+#include <cstdint>
+#include <optional>
 
 #include <cuda_runtime.h>
 
@@ -53,6 +60,16 @@ namespace fp8lm::cuda {
 // The most rows of A one launch takes. Each lane keeps rows_of_B_per_warp x M FP32 sums in
 // registers; 8 covers decoding batches up to 8 (beyond, cuBLASLt's tiles start to pay off).
 inline constexpr int kSmallMMaxRows = 8;
+// Above kSmallMMaxRows and up to this many rows, the tensor-core form (core/gemm_small_m.cu):
+// still one pass over B, the products on mma.sync (no GELU epilogue or LayerNorm prologue; N a
+// multiple of 16, K whole 64-byte chunks).
+inline constexpr int kSmallMTensorCoreMaxRows = 64;
+// The rows up to which GemmEngine sends a GEMM here at all (small_m_form): beyond, cuBLASLt's
+// kernels are the faster (measured per shape, docs/INFERENCE.md).
+inline constexpr int kSmallMTensorCoreRowsE4m3 = 16;
+inline constexpr int kSmallMRowsBf16 = 1;
+// BF16 outputs this wide (a vocabulary: the LM head) stay here up to kSmallMMaxRows rows.
+inline constexpr int kSmallMVocabularyWideN = 32768;
 
 // The LayerNorm prologue: A [M,K] = LayerNorm(input [M,K]) as E4M3 codes (layernorm.h's
 // layernorm_forward_fp8 contract, K the row width).
@@ -68,14 +85,26 @@ struct SmallMLayerNorm {
   // GemmArgs::A is where block 0 writes the LayerNorm's output (its codes).
 };
 
-// nullptr when the kernel takes the problem, else the condition it misses (a static string:
-// no allocation on a decoding step's path). With `layernorm`, the prologue's conditions too.
-const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args,
-                                 const SmallMLayerNorm* layernorm = nullptr);
+// The kernel's two forms: FP32 sums on the CUDA cores (M <= kSmallMMaxRows; the epilogue and
+// prologue above) and mma.sync on the tensor cores (M <= kSmallMTensorCoreMaxRows).
+enum class SmallMForm : uint8_t { fp32_sums, tensor_cores };
 
-// Queues the GEMM on `stream` (with the LayerNorm prologue when `layernorm` is given). Throws
-// RuntimeError for a problem outside the contract above.
+// The form a problem gets when none is named: the faster one measured at its M and operand
+// type where both take it (docs/INFERENCE.md), else the one that takes it; nullopt when
+// neither does (then the GEMM is cuBLASLt's).
+std::optional<SmallMForm> small_m_form(const GemmDesc& desc, const GemmArgs& args,
+                                       const SmallMLayerNorm* layernorm = nullptr);
+
+// nullptr when the kernel takes the problem (in `form`, or in the form small_m_form picks),
+// else the condition it misses (a static string: no allocation on a decoding step's path).
+// With `layernorm`, the prologue's conditions too.
+const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args,
+                                 const SmallMLayerNorm* layernorm = nullptr,
+                                 std::optional<SmallMForm> form = std::nullopt);
+
+// Queues the GEMM on `stream` (with the LayerNorm prologue when `layernorm` is given), in
+// `form` or small_m_form's. Throws RuntimeError for a problem outside the contract above.
 void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream,
-                  const SmallMLayerNorm* layernorm = nullptr);
+                  const SmallMLayerNorm* layernorm = nullptr, std::optional<SmallMForm> form = std::nullopt);
 
 }  // namespace fp8lm::cuda

@@ -739,7 +739,11 @@ class CudaOps final : public Ops {
       cuda::GemmArgs args;
       if (small_m_gelu_args(call, desc, args)) return gemm_->gemm(desc, args, stream_);
     }
-    if (M <= cuda::kSmallMMaxRows || !(per_tensor_e4m3 || bf16_out)) {
+    // Up to 16 rows of E4M3 go to the small-M kernel's tensor-core form without the epilogue:
+    // the GELU kernel after it costs less than cuBLASLt's slower pass over the weight.
+    const int few_rows = per_tensor_e4m3 && gemm_->small_m_enabled() ? cuda::kSmallMTensorCoreRowsE4m3
+                                                                     : cuda::kSmallMMaxRows;
+    if (M <= few_rows || !(per_tensor_e4m3 || bf16_out)) {
       gemm({.pass = GemmPass::forward, .out = pre, .input = call.input, .weight = call.weight});
       return bias_gelu(out, pre, call.bias);
     }

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,7 +105,8 @@ const char* name_of(Epilogue e) {
 
 struct Problem {
   int M, N, K;
-  GemmType type;  // of both operands
+  GemmType type;                            // of both operands
+  std::optional<cuda::SmallMForm> form{};  // the kernel's form (none: small_m_form's)
 };
 
 // Runs the kernel on one problem, for each epilogue, and checks every element against the
@@ -134,6 +136,11 @@ void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_
     }
   const double u = std::ldexp(1.0, -24);
   const double chains = p.K / 32.0 + 21 + p.K / 8.0 + 15 + 8;
+  // The tensor-core form (M > 8) sums on mma.sync, whose adder aligns a step's products to the
+  // largest and keeps about 13 bits below it in E4M3 (DeepSeek-V3's report on Hopper, sec. 3.3.2),
+  // and sums whole k-steps in BF16: an error of order 2^-13 of the magnitudes, not of FP32's
+  // rounding. Its bound is 2^-10 of sum |a_k b_k| (a fragment in the wrong place errs by order 1).
+  const bool tensor_cores = p.form == cuda::SmallMForm::tensor_cores;
 
   const bool fp8 = p.type == GemmType::e4m3;
   const size_t offset = 2;
@@ -143,7 +150,8 @@ void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_
   DeviceBuffer<uint8_t> d_residual = device_bytes(bf16_bytes(residual), offset);
 
   for (const Epilogue epilogue : {Epilogue::none, Epilogue::bias, Epilogue::bias_and_residual}) {
-    INFO(to_string(p.type) << " M=" << p.M << " N=" << p.N << " K=" << p.K << ", " << name_of(epilogue));
+    INFO(to_string(p.type) << " M=" << p.M << " N=" << p.N << " K=" << p.K << ", " << name_of(epilogue)
+                           << (tensor_cores ? ", tensor cores" : ", FP32 sums"));
     DeviceBuffer<uint8_t> d_out = device_bytes(std::vector<uint8_t>(2 * mn, kPoisonByte), offset);
     GemmDesc desc;
     desc.M = p.M;
@@ -163,8 +171,8 @@ void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_
       args.C = d_residual.data() + offset;
       args.beta = 1.0f;
     }
-    REQUIRE(cuda::small_m_gemm_refusal(desc, args) == nullptr);
-    cuda::gemm_small_m(desc, args, nullptr);
+    REQUIRE(cuda::small_m_gemm_refusal(desc, args, nullptr, p.form) == nullptr);
+    cuda::gemm_small_m(desc, args, nullptr, nullptr, p.form);
     testing::device_sync();
     std::vector<uint8_t> out_bytes = d_out.download();
     std::vector<float> out(mn);
@@ -191,7 +199,8 @@ void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_
           scale_of_terms += std::fabs(bias[size_t(n)]);
         }
         reference[at] = ref;
-        const double delta = chains * u * scale_of_terms;
+        const double delta =
+            tensor_cores ? std::ldexp(magnitude[at], -10) + 16 * u * scale_of_terms : chains * u * scale_of_terms;
         const float low = round_to_bf16(float(double(ref) - delta)), high = round_to_bf16(float(double(ref) + delta));
         if (!(out[at] >= low && out[at] <= high)) {
           if (outside < 5)
@@ -404,7 +413,12 @@ TEST_CASE("small-M GEMM matches the CPU's exact FP8/BF16 emulation at decoding s
     for (const auto& [K, N] : shapes) {
       const Operand weight = make_operand(random_floats(size_t(N) * K, seed += 10, 0.05f), type);  // weight-like
       DeviceBuffer<uint8_t> d_weight = device_bytes(weight.bytes, 0);
-      for (const int M : {1, 2, 5, 8}) check_problem({M, N, K, type}, weight, d_weight, seed += 10);
+      using cuda::SmallMForm;
+      for (const int M : {1, 2, 5, 8})
+        check_problem({M, N, K, type, SmallMForm::fp32_sums}, weight, d_weight, seed += 10);
+      if (N % 16 == 0 && K % 64 == 0)  // the tensor-core form: every tile count, partial tiles
+        for (const int M : {1, 5, 8, 9, 16, 17, 32, 40, 64})
+          check_problem({M, N, K, type, SmallMForm::tensor_cores}, weight, d_weight, seed += 10);
     }
 }
 
@@ -417,7 +431,8 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   args.D = memory + 512;
   const GemmDesc fp8 = decoding_desc(1, 4800, 1600, GemmType::e4m3);
   CHECK(cuda::small_m_gemm_refusal(fp8, args) == nullptr);
-  CHECK(cuda::small_m_gemm_refusal(decoding_desc(8, 37, 48, GemmType::bf16), args) == nullptr);
+  CHECK(cuda::small_m_gemm_refusal(decoding_desc(8, 37, 48, GemmType::e4m3), args) == nullptr);
+  CHECK(cuda::small_m_gemm_refusal(decoding_desc(1, 37, 48, GemmType::bf16), args) == nullptr);
   GemmArgs residual = args;
   residual.C = memory + 768;
   residual.beta = 1.0f;
@@ -428,7 +443,36 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   auto refused_with = [&](GemmDesc desc, GemmArgs a, cuda::SmallMLayerNorm ln) {
     return cuda::small_m_gemm_refusal(desc, a, &ln) != nullptr;
   };
-  CHECK(refused(decoding_desc(9, 4800, 1600, GemmType::e4m3), args));    // training sizes: M = B x T
+  // The forms: FP32 sums up to 8 rows; the tensor cores up to 64, with N a multiple of 16 and
+  // K whole 64-byte chunks.
+  using cuda::SmallMForm;
+  auto refusal_in = [&](GemmDesc desc, GemmArgs a, SmallMForm form) {
+    return cuda::small_m_gemm_refusal(desc, a, nullptr, form);
+  };
+  CHECK(refusal_in(decoding_desc(64, 1600, 6400, GemmType::bf16), residual, SmallMForm::tensor_cores) == nullptr);
+  CHECK(refusal_in(decoding_desc(9, 1600, 6400, GemmType::bf16), args, SmallMForm::fp32_sums) != nullptr);
+  CHECK(refusal_in(decoding_desc(65, 1600, 6400, GemmType::bf16), args, SmallMForm::tensor_cores) != nullptr);
+  CHECK(refusal_in(decoding_desc(16, 4808, 1600, GemmType::e4m3), args, SmallMForm::tensor_cores) != nullptr);
+  CHECK(refusal_in(decoding_desc(16, 4800, 1632, GemmType::e4m3), args, SmallMForm::tensor_cores) != nullptr);
+  CHECK(refusal_in(decoding_desc(16, 4800, 1632, GemmType::bf16), args, SmallMForm::tensor_cores) == nullptr);
+  // Which form a GEMM gets: one row the FP32 sums, two to 16 rows of E4M3 the tensor cores (the
+  // FP32 sums where only they take it); BF16 one row, or up to 8 of the LM head's vocabulary-wide
+  // output; wider, cuBLASLt.
+  auto form_of = [&](GemmDesc desc, GemmArgs a) { return cuda::small_m_form(desc, a); };
+  CHECK(form_of(decoding_desc(1, 4800, 1600, GemmType::e4m3), args) == SmallMForm::fp32_sums);
+  CHECK(form_of(decoding_desc(2, 4800, 1600, GemmType::e4m3), args) == SmallMForm::tensor_cores);
+  CHECK(form_of(decoding_desc(16, 4800, 1600, GemmType::e4m3), args) == SmallMForm::tensor_cores);
+  CHECK(form_of(decoding_desc(4, 37, 48, GemmType::e4m3), args) == SmallMForm::fp32_sums);
+  CHECK(form_of(decoding_desc(1, 4800, 1600, GemmType::bf16), args) == SmallMForm::fp32_sums);
+  CHECK(!form_of(decoding_desc(2, 4800, 1600, GemmType::bf16), args));
+  CHECK(form_of(decoding_desc(8, 50304, 1600, GemmType::bf16), args) == SmallMForm::fp32_sums);  // the LM head
+  CHECK(!form_of(decoding_desc(9, 50304, 1600, GemmType::bf16), args));
+  CHECK(!form_of(decoding_desc(17, 4800, 1600, GemmType::e4m3), args));
+  CHECK(!form_of(decoding_desc(12, 37, 48, GemmType::e4m3), args));  // no form takes it
+  CHECK(cuda::small_m_gemm_refusal(decoding_desc(9, 4800, 1600, GemmType::e4m3), args) == nullptr);
+  CHECK(std::string(cuda::small_m_gemm_refusal(decoding_desc(17, 4800, 1600, GemmType::e4m3), args)) ==
+        "more rows than the small-M kernel serves faster than cuBLASLt");
+  CHECK(refused(decoding_desc(65, 4800, 1600, GemmType::e4m3), args));  // training sizes: M = B x T
   CHECK(refused(decoding_desc(1024, 4800, 1600, GemmType::e4m3), args));
   CHECK(refused(decoding_desc(1, 4800, 1604, GemmType::e4m3), args));  // K not a multiple of 16
   GemmDesc desc = fp8;
@@ -460,7 +504,9 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   gelu.bias = memory + 2;
   gelu.gelu_input = memory + 768;
   CHECK(cuda::small_m_gemm_refusal(fp8, gelu) == nullptr);
+  CHECK(cuda::small_m_form(fp8, gelu) == SmallMForm::fp32_sums);  // the epilogue is the FP32 form's
   CHECK(refused(decoding_desc(2, 4800, 1600, GemmType::e4m3), gelu));  // more than one row
+  CHECK(refused(decoding_desc(16, 4800, 1600, GemmType::e4m3), gelu));
   desc = fp8;
   desc.d_type = GemmType::e4m3;
   CHECK(refused(desc, gelu));  // no d_scale
@@ -480,6 +526,7 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   // the cast's scale, and a row that fits 48 KB of shared memory.
   cuda::SmallMLayerNorm layernorm{.input = memory, .weight = memory + 256, .bias = memory + 512, .scale = some_scale};
   CHECK(cuda::small_m_gemm_refusal(fp8, args, &layernorm) == nullptr);
+  CHECK(cuda::small_m_form(fp8, args, &layernorm) == SmallMForm::fp32_sums);
   CHECK(refused_with(decoding_desc(2, 4800, 1600, GemmType::e4m3), args, layernorm));
   CHECK(refused_with(decoding_desc(1, 4800, 1600, GemmType::bf16), args, layernorm));
   CHECK(refused_with(decoding_desc(1, 4800, 65536, GemmType::e4m3), args, layernorm));  // 64 KB
@@ -494,7 +541,7 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
 TEST_CASE("GemmEngine sends decoding GEMMs to the small-M kernel and the rest to cuBLASLt", "[gpu][gemm]") {
   FP8LM_REQUIRE_GPU();
   const int N = 64, K = 64;
-  DeviceBuffer<uint8_t> a(16 * size_t(K) * 2), b(size_t(N) * K * 2), d(16 * size_t(N) * 2);
+  DeviceBuffer<uint8_t> a(80 * size_t(K) * 2), b(size_t(N) * K * 2), d(80 * size_t(N) * 2);
   a.fill_bytes(0);
   b.fill_bytes(0);
   DeviceBuffer<float> scale_inv = testing::device_copy(std::vector<float>(8, 1.0f));
@@ -513,12 +560,13 @@ TEST_CASE("GemmEngine sends decoding GEMMs to the small-M kernel and the rest to
   };
   GemmEngine engine;
   run(engine, 1, GemmType::e4m3);
-  run(engine, 8, GemmType::bf16);
-  CHECK(engine.small_m_calls() == 2);
+  run(engine, 1, GemmType::bf16);
+  run(engine, 16, GemmType::e4m3);  // the tensor-core form
+  CHECK(engine.small_m_calls() == 3);
   CHECK(engine.cache_size() == 0);  // no cuBLASLt plan was made
-  run(engine, 16, GemmType::e4m3);  // the shapes of cuBLASLt's own tests (M a multiple of 16 in FP8)
-  run(engine, 9, GemmType::bf16);
-  CHECK(engine.small_m_calls() == 2);
+  run(engine, 32, GemmType::e4m3);  // the shapes of cuBLASLt's own tests (M a multiple of 16 in FP8)
+  run(engine, 2, GemmType::bf16);   // two rows of BF16: cuBLASLt's are the faster
+  CHECK(engine.small_m_calls() == 3);
   CHECK(engine.cache_size() == 2);
 
   GemmEngine cublaslt_only(SmallMGemm::off);
@@ -599,7 +647,8 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
 }
 
 // Weight bandwidth (hidden: run with "[.bench]" or "[gemm][.bench]"): each GEMM of a gpt2-1558m
-// decoding step, and its LM head, on the small-M kernel and on cuBLASLt, at M = 1 and 8.
+// decoding step, and its LM head, on the small-M kernel and on cuBLASLt, at M = 1 and 8 (the
+// FP32 form) and 16, 32 and 64 (the tensor-core form).
 // Back-to-back calls cycle through copies of the weight that together exceed the 50 MB L2, so
 // every call reads its weight from HBM, as a decoding step does (1.47 GB of E4M3 weights). The
 // scale_inv pointers sit 16 bytes apart, as in the CUDA backend's scaling state. GB/s counts
@@ -624,14 +673,20 @@ TEST_CASE("small-M GEMM weight bandwidth against cuBLASLt", "[gpu][gemm][.bench]
     const int copies = int(std::max<size_t>(2, (size_t{256} << 20) / weight_bytes));
     DeviceBuffer<uint8_t> weights(weight_bytes * size_t(copies));
     weights.fill_bytes(0x3C);  // finite in both formats: 1.5 in E4M3, 0.0115 in BF16 (0x3C3C)
-    const int max_m = 8;
+    const int max_m = 64;
     DeviceBuffer<uint8_t> a(size_t(max_m) * shape.K * element), d(size_t(max_m) * shape.N * 2);
     a.fill_bytes(0x3C);
     DeviceBuffer<float> scale_inv = testing::device_copy(std::vector<float>(8, 1.0f));
-    for (const int M : {1, 8}) {
-      double us[2] = {0.0, 0.0};
-      for (const SmallMGemm path : {SmallMGemm::on, SmallMGemm::off}) {
-        GemmEngine engine(path);
+    for (const int M : {1, 2, 4, 8, 16, 32, 64}) {
+      const GemmDesc desc = decoding_desc(M, shape.N, shape.K, shape.type);
+      // The FP32 form, the tensor-core form (each where it takes the problem), and cuBLASLt.
+      enum Path { fp32_sums, tensor_cores, cublaslt };
+      double us[3] = {0.0, 0.0, 0.0};
+      GemmEngine cublaslt_engine(SmallMGemm::off);
+      for (const Path path : {fp32_sums, tensor_cores, cublaslt}) {
+        const std::optional<cuda::SmallMForm> form =
+            path == fp32_sums ? std::optional(cuda::SmallMForm::fp32_sums)
+            : path == tensor_cores ? std::optional(cuda::SmallMForm::tensor_cores) : std::nullopt;
         int next = 0;
         auto call = [&] {
           GemmArgs args;
@@ -643,8 +698,16 @@ TEST_CASE("small-M GEMM weight bandwidth against cuBLASLt", "[gpu][gemm][.bench]
             args.b_scale_inv = scale_inv.data() + 4;
           }
           next = (next + 1) % copies;
-          engine.gemm(decoding_desc(M, shape.N, shape.K, shape.type), args, nullptr);
+          if (form) return cuda::gemm_small_m(desc, args, nullptr, nullptr, form);
+          cublaslt_engine.gemm(desc, args, nullptr);
         };
+        if (form) {
+          GemmArgs probe;
+          probe.A = a.data();
+          probe.B = weights.data();
+          probe.D = d.data();
+          if (cuda::small_m_gemm_refusal(desc, probe, nullptr, form) != nullptr) continue;
+        }
         for (int i = 0; i < copies; ++i) call();  // warm-up: plans, first touch
         constexpr int kCalls = 200;
         CUDA_CHECK(cudaEventRecord(start));
@@ -653,12 +716,17 @@ TEST_CASE("small-M GEMM weight bandwidth against cuBLASLt", "[gpu][gemm][.bench]
         CUDA_CHECK(cudaEventSynchronize(stop));
         float ms = 0.0f;
         CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        us[path == SmallMGemm::on ? 0 : 1] = 1e3 * double(ms) / kCalls;
-        CHECK(engine.small_m_calls() == (path == SmallMGemm::on ? size_t(copies + kCalls) : 0));
+        us[path] = 1e3 * double(ms) / kCalls;
       }
-      std::printf("%-16s %s M=%d K=%d N=%d: small-M %7.2f us %6.0f GB/s | cuBLASLt %7.2f us %6.0f GB/s | %.2fx\n",
-                  shape.name, std::string(cuda::to_string(shape.type)).c_str(), M, shape.K, shape.N, us[0],
-                  double(weight_bytes) / (us[0] * 1e3), us[1], double(weight_bytes) / (us[1] * 1e3), us[1] / us[0]);
+      auto column = [&](double t) {
+        char text[48];
+        if (t == 0.0) return std::string("      -                 ");
+        std::snprintf(text, sizeof text, "%7.2f us %6.0f GB/s", t, double(weight_bytes) / (t * 1e3));
+        return std::string(text);
+      };
+      std::printf("%-16s %s M=%-2d K=%d N=%d: FP32 sums %s | tensor cores %s | cuBLASLt %s\n", shape.name,
+                  std::string(cuda::to_string(shape.type)).c_str(), M, shape.K, shape.N, column(us[0]).c_str(),
+                  column(us[1]).c_str(), column(us[2]).c_str());
     }
   }
   CUDA_CHECK(cudaEventDestroy(start));
