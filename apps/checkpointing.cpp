@@ -821,7 +821,6 @@ void check_export_directory(const std::string& to, const std::string& load, cons
   }
 }
 
-
 void start_fresh_without_checkpoint(TrainOptions& options) {
   if (options.command != RunCommand::train || options.load_dir.empty() || options.save_dir.empty()) return;
   std::error_code error;
@@ -843,10 +842,12 @@ void start_fresh_without_checkpoint(TrainOptions& options) {
       if (name == kLatestFile || name == kStateFile || name.rfind("iter_", 0) == 0) return;  // read_checkpoint judges
     }
   }
-  if (options.exit_on_missing_checkpoint || options.ckpt_step)
-    throw InputError("--load " + options.load_dir + ": no checkpoint there yet" +
-                         (options.ckpt_step ? " (--ckpt-step " + std::to_string(*options.ckpt_step) + " names one)"
-                                            : std::string(" (--exit-on-missing-checkpoint)")),
+  if (options.ckpt_step)
+    throw InputError("--load " + options.load_dir + ": no checkpoint there yet (--ckpt-step " +
+                         std::to_string(*options.ckpt_step) + " names one)",
+                     "leave out --ckpt-step to start from iteration 0 when --load is the --save directory");
+  if (options.exit_on_missing_checkpoint)
+    throw InputError("--load " + options.load_dir + ": no checkpoint there yet (--exit-on-missing-checkpoint)",
                      "leave out --exit-on-missing-checkpoint to start from iteration 0 when --load is the --save "
                      "directory");
   spdlog::warn("--load {}: no checkpoint there yet (it is the --save directory): training from iteration 0, as "

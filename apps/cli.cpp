@@ -131,10 +131,6 @@ void validate_real_flags(const TrainOptions& o) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // Megatron's dtype flags, as given ("" where not).
 struct PrecisionAwareOptimizerFlags {
   bool enabled = false;

@@ -284,9 +284,10 @@ __global__ void __launch_bounds__(kThreads) gemm_small_m_kernel(const Problem p)
   }
 }
 
-// ---- The tensor-core form, for kSmallMMaxRows < M <= kSmallMTensorCoreMaxRows
-// At 16 to 64 rows the FP32 sums above cost more than the weights' bytes (each lane multiplies
-// a loaded piece by every row), so these rows go to the tensor cores, still in one pass over B.
+// ---- The tensor-core form, M <= kSmallMTensorCoreMaxRows (small_m_form sends it E4M3 GEMMs of
+// 2 to 16 rows). From two rows the FP32 sums above cost more than the weights' bytes (each
+// lane multiplies a loaded piece by every row), so these rows go to the tensor cores, still in
+// one pass over B.
 // A block owns 16 rows of B (16 columns of D) and its warps split K: warp w takes the 64-byte
 // chunks w, w + W, w + 2W, ... of those rows. In a chunk, lane l (g = l / 4, t = l % 4) loads
 // 16 bytes at byte 16 t of B's rows g and g + 8, and the same 16 bytes of each row 8 j + g of A
@@ -485,6 +486,12 @@ const char* refusal_in_form(const GemmDesc& desc, const GemmArgs& args, const Sm
   return nullptr;
 }
 
+// The most rows GemmEngine sends here, by operand type and width (small_m_form's measurements).
+int rows_served(const GemmDesc& desc) {
+  if (desc.a_type == GemmType::e4m3) return kSmallMTensorCoreRowsE4m3;
+  return desc.N >= kSmallMVocabularyWideN ? kSmallMMaxRows : kSmallMRowsBf16;
+}
+
 }  // namespace
 
 std::optional<SmallMForm> small_m_form(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm) {
@@ -495,10 +502,9 @@ std::optional<SmallMForm> small_m_form(const GemmDesc& desc, const GemmArgs& arg
   // and up to 8 rows of a vocabulary-wide output (the tied LM head: 0.11 ms of a batch-8 step
   // in the FP32 form, 0.65 ms in cuBLASLt's kernel), else cuBLASLt's from two rows (its BF16
   // kernels read the blocks' weights faster than either form); wider, cuBLASLt's.
+  if (desc.M > rows_served(desc)) return std::nullopt;
   const bool e4m3 = desc.a_type == GemmType::e4m3;
   const SmallMForm preferred = desc.M == 1 || !e4m3 ? SmallMForm::fp32_sums : SmallMForm::tensor_cores;
-  const int widest = e4m3 ? kSmallMTensorCoreRowsE4m3 : desc.N >= kSmallMVocabularyWideN ? kSmallMMaxRows : kSmallMRowsBf16;
-  if (desc.M > widest) return std::nullopt;
   for (const SmallMForm form : {preferred, preferred == SmallMForm::fp32_sums ? SmallMForm::tensor_cores
                                                                               : SmallMForm::fp32_sums})
     if (refusal_in_form(desc, args, layernorm, form) == nullptr) return form;
@@ -509,10 +515,7 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, con
                                  std::optional<SmallMForm> form) {
   if (form) return refusal_in_form(desc, args, layernorm, *form);
   if (small_m_form(desc, args, layernorm)) return nullptr;
-  if (desc.M > (desc.a_type == GemmType::e4m3          ? kSmallMTensorCoreRowsE4m3
-                : desc.N >= kSmallMVocabularyWideN ? kSmallMMaxRows
-                                                   : kSmallMRowsBf16))
-    return "more rows than the small-M kernel serves faster than cuBLASLt";
+  if (desc.M > rows_served(desc)) return "more rows than the small-M kernel serves faster than cuBLASLt";
   // Why the FP32 form, the one that takes the most kinds of problem, does not take it.
   return refusal_in_form(desc, args, layernorm, SmallMForm::fp32_sums);
 }
@@ -520,8 +523,7 @@ const char* small_m_gemm_refusal(const GemmDesc& desc, const GemmArgs& args, con
 void gemm_small_m(const GemmDesc& desc, const GemmArgs& args, cudaStream_t stream, const SmallMLayerNorm* layernorm,
                   std::optional<SmallMForm> form) {
   if (!form) form = small_m_form(desc, args, layernorm);
-  const char* refusal = form ? small_m_gemm_refusal(desc, args, layernorm, form) : small_m_gemm_refusal(desc, args, layernorm);
-  if (refusal != nullptr)
+  if (const char* refusal = small_m_gemm_refusal(desc, args, layernorm, form))
     throw RuntimeError("small-M GEMM [" + std::to_string(desc.M) + "," + std::to_string(desc.N) + "," +
                            std::to_string(desc.K) + "]: " + refusal,
                        "GemmEngine decides which GEMMs the small-M kernel takes (small_m_gemm_refusal)");
