@@ -457,6 +457,15 @@ CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::j
   };
   saved.weight_decay = number("weight_decay");
   saved.adam_beta2 = number("adam_beta2");
+  saved.lr = number("lr");
+  saved.min_lr = number("min_lr");
+  saved.lr_warmup_init = number("lr_warmup_init");
+  if (state.contains(nlohmann::json::json_pointer("/args/lr_warmup_fraction")) &&
+      !state[nlohmann::json::json_pointer("/args/lr_warmup_fraction")].is_null())
+    saved.lr_warmup_fraction = number("lr_warmup_fraction");
+  if (const std::optional<double> warmup = number("lr_warmup_iters")) saved.lr_warmup_iters = int64_t(*warmup);
+  const std::optional<double> decay = number("lr_decay_iters"), train = number("train_iters");
+  if (decay && train) saved.lr_decay_iters = int64_t(*decay >= 0 ? *decay : *train);  // -1: --train-iters
   if (state.contains(nlohmann::json::json_pointer("/args/lr_decay_style"))) {
     const std::string style = manifest_string(state, state_path, "/args/lr_decay_style");
     FP8LM_INPUT_CHECK(style == "cosine" || style == "linear" || style == "constant", state_path,
@@ -854,6 +863,7 @@ void start_fresh_without_checkpoint(TrainOptions& options) {
                "Megatron does; --exit-on-missing-checkpoint makes this an error",
                options.load_dir);
   options.load_dir.clear();
+  options.use_checkpoint_lr_schedule = false;  // no schedule to take yet: the flags' (as in Megatron)
 }
 
 void adopt_resume_checkpoint(TrainOptions& options) {
@@ -882,6 +892,26 @@ void adopt_resume_checkpoint(TrainOptions& options) {
   if (optimizer.lr_decay_style) adopt("--lr-decay-style", options.lr_decay_style, *optimizer.lr_decay_style, style_name);
   if (optimizer.weight_decay) adopt("--weight-decay", options.weight_decay, *optimizer.weight_decay, real);
   if (optimizer.adam_beta2) adopt("--adam-beta2", options.adam_beta2, *optimizer.adam_beta2, real);
+  if (options.use_checkpoint_lr_schedule) {
+    FP8LM_INPUT_CHECK(optimizer.lr && optimizer.min_lr && optimizer.lr_warmup_iters && optimizer.lr_decay_iters &&
+                          optimizer.lr_decay_style,
+                      manifest.dir, ": the checkpoint does not record its learning-rate schedule, which "
+                      "--use-checkpoint-opt_param-scheduler takes");
+    auto take = [&](const char* flag, auto& value, auto saved_value, auto describe) {
+      if (value != saved_value)
+        spdlog::info("--use-checkpoint-opt_param-scheduler: {} {} (the checkpoint's) instead of {}", flag,
+                     describe(saved_value), describe(value));
+      value = saved_value;
+    };
+    auto integer = [](int64_t value) { return std::to_string(value); };
+    take("--lr", options.lr, *optimizer.lr, real);
+    take("--min-lr", options.min_lr, *optimizer.min_lr, real);
+    take("--lr-decay-style", options.lr_decay_style, *optimizer.lr_decay_style, style_name);
+    take("--lr-decay-iters", options.lr_decay_iters, *optimizer.lr_decay_iters, integer);
+    take("--lr-warmup-iters", options.lr_warmup_iters, *optimizer.lr_warmup_iters, integer);
+    if (optimizer.lr_warmup_init) take("--lr-warmup-init", options.lr_warmup_init, *optimizer.lr_warmup_init, real);
+    options.lr_warmup_fraction = optimizer.lr_warmup_fraction;
+  }
   if (!manifest.fp8 || !options.fp8_enabled()) return;
   const CheckpointManifest::Fp8Settings& saved = *manifest.fp8;
   auto number = [](int value) { return std::to_string(value); };

@@ -92,6 +92,10 @@ struct CheckpointManifest {
     std::optional<LrDecayStyle> lr_decay_style;
     std::optional<double> weight_decay;
     std::optional<double> adam_beta2;
+    // The learning-rate schedule, for --use-checkpoint-opt_param-scheduler: the rates, the
+    // warm-up and the decay steps (--lr-decay-iters resolved against the run's --train-iters).
+    std::optional<double> lr, min_lr, lr_warmup_init, lr_warmup_fraction;
+    std::optional<int64_t> lr_warmup_iters, lr_decay_iters;
   };
   OptimizerSettings optimizer;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)
@@ -188,6 +192,9 @@ void start_fresh_without_checkpoint(TrainOptions& options);
 // `fp8lm eval` does), so a checkpoint resumes with the recipe that wrote it whatever this
 // build's defaults are; a flag given explicitly wins (load_into_engine then says what of the
 // scaling state it could keep).
+// Under --use-checkpoint-opt_param-scheduler (Megatron's), the learning-rate schedule is the
+// checkpoint's whatever the flags say: --lr, --min-lr, --lr-warmup-iters or --lr-warmup-fraction,
+// --lr-warmup-init, --lr-decay-style, and the decay steps the saving run resolved.
 void adopt_resume_checkpoint(TrainOptions& options);
 
 // The model config stored with a checkpoint or Hugging Face directory (state.json's

@@ -226,6 +226,8 @@ void validate_options(const TrainOptions& o) {
           "--tokenizer-type " + o.tokenizer_type + " is not supported; only GPT2BPETokenizer (GPT-2's byte-level BPE)");
   require(o.vocab_file.empty() == o.merge_file.empty(), "--vocab-file and --merge-file go together");
   require(!o.ckpt_step || *o.ckpt_step >= 0, "--ckpt-step must be >= 0");
+  require(!o.use_checkpoint_lr_schedule || !o.load_dir.empty(),
+          "--use-checkpoint-opt_param-scheduler needs --load DIR (the checkpoint whose schedule it takes)");
   require(o.load_dir.empty() || o.init_from.empty(), "--load and --init-from are alternatives; give one");
   require(o.eval_interval >= 0, "--eval-interval must be >= 0 (got " + num(o.eval_interval) + ")");
   require(o.eval_iters >= 0, "--eval-iters must be >= 0 (got " + num(o.eval_iters) + ")");
@@ -550,6 +552,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(checkpoints);
   app.add_flag("--exit-on-missing-checkpoint", o.exit_on_missing_checkpoint,
                "With --load: an error, not a fresh start, when --load holds no checkpoint yet")
+      ->group(checkpoints);
+  app.add_flag("--use-checkpoint-opt_param-scheduler", o.use_checkpoint_lr_schedule,
+               "With --load: the checkpoint's learning-rate schedule (rates, warm-up, decay style and steps) over "
+               "the flags")
       ->group(checkpoints);
   app.add_option("--save-interval", o.save_interval, "Save every N steps (0: only at the end and on SIGTERM)")
       ->group(checkpoints);

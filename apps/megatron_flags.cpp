@@ -198,9 +198,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--use-torch-fsdp2", false, Kind::refused, nullptr,
      "fp8lm shards the optimizer state (--use-distributed-optimizer), not the parameters"},
     {"--skip-train", false, Kind::refused, nullptr, "`fp8lm eval --load DIR` evaluates a checkpoint"},
-    {"--use-checkpoint-opt_param-scheduler", false, Kind::refused, nullptr,
-     "fp8lm's checkpoints keep the decay style, weight decay and beta2, not --lr, --min-lr or the warm-up and "
-     "decay steps: a resume takes those from the flags"},
     {"--ckpt-format", true, Kind::refused, nullptr,
      "fp8lm writes its own checkpoints (safetensors inside, docs/RELIABILITY.md); `fp8lm convert` exports a "
      "Hugging Face model"},

@@ -136,6 +136,9 @@ struct TrainOptions {
   // --exit-on-missing-checkpoint: a --load that is also --save and holds no checkpoint yet is
   // an error instead of a fresh start (start_fresh_without_checkpoint, apps/checkpointing.h)
   bool exit_on_missing_checkpoint = false;
+  // --use-checkpoint-opt_param-scheduler: a resume takes the checkpoint's learning-rate schedule
+  // over the flags (adopt_resume_checkpoint)
+  bool use_checkpoint_lr_schedule = false;
 
   // Evaluation and logging
   int64_t eval_interval = 1000;      // --eval-interval; 0 = never

@@ -463,3 +463,43 @@ TEST_CASE("a job restarted until done, --save DIR --load DIR: the first run star
   CHECK(elsewhere.exit_code == 2);
   CHECK_THAT(elsewhere.output, ContainsSubstring(dir.file("typo") + ": no such checkpoint directory"));
 }
+
+TEST_CASE("a resume under --use-checkpoint-opt_param-scheduler takes the checkpoint's learning-rate schedule",
+          "[cli][megatron][checkpoint]") {
+  // Saved with one schedule; resumed with other rates, another decay style and a longer run:
+  // the losses are the uninterrupted run's, bit for bit, so the schedule is the checkpoint's.
+  const testing::TempDir dir;
+  const std::string schedule = " --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 --lr-decay-style cosine";
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("whole.jsonl") + schedule))
+              .exit_code == 0);
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --save " + dir.file("ckpt") + schedule))
+              .exit_code == 0);
+  const auto resumed = testing::run_fp8lm(
+      tiny_run("--train-iters 4 --lr 5e-3 --min-lr 0 --lr-decay-style linear --lr-warmup-iters 0 "
+               "--use-checkpoint-opt_param-scheduler --load " + dir.file("ckpt") + " --metrics-file " +
+               dir.file("resumed.jsonl")));
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output,
+             ContainsSubstring("--use-checkpoint-opt_param-scheduler: --lr 0.001 (the checkpoint's) instead of 0.005") &&
+                 ContainsSubstring("--lr-decay-style cosine (the checkpoint's) instead of linear"));
+  const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
+  const std::vector<double> rest = testing::metrics_losses(dir.file("resumed.jsonl"));
+  REQUIRE(whole.size() == 4);
+  REQUIRE(rest.size() == 2);
+  CHECK(rest[0] == whole[2]);
+  CHECK(rest[1] == whole[3]);
+  // The decay steps are the saving run's: a longer --train-iters continues the same curve.
+  const auto longer = testing::run_fp8lm(tiny_run("--train-iters 6 --use-checkpoint-opt_param-scheduler --load " +
+                                                  dir.file("ckpt") + " --metrics-file " + dir.file("longer.jsonl")));
+  INFO(longer.output);
+  REQUIRE(longer.exit_code == 0);
+  CHECK_THAT(longer.output, ContainsSubstring("--lr-decay-iters 4 (the checkpoint's) instead of -1"));
+  const std::vector<double> longer_losses = testing::metrics_losses(dir.file("longer.jsonl"));
+  REQUIRE(longer_losses.size() >= 2);
+  CHECK(longer_losses[0] == whole[2]);
+  CHECK(longer_losses[1] == whole[3]);
+  // Without --load there is no schedule to take.
+  CHECK_THAT(parse_error({"--mock-data", "--use-checkpoint-opt_param-scheduler"}),
+             ContainsSubstring("--use-checkpoint-opt_param-scheduler needs --load DIR"));
+}
