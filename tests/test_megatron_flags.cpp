@@ -1,7 +1,9 @@
 // A Megatron-LM GPT script's flags (docs/MEGATRON.md): Megatron's defaults, the flags fp8lm
 // implements with Megatron's meaning (--lr-warmup-fraction, --lr-warmup-init, --init-method-std,
-// --norm-epsilon, --exit-duration-in-mins, --finetune, the tokenizer files), the ones it accepts
-// without effect, with one value, or with a warning, and the ones it refuses.
+// --norm-epsilon, --exit-duration-in-mins, --finetune, the tokenizer files, the precision-aware
+// optimizer's dtypes, --save DIR --load DIR with --exit-on-missing-checkpoint,
+// --use-checkpoint-opt_param-scheduler), the ones it accepts without effect, with one value, or
+// with a warning, and the ones it refuses.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
