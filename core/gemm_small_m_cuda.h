@@ -39,8 +39,8 @@
 // (Asking L2 for a block's rows of B before the wait for the kernel ahead - one bulk prefetch,
 // so that they stream while that kernel runs - made decoding slower: device call 140.)
 //
-// Numerics (the tensor-core form: mma.sync's sums, whose E4M3 adder keeps about 13 bits below
-// a step's largest term, as cuBLASLt's fast-accumulation FP8 GEMMs of the forward do; below,
+// Numerics (the tensor-core form: mma.sync's sums, whose E4M3 accumulation keeps about 14 bits
+// (DeepSeek-V3's report), as cuBLASLt's fast-accumulation FP8 GEMMs of the forward do; below,
 // the FP32 form): every product of two E4M3 (or two BF16) values is exact in FP32, and the sums are
 // FP32; only the order of the summation differs from the CPU's cpu::gemm_nt (each lane sums its
 // 16-byte pieces in K order, then the 32 lanes combine in a fixed butterfly). The epilogue adds

@@ -136,10 +136,10 @@ void check_problem(const Problem& p, const Operand& b, DeviceBuffer<uint8_t>& d_
     }
   const double u = std::ldexp(1.0, -24);
   const double chains = p.K / 32.0 + 21 + p.K / 8.0 + 15 + 8;
-  // The tensor-core form (M > 8) sums on mma.sync, whose adder aligns a step's products to the
-  // largest and keeps about 13 bits below it in E4M3 (DeepSeek-V3's report on Hopper, sec. 3.3.2),
-  // and sums whole k-steps in BF16: an error of order 2^-13 of the magnitudes, not of FP32's
-  // rounding. Its bound is 2^-10 of sum |a_k b_k| (a fragment in the wrong place errs by order 1).
+  // The tensor-core form sums on mma.sync, a whole k-step at a time, whose E4M3 accumulation keeps
+  // about 14 bits (DeepSeek-V3's report on Hopper's FP8 GEMMs, sec. 3.3.2): an error of order
+  // 2^-13 of the magnitudes, not of FP32's rounding. Its bound, for both operand types, is 2^-10
+  // of sum |a_k b_k| (a fragment in the wrong place errs by order 1).
   const bool tensor_cores = p.form == cuda::SmallMForm::tensor_cores;
 
   const bool fp8 = p.type == GemmType::e4m3;
