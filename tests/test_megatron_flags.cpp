@@ -53,6 +53,27 @@ std::string tiny_run(const std::string& extra) {
          extra;
 }
 
+// The resume tests' reference: `flags` run 4 steps uninterrupted (their losses, returned) and
+// again stopped at iteration 2 with a checkpoint in dir/ckpt.
+std::vector<double> whole_run_and_checkpoint(const testing::TempDir& dir, const std::string& flags) {
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("whole.jsonl") + flags))
+              .exit_code == 0);
+  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --save " + dir.file("ckpt") + flags))
+              .exit_code == 0);
+  std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
+  REQUIRE(whole.size() == 4);
+  return whole;
+}
+
+// A run resumed at iteration 2 continues the uninterrupted run bit for bit: its first two
+// losses are that run's third and fourth.
+void check_continues(const std::vector<double>& whole, const std::vector<double>& resumed) {
+  REQUIRE(whole.size() == 4);
+  REQUIRE(resumed.size() >= 2);
+  CHECK(resumed[0] == whole[2]);
+  CHECK(resumed[1] == whole[3]);
+}
+
 }  // namespace
 
 TEST_CASE("a Megatron GPT pretraining script's flags run as written", "[cli][megatron]") {
@@ -330,10 +351,7 @@ TEST_CASE("a resume takes the checkpoint's decay style, weight decay and beta2 f
   // fp8lm's default) continues with it when resumed without the flags: bit for bit.
   const testing::TempDir dir;
   const std::string recipe = " --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 --lr 1e-3";
-  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("whole.jsonl") + recipe))
-              .exit_code == 0);
-  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --save " + dir.file("ckpt") + recipe))
-              .exit_code == 0);
+  const std::vector<double> whole = whole_run_and_checkpoint(dir, recipe);
   const auto resumed = testing::run_fp8lm(tiny_run("--train-iters 4 --lr 1e-3 --load " + dir.file("ckpt") +
                                                    " --metrics-file " + dir.file("resumed.jsonl")));
   INFO(resumed.output);
@@ -341,12 +359,7 @@ TEST_CASE("a resume takes the checkpoint's decay style, weight decay and beta2 f
   CHECK_THAT(resumed.output, ContainsSubstring("--lr-decay-style not given: resuming with the checkpoint's cosine") &&
                                  ContainsSubstring("--weight-decay not given: resuming with the checkpoint's 0.1") &&
                                  ContainsSubstring("--adam-beta2 not given: resuming with the checkpoint's 0.95"));
-  const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
-  const std::vector<double> rest = testing::metrics_losses(dir.file("resumed.jsonl"));
-  REQUIRE(whole.size() == 4);
-  REQUIRE(rest.size() == 2);
-  CHECK(rest[0] == whole[2]);
-  CHECK(rest[1] == whole[3]);
+  check_continues(whole, testing::metrics_losses(dir.file("resumed.jsonl")));
   // A flag given wins over the checkpoint, as every flag of a resume does.
   const auto given = testing::run_fp8lm(tiny_run("--train-iters 3 --lr 1e-3 --adam-beta2 0.99 --load " +
                                                  dir.file("ckpt")));
@@ -446,12 +459,10 @@ TEST_CASE("a job restarted until done, --save DIR --load DIR: the first run star
   const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
   const std::vector<double> first_losses = testing::metrics_losses(dir.file("first.jsonl"));
   const std::vector<double> second_losses = testing::metrics_losses(dir.file("second.jsonl"));
-  REQUIRE(whole.size() == 4);
   REQUIRE(first_losses.size() == 2);
   REQUIRE(second_losses.size() == 2);
   CHECK(first_losses[1] == whole[1]);
-  CHECK(second_losses[0] == whole[2]);
-  CHECK(second_losses[1] == whole[3]);
+  check_continues(whole, second_losses);
 
   // Megatron's --exit-on-missing-checkpoint makes an empty DIR an error; so is a --load that is
   // not the --save directory (a mistyped path never starts a run afresh).
@@ -472,10 +483,7 @@ TEST_CASE("a resume under --use-checkpoint-opt_param-scheduler takes the checkpo
   // the losses are the uninterrupted run's, bit for bit, so the schedule is the checkpoint's.
   const testing::TempDir dir;
   const std::string schedule = " --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 --lr-decay-style cosine";
-  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("whole.jsonl") + schedule))
-              .exit_code == 0);
-  REQUIRE(testing::run_fp8lm(tiny_run("--train-iters 4 --exit-interval 2 --save " + dir.file("ckpt") + schedule))
-              .exit_code == 0);
+  const std::vector<double> whole = whole_run_and_checkpoint(dir, schedule);
   const auto resumed = testing::run_fp8lm(
       tiny_run("--train-iters 4 --lr 5e-3 --min-lr 0 --lr-decay-style linear --lr-warmup-iters 0 "
                "--use-checkpoint-opt_param-scheduler --load " + dir.file("ckpt") + " --metrics-file " +
@@ -485,22 +493,16 @@ TEST_CASE("a resume under --use-checkpoint-opt_param-scheduler takes the checkpo
   CHECK_THAT(resumed.output,
              ContainsSubstring("--use-checkpoint-opt_param-scheduler: --lr 0.001 (the checkpoint's) instead of 0.005") &&
                  ContainsSubstring("--lr-decay-style cosine (the checkpoint's) instead of linear"));
-  const std::vector<double> whole = testing::metrics_losses(dir.file("whole.jsonl"));
   const std::vector<double> rest = testing::metrics_losses(dir.file("resumed.jsonl"));
-  REQUIRE(whole.size() == 4);
   REQUIRE(rest.size() == 2);
-  CHECK(rest[0] == whole[2]);
-  CHECK(rest[1] == whole[3]);
+  check_continues(whole, rest);
   // The decay steps are the saving run's: a longer --train-iters continues the same curve.
   const auto longer = testing::run_fp8lm(tiny_run("--train-iters 6 --use-checkpoint-opt_param-scheduler --load " +
                                                   dir.file("ckpt") + " --metrics-file " + dir.file("longer.jsonl")));
   INFO(longer.output);
   REQUIRE(longer.exit_code == 0);
   CHECK_THAT(longer.output, ContainsSubstring("--lr-decay-iters 4 (the checkpoint's) instead of -1"));
-  const std::vector<double> longer_losses = testing::metrics_losses(dir.file("longer.jsonl"));
-  REQUIRE(longer_losses.size() >= 2);
-  CHECK(longer_losses[0] == whole[2]);
-  CHECK(longer_losses[1] == whole[3]);
+  check_continues(whole, testing::metrics_losses(dir.file("longer.jsonl")));
   // Without --load there is no schedule to take.
   CHECK_THAT(parse_error({"--mock-data", "--use-checkpoint-opt_param-scheduler"}),
              ContainsSubstring("--use-checkpoint-opt_param-scheduler needs --load DIR"));
