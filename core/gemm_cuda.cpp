@@ -489,7 +489,7 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   // (small_m_gemm_refusal: E4M3 x E4M3 or BF16 x BF16 into BF16, per-tensor scales, K a
   // multiple of 16, ...); any other GEMM, every training GEMM (M = B x T) among them, goes to
   // cuBLASLt by that same rule, never after a failed attempt.
-  if (small_m_ == SmallMGemm::on && small_m_gemm_refusal(desc, args) == nullptr) {
+  if (routes_to_small_m(desc, args)) {
     gemm_small_m(desc, args, stream);
     ++small_m_calls_;
     return;
@@ -520,6 +520,10 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
                            describe(key),
                        alignment_hint(key));
   }
+}
+
+bool GemmEngine::routes_to_small_m(const GemmDesc& desc, const GemmArgs& args) const {
+  return small_m_ == SmallMGemm::on && small_m_gemm_refusal(desc, args) == nullptr;
 }
 
 bool GemmEngine::gemm_after_layernorm(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm& layernorm,

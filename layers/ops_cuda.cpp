@@ -739,12 +739,15 @@ class CudaOps final : public Ops {
       cuda::GemmArgs args;
       if (small_m_gelu_args(call, desc, args)) return gemm_->gemm(desc, args, stream_);
     }
-    // Up to 16 rows of E4M3 go to the small-M kernel's tensor-core form without the epilogue:
-    // the GELU kernel after it costs less than cuBLASLt's slower pass over the weight.
-    const int few_rows = per_tensor_e4m3 && gemm_->small_m_enabled() ? cuda::kSmallMTensorCoreRowsE4m3
-                                                                     : cuda::kSmallMMaxRows;
-    if (M <= few_rows || !(per_tensor_e4m3 || bf16_out)) {
-      gemm({.pass = GemmPass::forward, .out = pre, .input = call.input, .weight = call.weight});
+    // Where the plain GEMM goes to the small-M kernel (a few decoding rows: E4M3 up to 16), it
+    // and the GELU kernel after it cost less than cuBLASLt's slower pass over the weight; the
+    // engine's own routing rule decides, so the two cannot drift apart.
+    const GemmCall plain{.pass = GemmPass::forward, .out = pre, .input = call.input, .weight = call.weight};
+    cuda::GemmDesc plain_desc;
+    cuda::GemmArgs plain_args;
+    forward_gemm_args(plain, plain_desc, plain_args);
+    if (gemm_->routes_to_small_m(plain_desc, plain_args) || !(per_tensor_e4m3 || bf16_out)) {
+      gemm(plain);
       return bias_gelu(out, pre, call.bias);
     }
     cuda::GemmDesc desc;
