@@ -647,8 +647,8 @@ TEST_CASE("decoding with the small-M GEMM gives cuBLASLt's logits and greedy tok
 }
 
 // Weight bandwidth (hidden: run with "[.bench]" or "[gemm][.bench]"): each GEMM of a gpt2-1558m
-// decoding step, and its LM head, on the small-M kernel and on cuBLASLt, at M = 1 and 8 (the
-// FP32 form) and 16, 32 and 64 (the tensor-core form).
+// decoding step, its LM head, and four of gpt-6.7b's, on the small-M kernel and on cuBLASLt, at
+// M = 1 to 8 (the FP32 form) and 1 to 64 (the tensor-core form).
 // Back-to-back calls cycle through copies of the weight that together exceed the 50 MB L2, so
 // every call reads its weight from HBM, as a decoding step does (1.47 GB of E4M3 weights). The
 // scale_inv pointers sit 16 bytes apart, as in the CUDA backend's scaling state. GB/s counts
@@ -663,7 +663,10 @@ TEST_CASE("small-M GEMM weight bandwidth against cuBLASLt", "[gpu][gemm][.bench]
   const Shape shapes[] = {{"c_attn", 1600, 4800, GemmType::e4m3},     {"attn.c_proj", 1600, 1600, GemmType::e4m3},
                           {"c_fc", 1600, 6400, GemmType::e4m3},       {"mlp.c_proj", 6400, 1600, GemmType::e4m3},
                           {"c_attn bf16", 1600, 4800, GemmType::bf16}, {"c_fc bf16", 1600, 6400, GemmType::bf16},
-                          {"mlp.c_proj bf16", 6400, 1600, GemmType::bf16}, {"lm_head bf16", 1600, 50304, GemmType::bf16}};
+                          {"mlp.c_proj bf16", 6400, 1600, GemmType::bf16}, {"lm_head bf16", 1600, 50304, GemmType::bf16},
+                          // gpt-6.7b's (width 4096): 4 to 10 times the bytes a GEMM
+                          {"6.7b c_attn", 4096, 12288, GemmType::e4m3},     {"6.7b c_fc", 4096, 16384, GemmType::e4m3},
+                          {"6.7b mlp.c_proj", 16384, 4096, GemmType::e4m3}, {"6.7b c_fc bf16", 4096, 16384, GemmType::bf16}};
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
