@@ -480,6 +480,8 @@ const char* refusal_in_form(const GemmDesc& desc, const GemmArgs& args, const Sm
     if (!aligned16(layernorm->input) || !aligned16(layernorm->weight) || !aligned16(layernorm->bias))
       return "a LayerNorm prologue's input, weight or bias is not 16-byte aligned";
     if (layernorm->scale == nullptr) return "a LayerNorm prologue without the cast's scale";
+    if (desc.K > kSmallMLayerNormPrologueMaxWidth)
+      return "a LayerNorm prologue over rows wider than 2,048 (slower than the LayerNorm kernel: call 190)";
     if (layernorm_shared_bytes(desc.M, desc.K) > kDefaultSharedBytes)
       return "a LayerNorm prologue whose rows do not fit 48 KB of shared memory";
   }

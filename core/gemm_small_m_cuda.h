@@ -72,7 +72,12 @@ inline constexpr int kSmallMRowsBf16 = 1;
 inline constexpr int kSmallMVocabularyWideN = 32768;
 
 // The LayerNorm prologue: A [M,K] = LayerNorm(input [M,K]) as E4M3 codes (layernorm.h's
-// layernorm_forward_fp8 contract, K the row width).
+// layernorm_forward_fp8 contract, K the row width). Every block of the GEMM normalizes the row
+// itself, so its cost grows with the row's width and the GEMM's blocks: it takes rows up to
+// kSmallMLayerNormPrologueMaxWidth wide, measured faster than the LayerNorm kernel at 1,600
+// (gpt2-1558m, device call 141) and slower at 4,096 (gpt-6.7b: 4.67 against 4.33 ms a decoding
+// step, call 190).
+inline constexpr int kSmallMLayerNormPrologueMaxWidth = 2048;
 struct SmallMLayerNorm {
   const void* input = nullptr;   // [M,K] bf16, 16-byte aligned
   const void* weight = nullptr;  // [K] bf16, 16-byte aligned

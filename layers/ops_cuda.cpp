@@ -664,7 +664,8 @@ class CudaOps final : public Ops {
   }
 
   // ln_1 -> c_attn and ln_2 -> c_fc (ops.h): one launch of the small-M GEMM with its LayerNorm
-  // prologue where it takes them (an FP8 decoding step at batch 1), else the two ops.
+  // prologue where it takes them (an FP8 decoding step at batch 1, rows up to 2,048 wide), else
+  // the two ops.
   void layernorm_to_gemm(const LayerNormToGemm& call) override {
     if (!layernorm_prologue(call)) Ops::layernorm_to_gemm(call);
   }

@@ -523,13 +523,16 @@ TEST_CASE("small-M GEMM rule: which GEMMs the kernel takes, and why not the othe
   CHECK(refused(desc, args));  // an E4M3 D without the GELU epilogue
 
   // The LayerNorm prologue: one row of E4M3 operands, 16-byte-aligned input, weight and bias,
-  // the cast's scale, and a row that fits 48 KB of shared memory.
+  // the cast's scale, and a row that fits 48 KB of shared memory, at most 2,048 wide.
   cuda::SmallMLayerNorm layernorm{.input = memory, .weight = memory + 256, .bias = memory + 512, .scale = some_scale};
   CHECK(cuda::small_m_gemm_refusal(fp8, args, &layernorm) == nullptr);
   CHECK(cuda::small_m_form(fp8, args, &layernorm) == SmallMForm::fp32_sums);
   CHECK(refused_with(decoding_desc(2, 4800, 1600, GemmType::e4m3), args, layernorm));
   CHECK(refused_with(decoding_desc(1, 4800, 1600, GemmType::bf16), args, layernorm));
   CHECK(refused_with(decoding_desc(1, 4800, 65536, GemmType::e4m3), args, layernorm));  // 64 KB
+  // Wider than 2,048 the separate LayerNorm kernel is the faster (gpt-6.7b's 4,096: call 190).
+  CHECK(cuda::small_m_gemm_refusal(decoding_desc(1, 16384, 2048, GemmType::e4m3), args, &layernorm) == nullptr);
+  CHECK(refused_with(decoding_desc(1, 16384, 4096, GemmType::e4m3), args, layernorm));
   cuda::SmallMLayerNorm unscaled = layernorm;
   unscaled.scale = nullptr;
   CHECK(refused_with(fp8, args, unscaled));
