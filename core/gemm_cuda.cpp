@@ -522,13 +522,13 @@ void GemmEngine::gemm(const GemmDesc& desc, const GemmArgs& args, cudaStream_t s
   }
 }
 
-bool GemmEngine::routes_to_small_m(const GemmDesc& desc, const GemmArgs& args) const {
-  return small_m_ == SmallMGemm::on && small_m_gemm_refusal(desc, args) == nullptr;
+bool GemmEngine::routes_to_small_m(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm) const {
+  return small_m_ == SmallMGemm::on && small_m_gemm_refusal(desc, args, layernorm) == nullptr;
 }
 
 bool GemmEngine::gemm_after_layernorm(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm& layernorm,
                                       cudaStream_t stream) {
-  if (small_m_ != SmallMGemm::on || small_m_gemm_refusal(desc, args, &layernorm) != nullptr) return false;
+  if (!routes_to_small_m(desc, args, &layernorm)) return false;
   gemm_small_m(desc, args, stream, &layernorm);
   ++small_m_calls_;
   return true;

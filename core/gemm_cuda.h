@@ -150,10 +150,10 @@ class GemmEngine {
                             cudaStream_t stream);
   // Whether GEMMs of a few rows may go to the small-M kernel (SmallMGemm::on).
   bool small_m_enabled() const { return small_m_ == SmallMGemm::on; }
-  // Whether gemm() would send this problem to the small-M kernel: the one routing rule, for
-  // callers that choose between two ways of computing something (a fused cuBLASLt epilogue or
-  // the small-M GEMM and a kernel after it).
-  bool routes_to_small_m(const GemmDesc& desc, const GemmArgs& args) const;
+  // Whether gemm() (with `layernorm`: gemm_after_layernorm()) would send this problem to the
+  // small-M kernel: the one routing rule, also for callers that choose between two ways of
+  // computing something (a fused cuBLASLt epilogue, or the small-M GEMM and a kernel after it).
+  bool routes_to_small_m(const GemmDesc& desc, const GemmArgs& args, const SmallMLayerNorm* layernorm = nullptr) const;
 
   // Number of cached plans (tests: repeating a call must not grow it).
   size_t cache_size() const { return plans_.size(); }

@@ -664,8 +664,8 @@ class CudaOps final : public Ops {
   }
 
   // ln_1 -> c_attn and ln_2 -> c_fc (ops.h): one launch of the small-M GEMM with its LayerNorm
-  // prologue where it takes them (an FP8 decoding step at batch 1, rows up to 2,048 wide), else
-  // the two ops.
+  // prologue where it takes them (an FP8 decoding step at batch 1, rows up to
+  // kSmallMLayerNormPrologueMaxWidth wide), else the two ops.
   void layernorm_to_gemm(const LayerNormToGemm& call) override {
     if (!layernorm_prologue(call)) Ops::layernorm_to_gemm(call);
   }
@@ -740,9 +740,9 @@ class CudaOps final : public Ops {
       cuda::GemmArgs args;
       if (small_m_gelu_args(call, desc, args)) return gemm_->gemm(desc, args, stream_);
     }
-    // Where the plain GEMM goes to the small-M kernel (a few decoding rows: E4M3 up to 16), it
-    // and the GELU kernel after it cost less than cuBLASLt's slower pass over the weight; the
-    // engine's own routing rule decides, so the two cannot drift apart.
+    // Where the plain GEMM goes to the small-M kernel (a few decoding rows), it and the GELU
+    // kernel after it cost less than cuBLASLt's slower pass over the weight; the engine's own
+    // routing rule decides, so the two cannot drift apart.
     const GemmCall plain{.pass = GemmPass::forward, .out = pre, .input = call.input, .weight = call.weight};
     cuda::GemmDesc plain_desc;
     cuda::GemmArgs plain_args;
