@@ -35,40 +35,33 @@ inline float bf16_to_float(uint16_t bf16) { return float_from_bits(static_cast<u
 inline float round_to_bf16(float x) { return bf16_to_float(bf16_from_float(x)); }
 
 // ---- FP16 (IEEE binary16): 5 exponent bits, bias 15, max 65504, with infinities.
+// Bit operations, as for FP8 (core/fp8.cpp); tests/test_fp8.cpp holds them to the
+// frexp/ldexp form of the same rounding.
 inline uint16_t fp16_from_float(float x) {
-  uint32_t bits = float_bits(x);
-  uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const uint32_t bits = float_bits(x);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
   if (abs_bits > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7FFFu);  // NaN
-  float a = float_from_bits(abs_bits);
-  // Round at the FP16 quantum; beyond 65520 (max + half ulp) it rounds to infinity.
-  if (a >= 65520.0f) return static_cast<uint16_t>(sign | 0x7C00u);
-  if (a < 0x1p-14f) {  // subnormal: quantum 2^-24; nearbyint rounds ties to even
-    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(a * 0x1p24f)));
+  // At and beyond 65520 (max + half an ulp) it rounds to infinity.
+  if (abs_bits >= float_bits(65520.0f)) return static_cast<uint16_t>(sign | 0x7C00u);
+  if (abs_bits < float_bits(0x1p-14f)) {
+    // Subnormal: a multiple of 2^-24 (exact scaling); adding and subtracting 2^23 rounds half
+    // to even, and 1024 quanta carry into the smallest normal by themselves.
+    const float quanta = float_from_bits(abs_bits) * 0x1p24f;
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>((quanta + 0x1p23f) - 0x1p23f));
   }
-  int exponent;
-  std::frexp(a, &exponent);  // a = f * 2^exponent, f in [0.5, 1)
-  int unbiased = exponent - 1;
-  float quantum = std::ldexp(1.0f, unbiased - 10);
-  uint32_t significand = static_cast<uint32_t>(std::nearbyint(a / quantum));  // in [1024, 2048]
-  // A carry to 2048 rolls naturally into the next exponent field.
-  uint32_t code = (static_cast<uint32_t>(unbiased + 15) << 10) + (significand - 1024u);
-  return static_cast<uint16_t>(sign | code);
+  // Normal: round FP32's 23 fraction bits to 10, half to even; a carry rolls into the exponent.
+  const uint32_t rounded = (abs_bits + 0xFFFu + ((abs_bits >> 13) & 1u)) >> 13;
+  return static_cast<uint16_t>(sign | (rounded - ((127u - 15u) << 10)));
 }
 
 inline float fp16_to_float(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1Fu;
-  uint32_t mantissa = h & 0x3FFu;
-  float magnitude;
-  if (exponent == 0) {
-    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-  } else if (exponent == 31) {
-    magnitude = mantissa ? NAN : INFINITY;
-  } else {
-    magnitude = std::ldexp(static_cast<float>(mantissa + 1024u), static_cast<int>(exponent) - 25);
-  }
-  return float_from_bits(float_bits(magnitude) | sign);
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0) return float_from_bits(float_bits(static_cast<float>(mantissa) * 0x1p-24f) | sign);
+  if (exponent == 31) return float_from_bits(float_bits(mantissa ? NAN : INFINITY) | sign);
+  return float_from_bits(sign | ((exponent + 127u - 15u) << 23) | (mantissa << 13));
 }
 
 inline constexpr float kFp16Max = 65504.0f;

@@ -65,27 +65,32 @@ std::string_view to_string(Fp8Format format) { return format == Fp8Format::e4m3 
 uint8_t fp8_encode(float value, Fp8Dtype dtype) {
   const Fp8Layout layout = layout_of(dtype);
   const uint32_t bits = float_bits(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return kNanCode;
+  const uint32_t magnitude_bits = bits & 0x7FFFFFFFu;
+  if (magnitude_bits > 0x7F800000u) return kNanCode;
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  const float magnitude = float_from_bits(bits & 0x7FFFFFFFu);
-  if (std::isinf(magnitude)) return sign | layout.max_code;
+  if (magnitude_bits == 0x7F800000u) return sign | layout.max_code;
 
-  // FP8 codes of one sign are contiguous and monotone in the value, so a code is
-  // (biased exponent << mantissa_bits) + (significand - implicit one). Dividing by the
-  // quantum (a power of two) is exact; nearbyint rounds half to even. A significand
-  // that rounds up to the next power of two carries into the exponent field by itself.
+  // FP8 codes of one sign are contiguous and monotone in the value: a code is (biased exponent
+  // << mantissa_bits) + the significand's fraction bits, as in FP32. Bit operations instead of
+  // frexp/ldexp/lrint (the optimizer and the CPU casts encode every element): the results are
+  // the same codes (tests/test_fp8.cpp compares them with those calls' form).
   const int min_normal_exponent = 1 - layout.exponent_bias;
-  int exponent;
-  std::frexp(magnitude, &exponent);  // magnitude = f * 2^exponent, f in [0.5, 1)
-  const int unbiased = std::max(exponent - 1, min_normal_exponent);  // subnormals share the min exponent
-  const float quantum = std::ldexp(1.0f, unbiased - layout.mantissa_bits);
-  const long significand = std::lrint(magnitude / quantum);
-  long code;
-  if (significand < (1L << layout.mantissa_bits)) {
-    code = significand;  // subnormal (or zero): exponent field 0
+  const uint32_t min_normal_bits = static_cast<uint32_t>(min_normal_exponent + 127) << 23;
+  uint32_t code;
+  if (magnitude_bits < min_normal_bits) {
+    // Subnormal (or zero): a multiple of the quantum 2^(min_normal_exponent - mantissa_bits),
+    // at most 2^mantissa_bits of them (that many is the smallest normal, code and all).
+    // Scaling by a power of two is exact; adding and subtracting 2^23 rounds half to even.
+    const float quanta = float_from_bits(magnitude_bits) *
+                         float_from_bits(static_cast<uint32_t>(127 - min_normal_exponent + layout.mantissa_bits) << 23);
+    code = static_cast<uint32_t>((quanta + 0x1p23f) - 0x1p23f);
   } else {
-    code = (static_cast<long>(unbiased + layout.exponent_bias) << layout.mantissa_bits) +
-           (significand - (1L << layout.mantissa_bits));
+    // Normal: round FP32's 23 fraction bits to mantissa_bits, half to even; a fraction that
+    // rounds up to the next power of two carries into the exponent field by itself.
+    const int dropped = 23 - layout.mantissa_bits;
+    const uint32_t half_minus_one = (1u << (dropped - 1)) - 1u;
+    const uint32_t rounded = (magnitude_bits + half_minus_one + ((magnitude_bits >> dropped) & 1u)) >> dropped;
+    code = rounded - (static_cast<uint32_t>(127 - layout.exponent_bias) << layout.mantissa_bits);
   }
   if (code > layout.max_code) code = layout.max_code;  // __NV_SATFINITE
   return sign | static_cast<uint8_t>(code);

@@ -147,3 +147,29 @@ TEST_CASE("fp16 and bf16 host conversions match cuda_fp16.h / round to nearest e
   CHECK(round_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 1.0f);                          // tie to even
   CHECK(round_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)) == 1.0f + std::ldexp(1.0f, -6));  // tie to even, up
 }
+
+// The encoders are bit operations (core/fp8.cpp, core/dtype.h); their former frexp/ldexp/lrint
+// form gave the same codes for all 2^32 floats (checked once when they changed, 2026-11-27).
+// Here: every 257th bit pattern, both signs, every exponent and both formats, against CUDA's host
+// conversions; every FP16 code decoded.
+TEST_CASE("fp8 and fp16 encoders match CUDA's on every 257th float bit pattern; fp16 decodes every code",
+          "[fp8][dtype]") {
+  long fp8_mismatches = 0, fp16_mismatches = 0;
+  for (uint64_t bits = 0; bits < (uint64_t(1) << 32); bits += 257) {
+    const float x = float_from_bits(static_cast<uint32_t>(bits));
+    for (Fp8Dtype dtype : kBoth) fp8_mismatches += fp8_encode(x, dtype) != cuda_encode(x, dtype);
+    const __half h = __float2half_rn(x);
+    uint16_t cuda_bits;
+    std::memcpy(&cuda_bits, &h, sizeof cuda_bits);
+    const uint16_t ours = fp16_from_float(x);
+    fp16_mismatches += std::isnan(x) ? !std::isnan(fp16_to_float(ours)) : ours != cuda_bits;
+  }
+  CHECK(fp8_mismatches == 0);
+  CHECK(fp16_mismatches == 0);
+  for (uint32_t code = 0; code < 65536; ++code) {
+    __half_raw raw;
+    raw.x = static_cast<uint16_t>(code);
+    INFO("fp16 code " << code);
+    REQUIRE(same_float(fp16_to_float(static_cast<uint16_t>(code)), __half2float(__half(raw))));
+  }
+}

@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/exp_vectorizable.h"
+#include "core/gemm.h"
 #include "layers/attention.h"
 #include "layers/cross_entropy.h"
 #include "layers/encoder.h"
@@ -469,6 +472,85 @@ TEST_CASE("cross entropy forward-only (dloss = 0) leaves the logits untouched", 
     double sum = 0.0;
     for (int v = 0; v < p.V; v++) sum += std::exp(double(row[v]) - max_logit);
     REQUIRE_THAT(losses[i], WithinAbs(max_logit + std::log(sum) - row[p.targets[i]], 1e-5));
+  }
+}
+
+TEST_CASE("the loss's exponential is within 1.25 ulp of e^x over the float range, with IEEE's special values",
+          "[layers][cpu]") {
+  using fp8lm::cpu::exp_vectorizable;
+  // Every 61st float in [-110, 89] (about 17 million values, from 0 and the smallest
+  // subnormal results up to overflow), each against e^x in double. An ulp is the spacing of
+  // floats at the exact result (2^-149 among the subnormals).
+  double worst_ulps = 0.0;
+  float worst_x = 0.0f;
+  auto check = [&](float x) {
+    const double exact = std::exp(double(x));
+    const float result = exp_vectorizable(x);
+    const float rounded = float(exact);
+    const double ulp = rounded < 0x1p-126f ? 0x1p-149 : double(std::nextafter(rounded, INFINITY) - rounded);
+    const double ulps = std::fabs(double(result) - exact) / ulp;
+    if (ulps > worst_ulps) worst_ulps = ulps, worst_x = x;
+  };
+  for (uint32_t bits = 0; bits <= std::bit_cast<uint32_t>(89.0f); bits += 61) check(std::bit_cast<float>(bits));
+  for (uint32_t bits = 0x80000000u; bits <= std::bit_cast<uint32_t>(-110.0f); bits += 61) check(std::bit_cast<float>(bits));
+  INFO("worst at x = " << worst_x);
+  REQUIRE(worst_ulps <= 1.25);
+  REQUIRE(exp_vectorizable(0.0f) == 1.0f);
+  REQUIRE(exp_vectorizable(-0.0f) == 1.0f);
+  REQUIRE(exp_vectorizable(1.0f) == std::exp(1.0f));
+  REQUIRE(exp_vectorizable(-INFINITY) == 0.0f);
+  REQUIRE(exp_vectorizable(-1e30f) == 0.0f);
+  REQUIRE(exp_vectorizable(INFINITY) == INFINITY);
+  REQUIRE(exp_vectorizable(89.0f) == INFINITY);
+  REQUIRE(exp_vectorizable(88.72f) < INFINITY);
+  REQUIRE(std::isnan(exp_vectorizable(NAN)));
+  REQUIRE(exp_vectorizable(-103.0f) > 0.0f);  // subnormal, not flushed
+}
+
+// The definition of cpu::gemm_nt's sums (core/gemm.cpp), term by term: 8 interleaved partial
+// sums over k, the partials in order from 0.0f, then the K % 8 tail.
+float ordered_dot(const float* a, const float* b, int K) {
+  float partial[8] = {};
+  const int vector_end = K / 8 * 8;
+  for (int k = 0; k < vector_end; k += 8)
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += a[k + lane] * b[k + lane];
+  float sum = 0.0f;
+  for (float p : partial) sum += p;
+  for (int k = vector_end; k < K; ++k) sum += a[k] * b[k];
+  return sum;
+}
+
+TEST_CASE("cpu::gemm_nt sums every dot product in its defined order, for any shape and thread count",
+          "[layers][cpu]") {
+  std::mt19937 rng(701);
+  struct Shape { int M, N, K; };
+  // Short K (one pass), ragged N (a partly filled panel), K with a tail, and a long K that runs
+  // in passes with the partial sums parked in between (the LM head's dgrad).
+  const Shape shapes[] = {{1, 1, 1}, {3, 5, 7}, {4, 8, 64}, {9, 13, 67}, {65, 66, 200}, {5, 17, 4100 + 3}, {2, 9, 9000}};
+  for (const Shape& shape : shapes) {
+    for (const bool accumulate : {false, true}) {
+      const std::vector<float> A = random_normal(size_t(shape.M) * shape.K, rng);
+      const std::vector<float> B = random_normal(size_t(shape.N) * shape.K, rng);
+      const std::vector<float> C0 = random_normal(size_t(shape.M) * shape.N, rng);
+      const float alpha = 0.37f;
+      std::vector<float> expected = C0;
+      for (int i = 0; i < shape.M; ++i)
+        for (int j = 0; j < shape.N; ++j) {
+          const float dot = alpha * ordered_dot(&A[size_t(i) * shape.K], &B[size_t(j) * shape.K], shape.K);
+          float& out = expected[size_t(i) * shape.N + j];
+          out = accumulate ? out + dot : dot;
+        }
+      for (const int threads : {1, 2, 3}) {
+        std::vector<float> C = C0;
+        with_threads(threads, [&] {
+          fp8lm::cpu::gemm_nt(C.data(), A.data(), B.data(), shape.M, shape.N, shape.K, alpha, accumulate);
+          return 0;
+        });
+        INFO("M " << shape.M << " N " << shape.N << " K " << shape.K << " accumulate " << accumulate << " threads "
+                  << threads);
+        REQUIRE(std::memcmp(C.data(), expected.data(), C.size() * sizeof(float)) == 0);
+      }
+    }
   }
 }
 
