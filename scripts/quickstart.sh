@@ -36,7 +36,7 @@ else
   say "no GPU: a 4-layer, 64-wide GPT (configs/quickstart-cpu.json), FP8 (hybrid) emulated on the CPU"
   model=(--config configs/quickstart-cpu.json --device cpu --micro-batch-size 8 --seq-length 64
          --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 40 --weight-decay 0)
-  iters=${FP8LM_QUICKSTART_ITERS:-800}
+  iters=${FP8LM_QUICKSTART_ITERS:-640}
 fi
 
 # GPT-2's recipe: cosine decay, beta2 0.95 (Megatron's defaults are linear and 0.999).

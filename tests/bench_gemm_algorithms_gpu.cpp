@@ -273,3 +273,28 @@ TEST_CASE("every cuBLASLt configuration for gpt2-1558m's training GEMMs, timed",
   FP8LM_REQUIRE_GPU();
   time_training_shapes(/*exhaustive=*/true);
 }
+
+// Transformer Engine keeps split accumulation (FP32 promotion of the tensor cores' partial sums)
+// in the backward GEMMs and fast accumulation only in the forward, as fp8lm does. What would
+// fast accumulation save in the backward? Each of gpt2-1558m's dgrad and wgrad shapes, the
+// heuristic's candidates both ways.
+TEST_CASE("gpt2-1558m's backward GEMMs with fast accumulation against split accumulation, timed",
+          "[gemm-fast-accumulation][.bench][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  cublasLtHandle_t handle;
+  BENCH_CUBLAS(cublasLtCreate(&handle));
+  const size_t workspace_bytes = size_t{32} << 20;
+  void* workspace = nullptr;
+  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  for (const Shape& s : training_shapes()) {
+    if (s.fast_accum) continue;  // the forward's already are
+    const std::string fast_name = std::string(s.name) + " fast";
+    Shape fast = s;
+    fast.name = fast_name.c_str();
+    fast.fast_accum = true;
+    time_candidates(handle, s, workspace, workspace_bytes, /*exhaustive=*/false);
+    time_candidates(handle, fast, workspace, workspace_bytes, /*exhaustive=*/false);
+  }
+  cudaFree(workspace);
+  cublasLtDestroy(handle);
+}
