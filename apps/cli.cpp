@@ -398,6 +398,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(precision);
   app.add_flag("--fp8-lm-head", o.fp8_lm_head, "Run the tied LM-head GEMMs in FP8 too (default BF16)")
       ->group(precision);
+  std::string fast_accumulation = "forward";
+  app.add_option("--fp8-fast-accumulation", fast_accumulation,
+                 "Which FP8 GEMMs sum on the tensor cores alone, without FP32 promotion: forward (Transformer "
+                 "Engine's default) or all (the backward's dgrad and wgrad too: faster, less precise sums)")
+      ->check(CLI::IsMember({"forward", "all"}))
+      ->group(precision);
   app.add_flag("--first-last-layers-bf16", o.first_last_layers_bf16,
                "Under FP8, run the first and last blocks' Linear GEMMs in BF16 (counts below)")
       ->group(precision);
@@ -701,11 +707,17 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     o.precision = fp32 ? GemmPrecision::fp32 : GemmPrecision::bf16;
   }
   if (o.fp8_lm_head && !o.fp8_enabled()) bad_flag("--fp8-lm-head needs --fp8-format");
+  o.fp8_fast_accumulation = fast_accumulation == "all" ? Fp8FastAccumulation::all : Fp8FastAccumulation::forward;
+  if (o.fp8_fast_accumulation == Fp8FastAccumulation::all && !o.fp8_enabled())
+    bad_flag("--fp8-fast-accumulation all needs --fp8-format");
   o.fp8.recipe = lookup<ScalingRecipe>({{"delayed", ScalingRecipe::delayed},
                                         {"tensorwise", ScalingRecipe::tensorwise},
                                         {"blockwise", ScalingRecipe::blockwise}},
                                        fp8_recipe);
   o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
+  if (o.fp8_fast_accumulation == Fp8FastAccumulation::all && o.fp8.recipe == ScalingRecipe::blockwise)
+    bad_flag("--fp8-fast-accumulation all: block-scaled GEMMs always promote their sums (cuBLASLt refuses fast "
+             "accumulation with block scaling)");
   o.optimizer_state =
       state_precision == "fp32" ? OptimizerStatePrecision::fp32 : OptimizerStatePrecision::fp8_fp16;
   resolve_precision_aware_optimizer(o, {.enabled = precision_aware_optimizer,

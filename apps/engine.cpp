@@ -131,7 +131,8 @@ std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
   const int world = setup.data_parallel_size * setup.options.tensor_model_parallel_size;
   cuda::set_programmatic_launch(setup.options.programmatic_launch);
   return make_cuda_ops(device, SmallMGemm::on, setup.options.gemm_algorithm,
-                       /*background_yields=*/optimizer_first_pass_in_backward(setup.options, world));
+                       /*background_yields=*/optimizer_first_pass_in_backward(setup.options, world),
+                       setup.options.fp8_fast_accumulation);
 }
 
 }  // namespace

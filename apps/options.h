@@ -54,6 +54,7 @@ struct TrainOptions {
   GemmPrecision precision = GemmPrecision::bf16;  // --bf16 / --fp8-format / --fp32
   Fp8RecipeConfig fp8;                            // --fp8-format --fp8-recipe --fp8-margin ...
   bool fp8_lm_head = false;                       // --fp8-lm-head: the tied LM head in FP8 too
+  Fp8FastAccumulation fp8_fast_accumulation = Fp8FastAccumulation::forward;  // --fp8-fast-accumulation
   // --first-last-layers-bf16: under FP8, the first --num-layers-at-start-in-bf16 and the last
   // --num-layers-at-end-in-bf16 blocks run their four Linear GEMMs in BF16 (Megatron's flags and
   // defaults; the counts mean nothing without the flag, as in Megatron).

@@ -315,6 +315,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"fp8-margin", fp8 ? str(o.fp8.margin) : "(fp8 off)"},
       {"fp8-interval", fp8 ? str(o.fp8.interval) : "(fp8 off)"},
       {"fp8-lm-head", fp8 ? (o.fp8_lm_head ? "fp8" : "bf16") : "(fp8 off)"},
+      {"fp8-fast-accumulation", fp8 ? std::string(to_string(o.fp8_fast_accumulation)) : "(fp8 off)"},
       {"first-last-layers-bf16", !fp8 ? "(fp8 off)" : bf16_blocks_description(o, m.n_layer)},
       {"bf16-blocks", !fp8 ? "(fp8 off)" : o.bf16_blocks.empty() ? "none" : block_list_text(o.bf16_blocks)},
       {"fp8-auto-precision", !fp8 ? "(fp8 off)" : auto_precision_description(o)},

@@ -21,6 +21,10 @@ std::string_view to_string(GemmAlgorithmChoice choice) {
   return choice == GemmAlgorithmChoice::timed ? "timed" : "heuristic";
 }
 
+std::string_view to_string(Fp8FastAccumulation choice) {
+  return choice == Fp8FastAccumulation::forward ? "forward" : "all";
+}
+
 namespace cpu {
 
 namespace {

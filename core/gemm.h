@@ -43,6 +43,16 @@ enum class SmallMGemm : uint8_t { on, off };
 enum class GemmAlgorithmChoice : uint8_t { timed, heuristic };
 std::string_view to_string(GemmAlgorithmChoice choice);
 
+// Which FP8 GEMMs sum on the tensor cores alone (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM; about
+// 14 bits kept in the running sums, DeepSeek-V3's report) rather than promoting their partial sums
+// to FP32 registers every few steps of K. `forward` is Transformer Engine's default (its
+// recipes' use_split_accumulator: off in fprop, on in dgrad and wgrad); `all` also the
+// backward's dgrad and wgrad, 8.5% less GEMM time there on gpt2-1558m's shapes (one H100,
+// tests/bench_gemm_algorithms_gpu.cpp). Block-scaled GEMMs always promote (cuBLASLt requires
+// it). The CPU reference accumulates in FP32 either way. --fp8-fast-accumulation forward|all.
+enum class Fp8FastAccumulation : uint8_t { forward, all };
+std::string_view to_string(Fp8FastAccumulation choice);
+
 namespace cpu {
 
 // C [M,N] = alpha * A [M,K] . B [N,K]^T  (+ C when accumulate). FP32 accumulation in

@@ -201,8 +201,10 @@ cuda::GemmType gemm_type_of(DType dtype) {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm, bool background_yields)
-      : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)) {
+  CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm, bool background_yields,
+          Fp8FastAccumulation fast_accumulation)
+      : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)),
+        backward_fast_accumulation_(fast_accumulation == Fp8FastAccumulation::all) {
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
     const int lanes = background_yields ? highest : lowest;  // see make_cuda_ops
@@ -635,6 +637,9 @@ class CudaOps final : public Ops {
         }
         break;
     }
+    // --fp8-fast-accumulation all: the backward's per-tensor FP8 GEMMs too (the forward's are
+    // set in forward_gemm_args); a BF16 GEMM ignores the field.
+    if (call.pass != GemmPass::forward) desc.fast_accum = backward_fast_accumulation_ && !block_scaled(call.grad);
     gemm_->gemm(desc, args, stream_);
   }
 
@@ -1134,6 +1139,7 @@ class CudaOps final : public Ops {
   cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
   cudaStream_t background_stream_ = nullptr;  // the lowest priority: what the other lanes leave free
   std::unique_ptr<cuda::GemmEngine> gemm_;
+  bool backward_fast_accumulation_ = false;  // --fp8-fast-accumulation all
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
@@ -1162,9 +1168,9 @@ class CudaOps final : public Ops {
 }  // namespace
 
 std::unique_ptr<Ops> make_cuda_ops(int device, SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm,
-                                   bool background_yields) {
+                                   bool background_yields, Fp8FastAccumulation fast_accumulation) {
   CUDA_CHECK(cudaSetDevice(device));
-  return std::make_unique<CudaOps>(small_m, gemm_algorithm, background_yields);
+  return std::make_unique<CudaOps>(small_m, gemm_algorithm, background_yields, fast_accumulation);
 }
 
 }  // namespace fp8lm

@@ -20,9 +20,11 @@ namespace fp8lm {
 // the lowest); otherwise every lane has the default priority. Only where the background lane
 // carries work beside the main lane's (AdamW's first pass on one rank): two data-parallel
 // H100s measured 0.2% slower steps with the priorities raised (device call 106).
+// fast_accumulation: which per-tensor FP8 GEMMs skip FP32 promotion (core/gemm.h).
 std::unique_ptr<Ops> make_cuda_ops(int device = 0, SmallMGemm small_m = SmallMGemm::on,
                                    GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed,
-                                   bool background_yields = false);
+                                   bool background_yields = false,
+                                   Fp8FastAccumulation fast_accumulation = Fp8FastAccumulation::forward);
 
 // Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
 // LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).

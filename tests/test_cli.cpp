@@ -403,6 +403,26 @@ TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heu
   check_sample_refuses("--gemm-algorithm", "fastest");
 }
 
+TEST_CASE("--fp8-fast-accumulation: forward by default, all when asked, only with per-tensor FP8, shown at start-up",
+          "[cli]") {
+  CHECK(parse({"--mock-data", "--fp8-hybrid"}).fp8_fast_accumulation == Fp8FastAccumulation::forward);
+  CHECK(parse({"--mock-data", "--fp8-hybrid", "--fp8-fast-accumulation", "all"}).fp8_fast_accumulation ==
+        Fp8FastAccumulation::all);
+  CHECK(parse({"--mock-data", "--fp8-fast-accumulation", "forward"}).fp8_fast_accumulation ==
+        Fp8FastAccumulation::forward);
+  CHECK_THAT(parse_error({"--mock-data", "--fp8-hybrid", "--fp8-fast-accumulation", "dgrad"}),
+             ContainsSubstring("--fp8-fast-accumulation"));
+  CHECK_THAT(parse_error({"--mock-data", "--fp8-fast-accumulation", "all"}),
+             ContainsSubstring("--fp8-fast-accumulation all needs --fp8-format"));
+  CHECK_THAT(parse_error({"--mock-data", "--fp8-hybrid", "--fp8-recipe", "blockwise", "--fp8-fast-accumulation", "all"}),
+             ContainsSubstring("block-scaled GEMMs always promote"));
+  const auto run = testing::run_fp8lm("--config " + kTiny +
+                                      " --mock-data --train-iters 0 --device cpu --fp8-hybrid --fp8-fast-accumulation all");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("fp8-fast-accumulation"));
+}
+
 TEST_CASE("the programmatic-launch flag is on by default, off when asked, and shown at start-up", "[cli][launch]") {
   CHECK(parse({"--mock-data"}).programmatic_launch);
   CHECK_FALSE(parse({"--mock-data", "--programmatic-launch", "off"}).programmatic_launch);

@@ -1,5 +1,6 @@
 // The whole model on the GPU against the CPU reference, and FP8 against BF16 over a
 // short training run. Every test reports SKIPPED without a GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -106,8 +107,10 @@ TEST_CASE("50 GPU steps: FP8 and BF16 losses stay together", "[gpu][model]") {
   const int B = 16, T = 256;
   // The FP8 runs, each held to the same bounds against BF16: delayed scaling (the default)
   // and --fp8-recipe blockwise.
-  const std::vector<std::vector<std::string>> modes = {
-      {"--bf16"}, {"--fp8-hybrid"}, {"--fp8-hybrid", "--fp8-recipe", "blockwise"}};
+  const std::vector<std::vector<std::string>> modes = {{"--bf16"},
+                                                       {"--fp8-hybrid"},
+                                                       {"--fp8-hybrid", "--fp8-recipe", "blockwise"},
+                                                       {"--fp8-hybrid", "--fp8-fast-accumulation", "all"}};
   std::vector<std::vector<double>> losses(modes.size());
   for (size_t m = 0; m < modes.size(); ++m) {
     std::vector<std::string> flags = modes[m];
@@ -158,6 +161,31 @@ TEST_CASE("50 GPU steps: FP8 and BF16 losses stay together", "[gpu][model]") {
     CHECK(std::fabs(tail_fp8 - tail_bf16) < 0.03 * tail_bf16);
     CHECK(tail_bf16 < 0.6 * losses[0][0]);
   }
+}
+
+TEST_CASE("GPU: --fp8-fast-accumulation all changes the backward's sums, not the forward's", "[gpu][model]") {
+  FP8LM_REQUIRE_GPU();
+  const int B = 4, T = 128;
+  const auto x = random_tokens(B * T, 50257, 31), y = random_tokens(B * T, 50257, 32);
+  std::vector<TwoSteps> steps;
+  std::vector<std::vector<float>> weights;
+  for (const char* which : {"forward", "all"}) {
+    auto engine = make_engine(setup_for("gpt2-124m.json", "cuda",
+                                        {"--fp8-hybrid", "--fp8-fast-accumulation", which, "--micro-batch-size",
+                                         std::to_string(B), "--seq-length", std::to_string(T), "--seed", "9"}));
+    steps.push_back(two_steps(*engine, x, y));
+    weights.push_back(engine->parameters());
+  }
+  // The first step's loss comes from the forward alone: the same bits. Its backward's
+  // gradients differ, and so do the weights they update, a little.
+  CHECK(steps[0].first.loss == steps[1].first.loss);
+  CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) != 0);
+  double largest = 0.0;
+  for (size_t i = 0; i < weights[0].size(); ++i)
+    largest = std::max(largest, std::fabs(double(weights[0][i]) - double(weights[1][i])));
+  INFO("largest weight difference after two steps at lr 1e-3: " << largest);
+  CHECK(largest < 5e-3);  // each run's two AdamW steps move a weight by about lr each, at most
+  CHECK(std::fabs(steps[0].second.loss - steps[1].second.loss) < 1e-2 * steps[0].second.loss);
 }
 
 TEST_CASE("GPU training is bit-reproducible: two identical runs give identical weights", "[gpu][model]") {
