@@ -48,9 +48,13 @@ std::string_view to_string(GemmAlgorithmChoice choice);
 // to FP32 registers every few steps of K. `forward` is Transformer Engine's default (its
 // recipes' use_split_accumulator: off in fprop, on in dgrad and wgrad); `all` also the
 // backward's dgrad and wgrad, 8.5% less GEMM time there on gpt2-1558m's shapes (one H100,
-// tests/bench_gemm_algorithms_gpu.cpp). Block-scaled GEMMs always promote (cuBLASLt requires
-// it). The CPU reference accumulates in FP32 either way. --fp8-fast-accumulation forward|all.
+// tests/bench_gemm_algorithms_gpu.cpp), but only those that sum at most
+// kFastAccumulationMaxK products: the LM head's dgrad sums over the vocabulary (50,304), and
+// with it on the tensor cores alone gpt2-124m's loss was 4.4% worse (device call 194), the
+// sum losing its many small terms. Block-scaled GEMMs always promote (cuBLASLt requires it).
+// The CPU reference accumulates in FP32 either way. --fp8-fast-accumulation forward|all.
 enum class Fp8FastAccumulation : uint8_t { forward, all };
+inline constexpr int kFastAccumulationMaxK = 16384;
 std::string_view to_string(Fp8FastAccumulation choice);
 
 namespace cpu {

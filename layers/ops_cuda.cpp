@@ -637,9 +637,11 @@ class CudaOps final : public Ops {
         }
         break;
     }
-    // --fp8-fast-accumulation all: the backward's per-tensor FP8 GEMMs too (the forward's are
-    // set in forward_gemm_args); a BF16 GEMM ignores the field.
-    if (call.pass != GemmPass::forward) desc.fast_accum = backward_fast_accumulation_ && !block_scaled(call.grad);
+    // --fp8-fast-accumulation all: the backward's per-tensor FP8 GEMMs too, where their sums are
+    // short enough (core/gemm.h; the forward's are set in forward_gemm_args); a BF16 GEMM
+    // ignores the field.
+    if (call.pass != GemmPass::forward)
+      desc.fast_accum = backward_fast_accumulation_ && !block_scaled(call.grad) && desc.K <= kFastAccumulationMaxK;
     gemm_->gemm(desc, args, stream_);
   }
 

@@ -28,6 +28,7 @@
 #   fp8-bf16-ends    --fp8-hybrid --first-last-layers-bf16
 #   fp8-lm-head      --fp8-hybrid --fp8-lm-head (the tied LM head's GEMMs in FP8 too)
 #   fp8-fast-accum   --fp8-hybrid --fp8-fast-accumulation all (no FP32 promotion in dgrad and wgrad)
+#   fp8-speed        --fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all (the fastest per-tensor FP8 step)
 #   blockwise        --fp8-hybrid --fp8-recipe blockwise
 #   auto-precision   --fp8-hybrid --fp8-auto-precision (blocks switch to BF16 GEMMs by the statistics)
 # scripts/paired_gaps.py DIR summarises the gaps (mean, standard error) against bf16.
@@ -77,6 +78,7 @@ flags_of() {
     fp8-bf16-ends) echo "--fp8-hybrid --first-last-layers-bf16" ;;
     fp8-lm-head) echo "--fp8-hybrid --fp8-lm-head" ;;
     fp8-fast-accum) echo "--fp8-hybrid --fp8-fast-accumulation all" ;;
+    fp8-speed) echo "--fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all" ;;
     blockwise) echo "--fp8-hybrid --fp8-recipe blockwise" ;;
     auto-precision) echo "--fp8-hybrid --fp8-auto-precision" ;;
     *) return 1 ;;
