@@ -403,7 +403,7 @@ TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heu
   check_sample_refuses("--gemm-algorithm", "fastest");
 }
 
-TEST_CASE("--fp8-fast-accumulation: forward by default, all when asked, only with per-tensor FP8, shown at start-up",
+TEST_CASE("the fast-accumulation flag: forward by default, all when asked, only with per-tensor FP8, shown at start-up",
           "[cli]") {
   CHECK(parse({"--mock-data", "--fp8-hybrid"}).fp8_fast_accumulation == Fp8FastAccumulation::forward);
   CHECK(parse({"--mock-data", "--fp8-hybrid", "--fp8-fast-accumulation", "all"}).fp8_fast_accumulation ==
