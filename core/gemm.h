@@ -48,13 +48,22 @@ std::string_view to_string(GemmAlgorithmChoice choice);
 // to FP32 registers every few steps of K. `forward` is Transformer Engine's default (its
 // recipes' use_split_accumulator: off in fprop, on in dgrad and wgrad); `all` also the
 // backward's dgrad and wgrad, 8.5% less GEMM time there on gpt2-1558m's shapes (one H100,
-// tests/bench_gemm_algorithms_gpu.cpp), but only those that sum at most
-// kFastAccumulationMaxK products: the LM head's dgrad sums over the vocabulary (50,304), and
-// with it on the tensor cores alone gpt2-124m's loss was 4.4% worse (device call 194), the
-// sum losing its many small terms. Block-scaled GEMMs always promote (cuBLASLt requires it).
+// tests/bench_gemm_algorithms_gpu.cpp). Block-scaled GEMMs always promote (cuBLASLt requires it).
 // The CPU reference accumulates in FP32 either way. --fp8-fast-accumulation forward|all.
 enum class Fp8FastAccumulation : uint8_t { forward, all };
-inline constexpr int kFastAccumulationMaxK = 16384;
+inline constexpr int64_t kFastAccumulationMaxK = 16384;
+
+// Under `all`, whether one backward FP8 GEMM sums on the tensor cores alone. Never a sum the
+// model marks as promoted (GemmCall::promote_partial_sums: the LM head's dgrad, a sum over the
+// vocabulary or a rank's slice of it, almost every term a small softmax probability beside the
+// target's -1; on the tensor cores alone gpt2-124m's loss was 4.4% worse, device call 194), and
+// never one longer than kFastAccumulationMaxK products, whose running sum would hold too few
+// bits of each (the layers' dgrad sums 4C at most, their wgrad a micro-batch's tokens).
+constexpr bool backward_sums_on_tensor_cores(Fp8FastAccumulation choice, bool block_scaled,
+                                             bool promote_partial_sums, int64_t K) {
+  return choice == Fp8FastAccumulation::all && !block_scaled && !promote_partial_sums &&
+         K <= kFastAccumulationMaxK;
+}
 std::string_view to_string(Fp8FastAccumulation choice);
 
 namespace cpu {

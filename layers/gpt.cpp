@@ -1084,7 +1084,11 @@ void GptModel::backward(const TokenBatch& batch) {
   const LinearParams& head = *lm_head_;
   // The LM head: the loss left dlogits in the logits buffer.
   ops_.quantize(s.logits_grad, s.logits, Tensor{});
-  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = head.weight_operand, .grad = s.logits_grad});
+  ops_.gemm({.pass = GemmPass::dgrad,
+             .out = s.dln,
+             .weight = head.weight_operand,
+             .grad = s.logits_grad,
+             .promote_partial_sums = true});  // a sum over the vocabulary (core/gemm.h)
   ops_.gemm({.pass = GemmPass::wgrad, .out = head.grad_weight, .input = s.lnf, .grad = s.logits_grad});
   ops_.zero(s.dresidual.data, size_t(s.dresidual.numel()) * ops_.element_bytes(s.dresidual.dtype));
   layernorm_backward(*ln_f_, s.residual_final, s.lnf_mean, s.lnf_rstd);

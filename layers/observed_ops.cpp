@@ -401,6 +401,7 @@ class ObservedOps final : public Ops {
     if (call.bias) line += " +bias";
     if (call.residual) line += " +residual";
     if (call.gelu_input) line += " +gelu -> " + name(call.out);
+    if (call.promote_partial_sums) line += " promoted";
     return line;
   }
   OpCost gemm_cost(const GemmCall& call) const {

@@ -179,6 +179,9 @@ struct GemmCall {
   // Wgrad only: false writes out (=) instead of adding to it, for the first micro-batch of a
   // step, whose weight gradients were not zeroed (GptModel::zero_gradients).
   bool accumulate = true;
+  // Dgrad and wgrad: sum with FP32 promotion whatever --fp8-fast-accumulation says
+  // (backward_sums_on_tensor_cores, core/gemm.h). The model sets it on the LM head's dgrad.
+  bool promote_partial_sums = false;
 };
 
 // GemmCall::gelu_input's precondition, the same for every backend: a forward GEMM with a

@@ -204,7 +204,7 @@ class CudaOps final : public Ops {
   CudaOps(SmallMGemm small_m, GemmAlgorithmChoice gemm_algorithm, bool background_yields,
           Fp8FastAccumulation fast_accumulation)
       : gemm_(std::make_unique<cuda::GemmEngine>(small_m, gemm_algorithm)),
-        backward_fast_accumulation_(fast_accumulation == Fp8FastAccumulation::all) {
+        fast_accumulation_(fast_accumulation) {
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
     const int lanes = background_yields ? highest : lowest;  // see make_cuda_ops
@@ -637,11 +637,12 @@ class CudaOps final : public Ops {
         }
         break;
     }
-    // --fp8-fast-accumulation all: the backward's per-tensor FP8 GEMMs too, where their sums are
-    // short enough (core/gemm.h; the forward's are set in forward_gemm_args); a BF16 GEMM
+    // --fp8-fast-accumulation all: the backward's per-tensor FP8 GEMMs too, but for the sums
+    // that must promote (core/gemm.h; the forward's are set in forward_gemm_args); a BF16 GEMM
     // ignores the field.
     if (call.pass != GemmPass::forward)
-      desc.fast_accum = backward_fast_accumulation_ && !block_scaled(call.grad) && desc.K <= kFastAccumulationMaxK;
+      desc.fast_accum = backward_sums_on_tensor_cores(fast_accumulation_, block_scaled(call.grad),
+                                                      call.promote_partial_sums, desc.K);
     gemm_->gemm(desc, args, stream_);
   }
 
@@ -1141,7 +1142,7 @@ class CudaOps final : public Ops {
   cudaStream_t side_stream_ = nullptr;  // overlapped data-parallel traffic
   cudaStream_t background_stream_ = nullptr;  // the lowest priority: what the other lanes leave free
   std::unique_ptr<cuda::GemmEngine> gemm_;
-  bool backward_fast_accumulation_ = false;  // --fp8-fast-accumulation all
+  Fp8FastAccumulation fast_accumulation_ = Fp8FastAccumulation::forward;  // --fp8-fast-accumulation
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;

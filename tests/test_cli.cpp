@@ -403,6 +403,21 @@ TEST_CASE("the GEMM algorithm flag keeps the timed choice by default and the heu
   check_sample_refuses("--gemm-algorithm", "fastest");
 }
 
+TEST_CASE("fast accumulation in the backward: only under all, per-tensor, short sums the model does not mark", "[cli]") {
+  constexpr auto all = Fp8FastAccumulation::all, forward = Fp8FastAccumulation::forward;
+  constexpr int64_t layer_sum = 4 * 1600, micro_batch_tokens = 8 * 1024;
+  CHECK(backward_sums_on_tensor_cores(all, false, false, layer_sum));
+  CHECK(backward_sums_on_tensor_cores(all, false, false, micro_batch_tokens));
+  CHECK(backward_sums_on_tensor_cores(all, false, false, kFastAccumulationMaxK));
+  CHECK_FALSE(backward_sums_on_tensor_cores(forward, false, false, layer_sum));
+  CHECK_FALSE(backward_sums_on_tensor_cores(all, true, false, layer_sum));        // block scaling
+  CHECK_FALSE(backward_sums_on_tensor_cores(all, false, false, kFastAccumulationMaxK + 1));
+  // The LM head's dgrad, whatever its length: gpt2's whole vocabulary, or a rank's slice of it
+  // under tensor parallelism (50,304 / 8 = 6,288).
+  CHECK_FALSE(backward_sums_on_tensor_cores(all, false, true, 50304));
+  CHECK_FALSE(backward_sums_on_tensor_cores(all, false, true, 50304 / 8));
+}
+
 TEST_CASE("the fast-accumulation flag: forward by default, all when asked, only with per-tensor FP8, shown at start-up",
           "[cli]") {
   CHECK(parse({"--mock-data", "--fp8-hybrid"}).fp8_fast_accumulation == Fp8FastAccumulation::forward);
