@@ -1084,12 +1084,18 @@ void GptModel::backward(const TokenBatch& batch) {
   const LinearParams& head = *lm_head_;
   // The LM head: the loss left dlogits in the logits buffer.
   ops_.quantize(s.logits_grad, s.logits, Tensor{});
+  // Both sum dlogits, small softmax probabilities beside each target's -1 (core/gemm.h): dgrad
+  // over the vocabulary, wgrad over the tokens.
   ops_.gemm({.pass = GemmPass::dgrad,
              .out = s.dln,
              .weight = head.weight_operand,
              .grad = s.logits_grad,
-             .promote_partial_sums = true});  // a sum over the vocabulary (core/gemm.h)
-  ops_.gemm({.pass = GemmPass::wgrad, .out = head.grad_weight, .input = s.lnf, .grad = s.logits_grad});
+             .promote_partial_sums = true});
+  ops_.gemm({.pass = GemmPass::wgrad,
+             .out = head.grad_weight,
+             .input = s.lnf,
+             .grad = s.logits_grad,
+             .promote_partial_sums = true});
   ops_.zero(s.dresidual.data, size_t(s.dresidual.numel()) * ops_.element_bytes(s.dresidual.dtype));
   layernorm_backward(*ln_f_, s.residual_final, s.lnf_mean, s.lnf_rstd);
   after_backward(config_.n_layer);

@@ -180,7 +180,7 @@ struct GemmCall {
   // step, whose weight gradients were not zeroed (GptModel::zero_gradients).
   bool accumulate = true;
   // Dgrad and wgrad: sum with FP32 promotion whatever --fp8-fast-accumulation says
-  // (backward_sums_on_tensor_cores, core/gemm.h). The model sets it on the LM head's dgrad.
+  // (backward_sums_on_tensor_cores, core/gemm.h). The model sets it on the LM head's backward.
   bool promote_partial_sums = false;
 };
 

@@ -412,10 +412,11 @@ TEST_CASE("fast accumulation in the backward: only under all, per-tensor, short 
   CHECK_FALSE(backward_sums_on_tensor_cores(forward, false, false, layer_sum));
   CHECK_FALSE(backward_sums_on_tensor_cores(all, true, false, layer_sum));        // block scaling
   CHECK_FALSE(backward_sums_on_tensor_cores(all, false, false, kFastAccumulationMaxK + 1));
-  // The LM head's dgrad, whatever its length: gpt2's whole vocabulary, or a rank's slice of it
-  // under tensor parallelism (50,304 / 8 = 6,288).
+  // The LM head's sums, marked, whatever their length: dgrad over gpt2's whole vocabulary or a
+  // rank's slice of it under tensor parallelism (50,304 / 8 = 6,288); wgrad over the tokens.
   CHECK_FALSE(backward_sums_on_tensor_cores(all, false, true, 50304));
   CHECK_FALSE(backward_sums_on_tensor_cores(all, false, true, 50304 / 8));
+  CHECK_FALSE(backward_sums_on_tensor_cores(all, false, true, micro_batch_tokens));
 }
 
 TEST_CASE("the fast-accumulation flag: forward by default, all when asked, only with per-tensor FP8, shown at start-up",

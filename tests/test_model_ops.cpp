@@ -70,8 +70,8 @@ std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& block
   s.push_back("gemm forward " + head + "x" + head);
   for (const char* line : {"cross_entropy", "accumulate_loss"}) s.push_back(line);  // one rank: the fused loss
   s.push_back(head_cast + " -> " + head);
-  s.push_back("gemm dgrad " + head + "x" + head + " promoted");  // the one sum that always promotes
-  s.push_back("gemm wgrad " + head + "x" + head);
+  s.push_back("gemm dgrad " + head + "x" + head + " promoted");  // the two sums that always promote
+  s.push_back("gemm wgrad " + head + "x" + head + " promoted");
   s.push_back("zero");
   s.push_back("layernorm_backward");
   for (int l = layers - 1; l >= 0; --l) {
