@@ -401,7 +401,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   std::string fast_accumulation = "forward";
   app.add_option("--fp8-fast-accumulation", fast_accumulation,
                  "Which FP8 GEMMs sum on the tensor cores alone, without FP32 promotion: forward (Transformer "
-                 "Engine's default) or all (the backward's dgrad and wgrad too: faster, less precise sums)")
+                 "Engine's default) or all (the layers' dgrad and wgrad too, not the LM head's: faster, less "
+                 "precise sums)")
       ->check(CLI::IsMember({"forward", "all"}))
       ->group(precision);
   app.add_flag("--first-last-layers-bf16", o.first_last_layers_bf16,
