@@ -1251,9 +1251,9 @@ void GptModel::refresh_weight_operands(bool fp8_linear_weights) {
   for (int layer = -1; layer < config_.n_layer; ++layer) refresh_weight_operands(layer, fp8_linear_weights);
 }
 
-void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
+void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights, Ops::Lane lane) {
   if (layer < 0) {
-    if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{});
+    if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{}, lane);
     return;
   }
   if (layer >= config_.n_layer) return;
@@ -1268,7 +1268,7 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights) {
       source.data = const_cast<float*>(fp8_cast_source_) + layout_.tensors()[size_t(linear->tensor)].offset;
       source.dtype = DType::f32;
     }
-    ops_.quantize(linear->weight_operand, source, Tensor{});
+    ops_.quantize(linear->weight_operand, source, Tensor{}, lane);
   }
 }
 

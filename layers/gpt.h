@@ -304,8 +304,9 @@ class GptModel {
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
   // Without the FP8 Linear weights when they arrive as FP8 codes (--fp8-param-gather).
   void refresh_weight_operands(bool fp8_linear_weights = true);
-  // The same for one layer (-1: the LM head's operand of the tied embedding).
-  void refresh_weight_operands(int layer, bool fp8_linear_weights);
+  // The same for one layer (-1: the LM head's operand of the tied embedding), on `lane`
+  // (Ops::quantize: off the main lane only delayed per-tensor FP8 casts).
+  void refresh_weight_operands(int layer, bool fp8_linear_weights, Ops::Lane lane = Ops::Lane::main);
   void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
   // The FP8 Linear weights are cast from this FP32 copy of the whole parameter slab (the
   // master weights, laid out as layout()) instead of the working copy: one rounding

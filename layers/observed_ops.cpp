@@ -166,12 +166,12 @@ class ObservedOps final : public Ops {
     observed({gemm_class(call), Lane::main, [&] { return gemm_line(call); }, [&] { return gemm_cost(call); }},
              [&] { inner_->gemm(call); });
   }
-  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
+  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane) override {
     const bool view = out.data == in.data;
-    observed({"cast", Lane::main,
+    observed({"cast", lane,
               [&] { return std::string(view ? "view" : "quantize") + " -> " + name(out) + (dbias ? " +dbias" : ""); },
               [&] { return OpCost{0, bytes(in) + (view ? 0.0 : written(out))}; }},
-             [&] { inner_->quantize(out, in, dbias); });
+             [&] { inner_->quantize(out, in, dbias, lane); });
   }
 
   // ---- MLP

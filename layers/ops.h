@@ -477,8 +477,10 @@ class Ops {
   virtual void gemm(const GemmCall& call) = 0;
   // out [M,N] = in [M,N] in out's dtype (FP8: with out's scale, recording the amax, and
   // the transpose when out carries one); dbias [N] += column sums of in (optional).
-  // When out is a view of in (same data), only dbias is computed.
-  virtual void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) = 0;
+  // When out is a view of in (same data), only dbias is computed. On another lane (a weight's
+  // operand cast as soon as its gather lands, off the forward's path): an FP8 cast with a
+  // delayed per-tensor scale and no dbias only.
+  virtual void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane = Lane::main) = 0;
 
   // ---- MLP ------------------------------------------------------------------------
   // (The GELU forward is the c_fc GEMM's epilogue: GemmCall::gelu_input.)

@@ -353,7 +353,7 @@ class CpuOps final : public Ops {
     }
   }
 
-  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
+  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane /*ops finish before they return*/) override {
     if (dbias) {
       add_column_sums(f32(dbias), f32(in), in.rows, in.cols);
       hold_in_dtype(dbias);
@@ -508,7 +508,7 @@ class CpuOps final : public Ops {
       master.data = call.master + layout.tensors()[size_t(w.tensor)].offset;
       master.rows = w.operand.rows;
       master.cols = w.operand.cols;
-      quantize(w.operand, master, Tensor{});
+      quantize(w.operand, master, Tensor{}, Lane::main);
     }
   }
 

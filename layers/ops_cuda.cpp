@@ -708,7 +708,13 @@ class CudaOps final : public Ops {
     return gemm_->gemm_after_layernorm(desc, args, prologue, stream_);
   }
 
-  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias) override {
+  void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane) override {
+    if (lane != Lane::main) {
+      FP8LM_CHECK(is_fp8(out.dtype) && out.data != in.data && !dbias && !block_scaled(out) &&
+                      !table_->uses_current_scaling(),
+                  "quantize: off the main lane only an FP8 cast with a delayed per-tensor scale and no dbias");
+      return cast(out, amax_slot(out.scaling_state), in.data, in.dtype, Tensor{}, stream_of(lane));
+    }
     const int M = rows(in), N = cols(in);
     if (out.data == in.data) {
       if (dbias) cuda::column_sum(gradient(dbias), cbf(in), M, N, float_scratch_.data(), stream_);
@@ -724,7 +730,7 @@ class CudaOps final : public Ops {
     }
     if (table_->uses_current_scaling()) return quantize_current(out, in.data, dbias, in.dtype);
     const int s = out.scaling_state;
-    cast(out, amax_slot(s), in.data, in.dtype, dbias);
+    cast(out, amax_slot(s), in.data, in.dtype, dbias, stream_);
   }
 
   // ---- MLP
@@ -909,7 +915,7 @@ class CudaOps final : public Ops {
                            fused_cast ? scale_.data() + operand.scaling_state : nullptr,
                            is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3, position.stored,
                            /*append=*/true);
-    if (operand.data != out.data && !fused_cast) quantize(operand, out, Tensor{});
+    if (operand.data != out.data && !fused_cast) quantize(operand, out, Tensor{}, Lane::main);
   }
   void download_values(float* host, const Tensor& source) override {
     const size_t n = size_t(source.numel());
@@ -1101,7 +1107,7 @@ class CudaOps final : public Ops {
 
   // The FP8 cast of `in` [M,N] (BF16 or FP32) into `out` with out's stored scale, its
   // transpose when out has one, dbias when given; `amax` gets max |in|.
-  void cast(const Tensor& out, float* amax, const void* in, DType in_dtype, const Tensor& dbias) {
+  void cast(const Tensor& out, float* amax, const void* in, DType in_dtype, const Tensor& dbias, cudaStream_t stream) {
     const int M = rows(out), N = cols(out), s = out.scaling_state;
     const Fp8Dtype dtype = fp8_dtype_of(out.dtype);
     uint8_t* transposed = static_cast<uint8_t*>(out.transposed);
@@ -1109,9 +1115,9 @@ class CudaOps final : public Ops {
     auto cast_from = [&](const auto* values) {
       if (transposed || bias_grad) {
         cuda::cast_transpose_fp8(u8(out), transposed, bias_grad, amax, values, scale_.data() + s, dtype, M, N,
-                                 float_scratch_.data(), stream_, counts_of(s));
+                                 float_scratch_.data(), stream, counts_of(s));
       } else {
-        cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream_, counts_of(s));
+        cuda::cast_fp8(u8(out), amax, values, scale_.data() + s, dtype, size_t(M) * N, stream, counts_of(s));
       }
     };
     if (in_dtype == DType::f32) return cast_from(static_cast<const float*>(in));
@@ -1135,7 +1141,7 @@ class CudaOps final : public Ops {
     cuda::current_scale_and_record(scale_.data() + s, scale_inv_.data() + size_t(s) * kScaleInvStride,
                                    recording_ ? history_.data() + s : nullptr, tensor_amax_.data(), fp8_max(dtype),
                                    table_->config().margin, stream_);
-    cast(out, amax_sink_.data(), in, in_dtype, dbias);
+    cast(out, amax_sink_.data(), in, in_dtype, dbias, stream_);
   }
 
   cudaStream_t stream_ = nullptr;
