@@ -194,6 +194,10 @@ struct TrainingEngine::State {
   // is the norm's: every tensor whole and counted on this rank); the amaxes are redone after
   // the decision only when it clips.
   bool norm_in_first_pass = false;
+  // Otherwise, with the reduction overlapped, each bucket's part of the norm runs behind its
+  // reduction on the side lane (Ops::grad_sum_of_squares_part), and end_step only adds the
+  // parts: the norm's read of the gradients leaves the step's tail.
+  bool norm_in_parts = false;
   // ... and, on one rank (--optimizer-first-pass backward), that pass runs layer by layer
   // while the last micro-batch's backward goes on: a layer's part waits for the next block's
   // attention backward, bound by its kernels' latency, and runs beside it on the background
@@ -301,6 +305,7 @@ struct TrainingEngine::State {
 
   const std::vector<size_t>& buckets_of(int layer) const { return buckets_of_layer[size_t(layer + 1)]; }
   void reduce_bucket(size_t bucket, bool overlapped);
+  void sum_bucket_across_ranks(size_t bucket, bool overlapped);
   void reduce_fp8_bucket(size_t bucket, Communicator& comm, Ops::Lane lane);
   void reduce_gradients();
   // Elements [begin, begin + count) of the model's gradient slab, in its dtype.
@@ -515,6 +520,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.norm_in_first_pass = s.state_precision == OptimizerStatePrecision::fp8_fp16 && !s.sharded &&
                          s.update_groups.empty() && same_tensors(s.shard.layout, s.shard.norm_layout);
   s.first_pass_in_backward = s.norm_in_first_pass && optimizer_first_pass_in_backward(o, s.world().size());
+  s.norm_in_parts = s.overlap_grad_reduce && !s.norm_in_first_pass;
   if (s.first_pass_in_backward) {
     // A bucket's tensors are consecutive in the (unsharded) layout: those whose slab offsets
     // lie in it.
@@ -670,8 +676,17 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
 // optimizer, else the whole bucket) ends where its gradients were, in the model's gradient
 // slab, in the slab's dtype (FP32, or BF16 under --grad-reduce-in-bf16: Megatron's BF16
 // main_grad, reduced as it is); FP8 codes are cast into the one-bucket staging buffer,
-// reduced there, and summed back into the slab.
+// reduced there, and summed back into the slab. Then, with the norm in parts, the bucket's
+// part of it, behind the reduction on its lane.
 void TrainingEngine::State::reduce_bucket(size_t b, bool overlapped) {
+  sum_bucket_across_ranks(b, overlapped);
+  if (!norm_in_parts) return;
+  const ShardPlan::Part& p = shard.parts[b];
+  ops->grad_sum_of_squares_part(model->gradients(), *norm_table, {.first = p.first_tensor, .end = p.end_tensor},
+                                overlapped ? Ops::Lane::side : Ops::Lane::main);
+}
+
+void TrainingEngine::State::sum_bucket_across_ranks(size_t b, bool overlapped) {
   const ParameterBucket& bucket = model->buckets()[b];
   for (const auto& [begin, end] : model->partial_gradient_ranges()) {
     if (begin < bucket.begin || end > bucket.end) continue;
@@ -916,6 +931,8 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
     ops.adamw_first_pass_finish(updates.front(), &scalars->sum_of_squares);
   } else if (s.norm_in_first_pass) {
     ops.adamw_moment_amaxes_and_norm(updates.front(), &scalars->sum_of_squares);
+  } else if (s.norm_in_parts) {
+    ops.grad_sum_of_squares_finish(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
   } else {
     ops.grad_sum_of_squares(&scalars->sum_of_squares, model.gradients(), *s.norm_table);
   }

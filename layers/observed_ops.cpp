@@ -272,6 +272,24 @@ class ObservedOps final : public Ops {
     observed(per_element("optimizer", "grad_sum_of_squares", table, double(element_bytes(grads.dtype))),
              [&] { inner_->grad_sum_of_squares(sum_of_squares, grads, table); });
   }
+  void grad_sum_of_squares_part(const Tensor& grads, const TensorTable& table, TensorRange tensors,
+                                Lane lane) override {
+    const TensorLayout& layout = table.layout();
+    double elements = 0.0;
+    for (size_t k = tensors.first; k < tensors.end && k < layout.tensors().size(); ++k)
+      elements += double(layout.tensors()[k].numel);
+    observed({"optimizer", lane,
+              [&] {
+                return "grad_sum_of_squares, tensors " + std::to_string(tensors.first) + ".." +
+                       std::to_string(tensors.end);
+              },
+              [&] { return OpCost{0, elements * double(element_bytes(grads.dtype))}; }},
+             [&] { inner_->grad_sum_of_squares_part(grads, table, tensors, lane); });
+  }
+  void grad_sum_of_squares_finish(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
+    observed(named("optimizer", "grad_sum_of_squares finish"),
+             [&] { inner_->grad_sum_of_squares_finish(sum_of_squares, grads, table); });
+  }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                      double max_grad_norm) override {
     observed(named("optimizer", "finalize_step"),

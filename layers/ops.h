@@ -537,6 +537,16 @@ class Ops {
   // *sum_of_squares [1] f64 = sum of grads^2 over the table's tensors (deterministic); grads
   // the gradient slab [1, elements], f32 or bf16.
   virtual void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) = 0;
+  // The same in parts, for gradients that become final bucket by bucket (reduced across
+  // data-parallel ranks beside the backward): _part once for each range of the table's
+  // tensors, on `lane`, once that range is final; _finish on the main lane after it has waited
+  // for every part. Bit for bit grad_sum_of_squares, whatever the ranges and their order.
+  struct TensorRange {
+    size_t first = 0, end = 0;  // tensors [first, end) of the table
+  };
+  virtual void grad_sum_of_squares_part(const Tensor& grads, const TensorTable& table, TensorRange tensors,
+                                        Lane lane) = 0;
+  virtual void grad_sum_of_squares_finish(double* sum_of_squares, const Tensor& grads, const TensorTable& table) = 0;
   // control = decide_step(...) (optim/step_control.h), in stream order.
   virtual void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum,
                              float loss_divisor, double max_grad_norm) = 0;
@@ -558,9 +568,6 @@ class Ops {
   // of call.table's tensors, on `lane`, once that range's gradients are final; _finish on the
   // main lane after it has waited for every part. Bit for bit adamw_moment_amaxes_and_norm,
   // whatever the ranges and their order.
-  struct TensorRange {
-    size_t first = 0, end = 0;  // tensors [first, end) of the table
-  };
   virtual void adamw_first_pass_begin(const AdamWCall& call) = 0;
   virtual void adamw_first_pass_part(const AdamWCall& call, TensorRange tensors, Lane lane) = 0;
   virtual void adamw_first_pass_finish(const AdamWCall& call, double* sum_of_squares) = 0;

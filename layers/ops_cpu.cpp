@@ -462,6 +462,16 @@ class CpuOps final : public Ops {
   void grad_sum_of_squares(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
     *sum_of_squares = fp8lm::grad_sum_of_squares(f32(grads), table.layout());
   }
+  // The parts only check their ranges; the sum is taken at the end over every tensor at once
+  // (as adamw_first_pass_finish does): the CPU's ops finish before they return, so there is
+  // no backward for a part to run beside.
+  void grad_sum_of_squares_part(const Tensor&, const TensorTable& table, TensorRange tensors, Lane) override {
+    FP8LM_CHECK(tensors.first <= tensors.end && tensors.end <= table.layout().tensors().size(),
+                "grad_sum_of_squares_part: tensors [", tensors.first, ", ", tensors.end, ") outside the table");
+  }
+  void grad_sum_of_squares_finish(double* sum_of_squares, const Tensor& grads, const TensorTable& table) override {
+    grad_sum_of_squares(sum_of_squares, grads, table);
+  }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                      double max_grad_norm) override {
     decide_step(*control, *sum_of_squares, *loss_sum, loss_divisor, max_grad_norm);

@@ -952,6 +952,18 @@ class CudaOps final : public Ops {
     auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(table));
     cuda::grad_norm_squared(sum_of_squares, gradient_view(grads), device.table(), device.norm_scratch(), stream_);
   }
+  void grad_sum_of_squares_part(const Tensor& grads, const TensorTable& table, TensorRange tensors,
+                                Lane lane) override {
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(table));
+    FP8LM_CHECK(tensors.first <= tensors.end && tensors.end <= table.layout().tensors().size(),
+                "grad_sum_of_squares_part: tensors [", tensors.first, ", ", tensors.end, ") outside the table");
+    cuda::grad_norm_chunks(device.norm_scratch(), gradient_view(grads), device.table(),
+                           device.first_chunk(tensors.first), device.first_chunk(tensors.end), stream_of(lane));
+  }
+  void grad_sum_of_squares_finish(double* sum_of_squares, const Tensor&, const TensorTable& table) override {
+    auto& device = const_cast<DeviceTable&>(static_cast<const DeviceTable&>(table));
+    cuda::grad_norm_finish(sum_of_squares, device.norm_scratch(), device.table().num_chunks, stream_);
+  }
   void finalize_step(StepControl* control, const double* sum_of_squares, const float* loss_sum, float loss_divisor,
                      double max_grad_norm) override {
     cuda::finalize_step(control, sum_of_squares, loss_sum, loss_divisor, max_grad_norm, stream_);

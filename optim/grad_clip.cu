@@ -77,10 +77,10 @@ constexpr int kFinalThreads = 1024;  // the one block of the final reduction
 // (float, or bf16 under --grad-reduce-in-bf16), widened to FP32 on load.
 template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    grad_norm_chunks_kernel(const G* __restrict__ grads, DeviceTensorTable table, double* __restrict__ partial,
-                            bool vec_ok) {
+    grad_norm_chunks_kernel(const G* __restrict__ grads, DeviceTensorTable table, uint32_t first_chunk,
+                            double* __restrict__ partial, bool vec_ok) {
   device::start_after_previous_kernel();
-  const uint32_t c = blockIdx.x;
+  const uint32_t c = first_chunk + blockIdx.x;
   const int k = table.chunk_tensor[c];
   const uint64_t tensor_end = table.offsets[k] + table.numels[k];
   const uint64_t begin = table.offsets[k] + static_cast<uint64_t>(c - table.chunk_begin[k]) * kGradNormChunk;
@@ -149,17 +149,26 @@ void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const Dev
     CUDA_CHECK(cudaMemsetAsync(out_sum_of_squares, 0, sizeof(double), stream));
     return;
   }
-  FP8LM_CHECK(grads && scratch != nullptr, "grad_norm_squared needs grads and scratch");
+  grad_norm_chunks(scratch, grads, table, 0, table.num_chunks, stream);
+  grad_norm_finish(out_sum_of_squares, scratch, table.num_chunks, stream);
+}
+
+void grad_norm_chunks(double* partials, GradientView grads, const DeviceTensorTable& table, uint32_t first_chunk,
+                      uint32_t end_chunk, cudaStream_t stream) {
+  FP8LM_CHECK(first_chunk <= end_chunk && end_chunk <= table.num_chunks, "grad_norm_chunks: chunks [", first_chunk,
+              ", ", end_chunk, ") outside the table's ", table.num_chunks);
+  if (first_chunk == end_chunk) return;
+  FP8LM_CHECK(grads && partials != nullptr, "grad_norm_chunks needs grads and the partials' scratch");
   // The vector path loads four gradients at once: 16 bytes in FP32, 8 in BF16.
   const bool vec_ok = reinterpret_cast<uintptr_t>(grads.data) % (grads.bf16 ? 8 : 16) == 0;
+  const uint32_t blocks = end_chunk - first_chunk;
   if (grads.bf16) {
-    launch_kernel(grad_norm_chunks_kernel<__nv_bfloat16>, table.num_chunks, kThreads, 0, stream,
-                  static_cast<const __nv_bfloat16*>(grads.data), table, scratch, vec_ok);
+    launch_kernel(grad_norm_chunks_kernel<__nv_bfloat16>, blocks, kThreads, 0, stream,
+                  static_cast<const __nv_bfloat16*>(grads.data), table, first_chunk, partials, vec_ok);
   } else {
-    launch_kernel(grad_norm_chunks_kernel<float>, table.num_chunks, kThreads, 0, stream, static_cast<const float*>(grads.data),
-                  table, scratch, vec_ok);
+    launch_kernel(grad_norm_chunks_kernel<float>, blocks, kThreads, 0, stream, static_cast<const float*>(grads.data),
+                  table, first_chunk, partials, vec_ok);
   }
-  grad_norm_finish(out_sum_of_squares, scratch, table.num_chunks, stream);
 }
 
 void grad_norm_finish(double* out_sum_of_squares, const double* partials, uint32_t chunks, cudaStream_t stream) {

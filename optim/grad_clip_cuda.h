@@ -82,6 +82,13 @@ size_t grad_norm_scratch_size(const DeviceTensorTable& table);
 void grad_norm_squared(double* out_sum_of_squares, GradientView grads, const DeviceTensorTable& table,
                        double* scratch, cudaStream_t stream);
 
+// grad_norm_squared's first half for chunks [first_chunk, end_chunk) only: their partial sums
+// into partials[first_chunk, end_chunk), the same bits. For gradients that become final
+// bucket by bucket (DeviceTensorLayout::first_chunk gives a range of tensors' chunks); once
+// every chunk's partial is written, grad_norm_finish adds them.
+void grad_norm_chunks(double* partials, GradientView grads, const DeviceTensorTable& table, uint32_t first_chunk,
+                      uint32_t end_chunk, cudaStream_t stream);
+
 // *out_sum_of_squares = partials [chunks] added in grad_norm_squared's fixed order: its
 // second half, for AdamW's first pass when that writes the per-chunk partials
 // (adamw_fp8_fp16_moment_amaxes_and_norm).

@@ -617,6 +617,45 @@ TEST_CASE("GPU gradient norm: CPU agreement, determinism, non-finite gradients",
   CHECK(sum.download()[0] == 0.0);
 }
 
+TEST_CASE("GPU gradient norm in parts: any ranges of tensors, in any order, on any stream, give the one call's bits",
+          "[gpu][optim]") {
+  FP8LM_REQUIRE_GPU();
+  TensorLayout layout;
+  layout.add("w", {1000, 1003}, true);  // 123 chunks
+  layout.add("empty", {0}, true);       // a piece held by another rank: no chunk
+  layout.add("b", {7}, false);
+  layout.add("x", {3, 8192}, true);
+  layout.add("y", {5, 4099}, true);
+  const cuda::DeviceTensorLayout device_layout(layout);
+  const auto& table = device_layout.table();
+  std::vector<float> grads = random_grads(layout, 11);
+  DeviceBuffer<float> d_grads = device_copy(grads);
+  DeviceBuffer<double> scratch(cuda::grad_norm_scratch_size(table)), whole(1), parted(1);
+  cuda::grad_norm_squared(whole.data(), d_grads.data(), table, scratch.data(), nullptr);
+  sync();
+  const double one_call = whole.download()[0];
+
+  cudaStream_t other = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  const auto part = [&](size_t first, size_t end, cudaStream_t stream) {
+    cuda::grad_norm_chunks(scratch.data(), d_grads.data(), table, device_layout.first_chunk(first),
+                           device_layout.first_chunk(end), stream);
+  };
+  scratch.fill_bytes(kPoisonByte);
+  part(3, 5, other);   // the last buckets first, as a backward reduces them
+  part(1, 3, nullptr);
+  part(2, 2, other);   // an empty range launches nothing
+  part(0, 1, other);
+  CUDA_CHECK(cudaStreamSynchronize(other));
+  cuda::grad_norm_finish(parted.data(), scratch.data(), table.num_chunks, nullptr);
+  sync();
+  const double in_parts = parted.download()[0];
+  INFO("one call " << one_call << " in parts " << in_parts);
+  CHECK(std::memcmp(&one_call, &in_parts, sizeof one_call) == 0);
+  CHECK_THROWS(cuda::grad_norm_chunks(scratch.data(), d_grads.data(), table, 2, table.num_chunks + 1, nullptr));
+  CUDA_CHECK(cudaStreamDestroy(other));
+}
+
 TEST_CASE("finalize_step: clip coefficient, skip decision, counters and step count", "[gpu][optim]") {
   FP8LM_REQUIRE_GPU();
   DeviceBuffer<StepControl> control(1);
