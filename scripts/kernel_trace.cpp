@@ -18,6 +18,7 @@
 #include <thread>
 
 static FILE* out = nullptr;
+static bool with_api = false;  // KTRACE_API=1: the runtime API calls too (stream 4294967295, "api:NAME")
 
 static void check(CUptiResult r, const char* what) {
   if (r != CUPTI_SUCCESS) {
@@ -42,6 +43,18 @@ static void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       std::fprintf(out, "%llu %llu %u %s\n", static_cast<unsigned long long>(k->start),
                    static_cast<unsigned long long>(k->end), k->streamId, k->name);
       ++n;
+    } else if (record->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
+      std::fprintf(out, "%llu %llu %u memcpy:%u:%llu\n", static_cast<unsigned long long>(m->start),
+                   static_cast<unsigned long long>(m->end), m->streamId, unsigned(m->copyKind),
+                   static_cast<unsigned long long>(m->bytes));
+    } else if (record->kind == CUPTI_ACTIVITY_KIND_RUNTIME && with_api) {
+      // The host's calls, on the same clock: what the host waited in, and when it queued.
+      const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(record);
+      const char* name = nullptr;
+      cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, a->cbid, &name);
+      std::fprintf(out, "%llu %llu 4294967295 api:%s\n", static_cast<unsigned long long>(a->start),
+                   static_cast<unsigned long long>(a->end), name ? name : "?");
     }
   }
   std::fflush(out);
@@ -55,6 +68,9 @@ __attribute__((constructor)) static void start_trace() {
   if (out == nullptr) return;
   check(cuptiActivityRegisterCallbacks(requested, completed), "register");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy");
+  with_api = std::getenv("KTRACE_API") != nullptr;
+  if (with_api) check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enable runtime");
   std::thread([] {
     for (;;) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
