@@ -328,11 +328,6 @@ struct TrainingEngine::State {
   void publish_parameters(size_t first_bucket = 0);
   void cast_weights_of(int layer);
   void queue_weight_casts();
-  // Orders the main lane after the weight casts queued on the background lane (before
-  // anything reads the amaxes they record or writes the operands they write).
-  void join_weight_casts() {
-    if (weights_cast_beside_forward) ops->wait(*weights_cast.back(), Ops::Lane::main);
-  }
   bool collects_fp8_statistics(int64_t step) const {
     if (!fp8_counts || step < 0) return false;
     return (fp8_stats_interval > 0 && (step + 1) % fp8_stats_interval == 0) || step < fp8_calibration_steps;
@@ -1184,7 +1179,6 @@ void TrainingEngine::State::set_shard_parameters(std::span<const float> shard_va
     ops->upload_values(part, shard_values.data() + p.shard_offset);
   }
   for (size_t b = 0; b < shard.parts.size(); ++b) gather_bucket(b, dp(), Ops::Lane::main);
-  join_weight_casts();
   stop_fp8_statistics(/*keep=*/false);
   model->refresh_weight_operands();
   weights_from_refresh = true;
@@ -1247,7 +1241,6 @@ void TrainingEngine::State::set_slab_parameters(std::span<const float> own) {
   }
   // Every rank holds the whole weights here: every operand is cast from them now (uncounted:
   // a step that collects FP8 statistics counts them again at its start).
-  join_weight_casts();
   stop_fp8_statistics(/*keep=*/false);
   model->refresh_weight_operands();
   weights_from_refresh = true;
@@ -1304,7 +1297,8 @@ ScalingSnapshot TrainingEngine::scaling_state() {
   // An overlapped FP8 weight gather casts on the side lane, recording the weights' amaxes
   // into this row: the all-reduce below must come after it.
   s.join_side_lane();
-  s.join_weight_casts();
+  // So do the weight casts queued behind the BF16 gathers, on the background lane.
+  if (s.weights_cast_beside_forward) s.ops->wait(*s.weights_cast.back(), Ops::Lane::main);
   // The amaxes recorded since the last update (the weights') are this rank's parts: the
   // row every rank would agree on at the next step is what is saved.
   if (s.world().size() > 1 && table.size() > 0)
@@ -1338,7 +1332,6 @@ void TrainingEngine::set_scaling_state(const ScalingSnapshot& snapshot) {
   s.ops->upload_scaling();
   // The weight operands must be cast with the restored weight scales. Recording the
   // weight amaxes again is idempotent: the saved row 0 already holds them.
-  s.join_weight_casts();
   s.stop_fp8_statistics(/*keep=*/false);
   s.model->refresh_weight_operands();
   s.weights_from_refresh = true;
