@@ -167,8 +167,10 @@ void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_am
 
 // Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma. With
 // `operand`, the kernels write dqkv's FP8 operand instead of dqkv (attention_dqkv_operand.cuh).
+// The dQ kernel runs first: it writes D (rowsum(dO * O), scratch [B,NH,T]) for the dK/dV kernel.
 void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const bf16* dout, const bf16* qkv,
-                           const float* lse, const float* D, int B, int T, int C, int NH, cudaStream_t stream) {
+                           const bf16* out, const float* lse, float* D, int B, int T, int C, int NH,
+                           cudaStream_t stream) {
   using Cfg = BackwardWgmmaConfig;
   static_assert(2 * sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dkdv_smem_bytes &&
                     sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dq_smem_bytes,
@@ -177,12 +179,12 @@ void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const b
   const float sl2 = kLog2e * scale;
   const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
   auto launch = [&](auto dkdv_kernel, auto dq_kernel, const DqkvOperandTarget& target) {
-    set_smem(dkdv_kernel, Cfg::dkdv_smem_bytes);
-    launch_kernel(dkdv_kernel, grid, kThreads, Cfg::dkdv_smem_bytes, stream, dqkv, target, dout, qkv, lse, D, T, C, NH,
-                  sl2, scale);
     set_smem(dq_kernel, Cfg::dq_smem_bytes);
-    launch_kernel(dq_kernel, grid, kThreads, Cfg::dq_smem_bytes, stream, dqkv, target, dout, qkv, lse, D, T, C, NH, sl2,
-                  scale);
+    launch_kernel(dq_kernel, grid, kThreads, Cfg::dq_smem_bytes, stream, dqkv, target, dout, qkv, out, lse, D, T, C,
+                  NH, sl2, scale);
+    set_smem(dkdv_kernel, Cfg::dkdv_smem_bytes);
+    launch_kernel(dkdv_kernel, grid, kThreads, Cfg::dkdv_smem_bytes, stream, dqkv, target, dout, qkv, lse,
+                  static_cast<const float*>(D), T, C, NH, sl2, scale);
   };
   if (operand != nullptr) {
     launch(attention_backward_dkdv_wgmma_kernel<true>, attention_backward_dq_wgmma_kernel<true>, *operand);
@@ -239,7 +241,8 @@ void forward(Kernels kernels, __nv_bfloat16* out, float* lse, uint8_t* out_fp8, 
   }
 }
 
-// Backward step 1: D [B,NH,T] = rowsum(dout * out).
+// Backward step 1 of the mma.sync kernels: D [B,NH,T] = rowsum(dout * out) (the wgmma dQ kernel
+// computes it itself).
 void row_dots(float* D, const __nv_bfloat16* dout, const __nv_bfloat16* out, int B, int T, int C, int NH, int HS,
               cudaStream_t stream) {
   const size_t rows = static_cast<size_t>(B) * T * NH;
@@ -276,15 +279,12 @@ void backward(Kernels kernels, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, c
   check_backward_inputs(dout, qkv, out, lse, scratch);
   FP8LM_CHECK(aligned(dqkv, 4), "attention_backward: dqkv must be 4-byte aligned");
   float* D = scratch;  // [B,NH,T]
+  if (HS == 64 && kernels == Kernels::fastest && has_wgmma())
+    return launch_backward_wgmma(dqkv, nullptr, dout, qkv, out, lse, D, B, T, C, NH, stream);
   row_dots(D, dout, out, B, T, C, NH, HS, stream);
   switch (HS) {
     case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
-    case 64:
-      if (kernels == Kernels::fastest && has_wgmma())
-        launch_backward_wgmma(dqkv, nullptr, dout, qkv, lse, D, B, T, C, NH, stream);
-      else
-        launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
-      break;
+    case 64: launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
     default: launch_backward<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
   }
 }
@@ -347,14 +347,13 @@ void attention_backward_operand(const DqkvOperand& operand, const __nv_bfloat16*
   float* D = scratch;
   const size_t D_floats = attention_backward_scratch_floats(B, T, C, NH);
   float* partials = operand.dbias ? scratch + (D_floats + 3) / 4 * 4 : nullptr;
-  row_dots(D, dout, out, B, T, C, NH, HS, stream);
   const DqkvOperandTarget target{.codes = operand.codes,
                                  .codes_t = operand.codes_t,
                                  .bias_partials = partials,
                                  .amax = operand.amax,
                                  .scale = operand.scale,
                                  .kind = operand.dtype == Fp8Dtype::e5m2 ? __NV_E5M2 : __NV_E4M3};
-  launch_backward_wgmma(nullptr, &target, dout, qkv, lse, D, B, T, C, NH, stream);
+  launch_backward_wgmma(nullptr, &target, dout, qkv, out, lse, D, B, T, C, NH, stream);
   if (operand.dbias) add_column_partials(operand.dbias, partials, B * T / kOperandTile, 3 * C, stream);
 }
 

@@ -10,8 +10,10 @@
 //   P^T = exp2(S^T*sl2 - lse2)       while dP^T runs
 //   dV += P^T dO                     issued, then dS^T = P^T (dP^T - D) while it runs
 //   dK += dS^T Q
-// dQ: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO in swizzled shared tiles,
-// and walks the key tiles 0..diagonal, K and V in swizzled shared tiles:
+// dQ runs first: grid (ceil(T/64), NH, B); a block owns 64 queries, Q and dO in swizzled
+// shared tiles, computes their D = rowsum(dO * O) and writes it for the dK/dV kernel (each row
+// once, so the step needs no kernel of its own for D), and walks the key tiles 0..diagonal, K
+// and V in swizzled shared tiles:
 //   S = Q K^T and dP = dO V^T together, P while dP runs, dS = P (dP - D), dQ += dS K.
 // Only the diagonal tile and one reaching past T are masked; the loops peel them off.
 // No atomics: every output element is written once, by one thread; bit-reproducible. (With
@@ -244,14 +246,51 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
-// dqkv [B,T,3C]: writes the q third (or, with kOperand, its FP8 operand). Arguments as the
-// dK/dV kernel. Four blocks a multiprocessor (122 registers, no spills).
+// D [B,NH,T] of one warp's 16 query rows t0..t0+15 (0 for rows >= T, never stored):
+// rowsum(dO * O), summed as attention_backward_dot_kernel<64> sums it (8 lanes a row, 8 values
+// each in order, then a butterfly over the 8), so its bits. Returns the rows g and g + 8 that
+// the thread's fragments hold; the lanes that finish a row write it to D_out.
+__device__ __forceinline__ void row_dots_of_warp(float (&row_D)[2], float* __restrict__ D_out,
+                                                 const bf16* __restrict__ do_rows, const bf16* __restrict__ o_rows,
+                                                 int C, int t0, int T) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, chunk = lane % 8;
+  row_D[0] = row_D[1] = 0.0f;
+#pragma unroll
+  for (int pass = 0; pass < 4; ++pass) {
+    const int row = 4 * pass + lane / 8;
+    float sum = 0.0f;
+    if (t0 + row < T) {
+      const size_t off = static_cast<size_t>(row) * C + chunk * 8;
+      const uint4 a = *reinterpret_cast<const uint4*>(do_rows + off);
+      const uint4 o = *reinterpret_cast<const uint4*>(o_rows + off);
+      const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+      const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 af = __bfloat1622float2(a2[i]);
+        const float2 of = __bfloat1622float2(o2[i]);
+        sum += af.x * of.x + af.y * of.y;
+      }
+    }
+#pragma unroll
+    for (int offset = 4; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (chunk == 0 && t0 + row < T) D_out[t0 + row] = sum;
+    const float of_g = __shfl_sync(0xffffffffu, sum, (g % 4) * 8);  // row 4 pass + g % 4
+    if (pass == g / 4) row_D[0] = of_g;
+    if (pass == 2 + g / 4) row_D[1] = of_g;
+  }
+}
+
+// dqkv [B,T,3C]: writes the q third (or, with kOperand, its FP8 operand). out [B,T,C] is the
+// forward's output; D [B,NH,T] is written here (row_dots_of_warp) for the dK/dV kernel after
+// it. Other arguments as the dK/dV kernel. Four blocks a multiprocessor (122 registers, no
+// spills).
 template <bool kOperand>
 __global__ void __launch_bounds__(kThreads, 4)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
                                        const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
-                                       const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
-                                       int NH, float sl2, float scale) {
+                                       const bf16* __restrict__ out, const float* __restrict__ lse,
+                                       float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
   device::start_after_previous_kernel();
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BR = Cfg::BLOCK, BC = Cfg::TILE;
@@ -296,8 +335,9 @@ __global__ void __launch_bounds__(kThreads, 4)
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
     row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
-    row_D[r] = t < T ? D[bh * T + t] : 0.0f;
   }
+  const size_t warp_rows = (static_cast<size_t>(b) * T + warp_q0) * C + static_cast<size_t>(h) * HS;
+  row_dots_of_warp(row_D, D + bh * T, dout + warp_rows, out + warp_rows, C, warp_q0, T);
 
   float dq[8][4];
   zero(dq);

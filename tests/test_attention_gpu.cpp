@@ -261,7 +261,8 @@ TEST_CASE("attention backward is bit-reproducible", "[gpu][attention]") {
 
 // Head size 64 runs wgmma kernels on Hopper. They compute the mma.sync kernels' products in
 // the same order, so every output must be the same bits, including at ragged T and where
-// several key tiles feed one query (a register hazard once broke exactly those).
+// several key tiles feed one query (a register hazard once broke exactly those). The wgmma dQ
+// kernel computes D = rowsum(dO * O) itself, in the row-dot kernel's order: its scratch too.
 TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gpu][attention]") {
   FP8LM_REQUIRE_GPU();
   for (const AttnShape& s : {AttnShape{2, 77, 2, 64}, AttnShape{1, 130, 1, 64}, AttnShape{1, 1100, 1, 64},
@@ -277,7 +278,7 @@ TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gp
     struct Outputs {
       std::vector<__nv_bfloat16> out, dqkv;
       std::vector<uint8_t> out_fp8;
-      std::vector<float> lse, amax;
+      std::vector<float> lse, amax, D;
     };
     auto run = [&](bool wgmma) {
       cuda::DeviceBuffer<__nv_bfloat16> out(n_out), dqkv(n_qkv);
@@ -287,6 +288,7 @@ TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gp
       out.fill_bytes(kPoisonByte);
       dqkv.fill_bytes(kPoisonByte);
       lse.fill_bytes(kPoisonByte);
+      scratch.fill_bytes(kPoisonByte);
       auto forward = wgmma ? cuda::attention_forward : cuda::attention_forward_mma_sync;
       auto backward = wgmma ? cuda::attention_backward : cuda::attention_backward_mma_sync;
       forward(out.data(), lse.data(), out_fp8.data(), amax.data(), scale.data(), Fp8Dtype::e4m3, qkv.data(), s.B, s.T,
@@ -294,7 +296,8 @@ TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gp
       backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, C, s.NH, scratch.data(),
                nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
-      return Outputs{out.download(), dqkv.download(), out_fp8.download(), lse.download(), amax.download()};
+      return Outputs{out.download(), dqkv.download(), out_fp8.download(), lse.download(), amax.download(),
+                     scratch.download()};
     };
     const Outputs fast = run(true);
     const Outputs reference = run(false);
@@ -303,6 +306,7 @@ TEST_CASE("attention wgmma kernels equal the mma.sync kernels bit for bit", "[gp
     CHECK(std::memcmp(fast.lse.data(), reference.lse.data(), n_lse * sizeof(float)) == 0);
     CHECK(bits_of(fast.amax[0]) == bits_of(reference.amax[0]));
     CHECK(std::memcmp(fast.dqkv.data(), reference.dqkv.data(), n_qkv * sizeof(__nv_bfloat16)) == 0);
+    CHECK(std::memcmp(fast.D.data(), reference.D.data(), n_lse * sizeof(float)) == 0);
   }
 }
 
