@@ -7,7 +7,11 @@
 //   bf16     : BF16 B and A decoded by shifts and multiplied in FP32 (the FP32 form's BF16 path)
 //   e4m3 cvt : E4M3 B and A, cvt e4m3x2 -> f16x2 -> f32, multiplied in FP32 (its E4M3 path)
 // Prints microseconds per call and the weight's GB/s (docs/INFERENCE.md, device call 188).
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a scripts/gemv_bench.cu -o /tmp/gemv && /tmp/gemv
+// With the argument `l2`, every call reads the same copy instead, so a weight that fits the L2
+// is read from there (what prefetching the next GEMMs' weights into the L2 can buy at most);
+// with `prefetch`, copies cycle as by default and each call's blocks first ask the L2 for the
+// copy that the call two after it reads (cp.async.bulk.prefetch.L2, a block's share each).
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a scripts/gemv_bench.cu -o /tmp/gemv && /tmp/gemv [l2]
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -56,7 +60,16 @@ __device__ __forceinline__ void decode_bf16(const uint4& piece, float (&v)[8]) {
 }
 
 template <Variant V>
-__global__ void __launch_bounds__(kThreads) gemv(const void* B, const void* A, float* D, int N, int K) {
+__global__ void __launch_bounds__(kThreads) gemv(const void* B, const void* A, float* D, int N, int K,
+                                                  const uint8_t* prefetch, size_t prefetch_bytes) {
+  if (prefetch != nullptr && threadIdx.x == 0) {
+    const size_t share = (prefetch_bytes / gridDim.x + 15) / 16 * 16;
+    const size_t begin = share * blockIdx.x;
+    for (size_t at = begin; at < begin + share && at < prefetch_bytes; at += 32768) {
+      const size_t n = min(size_t(32768), min(begin + share, prefetch_bytes) - at);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(prefetch + at), "r"(uint32_t(n)) : "memory");
+    }
+  }
   constexpr int kPer = Fmt<V>::kPer;
   constexpr int kBytes = V == kBf16 ? 2 : 1;
   const int pieces = K / kPer;
@@ -124,7 +137,9 @@ __global__ void __launch_bounds__(kThreads) gemv(const void* B, const void* A, f
 
 struct Shape { const char* name; int K, N; };
 
-int main() {
+int main(int argc, char** argv) {
+  const bool from_l2 = argc > 1 && std::strcmp(argv[1], "l2") == 0;
+  const bool prefetching = argc > 1 && std::strcmp(argv[1], "prefetch") == 0;
   const Shape shapes[] = {{"1558m c_attn", 1600, 4800}, {"1558m attn.c_proj", 1600, 1600}, {"1558m c_fc", 1600, 6400},
                           {"1558m mlp.c_proj", 6400, 1600}, {"6.7b c_attn", 4096, 12288}, {"6.7b attn.c_proj", 4096, 4096},
                           {"6.7b c_fc", 4096, 16384}, {"6.7b mlp.c_proj", 16384, 4096}};
@@ -160,14 +175,15 @@ int main() {
     }
     for (const Variant v : {kRead, kBf16, kE4m3Cvt}) {
       const size_t stride = v == kBf16 ? bf16_bytes : e4m3_bytes;
-      const int launch_copies = int(std::min<size_t>(copies, (bf16_bytes * copies) / stride));
+      const int launch_copies = from_l2 ? 1 : int(std::min<size_t>(copies, (bf16_bytes * copies) / stride));
       const int blocks = (s.N + kWarps * kRowsPerWarp - 1) / (kWarps * kRowsPerWarp);
       auto launch = [&](int c) {
         const void* b = B + size_t(c % launch_copies) * stride;
+        const uint8_t* ahead = prefetching ? B + size_t((c + 2) % launch_copies) * stride : nullptr;
         switch (v) {
-          case kRead: gemv<kRead><<<blocks, kThreads>>>(b, A, D, s.N, s.K); break;
-          case kBf16: gemv<kBf16><<<blocks, kThreads>>>(b, A, D, s.N, s.K); break;
-          case kE4m3Cvt: gemv<kE4m3Cvt><<<blocks, kThreads>>>(b, A, D, s.N, s.K); break;
+          case kRead: gemv<kRead><<<blocks, kThreads>>>(b, A, D, s.N, s.K, ahead, stride); break;
+          case kBf16: gemv<kBf16><<<blocks, kThreads>>>(b, A, D, s.N, s.K, ahead, stride); break;
+          case kE4m3Cvt: gemv<kE4m3Cvt><<<blocks, kThreads>>>(b, A, D, s.N, s.K, ahead, stride); break;
         }
       };
       for (int c = 0; c < launch_copies; ++c) launch(c);
