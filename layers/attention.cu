@@ -30,6 +30,8 @@
 //      order) -> scratch [B,NH,T]. Below.
 //   2. dK/dV: a block owns 64 keys and walks the query tiles from its diagonal to T.
 //   3. dQ: a block owns 64 queries and walks the key tiles 0..diagonal.
+//   At head size 64 on Hopper the wgmma dQ kernel computes D itself (the same bits) and runs
+//   first: two kernels.
 //   The dQ kernel recomputes S and dP (7 GEMM-shaped products in all instead of FA2's 5):
 //   the price of determinism without a T x T buffer or floating-point atomics.
 
@@ -77,16 +79,7 @@ __global__ void __launch_bounds__(256)
     const int h = row % NH;
     const int bt = row / NH;
     const size_t off = static_cast<size_t>(bt) * C + static_cast<size_t>(h) * HS + chunk * 8;
-    const uint4 a = *reinterpret_cast<const uint4*>(dout + off);
-    const uint4 o = *reinterpret_cast<const uint4*>(out + off);
-    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 af = __bfloat1622float2(a2[i]);
-      const float2 of = __bfloat1622float2(o2[i]);
-      sum += af.x * of.x + af.y * of.y;
-    }
+    sum = dot_bf16x8(dout + off, out + off);
   }
 #pragma unroll
   for (int offset = G / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
 // D [B,NH,T] of one warp's 16 query rows t0..t0+15 (0 for rows >= T, never stored):
 // rowsum(dO * O), summed as attention_backward_dot_kernel<64> sums it (8 lanes a row, 8 values
-// each in order, then a butterfly over the 8), so its bits. Returns the rows g and g + 8 that
+// each by dot_bf16x8, then a butterfly over the 8), so its bits. Returns the rows g and g + 8 that
 // the thread's fragments hold; the lanes that finish a row write it to D_out.
 __device__ __forceinline__ void row_dots_of_warp(float (&row_D)[2], float* __restrict__ D_out,
                                                  const bf16* __restrict__ do_rows, const bf16* __restrict__ o_rows,
@@ -258,20 +258,8 @@ __device__ __forceinline__ void row_dots_of_warp(float (&row_D)[2], float* __res
 #pragma unroll
   for (int pass = 0; pass < 4; ++pass) {
     const int row = 4 * pass + lane / 8;
-    float sum = 0.0f;
-    if (t0 + row < T) {
-      const size_t off = static_cast<size_t>(row) * C + chunk * 8;
-      const uint4 a = *reinterpret_cast<const uint4*>(do_rows + off);
-      const uint4 o = *reinterpret_cast<const uint4*>(o_rows + off);
-      const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-      const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 af = __bfloat1622float2(a2[i]);
-        const float2 of = __bfloat1622float2(o2[i]);
-        sum += af.x * of.x + af.y * of.y;
-      }
-    }
+    const size_t off = static_cast<size_t>(row) * C + chunk * 8;
+    float sum = t0 + row < T ? dot_bf16x8(do_rows + off, o_rows + off) : 0.0f;
 #pragma unroll
     for (int offset = 4; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (chunk == 0 && t0 + row < T) D_out[t0 + row] = sum;

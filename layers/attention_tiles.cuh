@@ -125,6 +125,23 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One lane's share of D = rowsum(dO * O): the 8 values of a 16-byte chunk of dO and of O, in
+// this order (the row-dot kernel and the wgmma dQ kernel both sum D this way: the same bits).
+__device__ __forceinline__ float dot_bf16x8(const bf16* dout_chunk, const bf16* out_chunk) {
+  const uint4 a = *reinterpret_cast<const uint4*>(dout_chunk);
+  const uint4 o = *reinterpret_cast<const uint4*>(out_chunk);
+  const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 af = __bfloat1622float2(a2[i]);
+    const float2 of = __bfloat1622float2(o2[i]);
+    sum += af.x * of.x + af.y * of.y;
+  }
+  return sum;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
