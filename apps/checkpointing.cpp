@@ -141,6 +141,9 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"lr_decay_iters", o.lr_decay_iters},
           {"lr_decay_style", std::string(to_string(o.lr_decay_style))},
           {"train_iters", o.train_iters},
+          {"train_samples", o.train_samples},
+          {"lr_decay_samples", o.lr_decay_samples},
+          {"lr_warmup_samples", o.lr_warmup_samples},
           {"weight_decay", o.weight_decay},
           {"adam_beta1", o.adam_beta1},
           {"adam_beta2", o.adam_beta2},
@@ -466,6 +469,7 @@ CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::j
   if (const std::optional<double> warmup = number("lr_warmup_iters")) saved.lr_warmup_iters = int64_t(*warmup);
   const std::optional<double> decay = number("lr_decay_iters"), train = number("train_iters");
   if (decay && train) saved.lr_decay_iters = int64_t(*decay >= 0 ? *decay : *train);  // -1: --train-iters
+  if (const std::optional<double> samples = number("train_samples")) saved.train_samples = int64_t(*samples);
   if (state.contains(nlohmann::json::json_pointer("/args/lr_decay_style"))) {
     const std::string style = manifest_string(state, state_path, "/args/lr_decay_style");
     FP8LM_INPUT_CHECK(style == "cosine" || style == "linear" || style == "constant", state_path,
@@ -893,6 +897,9 @@ void adopt_resume_checkpoint(TrainOptions& options) {
   if (optimizer.weight_decay) adopt("--weight-decay", options.weight_decay, *optimizer.weight_decay, real);
   if (optimizer.adam_beta2) adopt("--adam-beta2", options.adam_beta2, *optimizer.adam_beta2, real);
   if (options.use_checkpoint_lr_schedule) {
+    FP8LM_INPUT_CHECK(optimizer.train_samples.value_or(0) == 0, manifest.dir,
+                      ": the checkpoint's run counted its learning-rate schedule in samples (--train-samples), which "
+                      "--use-checkpoint-opt_param-scheduler does not take; give the schedule's flags instead");
     FP8LM_INPUT_CHECK(optimizer.lr && optimizer.min_lr && optimizer.lr_warmup_iters && optimizer.lr_decay_iters &&
                           optimizer.lr_decay_style,
                       manifest.dir, ": the checkpoint does not record its learning-rate schedule, which "

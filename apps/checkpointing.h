@@ -96,6 +96,9 @@ struct CheckpointManifest {
     // warm-up and the decay steps (--lr-decay-iters resolved against the run's --train-iters).
     std::optional<double> lr, min_lr, lr_warmup_init, lr_warmup_fraction;
     std::optional<int64_t> lr_warmup_iters, lr_decay_iters;
+    // > 0: the run counted its schedule in samples (--train-samples), which
+    // --use-checkpoint-opt_param-scheduler does not take.
+    std::optional<int64_t> train_samples;
   };
   OptimizerSettings optimizer;
   std::vector<std::string> files;   // the data files it records (model and optimizer at least)

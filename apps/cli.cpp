@@ -182,6 +182,36 @@ void resolve_precision_aware_optimizer(TrainOptions& o, const PrecisionAwareOpti
   o.optimizer_state = state;
 }
 
+// Megatron's sample-based training: --train-samples with the schedule in samples, never mixed
+// with the iteration counts (megatron/training/arguments.py asserts the same).
+void validate_sample_counts(const TrainOptions& o) {
+  auto num = [](auto value) { return std::to_string(value); };
+  if (o.train_samples == 0) {
+    if (o.given("--lr-decay-samples") || o.given("--lr-warmup-samples"))
+      bad_flag("--lr-decay-samples and --lr-warmup-samples count a sample-based run's schedule: they need "
+               "--train-samples (or give --lr-decay-iters and --lr-warmup-iters)");
+    return;
+  }
+  if (o.train_samples < 0) bad_flag("--train-samples must be >= 1 (got " + num(o.train_samples) + ")");
+  if (o.given("--train-iters")) bad_flag("--train-samples contradicts --train-iters: give one (as Megatron asserts)");
+  if (o.given("--lr-decay-iters"))
+    bad_flag("--lr-decay-iters contradicts --train-samples: a sample-based run decays over --lr-decay-samples");
+  if (o.given("--lr-warmup-iters"))
+    bad_flag("--lr-warmup-iters contradicts --train-samples: a sample-based run warms up over --lr-warmup-samples");
+  if (o.lr_decay_samples < -1) bad_flag("--lr-decay-samples must be >= 0 (got " + num(o.lr_decay_samples) + ")");
+  if (o.lr_warmup_samples < 0) bad_flag("--lr-warmup-samples must be >= 0 (got " + num(o.lr_warmup_samples) + ")");
+  if (o.lr_warmup_fraction && o.lr_warmup_samples != 0)
+    bad_flag("--lr-warmup-fraction contradicts --lr-warmup-samples " + num(o.lr_warmup_samples) +
+             ": give one (as Megatron asserts)");
+  const int64_t decay = o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples;
+  if (o.lr_decay_style != LrDecayStyle::constant && decay < o.lr_warmup_samples)
+    bad_flag("--lr-decay-samples (" + num(decay) + ") must be >= --lr-warmup-samples (" + num(o.lr_warmup_samples) +
+             ")");
+  if (o.use_checkpoint_lr_schedule)
+    bad_flag("--use-checkpoint-opt_param-scheduler takes a schedule counted in iterations; with --train-samples "
+             "give the schedule's flags instead");
+}
+
 }  // namespace
 
 void validate_options(const TrainOptions& o) {
@@ -211,6 +241,7 @@ void validate_options(const TrainOptions& o) {
                                         ") must not exceed --lr (" + format_real(o.lr) + ")");
   require(o.lr_decay_iters >= -1, "--lr-decay-iters must be >= 0 (got " + num(o.lr_decay_iters) + ")");
   require(o.train_iters >= 0, "--train-iters must be >= 0 (got " + num(o.train_iters) + ")");
+  validate_sample_counts(o);
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
   require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
@@ -512,6 +543,14 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(training);
   app.add_option("--lr-warmup-init", o.lr_warmup_init, "Learning rate the warm-up starts from")->group(training);
   app.add_option("--lr-decay-iters", o.lr_decay_iters, "Decay steps (-1: --train-iters)")->group(training);
+  app.add_option("--train-samples", o.train_samples,
+                 "Sequences to train on, instead of --train-iters: that many global batches, rounded down")
+      ->group(training);
+  app.add_option("--lr-decay-samples", o.lr_decay_samples,
+                 "With --train-samples: the decay over this many sequences (-1: --train-samples)")
+      ->group(training);
+  app.add_option("--lr-warmup-samples", o.lr_warmup_samples, "With --train-samples: linear warm-up over this many sequences")
+      ->group(training);
   std::string decay_style(to_string(o.lr_decay_style));
   app.add_option("--lr-decay-style", decay_style, "cosine, linear (Megatron's default) or constant")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}))

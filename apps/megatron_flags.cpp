@@ -34,8 +34,6 @@ constexpr const char* kWholeSequence =
     "fp8lm's attention is causal over the whole sequence, across documents, as GPT-2 was trained";
 constexpr const char* kNoPipeline =
     "fp8lm parallelizes with tensor, sequence and data parallelism, not pipeline stages";
-constexpr const char* kCountIterations = "fp8lm counts optimizer steps: give --train-iters, --lr-decay-iters and "
-                                         "--lr-warmup-iters (or --lr-warmup-fraction)";
 
 // Megatron-LM's flags (megatron/training/arguments.py) that fp8lm does not implement with their
 // meaning; those it does are apps/cli.cpp's own options.
@@ -176,9 +174,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--use-rotary-position-embeddings", false, Kind::refused, nullptr,
      "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
     {"--rampup-batch-size", true, Kind::refused, nullptr, "fp8lm keeps --global-batch-size for the whole run"},
-    {"--train-samples", true, Kind::refused, nullptr, kCountIterations},
-    {"--lr-decay-samples", true, Kind::refused, nullptr, kCountIterations},
-    {"--lr-warmup-samples", true, Kind::refused, nullptr, kCountIterations},
     {"--no-load-optim", false, Kind::refused, nullptr, kWholeState},
     {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},

@@ -105,6 +105,12 @@ struct TrainOptions {
   // beta2 0.999; GPT-2/GPT-3 recipes pass cosine, 0.1 and 0.95 (scripts/quickstart.sh does).
   LrDecayStyle lr_decay_style = LrDecayStyle::linear;  // --lr-decay-style
   int64_t train_iters = 100;                        // --train-iters
+  // Megatron's sample-based training (--train-samples > 0): train_iters becomes train_samples
+  // / the global batch once that is known (resolve_run_setup), and the schedule's warm-up and
+  // decay are counted in samples (learning_rate_schedule, apps/run_setup.h).
+  int64_t train_samples = 0;                        // --train-samples; 0 = count --train-iters
+  int64_t lr_decay_samples = -1;                    // --lr-decay-samples; -1 = --train-samples
+  int64_t lr_warmup_samples = 0;                    // --lr-warmup-samples
   double weight_decay = 0.01;                       // --weight-decay
   double adam_beta1 = 0.9;                          // --adam-beta1
   double adam_beta2 = 0.999;                        // --adam-beta2

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -104,6 +105,26 @@ std::string bf16_blocks_description(const TrainOptions& o, int n_layer) {
 
 }  // namespace
 
+LrSchedule learning_rate_schedule(const TrainOptions& o, int global_batch_size) {
+  LrSchedule schedule;
+  schedule.max_lr = o.lr;
+  schedule.min_lr = o.min_lr;
+  schedule.warmup_init_lr = o.lr_warmup_init;
+  schedule.style = o.lr_decay_style;
+  if (o.train_samples > 0) {
+    const double steps_per_sample = 1.0 / double(global_batch_size);
+    schedule.decay_iters = double(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) * steps_per_sample;
+    schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
+                                                 : double(o.lr_warmup_samples) * steps_per_sample;
+  } else {
+    schedule.decay_iters = double(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters);
+    schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
+                                                 : double(o.lr_warmup_iters);
+  }
+  validate_lr_schedule(schedule);
+  return schedule;
+}
+
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel) {
   validate_options(options);
   RunSetup setup;
@@ -182,6 +203,14 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   FP8LM_INPUT_CHECK(setup.global_batch_size % per_step == 0, "--global-batch-size (", setup.global_batch_size,
                     ") must be a multiple of --micro-batch-size x data-parallel size (", per_step, ")");
   setup.grad_accum_steps = int(setup.global_batch_size / per_step);
+  if (setup.options.train_samples > 0) {
+    // Megatron's update_train_iters: whole global batches only.
+    FP8LM_INPUT_CHECK(setup.options.train_samples >= setup.global_batch_size, "--train-samples (",
+                      setup.options.train_samples, ") is less than one global batch (", setup.global_batch_size,
+                      " sequences)");
+    setup.options.train_iters = setup.options.train_samples / setup.global_batch_size;
+    validate_options(setup.options);  // the checks that count optimizer steps
+  }
 
   FP8LM_INPUT_CHECK(!options.sequence_parallel || setup.seq_length % tp == 0, "--sequence-parallel needs --seq-length (",
                     setup.seq_length, ") divisible by --tensor-model-parallel-size (", tp, ")");
@@ -275,11 +304,27 @@ std::string recompute_description(const TrainOptions& o, int n_layer) {
            " keep only their input";
   return "full, uniform: every block, in groups of " + std::to_string(r.layers) + " whose first block keeps its input";
 }
+
+// A step count of the schedule: whole, or to two decimals (a sample-counted bound).
+std::string format_steps(double steps) {
+  char buffer[64];
+  if (steps == std::floor(steps)) std::snprintf(buffer, sizeof buffer, "%.0f", steps);
+  else std::snprintf(buffer, sizeof buffer, "%.2f", steps);
+  return buffer;
+}
+
+std::string lr_warmup_description(const TrainOptions& o, const LrSchedule& schedule) {
+  if (o.lr_warmup_fraction) return format_double(*o.lr_warmup_fraction) + " of the decay steps";
+  if (o.train_samples > 0)
+    return format_steps(schedule.warmup_iters) + " steps (" + std::to_string(o.lr_warmup_samples) + " samples)";
+  return std::to_string(o.lr_warmup_iters) + " steps";
+}
 }  // namespace
 
 SettingsTable settings_table(const RunSetup& s) {
   const TrainOptions& o = s.options;
   const GptConfig& m = s.model;
+  const LrSchedule schedule = learning_rate_schedule(o, s.global_batch_size);
   auto str = [](auto v) { return std::to_string(v); };
   auto or_none = [](const std::string& v) { return v.empty() ? std::string("(none)") : v; };
   std::string precision;
@@ -338,12 +383,16 @@ SettingsTable settings_table(const RunSetup& s) {
       {"gradient accumulation steps", str(s.grad_accum_steps)},
       {"seq-length", str(s.seq_length)},
       {"tokens per step", str(int64_t{s.global_batch_size} * s.seq_length)},
-      {"train-iters", str(o.train_iters)},
+      {"train-iters", o.train_samples > 0 ? str(o.train_iters) + " (--train-samples " + str(o.train_samples) +
+                                                " over the global batch)"
+                                          : str(o.train_iters)},
       {"lr / min-lr", format_double(o.lr) + " / " + format_double(o.min_lr)},
-      {"lr-warmup", o.lr_warmup_fraction ? format_double(*o.lr_warmup_fraction) + " of the decay steps"
-                                         : str(o.lr_warmup_iters) + " steps"},
+      {"lr-warmup", lr_warmup_description(o, schedule)},
       {"lr-warmup-init", format_double(o.lr_warmup_init)},
-      {"lr-decay-iters", str(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters)},
+      {"lr-decay-iters", o.train_samples > 0 ? format_steps(schedule.decay_iters) + " steps (" +
+                                                   str(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) +
+                                                   " samples)"
+                                             : format_steps(schedule.decay_iters)},
       {"lr-decay-style", std::string(to_string(o.lr_decay_style))},
       {"weight-decay", format_double(o.weight_decay)},
       {"adam-beta1 / beta2 / eps", format_double(o.adam_beta1) + " / " + format_double(o.adam_beta2) + " / " +

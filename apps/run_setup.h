@@ -8,6 +8,7 @@
 #include "core/gpt_config.h"
 #include "core/logging.h"
 #include "layers/gpt.h"
+#include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
 
 namespace fp8lm {
@@ -33,6 +34,11 @@ struct RunSetup {
 // being that the run's estimated memory fits the host (and the GPU). fp8lm sample
 // (options.command) makes that last check itself, once it knows the prompt's length.
 RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& parallel = {});
+
+// The run's learning-rate schedule in optimizer steps. Iteration-based, Megatron's counts as
+// given; sample-based (--train-samples), its counts of sequences over the global batch, so that
+// step n sees the rate Megatron's sample-counted schedule gives after n global batches.
+LrSchedule learning_rate_schedule(const TrainOptions& options, int global_batch_size);
 
 // Throws InputError when setup.memory, the estimate, does not fit this machine's host memory
 // (shared by the node's ranks) or its GPU's free memory (check_memory_fits).

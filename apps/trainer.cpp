@@ -364,15 +364,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   };
   defer_stop_signals_to_training_loop();  // from here a stop signal saves a checkpoint
 
-  LrSchedule schedule;
-  schedule.max_lr = o.lr;
-  schedule.min_lr = o.min_lr;
-  schedule.decay_iters = o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters;
-  schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * double(schedule.decay_iters)
-                                               : double(o.lr_warmup_iters);
-  schedule.warmup_init_lr = o.lr_warmup_init;
-  schedule.style = o.lr_decay_style;
-  validate_lr_schedule(schedule);
+  const LrSchedule schedule = learning_rate_schedule(o, setup.global_batch_size);
 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);

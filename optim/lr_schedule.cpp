@@ -36,7 +36,7 @@ double learning_rate(int64_t iteration, const LrSchedule& schedule) {
   FP8LM_CHECK(iteration >= 0, "iteration=", iteration);
   const double n = static_cast<double>(iteration + 1);  // optimizer steps taken once this one is done
   const double warmup = schedule.warmup_iters;
-  const double decay = static_cast<double>(schedule.decay_iters);
+  const double decay = schedule.decay_iters;
 
   if (warmup > 0.0 && n <= warmup)
     return schedule.warmup_init_lr + (schedule.max_lr - schedule.warmup_init_lr) * n / warmup;

@@ -19,8 +19,9 @@
 // step that changes nothing. The shift by one avoids that wasted step; the curve is
 // otherwise Megatron's, one step earlier. Consequences: iterations W-1 and D-1 hit
 // max_lr and min_lr exactly, and with D = --train-iters the last step runs at min_lr.
-// Without warm-up (W = 0) iteration 0 is already one step into the decay. W need not be whole:
-// --lr-warmup-fraction F makes it F x D, as Megatron's sample-counted warm-up does.
+// Without warm-up (W = 0) iteration 0 is already one step into the decay. W and D need not be
+// whole: --lr-warmup-fraction F makes W = F x D, and a sample-based run (--train-samples) counts
+// both in samples, that is in steps of one global batch (apps/run_setup.h).
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,7 @@ struct LrSchedule {
   double min_lr = 0.0;         // --min-lr
   double warmup_iters = 0.0;   // --lr-warmup-iters, or --lr-warmup-fraction x decay_iters
   double warmup_init_lr = 0.0; // --lr-warmup-init
-  int64_t decay_iters = 0;     // --lr-decay-iters (>= warmup_iters unless constant)
+  double decay_iters = 0.0;    // --lr-decay-iters, or --lr-decay-samples / the global batch (>= warmup_iters unless constant)
   LrDecayStyle style = LrDecayStyle::linear;  // --lr-decay-style (Megatron's default)
 };
 

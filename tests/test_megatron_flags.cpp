@@ -6,6 +6,7 @@
 // with a warning, and the ones it refuses.
 #include <cmath>
 #include <filesystem>
+#include <numbers>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -222,6 +223,80 @@ TEST_CASE("the warm-up: --lr-warmup-fraction warms up over that fraction of the 
   CHECK(lr[0] == 1e-4 + (1e-3 - 1e-4) * 0.5);
   CHECK(lr[1] == 1e-3);
   CHECK(lr[3] == 0.0);  // linear decay to --min-lr 0, Megatron's defaults
+}
+
+// Megatron's get_lr() in samples (megatron/core/optimizer_param_scheduler.py), written out here
+// as the reference: num_steps samples seen, the warm-up and decay bounds in samples.
+double megatron_sample_counted_lr(double num_steps, double warmup_steps, double decay_steps, double max_lr,
+                                  double min_lr, LrDecayStyle style) {
+  if (warmup_steps > 0 && num_steps <= warmup_steps) return max_lr * num_steps / warmup_steps;
+  if (style == LrDecayStyle::constant) return max_lr;
+  if (num_steps > decay_steps) return min_lr;
+  const double ratio = (num_steps - warmup_steps) / (decay_steps - warmup_steps);
+  const double coeff = style == LrDecayStyle::cosine ? 0.5 * (std::cos(std::numbers::pi * ratio) + 1.0) : 1.0 - ratio;
+  return min_lr + coeff * (max_lr - min_lr);
+}
+
+TEST_CASE("sample-based training: --train-samples, --lr-decay-samples and --lr-warmup-samples count sequences",
+          "[cli][megatron]") {
+  // Megatron's GPT-3 175B script: 146,484,375 samples, decay over 126,953,125, warm-up over
+  // 183,105, a global batch of 1,536 (no ramp-up). Step i (0-based) runs at the rate Megatron
+  // gives after i + 1 global batches (optim/lr_schedule.h's shift by one).
+  TrainOptions o = parse({"--mock-data", "--train-samples", "146484375", "--lr-decay-samples", "126953125",
+                          "--lr-warmup-samples", "183105", "--lr", "0.6e-4", "--min-lr", "0.6e-5", "--lr-decay-style",
+                          "cosine"});
+  CHECK(o.train_samples == 146484375);
+  const int global_batch = 1536;
+  const LrSchedule schedule = learning_rate_schedule(o, global_batch);
+  CHECK(schedule.warmup_iters == Catch::Approx(183105.0 / 1536).epsilon(1e-15));
+  CHECK(schedule.decay_iters == Catch::Approx(126953125.0 / 1536).epsilon(1e-15));
+  for (const int64_t step : {0, 1, 118, 119, 120, 1000, 40000, 82651, 82652, 82653, 95366}) {
+    INFO("step " << step);
+    const double expected = megatron_sample_counted_lr(double(step + 1) * global_batch, 183105, 126953125, 0.6e-4,
+                                                       0.6e-5, LrDecayStyle::cosine);
+    CHECK(learning_rate(step, schedule) == Catch::Approx(expected).epsilon(1e-12).margin(1e-18));
+  }
+  // --lr-decay-samples defaults to --train-samples; --lr-warmup-fraction takes its fraction of that.
+  o = parse({"--mock-data", "--train-samples", "1000", "--lr-warmup-fraction", "0.1"});
+  CHECK(learning_rate_schedule(o, 10).decay_iters == 100.0);
+  CHECK(learning_rate_schedule(o, 10).warmup_iters == Catch::Approx(10.0));
+
+  // Megatron's assertions: one way of counting at a time.
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--train-iters", "4"}),
+             ContainsSubstring("--train-samples contradicts --train-iters"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--lr-decay-iters", "3"}),
+             ContainsSubstring("--lr-decay-iters contradicts --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--lr-warmup-iters", "3"}),
+             ContainsSubstring("--lr-warmup-iters contradicts --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-decay-samples", "8"}), ContainsSubstring("they need --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-warmup-samples", "8"}), ContainsSubstring("they need --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--lr-warmup-samples", "2", "--lr-warmup-fraction", "0.1"}),
+             ContainsSubstring("--lr-warmup-fraction contradicts --lr-warmup-samples 2"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--lr-decay-samples", "2", "--lr-warmup-samples", "4"}),
+             ContainsSubstring("--lr-decay-samples (2) must be >= --lr-warmup-samples (4)"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "-3"}), ContainsSubstring("--train-samples must be >= 1"));
+
+  // Through the trainer: 9 samples at a global batch of 2 are 4 steps; the warm-up's 3 samples
+  // are 1.5 steps and the decay's 9 samples 4.5.
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm(tiny_run("--train-samples 9 --lr 1e-3 --lr-warmup-samples 3 --metrics-file " +
+                                               dir.file("m.jsonl")));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("4 (--train-samples 9 over the global batch)"));
+  const std::vector<double> lr = testing::metrics_field(dir.file("m.jsonl"), "lr");
+  REQUIRE(lr.size() == 4);
+  CHECK(lr[0] == Catch::Approx(1e-3 / 1.5).epsilon(1e-15));
+  CHECK(lr[1] == Catch::Approx(1e-3 * (1.0 - 0.5 / 3.0)).epsilon(1e-15));
+  CHECK(lr[3] == Catch::Approx(1e-3 * (1.0 - 2.5 / 3.0)).epsilon(1e-15));
+  // Fewer samples than one global batch is no run at all: refused, before any work.
+  const auto too_few = testing::run_fp8lm(tiny_run("--train-samples 1"));
+  CHECK(too_few.exit_code == 2);
+  CHECK_THAT(too_few.output, ContainsSubstring("--train-samples (1) is less than one global batch (2 sequences)"));
+  // A sample-counted schedule is not what --use-checkpoint-opt_param-scheduler takes.
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--load", dir.path().string(),
+                          "--use-checkpoint-opt_param-scheduler"}),
+             ContainsSubstring("--use-checkpoint-opt_param-scheduler takes a schedule counted in iterations"));
 }
 
 TEST_CASE("the initial weights: --init-method-std sets the initial weights' deviation, --norm-epsilon LayerNorm's epsilon",
