@@ -112,10 +112,10 @@ LrSchedule learning_rate_schedule(const TrainOptions& o, int global_batch_size) 
   schedule.warmup_init_lr = o.lr_warmup_init;
   schedule.style = o.lr_decay_style;
   if (o.train_samples > 0) {
-    const double steps_per_sample = 1.0 / double(global_batch_size);
-    schedule.decay_iters = double(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) * steps_per_sample;
+    const double batch = double(global_batch_size);
+    schedule.decay_iters = double(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) / batch;
     schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
-                                                 : double(o.lr_warmup_samples) * steps_per_sample;
+                                                 : double(o.lr_warmup_samples) / batch;
   } else {
     schedule.decay_iters = double(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters);
     schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
