@@ -2,12 +2,12 @@
 // implements with Megatron's meaning (--lr-warmup-fraction, --lr-warmup-init, --init-method-std,
 // --norm-epsilon, --exit-duration-in-mins, --finetune, the tokenizer files, the precision-aware
 // optimizer's dtypes, --save DIR --load DIR with --exit-on-missing-checkpoint,
-// --use-checkpoint-opt_param-scheduler), the ones it accepts without effect, with one value, or
-// with a warning, and the ones it refuses.
+// --use-checkpoint-opt_param-scheduler, sample-based training), the ones it accepts without
+// effect, with one value, or with a warning, and the ones it refuses.
 #include <cmath>
 #include <filesystem>
-#include <numbers>
 #include <fstream>
+#include <numbers>
 #include <sstream>
 #include <string>
 #include <vector>
