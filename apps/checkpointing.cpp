@@ -144,7 +144,13 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"train_samples", o.train_samples},
           {"lr_decay_samples", o.lr_decay_samples},
           {"lr_warmup_samples", o.lr_warmup_samples},
+          {"lr_wsd_decay_style", std::string(to_string(o.lr_wsd_decay_style))},
+          {"lr_wsd_decay_iters", o.lr_wsd_decay_iters},
+          {"lr_wsd_decay_samples", o.lr_wsd_decay_samples},
           {"weight_decay", o.weight_decay},
+          {"weight_decay_incr_style", std::string(to_string(o.weight_decay_incr_style))},
+          {"start_weight_decay", o.start_weight_decay ? nlohmann::json(*o.start_weight_decay) : nlohmann::json()},
+          {"end_weight_decay", o.end_weight_decay ? nlohmann::json(*o.end_weight_decay) : nlohmann::json()},
           {"adam_beta1", o.adam_beta1},
           {"adam_beta2", o.adam_beta2},
           {"adam_eps", o.adam_eps},
@@ -470,14 +476,33 @@ CheckpointManifest::OptimizerSettings saved_optimizer_settings(const nlohmann::j
   const std::optional<double> decay = number("lr_decay_iters"), train = number("train_iters");
   if (decay && train) saved.lr_decay_iters = int64_t(*decay >= 0 ? *decay : *train);  // -1: --train-iters
   if (const std::optional<double> samples = number("train_samples")) saved.train_samples = int64_t(*samples);
-  if (state.contains(nlohmann::json::json_pointer("/args/lr_decay_style"))) {
-    const std::string style = manifest_string(state, state_path, "/args/lr_decay_style");
-    FP8LM_INPUT_CHECK(style == "cosine" || style == "linear" || style == "constant", state_path,
-                      ": key \"args/lr_decay_style\" must be cosine, linear or constant, not \"", style, "\"");
-    saved.lr_decay_style = style == "cosine"   ? LrDecayStyle::cosine
-                           : style == "linear" ? LrDecayStyle::linear
-                                               : LrDecayStyle::constant;
-  }
+  // A style key, when recorded: one of `Style`'s names (to_string), or an error naming the key.
+  auto style = [&]<typename Style>(const char* key, std::initializer_list<Style> styles) -> std::optional<Style> {
+    const std::string pointer = std::string("/args/") + key;
+    if (!state.contains(nlohmann::json::json_pointer(pointer))) return std::nullopt;
+    const std::string name = manifest_string(state, state_path, pointer);
+    std::string names;
+    for (const Style candidate : styles) {
+      if (to_string(candidate) == name) return candidate;
+      names += (names.empty() ? "" : ", ") + std::string(to_string(candidate));
+    }
+    throw InputError(state_path + ": key \"args/" + key + "\" must be one of " + names + ", not \"" + name + "\"");
+  };
+  saved.lr_decay_style = style("lr_decay_style", {LrDecayStyle::cosine, LrDecayStyle::linear, LrDecayStyle::constant,
+                                                  LrDecayStyle::inverse_square_root, LrDecayStyle::wsd});
+  saved.lr_wsd_decay_style = style("lr_wsd_decay_style", {WsdDecayStyle::exponential, WsdDecayStyle::linear,
+                                                          WsdDecayStyle::cosine, WsdDecayStyle::minus_sqrt});
+  if (const std::optional<double> iters = number("lr_wsd_decay_iters")) saved.lr_wsd_decay_iters = int64_t(*iters);
+  if (const std::optional<double> samples = number("lr_wsd_decay_samples"))
+    saved.lr_wsd_decay_samples = int64_t(*samples);
+  saved.weight_decay_incr_style =
+      style("weight_decay_incr_style",
+            {WeightDecayIncrStyle::constant, WeightDecayIncrStyle::linear, WeightDecayIncrStyle::cosine});
+  for (const auto& [key, field] : {std::pair{"start_weight_decay", &saved.start_weight_decay},
+                                   std::pair{"end_weight_decay", &saved.end_weight_decay}})
+    if (state.contains(nlohmann::json::json_pointer(std::string("/args/") + key)) &&
+        !state[nlohmann::json::json_pointer(std::string("/args/") + key)].is_null())
+      *field = number(key);
   return saved;
 }
 
@@ -894,6 +919,19 @@ void adopt_resume_checkpoint(TrainOptions& options) {
   auto style_name = [](LrDecayStyle style) { return std::string(to_string(style)); };
   const CheckpointManifest::OptimizerSettings& optimizer = manifest.optimizer;
   if (optimizer.lr_decay_style) adopt("--lr-decay-style", options.lr_decay_style, *optimizer.lr_decay_style, style_name);
+  // A WSD schedule resumes with its anneal: the style's own flags, where they are left out.
+  auto integer = [](int64_t value) { return std::to_string(value); };
+  auto wsd_name = [](WsdDecayStyle style) { return std::string(to_string(style)); };
+  auto take_wsd_anneal = [&](auto&& apply) {
+    if (options.lr_decay_style != LrDecayStyle::wsd || optimizer.lr_decay_style != LrDecayStyle::wsd) return;
+    if (optimizer.lr_wsd_decay_style)
+      apply("--lr-wsd-decay-style", options.lr_wsd_decay_style, *optimizer.lr_wsd_decay_style, wsd_name);
+    if (optimizer.lr_wsd_decay_iters)
+      apply("--lr-wsd-decay-iters", options.lr_wsd_decay_iters, *optimizer.lr_wsd_decay_iters, integer);
+    if (optimizer.lr_wsd_decay_samples)
+      apply("--lr-wsd-decay-samples", options.lr_wsd_decay_samples, *optimizer.lr_wsd_decay_samples, integer);
+  };
+  take_wsd_anneal(adopt);
   if (optimizer.weight_decay) adopt("--weight-decay", options.weight_decay, *optimizer.weight_decay, real);
   if (optimizer.adam_beta2) adopt("--adam-beta2", options.adam_beta2, *optimizer.adam_beta2, real);
   if (options.use_checkpoint_lr_schedule) {
@@ -910,7 +948,6 @@ void adopt_resume_checkpoint(TrainOptions& options) {
                      describe(saved_value), describe(value));
       value = saved_value;
     };
-    auto integer = [](int64_t value) { return std::to_string(value); };
     take("--lr", options.lr, *optimizer.lr, real);
     take("--min-lr", options.min_lr, *optimizer.min_lr, real);
     take("--lr-decay-style", options.lr_decay_style, *optimizer.lr_decay_style, style_name);
@@ -918,6 +955,15 @@ void adopt_resume_checkpoint(TrainOptions& options) {
     take("--lr-warmup-iters", options.lr_warmup_iters, *optimizer.lr_warmup_iters, integer);
     if (optimizer.lr_warmup_init) take("--lr-warmup-init", options.lr_warmup_init, *optimizer.lr_warmup_init, real);
     options.lr_warmup_fraction = optimizer.lr_warmup_fraction;
+    take_wsd_anneal(take);
+    // Megatron's scheduler state holds the weight-decay schedule too.
+    if (optimizer.weight_decay_incr_style) {
+      auto incr_name = [](WeightDecayIncrStyle style) { return std::string(to_string(style)); };
+      take("--weight-decay-incr-style", options.weight_decay_incr_style, *optimizer.weight_decay_incr_style,
+           incr_name);
+      options.start_weight_decay = optimizer.start_weight_decay;
+      options.end_weight_decay = optimizer.end_weight_decay;
+    }
   }
   if (!manifest.fp8 || !options.fp8_enabled()) return;
   const CheckpointManifest::Fp8Settings& saved = *manifest.fp8;

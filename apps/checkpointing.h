@@ -96,6 +96,11 @@ struct CheckpointManifest {
     // warm-up and the decay steps (--lr-decay-iters resolved against the run's --train-iters).
     std::optional<double> lr, min_lr, lr_warmup_init, lr_warmup_fraction;
     std::optional<int64_t> lr_warmup_iters, lr_decay_iters;
+    // WSD's anneal (adopted with a WSD style that is) and the weight-decay schedule.
+    std::optional<WsdDecayStyle> lr_wsd_decay_style;
+    std::optional<int64_t> lr_wsd_decay_iters, lr_wsd_decay_samples;
+    std::optional<WeightDecayIncrStyle> weight_decay_incr_style;
+    std::optional<double> start_weight_decay, end_weight_decay;
     // > 0: the run counted its schedule in samples (--train-samples), which
     // --use-checkpoint-opt_param-scheduler does not take.
     std::optional<int64_t> train_samples;

@@ -212,6 +212,48 @@ void validate_sample_counts(const TrainOptions& o) {
              "give the schedule's flags instead");
 }
 
+// Megatron's WSD anneal and weight-decay schedule: each flag only where its style reads it, and
+// the anneal counted in the run's unit (steps, or samples with --train-samples).
+void validate_schedule_styles(const TrainOptions& o) {
+  auto num = [](auto value) { return std::to_string(value); };
+  if (o.lr_decay_style != LrDecayStyle::wsd) {
+    for (const char* flag : {"--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples"})
+      if (o.given(flag))
+        bad_flag(std::string(flag) + " shapes the anneal of --lr-decay-style WSD, and this run decays " +
+                 std::string(to_string(o.lr_decay_style)));
+  } else if (o.train_samples > 0) {
+    if (o.given("--lr-wsd-decay-iters"))
+      bad_flag("--lr-wsd-decay-iters contradicts --train-samples: a sample-based run anneals over "
+               "--lr-wsd-decay-samples");
+    if (o.lr_wsd_decay_samples < 0)
+      bad_flag("--lr-decay-style WSD with --train-samples needs --lr-wsd-decay-samples >= 0 (the anneal's length, "
+               "as Megatron asserts)" + (o.given("--lr-wsd-decay-samples") ? " (got " + num(o.lr_wsd_decay_samples) + ")"
+                                                                           : std::string()));
+  } else {
+    if (o.given("--lr-wsd-decay-samples"))
+      bad_flag("--lr-wsd-decay-samples counts a sample-based run's anneal: it needs --train-samples (or give "
+               "--lr-wsd-decay-iters)");
+    if (o.lr_wsd_decay_iters < 0)
+      bad_flag("--lr-decay-style WSD needs --lr-wsd-decay-iters >= 0 (the anneal's length, as Megatron asserts)" +
+               (o.given("--lr-wsd-decay-iters") ? " (got " + num(o.lr_wsd_decay_iters) + ")" : std::string()));
+  }
+  const bool ramps = o.weight_decay_incr_style != WeightDecayIncrStyle::constant;
+  const std::string style(to_string(o.weight_decay_incr_style));
+  if (!ramps && (o.start_weight_decay || o.end_weight_decay))
+    bad_flag("--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine (constant "
+             "keeps --weight-decay, as Megatron asserts)");
+  if (ramps && (!o.start_weight_decay || !o.end_weight_decay))
+    bad_flag("--weight-decay-incr-style " + style + " needs --start-weight-decay and --end-weight-decay");
+  if (!ramps) return;
+  for (const auto& [flag, value] : {std::pair{"--start-weight-decay", *o.start_weight_decay},
+                                    std::pair{"--end-weight-decay", *o.end_weight_decay}})
+    if (!std::isfinite(value) || value < 0.0 || value > 10.0)
+      bad_flag(std::string(flag) + " must be in [0, 10] (got " + format_real(value) + ")");
+  if (*o.end_weight_decay < *o.start_weight_decay)
+    bad_flag("--end-weight-decay (" + format_real(*o.end_weight_decay) + ") must be >= --start-weight-decay (" +
+             format_real(*o.start_weight_decay) + "), as Megatron asserts");
+}
+
 }  // namespace
 
 void validate_options(const TrainOptions& o) {
@@ -221,8 +263,12 @@ void validate_options(const TrainOptions& o) {
   auto num = [](auto value) { return std::to_string(value); };
   validate_real_flags(o);
   require(o.min_lr <= o.lr, "--min-lr (" + format_real(o.min_lr) + ") must not exceed --lr (" + format_real(o.lr) + ")");
-  require(o.lr * o.weight_decay < 1.0, "--lr x --weight-decay (" + format_real(o.lr * o.weight_decay) +
-                                           ") must be below 1: each step scales the weights by 1 - lr x weight-decay");
+  validate_schedule_styles(o);
+  const bool ramps = o.weight_decay_incr_style != WeightDecayIncrStyle::constant;
+  const double largest_decay = ramps ? *o.end_weight_decay : o.weight_decay;
+  require(o.lr * largest_decay < 1.0, std::string(ramps ? "--lr x --end-weight-decay (" : "--lr x --weight-decay (") +
+                                          format_real(o.lr * largest_decay) +
+                                          ") must be below 1: each step scales the weights by 1 - lr x weight-decay");
   require(o.micro_batch_size >= 1, "--micro-batch-size must be >= 1 (got " + num(o.micro_batch_size) + ")");
   require(o.global_batch_size >= 0, "--global-batch-size must be >= 1 (got " + num(o.global_batch_size) + ")");
   require(o.global_batch_size == 0 || o.global_batch_size % o.micro_batch_size == 0,
@@ -552,10 +598,32 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--lr-warmup-samples", o.lr_warmup_samples, "With --train-samples: linear warm-up over this many sequences")
       ->group(training);
   std::string decay_style(to_string(o.lr_decay_style));
-  app.add_option("--lr-decay-style", decay_style, "cosine, linear (Megatron's default) or constant")
-      ->check(CLI::IsMember({"cosine", "linear", "constant"}))
+  app.add_option("--lr-decay-style", decay_style,
+                 "cosine, linear (Megatron's default), constant, inverse-square-root, or WSD (warm-up, stable, "
+                 "then an anneal over the last --lr-wsd-decay-iters of the decay)")
+      ->check(CLI::IsMember({"cosine", "linear", "constant", "inverse-square-root", "WSD"}))
+      ->group(training);
+  std::string wsd_style(to_string(o.lr_wsd_decay_style));
+  app.add_option("--lr-wsd-decay-style", wsd_style,
+                 "WSD's anneal: exponential (Megatron's default), linear, cosine or minus_sqrt")
+      ->check(CLI::IsMember({"exponential", "linear", "cosine", "minus_sqrt"}))
+      ->group(training);
+  app.add_option("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, "WSD: the anneal's steps, the last of the decay's")
+      ->group(training);
+  app.add_option("--lr-wsd-decay-samples", o.lr_wsd_decay_samples,
+                 "WSD with --train-samples: the anneal's sequences, the last of the decay's")
       ->group(training);
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay (2-D weights only)")->group(training);
+  std::string weight_decay_style(to_string(o.weight_decay_incr_style));
+  app.add_option("--weight-decay-incr-style", weight_decay_style,
+                 "constant (--weight-decay throughout; Megatron's default), or linear or cosine from "
+                 "--start-weight-decay to --end-weight-decay over the run")
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}))
+      ->group(training);
+  app.add_option("--start-weight-decay", o.start_weight_decay, "With --weight-decay-incr-style linear|cosine: the first step's")
+      ->group(training);
+  app.add_option("--end-weight-decay", o.end_weight_decay, "With --weight-decay-incr-style linear|cosine: the last step's")
+      ->group(training);
   app.add_option("--adam-beta1", o.adam_beta1, "AdamW beta1")->group(training);
   app.add_option("--adam-beta2", o.adam_beta2, "AdamW beta2")->group(training);
   app.add_option("--adam-eps", o.adam_eps, "AdamW epsilon")->group(training);
@@ -768,9 +836,25 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                                         .state_precision_given = app.count("--optimizer-state-precision") > 0});
   o.fused_weight_casts = weight_casts == "fused";
   o.first_pass_in_backward = first_pass == "backward";
-  o.lr_decay_style = lookup<LrDecayStyle>(
-      {{"cosine", LrDecayStyle::cosine}, {"linear", LrDecayStyle::linear}, {"constant", LrDecayStyle::constant}},
-      decay_style);
+  o.lr_decay_style = lookup<LrDecayStyle>({{"cosine", LrDecayStyle::cosine},
+                                           {"linear", LrDecayStyle::linear},
+                                           {"constant", LrDecayStyle::constant},
+                                           {"inverse-square-root", LrDecayStyle::inverse_square_root},
+                                           {"WSD", LrDecayStyle::wsd}},
+                                          decay_style);
+  o.lr_wsd_decay_style = lookup<WsdDecayStyle>({{"exponential", WsdDecayStyle::exponential},
+                                              {"linear", WsdDecayStyle::linear},
+                                              {"cosine", WsdDecayStyle::cosine},
+                                              {"minus_sqrt", WsdDecayStyle::minus_sqrt}},
+                                             wsd_style);
+  o.weight_decay_incr_style = lookup<WeightDecayIncrStyle>({{"constant", WeightDecayIncrStyle::constant},
+                                                          {"linear", WeightDecayIncrStyle::linear},
+                                                          {"cosine", WeightDecayIncrStyle::cosine}},
+                                                         weight_decay_style);
+  if (o.weight_decay_incr_style != WeightDecayIncrStyle::constant && app.count("--weight-decay") > 0)
+    o.megatron_warnings.push_back("--weight-decay " + format_real(o.weight_decay) + " has no effect with "
+                                  "--weight-decay-incr-style " + weight_decay_style +
+                                  ": the decay runs from --start-weight-decay to --end-weight-decay, as in Megatron");
   if (distributed_optimizer && no_distributed_optimizer)
     bad_flag("--use-distributed-optimizer contradicts --no-use-distributed-optimizer");
   if (distributed_optimizer) o.use_distributed_optimizer = true;

@@ -372,13 +372,13 @@ struct TrainingEngine::State {
   std::vector<float> memory_tensor_scales(const std::vector<float>& canonical_order);
 };
 
-AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr) {
+AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr, double weight_decay) {
   AdamWHyperparams hp;
   hp.lr = static_cast<float>(lr);
   hp.beta1 = static_cast<float>(o.adam_beta1);
   hp.beta2 = static_cast<float>(o.adam_beta2);
   hp.eps = static_cast<float>(o.adam_eps);
-  hp.weight_decay = static_cast<float>(o.weight_decay);
+  hp.weight_decay = static_cast<float>(weight_decay);
   return hp;
 }
 
@@ -543,7 +543,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
       }
     FP8LM_CHECK(covered == tensors.size(), "the buckets hold ", covered, " of the ", tensors.size(),
                 " tensors AdamW's first pass reads");
-    s.first_pass_hyperparams = adamw_hyperparams(o, /*lr=*/0.0);  // the moments take only the betas
+    s.first_pass_hyperparams = adamw_hyperparams(o, /*lr=*/0.0, /*weight_decay=*/0.0);  // the moments take only the betas
   }
   if (optimizer_writes_fp8_weights(o, s.sharded)) {
     const std::vector<WeightOperand> operands = model.fp8_weight_operands();

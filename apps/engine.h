@@ -66,9 +66,9 @@ struct StepMetrics {
   bool skipped = false;    // non-finite loss or gradient: no update was made
 };
 
-// The run's AdamW hyperparameters (--adam-beta1, --adam-beta2, --adam-eps, --weight-decay) at
-// learning rate `lr`.
-AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr);
+// The run's AdamW hyperparameters (--adam-beta1, --adam-beta2, --adam-eps) at the step's
+// learning rate and weight decay (learning_rate and weight_decay of the run's schedules).
+AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr, double weight_decay);
 
 // How a new engine's parameters begin: drawn from --seed, or left for the caller, who sets
 // every parameter (set_parameters, as a restore does) before any step: an

@@ -133,7 +133,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--distributed-backend", true, Kind::one_value, "nccl",
      "fp8lm moves device buffers over NCCL (and host buffers over MPI)"},
     {"--optimizer", true, Kind::one_value, "adam", "fp8lm's optimizer is Megatron's adam: AdamW"},
-    {"--weight-decay-incr-style", true, Kind::one_value, "constant", "fp8lm's weight decay is --weight-decay throughout"},
 
     // Outputs fp8lm does not write: a warning, not an error.
     {"--tensorboard-dir", true, Kind::not_written, nullptr, kMetricsElsewhere},

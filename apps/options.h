@@ -111,7 +111,17 @@ struct TrainOptions {
   int64_t train_samples = 0;                        // --train-samples; 0 = count --train-iters
   int64_t lr_decay_samples = -1;                    // --lr-decay-samples; -1 = --train-samples
   int64_t lr_warmup_samples = 0;                    // --lr-warmup-samples
+  // --lr-decay-style WSD: the anneal's length, in steps or (sample-based) in samples; one is
+  // required, as Megatron asserts. -1 = not given.
+  int64_t lr_wsd_decay_iters = -1;                  // --lr-wsd-decay-iters
+  int64_t lr_wsd_decay_samples = -1;                // --lr-wsd-decay-samples
+  WsdDecayStyle lr_wsd_decay_style = WsdDecayStyle::exponential;  // --lr-wsd-decay-style
   double weight_decay = 0.01;                       // --weight-decay
+  // Megatron's weight-decay schedule: constant (--weight-decay throughout), or linear / cosine
+  // from --start-weight-decay to --end-weight-decay over the run (both required then).
+  WeightDecayIncrStyle weight_decay_incr_style = WeightDecayIncrStyle::constant;  // --weight-decay-incr-style
+  std::optional<double> start_weight_decay;         // --start-weight-decay
+  std::optional<double> end_weight_decay;           // --end-weight-decay
   double adam_beta1 = 0.9;                          // --adam-beta1
   double adam_beta2 = 0.999;                        // --adam-beta2
   double adam_eps = 1e-8;                           // --adam-eps

@@ -116,12 +116,28 @@ LrSchedule learning_rate_schedule(const TrainOptions& o, int global_batch_size) 
     schedule.decay_iters = double(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) / batch;
     schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
                                                  : double(o.lr_warmup_samples) / batch;
+    if (o.lr_decay_style == LrDecayStyle::wsd) schedule.wsd_decay_iters = double(o.lr_wsd_decay_samples) / batch;
   } else {
     schedule.decay_iters = double(o.lr_decay_iters < 0 ? o.train_iters : o.lr_decay_iters);
     schedule.warmup_iters = o.lr_warmup_fraction ? *o.lr_warmup_fraction * schedule.decay_iters
                                                  : double(o.lr_warmup_iters);
+    if (o.lr_decay_style == LrDecayStyle::wsd) schedule.wsd_decay_iters = double(o.lr_wsd_decay_iters);
   }
+  schedule.wsd_style = o.lr_wsd_decay_style;
+  schedule.samples_per_iter = double(global_batch_size);
   validate_lr_schedule(schedule);
+  return schedule;
+}
+
+WeightDecaySchedule weight_decay_schedule(const TrainOptions& o, int global_batch_size) {
+  WeightDecaySchedule schedule;
+  schedule.style = o.weight_decay_incr_style;
+  const bool ramps = schedule.style != WeightDecayIncrStyle::constant;
+  schedule.start = ramps ? o.start_weight_decay.value_or(0.0) : o.weight_decay;
+  schedule.end = ramps ? o.end_weight_decay.value_or(0.0) : o.weight_decay;
+  schedule.incr_iters =
+      o.train_samples > 0 ? double(o.train_samples) / double(global_batch_size) : double(o.train_iters);
+  validate_weight_decay_schedule(schedule);
   return schedule;
 }
 
@@ -319,6 +335,21 @@ std::string lr_warmup_description(const TrainOptions& o, const LrSchedule& sched
     return format_steps(schedule.warmup_iters) + " steps (" + std::to_string(o.lr_warmup_samples) + " samples)";
   return std::to_string(o.lr_warmup_iters) + " steps";
 }
+
+std::string lr_decay_style_description(const TrainOptions& o, const LrSchedule& schedule) {
+  std::string text(to_string(o.lr_decay_style));
+  if (o.lr_decay_style != LrDecayStyle::wsd) return text;
+  text += ", " + std::string(to_string(o.lr_wsd_decay_style)) + " anneal over the last " +
+          format_steps(schedule.wsd_decay_iters) + " steps";
+  if (o.train_samples > 0) text += " (" + std::to_string(o.lr_wsd_decay_samples) + " samples)";
+  return text;
+}
+
+std::string weight_decay_description(const TrainOptions& o, const WeightDecaySchedule& schedule) {
+  if (schedule.style == WeightDecayIncrStyle::constant) return format_double(o.weight_decay);
+  return std::string(to_string(schedule.style)) + " from " + format_double(schedule.start) + " to " +
+         format_double(schedule.end) + " over " + format_steps(schedule.incr_iters) + " steps";
+}
 }  // namespace
 
 SettingsTable settings_table(const RunSetup& s) {
@@ -393,8 +424,8 @@ SettingsTable settings_table(const RunSetup& s) {
                                                    str(o.lr_decay_samples < 0 ? o.train_samples : o.lr_decay_samples) +
                                                    " samples)"
                                              : format_steps(schedule.decay_iters)},
-      {"lr-decay-style", std::string(to_string(o.lr_decay_style))},
-      {"weight-decay", format_double(o.weight_decay)},
+      {"lr-decay-style", lr_decay_style_description(o, schedule)},
+      {"weight-decay", weight_decay_description(o, weight_decay_schedule(o, s.global_batch_size))},
       {"adam-beta1 / beta2 / eps", format_double(o.adam_beta1) + " / " + format_double(o.adam_beta2) + " / " +
                                        format_double(o.adam_eps)},
       {"clip-grad", o.clip_grad > 0 ? format_double(o.clip_grad) : "off"},

@@ -40,6 +40,11 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
 // step n sees the rate Megatron's sample-counted schedule gives after n global batches.
 LrSchedule learning_rate_schedule(const TrainOptions& options, int global_batch_size);
 
+// The run's weight-decay schedule in optimizer steps: --weight-decay throughout, or Megatron's
+// ramp from --start-weight-decay to --end-weight-decay over the run's steps (its --train-samples
+// over the global batch when sample-based, as the learning rate's).
+WeightDecaySchedule weight_decay_schedule(const TrainOptions& options, int global_batch_size);
+
 // Throws InputError when setup.memory, the estimate, does not fit this machine's host memory
 // (shared by the node's ranks) or its GPU's free memory (check_memory_fits).
 void check_run_memory(const RunSetup& setup);

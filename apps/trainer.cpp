@@ -365,6 +365,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   defer_stop_signals_to_training_loop();  // from here a stop signal saves a checkpoint
 
   const LrSchedule schedule = learning_rate_schedule(o, setup.global_batch_size);
+  const WeightDecaySchedule decay_schedule = weight_decay_schedule(o, setup.global_batch_size);
 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
@@ -390,13 +391,14 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   summary.steps = start_step;
   for (int64_t step = start_step; step < o.train_iters; ++step) {
     const double lr = learning_rate(step, schedule);
+    const double decay = weight_decay(step, decay_schedule);
     const Clock::time_point step_start = Clock::now();
     engine->begin_step(step);
     for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
       data.train->next_batch(inputs.data(), targets.data());
       engine->forward_backward(inputs.data(), targets.data());
     }
-    engine->end_step(adamw_hyperparams(o, lr), o.clip_grad, step);
+    engine->end_step(adamw_hyperparams(o, lr, decay), o.clip_grad, step);
     if (o.benchmark) {
       const int64_t steps_done = step - start_step + 1;
       if (OpProfiler* profiler = engine->op_profiler()) {
@@ -468,14 +470,18 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       if (step == start_step) summary.first_loss = m.loss;
       summary.last_loss = m.loss;
       spdlog::info(
-          "iter {:6d}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
+          "iter {:6d}/{} | loss {:.4f} | lr {:.3e}{} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
           "{:.{}f} TFLOP/s/GPU | elapsed {} | ETA {}{}",
-          iteration, o.train_iters, m.loss, lr, m.grad_norm, ms_per_iter, tokens_per_second, tflops_per_gpu,
+          iteration, o.train_iters, m.loss, lr,
+          decay_schedule.style == WeightDecayIncrStyle::constant ? std::string()
+                                                                 : fmt::format(" | weight decay {:.4g}", decay),
+          m.grad_norm, ms_per_iter, tokens_per_second, tflops_per_gpu,
           tflops_per_gpu < 10.0 ? 3 : 1, format_duration(elapsed), format_duration(eta),
           summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
       metrics_file.write({{"iter", iteration},
                           {"loss", m.loss},
                           {"lr", lr},
+                          {"weight_decay", decay},
                           {"grad_norm", m.grad_norm},
                           {"tokens_per_s", tokens_per_second},
                           {"tflops_per_gpu", tflops_per_gpu},

@@ -1,5 +1,6 @@
-// The learning-rate schedule: linear warm-up, then cosine / linear decay to min_lr
-// (or a constant max_lr), with Megatron-LM's formulas.
+// The learning-rate schedule: linear warm-up, then cosine / linear / inverse-square-root decay
+// to min_lr, warm-up-stable-decay (WSD), or a constant max_lr; and the weight-decay schedule.
+// Both with Megatron-LM's formulas (megatron/core/optimizer_param_scheduler.py).
 //
 // Iteration numbering. `iteration` is the 0-based index of the optimizer step about to
 // run (the trainer's loop counter; skipped steps do not advance it). The schedule is
@@ -13,6 +14,12 @@
 //   otherwise            ratio = (n - W) / (D - W)     (in (0, 1]; iteration D-1 has ratio 1)
 //                        cosine: lr = min_lr + (max_lr - min_lr) * 0.5 * (1 + cos(pi * ratio))
 //                        linear: lr = min_lr + (max_lr - min_lr) * (1 - ratio)
+//   inverse-square-root  lr = max(min_lr, max_lr * sqrt(max(W, 1 sample) / n))   (for W < n <= D)
+//   WSD                  S = D - wsd_decay_iters (the anneal's start)
+//                        n <= S: lr = max_lr; otherwise r = (n - S) / wsd_decay_iters and
+//                        lr = min_lr + (max_lr - min_lr) * c(r), c by --lr-wsd-decay-style:
+//                        exponential 2 * 0.5^r - 1, linear 1 - r, cosine 0.5 * (1 + cos(pi * r)),
+//                        minus_sqrt 1 - sqrt(r)
 //
 // Megatron itself evaluates get_lr() before incrementing its step counter, so its first
 // step runs at num_steps = 0, i.e. with lr = init_lr (0 by default) during warm-up: a
@@ -21,7 +28,15 @@
 // max_lr and min_lr exactly, and with D = --train-iters the last step runs at min_lr.
 // Without warm-up (W = 0) iteration 0 is already one step into the decay. W and D need not be
 // whole: --lr-warmup-fraction F makes W = F x D, and a sample-based run (--train-samples) counts
-// both in samples, that is in steps of one global batch (apps/run_setup.h).
+// both in samples, that is in steps of one global batch (apps/run_setup.h). The only bound that
+// does not scale with the unit is the inverse square root's clamp of W to one sample, which
+// `samples_per_iter` (the global batch) places in steps.
+//
+// Weight decay (Megatron's get_wd, at the same n): with --weight-decay-incr-style constant it is
+// --weight-decay throughout; linear and cosine move it from --start-weight-decay to
+// --end-weight-decay over I = incr_iters steps (the run's length): for n > I, end; otherwise
+// r = n / I and wd = start + (end - start) * c, c = r (linear) or 0.5 * (1 + cos(pi * (1 - r)))
+// (cosine).
 #pragma once
 
 #include <cstdint>
@@ -29,9 +44,16 @@
 
 namespace fp8lm {
 
-enum class LrDecayStyle : uint8_t { cosine, linear, constant };
+enum class LrDecayStyle : uint8_t { cosine, linear, constant, inverse_square_root, wsd };
+// The anneal of a WSD schedule (--lr-wsd-decay-style; Megatron's default exponential).
+enum class WsdDecayStyle : uint8_t { exponential, linear, cosine, minus_sqrt };
+enum class WeightDecayIncrStyle : uint8_t { constant, linear, cosine };  // --weight-decay-incr-style
 
-std::string_view to_string(LrDecayStyle style);  // "cosine", "linear", "constant"
+// Megatron's spellings: "cosine", "linear", "constant", "inverse-square-root", "WSD"; "exponential",
+// "linear", "cosine", "minus_sqrt"; "constant", "linear", "cosine".
+std::string_view to_string(LrDecayStyle style);
+std::string_view to_string(WsdDecayStyle style);
+std::string_view to_string(WeightDecayIncrStyle style);
 
 struct LrSchedule {
   double max_lr = 6e-4;        // --lr
@@ -40,16 +62,33 @@ struct LrSchedule {
   double warmup_init_lr = 0.0; // --lr-warmup-init
   double decay_iters = 0.0;    // --lr-decay-iters, or --lr-decay-samples / the global batch (>= warmup_iters unless constant)
   LrDecayStyle style = LrDecayStyle::linear;  // --lr-decay-style (Megatron's default)
+  double wsd_decay_iters = 0.0;  // WSD: --lr-wsd-decay-iters, or --lr-wsd-decay-samples / the global batch
+  WsdDecayStyle wsd_style = WsdDecayStyle::exponential;  // --lr-wsd-decay-style
+  double samples_per_iter = 1.0;  // the global batch: Megatron counts the schedule in samples
+};
+
+struct WeightDecaySchedule {
+  double start = 0.01;  // --start-weight-decay (constant: --weight-decay)
+  double end = 0.01;    // --end-weight-decay (constant: --weight-decay)
+  double incr_iters = 0.0;  // the run's optimizer steps: --train-iters, or --train-samples / the global batch
+  WeightDecayIncrStyle style = WeightDecayIncrStyle::constant;
 };
 
 // Throws InputError, naming the flag, when the schedule is inconsistent:
 // min_lr < 0, max_lr < min_lr, warmup_init_lr outside [0, max_lr], warmup_iters < 0, or
-// decay_iters < warmup_iters
-// (cosine / linear only; a constant schedule never reads decay_iters).
+// decay_iters < warmup_iters (every style but constant, which never reads decay_iters), a
+// negative wsd_decay_iters (WSD), samples_per_iter < 1.
 void validate_lr_schedule(const LrSchedule& schedule);
 
 // The learning rate of optimizer step `iteration` (0-based, see above). Validates the
 // schedule; iteration must be >= 0.
 double learning_rate(int64_t iteration, const LrSchedule& schedule);
+
+// Throws InputError, naming the flag: start < 0, end < start, a constant style whose start and
+// end differ, incr_iters < 0.
+void validate_weight_decay_schedule(const WeightDecaySchedule& schedule);
+
+// The weight decay of optimizer step `iteration` (0-based, as learning_rate).
+double weight_decay(int64_t iteration, const WeightDecaySchedule& schedule);
 
 }  // namespace fp8lm

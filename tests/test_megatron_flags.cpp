@@ -227,13 +227,26 @@ TEST_CASE("the warm-up: --lr-warmup-fraction warms up over that fraction of the 
 
 // Megatron's get_lr() in samples (megatron/core/optimizer_param_scheduler.py), written out here
 // as the reference: num_steps samples seen, the warm-up and decay bounds in samples.
+// wsd_decay_steps and wsd_style: WSD's anneal, in samples.
 double megatron_sample_counted_lr(double num_steps, double warmup_steps, double decay_steps, double max_lr,
-                                  double min_lr, LrDecayStyle style) {
+                                  double min_lr, LrDecayStyle style, double wsd_decay_steps = 0.0,
+                                  WsdDecayStyle wsd_style = WsdDecayStyle::exponential) {
   if (warmup_steps > 0 && num_steps <= warmup_steps) return max_lr * num_steps / warmup_steps;
   if (style == LrDecayStyle::constant) return max_lr;
   if (num_steps > decay_steps) return min_lr;
+  if (style == LrDecayStyle::inverse_square_root)
+    return std::max(min_lr, max_lr * std::sqrt(std::max(warmup_steps, 1.0)) / std::sqrt(std::max(num_steps, 1.0)));
   const double ratio = (num_steps - warmup_steps) / (decay_steps - warmup_steps);
-  const double coeff = style == LrDecayStyle::cosine ? 0.5 * (std::cos(std::numbers::pi * ratio) + 1.0) : 1.0 - ratio;
+  double coeff = style == LrDecayStyle::cosine ? 0.5 * (std::cos(std::numbers::pi * ratio) + 1.0) : 1.0 - ratio;
+  if (style == LrDecayStyle::wsd) {
+    const double anneal_start = decay_steps - wsd_decay_steps;
+    const double r = (num_steps - anneal_start) / wsd_decay_steps;
+    coeff = num_steps <= anneal_start                    ? 1.0
+            : wsd_style == WsdDecayStyle::linear         ? 1.0 - r
+            : wsd_style == WsdDecayStyle::cosine         ? 0.5 * (std::cos(std::numbers::pi * r) + 1.0)
+            : wsd_style == WsdDecayStyle::exponential    ? 2.0 * std::pow(0.5, r) - 1.0
+                                                         : 1.0 - std::sqrt(r);
+  }
   return min_lr + coeff * (max_lr - min_lr);
 }
 
@@ -297,6 +310,144 @@ TEST_CASE("sample-based training: --train-samples, --lr-decay-samples and --lr-w
   CHECK_THAT(parse_error({"--mock-data", "--train-samples", "8", "--load", dir.path().string(),
                           "--use-checkpoint-opt_param-scheduler"}),
              ContainsSubstring("--use-checkpoint-opt_param-scheduler takes a schedule counted in iterations"));
+}
+
+TEST_CASE("Megatron's other schedules: --lr-decay-style WSD and inverse-square-root, --weight-decay-incr-style",
+          "[cli][megatron]") {
+  // WSD counted in steps, against Megatron's get_lr in samples at a global batch of 16: warm-up
+  // 100 steps, decay 1,000, the last 200 an anneal.
+  for (const auto& [name, wsd_style] : {std::pair{"exponential", WsdDecayStyle::exponential},
+                                        std::pair{"linear", WsdDecayStyle::linear},
+                                        std::pair{"cosine", WsdDecayStyle::cosine},
+                                        std::pair{"minus_sqrt", WsdDecayStyle::minus_sqrt}}) {
+    INFO(name);
+    const TrainOptions o = parse({"--mock-data", "--train-iters", "1000", "--lr", "3e-4", "--min-lr", "3e-5",
+                                  "--lr-warmup-iters", "100", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "200",
+                                  "--lr-wsd-decay-style", name});
+    CHECK(o.lr_wsd_decay_style == wsd_style);
+    const LrSchedule schedule = learning_rate_schedule(o, 16);
+    for (const int64_t step : {0, 98, 99, 100, 500, 798, 799, 800, 801, 900, 998, 999, 1200}) {
+      INFO("step " << step);
+      const double expected = megatron_sample_counted_lr(double(step + 1) * 16, 1600, 16000, 3e-4, 3e-5,
+                                                         LrDecayStyle::wsd, 3200, wsd_style);
+      CHECK(learning_rate(step, schedule) == Catch::Approx(expected).epsilon(1e-12).margin(1e-18));
+    }
+  }
+  // Sample-based: the anneal in samples, over the global batch.
+  TrainOptions o = parse({"--mock-data", "--train-samples", "16000", "--lr-warmup-samples", "1600", "--lr-decay-style",
+                          "WSD", "--lr-wsd-decay-samples", "3200"});
+  CHECK(learning_rate_schedule(o, 16).wsd_decay_iters == 200.0);
+  CHECK(learning_rate_schedule(o, 16).wsd_style == WsdDecayStyle::exponential);  // Megatron's default
+  // The inverse square root, whose warm-up Megatron clamps to one sample, not one step.
+  for (const char* warmup : {"0", "50"}) {
+    INFO("--lr-warmup-iters " << warmup);
+    o = parse({"--mock-data", "--train-iters", "1000", "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", warmup,
+               "--lr-decay-style", "inverse-square-root"});
+    const LrSchedule schedule = learning_rate_schedule(o, 16);
+    for (const int64_t step : {0, 1, 49, 50, 400, 999, 1000}) {
+      INFO("step " << step);
+      const double expected = megatron_sample_counted_lr(double(step + 1) * 16, std::stod(warmup) * 16, 16000, 1e-3,
+                                                         1e-5, LrDecayStyle::inverse_square_root);
+      CHECK(learning_rate(step, schedule) == Catch::Approx(expected).epsilon(1e-12));
+    }
+  }
+  // The weight decay's ramp spans the run: --train-iters, or --train-samples over the global batch.
+  o = parse({"--mock-data", "--train-iters", "100", "--weight-decay-incr-style", "cosine", "--start-weight-decay",
+             "0.01", "--end-weight-decay", "0.1"});
+  WeightDecaySchedule decay = weight_decay_schedule(o, 16);
+  CHECK(decay.incr_iters == 100.0);
+  CHECK(weight_decay(49, decay) == Catch::Approx(0.055).epsilon(1e-12));
+  o = parse({"--mock-data", "--train-samples", "1000", "--weight-decay-incr-style", "linear", "--start-weight-decay",
+             "0", "--end-weight-decay", "0.1"});
+  CHECK(weight_decay_schedule(o, 16).incr_iters == 62.5);
+  CHECK(weight_decay_schedule(parse({"--mock-data", "--weight-decay", "0.2"}), 16).end == 0.2);
+
+  // Each flag where its style reads it, counted in the run's unit, as Megatron asserts.
+  CHECK_THAT(parse_error({"--mock-data", "--lr-decay-style", "WSD"}),
+             ContainsSubstring("--lr-decay-style WSD needs --lr-wsd-decay-iters >= 0"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "-3"}),
+             ContainsSubstring("(got -3)"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-decay-style", "cosine", "--lr-wsd-decay-iters", "5"}),
+             ContainsSubstring("--lr-wsd-decay-iters shapes the anneal of --lr-decay-style WSD, and this run decays "
+                               "cosine"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-wsd-decay-style", "linear"}),
+             ContainsSubstring("--lr-wsd-decay-style shapes the anneal"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "64", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"}),
+             ContainsSubstring("--lr-wsd-decay-iters contradicts --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "64", "--lr-decay-style", "WSD"}),
+             ContainsSubstring("needs --lr-wsd-decay-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "8"}),
+             ContainsSubstring("--lr-wsd-decay-samples counts a sample-based run's anneal: it needs --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr-wsd-decay-style", "step"}), ContainsSubstring("--lr-wsd-decay-style"));
+  CHECK_THAT(parse_error({"--mock-data", "--start-weight-decay", "0.1"}),
+             ContainsSubstring("--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine"));
+  CHECK_THAT(parse_error({"--mock-data", "--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"}),
+             ContainsSubstring("--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"));
+  CHECK_THAT(parse_error({"--mock-data", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.1",
+                          "--end-weight-decay", "0.01"}),
+             ContainsSubstring("--end-weight-decay (0.01) must be >= --start-weight-decay (0.1)"));
+  CHECK_THAT(parse_error({"--mock-data", "--weight-decay-incr-style", "cosine", "--start-weight-decay", "-1",
+                          "--end-weight-decay", "0.1"}),
+             ContainsSubstring("--start-weight-decay must be in [0, 10]"));
+  CHECK_THAT(parse_error({"--mock-data", "--lr", "0.5", "--weight-decay-incr-style", "linear", "--start-weight-decay",
+                          "0", "--end-weight-decay", "4"}),
+             ContainsSubstring("--lr x --end-weight-decay (2) must be below 1"));
+  CHECK(contains(parse({"--mock-data", "--weight-decay", "0.1", "--weight-decay-incr-style", "linear",
+                        "--start-weight-decay", "0", "--end-weight-decay", "0.1"})
+                     .megatron_warnings,
+                 "--weight-decay 0.1 has no effect with --weight-decay-incr-style linear"));
+
+  // Through the trainer, 4 steps: WSD with a linear anneal over the last 2, and the weight decay
+  // rising linearly from 0 to 0.1.
+  const testing::TempDir dir;
+  const std::string schedule =
+      " --lr 1e-3 --min-lr 1e-4 --lr-decay-style WSD --lr-wsd-decay-iters 2 --lr-wsd-decay-style linear"
+      " --weight-decay-incr-style linear --start-weight-decay 0 --end-weight-decay 0.1";
+  const auto run = testing::run_fp8lm(tiny_run("--train-iters 4 --metrics-file " + dir.file("m.jsonl") + schedule));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("WSD, linear anneal over the last 2 steps") &&
+                             ContainsSubstring("linear from 0 to 0.1 over 4 steps") &&
+                             ContainsSubstring("| weight decay 0.05 |"));
+  const std::vector<double> lr = testing::metrics_field(dir.file("m.jsonl"), "lr");
+  const std::vector<double> wd = testing::metrics_field(dir.file("m.jsonl"), "weight_decay");
+  REQUIRE(lr.size() == 4);
+  REQUIRE(wd.size() == 4);
+  CHECK(lr[0] == 1e-3);
+  CHECK(lr[1] == 1e-3);
+  CHECK(lr[2] == Catch::Approx(1e-4 + 0.5 * 9e-4).epsilon(1e-15));
+  CHECK(lr[3] == Catch::Approx(1e-4).epsilon(1e-15));
+  for (int i = 0; i < 4; ++i) CHECK(wd[size_t(i)] == Catch::Approx(0.025 * (i + 1)).epsilon(1e-15));
+  // The weight decay is applied: a run whose decay ramps to 0.1 ends elsewhere than one without.
+  const std::vector<double> ramped = testing::metrics_losses(dir.file("m.jsonl"));
+  const auto flat = testing::run_fp8lm(tiny_run("--train-iters 4 --weight-decay 0 --lr 1e-3 --min-lr 1e-4 "
+                                                "--lr-decay-style WSD --lr-wsd-decay-iters 2 --lr-wsd-decay-style linear "
+                                                "--metrics-file " + dir.file("flat.jsonl")));
+  REQUIRE(flat.exit_code == 0);
+  const std::vector<double> unramped = testing::metrics_losses(dir.file("flat.jsonl"));
+  REQUIRE(unramped.size() == 4);
+  CHECK(unramped[0] == ramped[0]);  // the first step's loss comes before any update
+  CHECK(unramped[3] != ramped[3]);
+
+  // A resume that leaves out the style takes the checkpoint's WSD with its anneal, and continues
+  // bit for bit; under --use-checkpoint-opt_param-scheduler the weight-decay ramp is taken too.
+  const std::vector<double> whole = whole_run_and_checkpoint(dir, schedule);
+  const auto resumed = testing::run_fp8lm(
+      tiny_run("--train-iters 4 --lr 1e-3 --min-lr 1e-4 --weight-decay-incr-style linear --start-weight-decay 0 "
+               "--end-weight-decay 0.1 --load " + dir.file("ckpt") + " --metrics-file " + dir.file("resumed.jsonl")));
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, ContainsSubstring("--lr-decay-style not given: resuming with the checkpoint's WSD") &&
+                                 ContainsSubstring("--lr-wsd-decay-iters not given: resuming with the checkpoint's 2") &&
+                                 ContainsSubstring("--lr-wsd-decay-style not given: resuming with the checkpoint's linear"));
+  check_continues(whole, testing::metrics_losses(dir.file("resumed.jsonl")));
+  const auto taken = testing::run_fp8lm(tiny_run("--train-iters 4 --use-checkpoint-opt_param-scheduler --load " +
+                                                 dir.file("ckpt") + " --metrics-file " + dir.file("taken.jsonl")));
+  INFO(taken.output);
+  REQUIRE(taken.exit_code == 0);
+  CHECK_THAT(taken.output,
+             ContainsSubstring("--weight-decay-incr-style linear (the checkpoint's) instead of constant"));
+  check_continues(whole, testing::metrics_losses(dir.file("taken.jsonl")));
 }
 
 TEST_CASE("the initial weights: --init-method-std sets the initial weights' deviation, --norm-epsilon LayerNorm's epsilon",

@@ -439,6 +439,82 @@ TEST_CASE("learning_rate: warm-up, cosine, linear, constant, after decay", "[opt
                                             .style = LrDecayStyle::constant}));
 }
 
+TEST_CASE("learning_rate: inverse square root and WSD, as Megatron's get_lr", "[optim]") {
+  // Inverse square root: max * sqrt(W / n) after the warm-up, never below min, min past D.
+  LrSchedule s{.max_lr = 1.0, .min_lr = 0.1, .warmup_iters = 4, .decay_iters = 100,
+               .style = LrDecayStyle::inverse_square_root};
+  CHECK(learning_rate(3, s) == 1.0);  // n = W
+  CHECK_THAT(learning_rate(15, s), WithinRel(0.5, 1e-12));  // n = 16
+  CHECK_THAT(learning_rate(99, s), WithinRel(0.2, 1e-12));  // n = 100 = D
+  CHECK(learning_rate(100, s) == 0.1);
+  s.min_lr = 0.3;
+  CHECK(learning_rate(99, s) == 0.3);
+  // Without warm-up Megatron clamps W to one sample: with 8 sequences a step, n = 1 step is 8 samples.
+  LrSchedule no_warmup{.max_lr = 1.0, .min_lr = 0.0, .warmup_iters = 0, .decay_iters = 100,
+                       .style = LrDecayStyle::inverse_square_root, .samples_per_iter = 8};
+  CHECK_THAT(learning_rate(0, no_warmup), WithinRel(std::sqrt(1.0 / 8.0), 1e-12));
+  CHECK_THAT(learning_rate(1, no_warmup), WithinRel(0.25, 1e-12));
+
+  // WSD: W = 10, D = 110, the anneal over the last 20 steps (n in (90, 110]).
+  LrSchedule wsd{.max_lr = 1.0, .min_lr = 0.1, .warmup_iters = 10, .decay_iters = 110, .style = LrDecayStyle::wsd,
+                 .wsd_decay_iters = 20};
+  CHECK_THAT(learning_rate(4, wsd), WithinRel(0.5, 1e-12));  // the same warm-up
+  CHECK(learning_rate(10, wsd) == 1.0);
+  CHECK(learning_rate(89, wsd) == 1.0);  // n = 90: the stable phase's last step
+  const struct {
+    WsdDecayStyle style;
+    double at_half;  // the coefficient at r = 0.5 (n = 100)
+  } anneals[] = {{WsdDecayStyle::exponential, 2.0 * std::sqrt(0.5) - 1.0},
+                 {WsdDecayStyle::linear, 0.5},
+                 {WsdDecayStyle::cosine, 0.5},
+                 {WsdDecayStyle::minus_sqrt, 1.0 - std::sqrt(0.5)}};
+  for (const auto& anneal : anneals) {
+    INFO(to_string(anneal.style));
+    wsd.wsd_style = anneal.style;
+    CHECK_THAT(learning_rate(99, wsd), WithinRel(0.1 + 0.9 * anneal.at_half, 1e-12));
+    CHECK_THAT(learning_rate(109, wsd), WithinAbs(0.1, 1e-15));  // r = 1: min_lr
+    CHECK(learning_rate(110, wsd) == 0.1);
+    for (int64_t i = 90; i < 112; ++i) CHECK(learning_rate(i, wsd) <= learning_rate(i - 1, wsd));
+  }
+  CHECK_THAT(learning_rate(90, wsd), WithinRel(0.1 + 0.9 * (1.0 - std::sqrt(1.0 / 20.0)), 1e-12));  // minus_sqrt
+  // An anneal of 0 steps (Megatron accepts it): stable to D, then min_lr.
+  wsd.wsd_decay_iters = 0;
+  CHECK(learning_rate(109, wsd) == 1.0);
+  CHECK(learning_rate(110, wsd) == 0.1);
+  wsd.wsd_decay_iters = -1;
+  CHECK_THROWS_AS(learning_rate(0, wsd), InputError);
+  CHECK(to_string(LrDecayStyle::wsd) == "WSD");
+  CHECK(to_string(LrDecayStyle::inverse_square_root) == "inverse-square-root");
+  CHECK(to_string(WsdDecayStyle::minus_sqrt) == "minus_sqrt");
+}
+
+TEST_CASE("weight_decay: constant, or linear and cosine from start to end over the run, as Megatron's get_wd",
+          "[optim]") {
+  WeightDecaySchedule s{.start = 0.0, .end = 0.1, .incr_iters = 100, .style = WeightDecayIncrStyle::linear};
+  CHECK_THAT(weight_decay(0, s), WithinRel(0.001, 1e-12));  // n = 1
+  CHECK_THAT(weight_decay(24, s), WithinRel(0.025, 1e-12));
+  CHECK_THAT(weight_decay(49, s), WithinRel(0.05, 1e-12));
+  CHECK(weight_decay(99, s) == 0.1);
+  CHECK(weight_decay(500, s) == 0.1);
+  s.style = WeightDecayIncrStyle::cosine;  // 0.5 * (cos(pi * (1 - r)) + 1): slow at first
+  CHECK_THAT(weight_decay(24, s), WithinRel(0.1 * 0.5 * (1.0 - std::sqrt(0.5)), 1e-12));
+  CHECK_THAT(weight_decay(49, s), WithinRel(0.05, 1e-12));
+  CHECK_THAT(weight_decay(99, s), WithinRel(0.1, 1e-15));
+  for (int64_t i = 1; i < 110; ++i) CHECK(weight_decay(i, s) >= weight_decay(i - 1, s));
+  const WeightDecaySchedule constant{.start = 0.05, .end = 0.05, .incr_iters = 100};
+  CHECK(weight_decay(0, constant) == 0.05);
+  CHECK(weight_decay(1000, constant) == 0.05);
+  // Megatron's assertions.
+  CHECK_THROWS_AS(weight_decay(0, WeightDecaySchedule{.start = 0.2, .end = 0.1, .incr_iters = 10,
+                                                      .style = WeightDecayIncrStyle::linear}),
+                  InputError);
+  CHECK_THROWS_AS(weight_decay(0, WeightDecaySchedule{.start = -0.1, .end = 0.1, .incr_iters = 10,
+                                                      .style = WeightDecayIncrStyle::linear}),
+                  InputError);
+  CHECK_THROWS_AS(weight_decay(0, WeightDecaySchedule{.start = 0.0, .end = 0.1, .incr_iters = 10}), InputError);
+  CHECK(to_string(WeightDecayIncrStyle::cosine) == "cosine");
+}
+
 // -------------------------------------------------------------------------- gradient norm
 
 TEST_CASE("global_grad_norm and clip_coefficient", "[optim]") {
