@@ -144,6 +144,7 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"train_samples", o.train_samples},
           {"lr_decay_samples", o.lr_decay_samples},
           {"lr_warmup_samples", o.lr_warmup_samples},
+          {"rampup_batch_size", o.rampup_batch_size},
           {"lr_wsd_decay_style", std::string(to_string(o.lr_wsd_decay_style))},
           {"lr_wsd_decay_iters", o.lr_wsd_decay_iters},
           {"lr_wsd_decay_samples", o.lr_wsd_decay_samples},

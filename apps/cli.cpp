@@ -186,6 +186,15 @@ void resolve_precision_aware_optimizer(TrainOptions& o, const PrecisionAwareOpti
 // with the iteration counts (megatron/training/arguments.py asserts the same).
 void validate_sample_counts(const TrainOptions& o) {
   auto num = [](auto value) { return std::to_string(value); };
+  if (!o.rampup_batch_size.empty()) {
+    if (o.rampup_batch_size.size() != 3)
+      bad_flag("--rampup-batch-size takes three numbers, START INCREMENT SAMPLES (got " +
+               num(o.rampup_batch_size.size()) + ")");
+    if (o.train_samples == 0)
+      bad_flag("--rampup-batch-size needs --train-samples: a ramped run counts its length in sequences, as Megatron "
+               "asserts");
+    if (o.benchmark) bad_flag("--benchmark times steps of one size; leave out --rampup-batch-size");
+  }
   if (o.train_samples == 0) {
     if (o.given("--lr-decay-samples") || o.given("--lr-warmup-samples"))
       bad_flag("--lr-decay-samples and --lr-warmup-samples count a sample-based run's schedule: they need "
@@ -596,6 +605,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "With --train-samples: the decay over this many sequences (-1: --train-samples)")
       ->group(training);
   app.add_option("--lr-warmup-samples", o.lr_warmup_samples, "With --train-samples: linear warm-up over this many sequences")
+      ->group(training);
+  app.add_option("--rampup-batch-size", o.rampup_batch_size,
+                 "START INCREMENT SAMPLES, with --train-samples: the global batch grows from START by INCREMENT over "
+                 "the first SAMPLES sequences, then stays at --global-batch-size")
+      ->expected(3)
       ->group(training);
   std::string decay_style(to_string(o.lr_decay_style));
   app.add_option("--lr-decay-style", decay_style,

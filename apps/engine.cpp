@@ -173,7 +173,8 @@ struct TrainingEngine::State {
   // backward has its gradients; each bucket's gather runs on the side lane after the update
   // and the next forward waits for it layer by layer (and casts that layer's FP8 weights).
   bool overlap_grad_reduce = false, overlap_param_gather = false;
-  int grad_accum_steps = 1;
+  int grad_accum_steps = 1;   // this step's micro-batches
+  int run_micro_batches = 1;  // a global batch's (--global-batch-size over micro-batch x DP)
   bool last_micro_batch = true;
   std::vector<std::vector<size_t>> buckets_of_layer;  // [layer + 1]: -1 the embedding .. n_layer the head
   std::vector<bool> bucket_reduced;                   // this step
@@ -426,6 +427,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   s.overlap_grad_reduce = o.overlap_grad_reduce && layout.dp_size > 1;
   s.overlap_param_gather = o.overlap_param_gather && s.sharded;
   s.grad_accum_steps = setup.grad_accum_steps;
+  s.run_micro_batches = setup.grad_accum_steps;
   GptModel& model = *s.model;
   Ops& device = *s.ops;
   s.buckets_of_layer.assign(size_t(setup.model.n_layer) + 2, {});
@@ -635,8 +637,12 @@ void TrainingEngine::reset_traffic() {
 
 void TrainingEngine::begin_step() { begin_step(state_->next_step); }
 
-void TrainingEngine::begin_step(int64_t step) {
+void TrainingEngine::begin_step(int64_t step) { begin_step(step, state_->run_micro_batches); }
+
+void TrainingEngine::begin_step(int64_t step, int micro_batches) {
   State& s = *state_;
+  FP8LM_CHECK(micro_batches >= 1, "micro_batches=", micro_batches);
+  s.grad_accum_steps = micro_batches;
   s.next_step = step;
   if (s.collects_fp8_statistics(step) && s.counting_step != step) {
     // The step before did not open the count (this is a run's first step, or steps were

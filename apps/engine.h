@@ -113,6 +113,9 @@ class TrainingEngine {
   // accumulator. Without `step`: the step after the last end_step (0 at first).
   void begin_step(int64_t step);
   void begin_step();
+  // A step of `micro_batches` forward_backward calls where the run's global batch has another
+  // count (a batch of the ramp-up, --rampup-batch-size): its loss is their mean.
+  void begin_step(int64_t step, int micro_batches);
   // One micro-batch: forward and backward. Each token's loss weighs 1 / (the step's tokens
   // over every data-parallel rank), so that the reduced gradients are those of the global
   // batch's mean loss. inputs/targets [B,T] on the host.

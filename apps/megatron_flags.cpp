@@ -172,7 +172,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--apply-layernorm-1p", false, Kind::refused, nullptr, "fp8lm's LayerNorm gains are stored as they apply"},
     {"--use-rotary-position-embeddings", false, Kind::refused, nullptr,
      "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
-    {"--rampup-batch-size", true, Kind::refused, nullptr, "fp8lm keeps --global-batch-size for the whole run"},
     {"--no-load-optim", false, Kind::refused, nullptr, kWholeState},
     {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},
@@ -241,11 +240,8 @@ void add_megatron_compatibility_flags(CLI::App& app, MegatronFlagValues& values)
     int* given = &values.given[i];
     if (flag.takes_value) {
       CLI::Option* option = app.add_option(flag.name, values.values[i], help)->group(group);
-      // Megatron's --rampup-batch-size takes three numbers; a repeated flag keeps its last value.
-      if (std::string(flag.name) == "--rampup-batch-size")
-        option->expected(1, CLI::detail::expected_max_vector_size);
-      else
-        option->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+      // A repeated flag keeps its last value.
+      option->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
       option->each([given](const std::string&) { *given = 1; });
     } else {
       app.add_flag_callback(flag.name, [given] { *given = 1; }, help)->group(group);

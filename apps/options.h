@@ -111,6 +111,9 @@ struct TrainOptions {
   int64_t train_samples = 0;                        // --train-samples; 0 = count --train-iters
   int64_t lr_decay_samples = -1;                    // --lr-decay-samples; -1 = --train-samples
   int64_t lr_warmup_samples = 0;                    // --lr-warmup-samples
+  // --rampup-batch-size START INCREMENT SAMPLES (optim/batch_rampup.h); empty: none. Needs
+  // --train-samples, as in Megatron.
+  std::vector<int64_t> rampup_batch_size;
   // --lr-decay-style WSD: the anneal's length, in steps or (sample-based) in samples; one is
   // required, as Megatron asserts. -1 = not given.
   int64_t lr_wsd_decay_iters = -1;                  // --lr-wsd-decay-iters

@@ -219,12 +219,19 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   FP8LM_INPUT_CHECK(setup.global_batch_size % per_step == 0, "--global-batch-size (", setup.global_batch_size,
                     ") must be a multiple of --micro-batch-size x data-parallel size (", per_step, ")");
   setup.grad_accum_steps = int(setup.global_batch_size / per_step);
+  setup.rampup.global_batch = setup.global_batch_size;
+  if (const std::vector<int64_t>& ramp = options.rampup_batch_size; !ramp.empty()) {
+    setup.rampup = {.start = ramp[0], .increment = ramp[1], .samples = ramp[2], .global_batch = setup.global_batch_size};
+    validate_batch_rampup(setup.rampup, per_step);
+  }
   if (setup.options.train_samples > 0) {
-    // Megatron's update_train_iters: whole global batches only.
-    FP8LM_INPUT_CHECK(setup.options.train_samples >= setup.global_batch_size, "--train-samples (",
-                      setup.options.train_samples, ") is less than one global batch (", setup.global_batch_size,
-                      " sequences)");
-    setup.options.train_iters = setup.options.train_samples / setup.global_batch_size;
+    // Megatron's update_train_iters: whole global batches only (after a ramp-up's steps).
+    const int64_t first_batch = setup.rampup.enabled() ? setup.rampup.start : setup.global_batch_size;
+    FP8LM_INPUT_CHECK(setup.options.train_samples >= first_batch, "--train-samples (", setup.options.train_samples,
+                      ") is less than one global batch (", first_batch, " sequences)");
+    setup.options.train_iters = setup.rampup.enabled()
+                                    ? rampup_train_iters(setup.rampup, setup.options.train_samples)
+                                    : setup.options.train_samples / setup.global_batch_size;
     validate_options(setup.options);  // the checks that count optimizer steps
   }
 
@@ -410,12 +417,19 @@ SettingsTable settings_table(const RunSetup& s) {
                                   : "step"},
       {"micro-batch-size", str(o.micro_batch_size)},
       {"recompute (activations)", recompute_description(o, m.n_layer)},
-      {"global-batch-size", str(s.global_batch_size)},
-      {"gradient accumulation steps", str(s.grad_accum_steps)},
+      {"global-batch-size", s.rampup.enabled() ? "ramp-up from " + str(s.rampup.start) + " by " +
+                                                     str(s.rampup.increment) + " over " + str(s.rampup.samples) +
+                                                     " samples, then " + str(s.global_batch_size)
+                                               : str(s.global_batch_size)},
+      {"gradient accumulation steps",
+       s.rampup.enabled() ? str(s.rampup.start / (o.micro_batch_size * s.data_parallel_size)) + " to " +
+                                str(s.grad_accum_steps) + " (the ramp-up)"
+                          : str(s.grad_accum_steps)},
       {"seq-length", str(s.seq_length)},
-      {"tokens per step", str(int64_t{s.global_batch_size} * s.seq_length)},
+      {"tokens per step", str(int64_t{s.global_batch_size} * s.seq_length) + (s.rampup.enabled() ? " (after the ramp-up)" : "")},
       {"train-iters", o.train_samples > 0 ? str(o.train_iters) + " (--train-samples " + str(o.train_samples) +
-                                                " over the global batch)"
+                                                (s.rampup.enabled() ? " over the ramp-up's batches, then the global batch)"
+                                                                    : " over the global batch)")
                                           : str(o.train_iters)},
       {"lr / min-lr", format_double(o.lr) + " / " + format_double(o.min_lr)},
       {"lr-warmup", lr_warmup_description(o, schedule)},

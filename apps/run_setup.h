@@ -8,6 +8,7 @@
 #include "core/gpt_config.h"
 #include "core/logging.h"
 #include "layers/gpt.h"
+#include "optim/batch_rampup.h"
 #include "optim/lr_schedule.h"
 #include "parallel/process_groups.h"
 
@@ -20,8 +21,9 @@ struct RunSetup {
   ParallelLayout parallel;  // this rank's place in the run
   int data_parallel_size = 1;
   int data_parallel_rank = 0;
-  int grad_accum_steps = 1;
+  int grad_accum_steps = 1;   // of a global batch (after a ramp-up)
   int global_batch_size = 0;
+  BatchRampup rampup;         // --rampup-batch-size (rampup.enabled()), with global_batch_size its end
   bool use_cuda = false;
   std::string device_description;
   // This rank's host and device memory, estimated before anything is allocated (for fp8lm

@@ -369,7 +369,6 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
-  const int64_t tokens_per_step = int64_t{setup.global_batch_size} * T;
 
   auto evaluate = [&](int64_t iteration) -> double {
     const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog);
@@ -388,13 +387,23 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   const Clock::time_point loop_start = Clock::now();
   Clock::time_point interval_start = loop_start;
   int64_t interval_steps = 0;
+  int64_t interval_sequences = 0;
   summary.steps = start_step;
   for (int64_t step = start_step; step < o.train_iters; ++step) {
-    const double lr = learning_rate(step, schedule);
-    const double decay = weight_decay(step, decay_schedule);
+    // The step's global batch, and the schedules where it ends. Under a ramp-up that is the
+    // sequences consumed by then, in steps of the final global batch (Megatron counts its
+    // schedule in samples); otherwise step + 1.
+    const uint64_t consumed = data.train->consumed_samples();
+    const int64_t step_batch = global_batch_at(setup.rampup, consumed);
+    const int micro_batches = int(step_batch / (int64_t{B} * setup.data_parallel_size));
+    const double steps_done = setup.rampup.enabled()
+                                  ? double(consumed + uint64_t(step_batch)) / double(setup.global_batch_size)
+                                  : double(step + 1);
+    const double lr = learning_rate_after(steps_done, schedule);
+    const double decay = weight_decay_after(steps_done, decay_schedule);
     const Clock::time_point step_start = Clock::now();
-    engine->begin_step(step);
-    for (int micro = 0; micro < setup.grad_accum_steps; ++micro) {
+    engine->begin_step(step, micro_batches);
+    for (int micro = 0; micro < micro_batches; ++micro) {
       data.train->next_batch(inputs.data(), targets.data());
       engine->forward_backward(inputs.data(), targets.data());
     }
@@ -423,6 +432,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       }
     }
     ++interval_steps;
+    interval_sequences += step_batch;
     if (watchdog) watchdog->heartbeat();
     const int64_t iteration = step + 1;  // Megatron counts finished iterations from 1
 
@@ -460,7 +470,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       const StepMetrics m = engine->step_metrics();
       const double seconds = std::chrono::duration<double>(Clock::now() - interval_start).count();
       const double ms_per_iter = 1e3 * seconds / double(interval_steps);
-      const double tokens_per_second = double(tokens_per_step) * interval_steps / seconds;
+      const double tokens_per_second = double(interval_sequences) * T / seconds;
       // Megatron's --log-throughput figure: model TFLOP/s per GPU.
       const double tflops_per_gpu =
           setup.model.training_flops_per_token(setup.seq_length) * tokens_per_second / world().size() / 1e12;
@@ -470,11 +480,12 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
       if (step == start_step) summary.first_loss = m.loss;
       summary.last_loss = m.loss;
       spdlog::info(
-          "iter {:6d}/{} | loss {:.4f} | lr {:.3e}{} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
+          "iter {:6d}/{} | loss {:.4f} | lr {:.3e}{}{} | grad norm {:.3f} | {:.1f} ms/iter | {:.0f} tokens/s | "
           "{:.{}f} TFLOP/s/GPU | elapsed {} | ETA {}{}",
           iteration, o.train_iters, m.loss, lr,
           decay_schedule.style == WeightDecayIncrStyle::constant ? std::string()
                                                                  : fmt::format(" | weight decay {:.4g}", decay),
+          setup.rampup.enabled() ? fmt::format(" | global batch {}", step_batch) : std::string(),
           m.grad_norm, ms_per_iter, tokens_per_second, tflops_per_gpu,
           tflops_per_gpu < 10.0 ? 3 : 1, format_duration(elapsed), format_duration(eta),
           summary.skipped_steps ? " | skipped " + std::to_string(summary.skipped_steps) : std::string());
@@ -482,6 +493,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
                           {"loss", m.loss},
                           {"lr", lr},
                           {"weight_decay", decay},
+                          {"global_batch_size", step_batch},
                           {"grad_norm", m.grad_norm},
                           {"tokens_per_s", tokens_per_second},
                           {"tflops_per_gpu", tflops_per_gpu},
@@ -490,6 +502,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
                           {"skipped_steps", summary.skipped_steps}});
       interval_start = Clock::now();
       interval_steps = 0;
+      interval_sequences = 0;
     }
     if (!switches.empty()) {
       for (const BlockSwitch& change : switches) {

@@ -57,9 +57,13 @@ void validate_lr_schedule(const LrSchedule& schedule) {
 }
 
 double learning_rate(int64_t iteration, const LrSchedule& schedule) {
-  validate_lr_schedule(schedule);
   FP8LM_CHECK(iteration >= 0, "iteration=", iteration);
-  const double n = static_cast<double>(iteration + 1);  // optimizer steps taken once this one is done
+  return learning_rate_after(static_cast<double>(iteration + 1), schedule);  // steps taken once this one is done
+}
+
+double learning_rate_after(double n, const LrSchedule& schedule) {
+  validate_lr_schedule(schedule);
+  FP8LM_CHECK(n > 0.0, "steps=", n);
   const double warmup = schedule.warmup_iters;
   const double decay = schedule.decay_iters;
 
@@ -105,9 +109,13 @@ void validate_weight_decay_schedule(const WeightDecaySchedule& schedule) {
 }
 
 double weight_decay(int64_t iteration, const WeightDecaySchedule& schedule) {
-  validate_weight_decay_schedule(schedule);
   FP8LM_CHECK(iteration >= 0, "iteration=", iteration);
-  const double n = static_cast<double>(iteration + 1);
+  return weight_decay_after(static_cast<double>(iteration + 1), schedule);
+}
+
+double weight_decay_after(double n, const WeightDecaySchedule& schedule) {
+  validate_weight_decay_schedule(schedule);
+  FP8LM_CHECK(n > 0.0, "steps=", n);
   if (schedule.style == WeightDecayIncrStyle::constant || n > schedule.incr_iters) return schedule.end;
   const double ratio = n / schedule.incr_iters;
   const double coeff = schedule.style == WeightDecayIncrStyle::linear

@@ -83,6 +83,9 @@ void validate_lr_schedule(const LrSchedule& schedule);
 // The learning rate of optimizer step `iteration` (0-based, see above). Validates the
 // schedule; iteration must be >= 0.
 double learning_rate(int64_t iteration, const LrSchedule& schedule);
+// The same at n = `steps` (> 0), a step count that need not be whole: a ramped global batch's
+// step ends at its sequences consumed over the final global batch (optim/batch_rampup.h).
+double learning_rate_after(double steps, const LrSchedule& schedule);
 
 // Throws InputError, naming the flag: start < 0, end < start, a constant style whose start and
 // end differ, incr_iters < 0.
@@ -90,5 +93,6 @@ void validate_weight_decay_schedule(const WeightDecaySchedule& schedule);
 
 // The weight decay of optimizer step `iteration` (0-based, as learning_rate).
 double weight_decay(int64_t iteration, const WeightDecaySchedule& schedule);
+double weight_decay_after(double steps, const WeightDecaySchedule& schedule);  // as learning_rate_after
 
 }  // namespace fp8lm

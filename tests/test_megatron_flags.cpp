@@ -2,7 +2,8 @@
 // implements with Megatron's meaning (--lr-warmup-fraction, --lr-warmup-init, --init-method-std,
 // --norm-epsilon, --exit-duration-in-mins, --finetune, the tokenizer files, the precision-aware
 // optimizer's dtypes, --save DIR --load DIR with --exit-on-missing-checkpoint,
-// --use-checkpoint-opt_param-scheduler, sample-based training), the ones it accepts without
+// --use-checkpoint-opt_param-scheduler, sample-based training, the batch-size ramp-up, the WSD and
+// inverse-square-root decays and the weight-decay ramp), the ones it accepts without
 // effect, with one value, or with a warning, and the ones it refuses.
 #include <cmath>
 #include <filesystem>
@@ -169,9 +170,8 @@ TEST_CASE("every compatibility flag is accepted, limited to its value, warned ab
   CHECK_THAT(parse_error({"--mock-data", "--hidden-dropout", "0.1"}),
              ContainsSubstring("--hidden-dropout 0.1 is not supported: fp8lm trains without dropout"));
   CHECK_THAT(parse_error({"--mock-data", "--normalization", "layernorm"}), ContainsSubstring("not supported"));
-  // Megatron's --rampup-batch-size takes three numbers: the error names the flag, not a number.
-  CHECK_THAT(parse_error({"--mock-data", "--rampup-batch-size", "16", "16", "1000"}),
-             ContainsSubstring("--rampup-batch-size is not supported"));
+  // A refused flag takes its value with it: the error names the flag, not the number.
+  CHECK_THAT(parse_error({"--mock-data", "--num-experts", "8"}), ContainsSubstring("--num-experts is not supported"));
   CHECK_THAT(parse_error({"--mock-data", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"}),
              ContainsSubstring("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"));
 }
@@ -448,6 +448,70 @@ TEST_CASE("Megatron's other schedules: --lr-decay-style WSD and inverse-square-r
   CHECK_THAT(taken.output,
              ContainsSubstring("--weight-decay-incr-style linear (the checkpoint's) instead of constant"));
   check_continues(whole, testing::metrics_losses(dir.file("taken.jsonl")));
+}
+
+TEST_CASE("a batch-size ramp-up: --rampup-batch-size grows the global batch over the first samples",
+          "[cli][megatron]") {
+  // 20 sequences, micro-batches of one: the global batch ramps 2, 2, 3 over the first 6
+  // sequences (optim/batch_rampup.h), then 3 steps of 4; the schedule runs on the sequences
+  // consumed, in steps of the final 4: linear decay over 20 sequences = 5 steps.
+  auto run_of = [](const std::string& extra) {
+    return "train --config " + kTiny +
+           " --mock-data --device cpu --seq-length 32 --micro-batch-size 1 --eval-interval 0 --eval-iters 0 "
+           "--log-interval 1 --lr 1e-3 --lr-decay-style linear " +
+           extra;
+  };
+  const std::string ramp = " --global-batch-size 4 --train-samples 20 --rampup-batch-size 2 1 6";
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm(run_of("--metrics-file " + dir.file("ramp.jsonl") + ramp));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("ramp-up from 2 by 1 over 6 samples, then 4") &&
+                             ContainsSubstring("| global batch 3 |") &&
+                             ContainsSubstring("6 (--train-samples 20 over the ramp-up's batches, then the global batch)"));
+  const std::vector<double> batch = testing::metrics_field(dir.file("ramp.jsonl"), "global_batch_size");
+  const std::vector<double> lr = testing::metrics_field(dir.file("ramp.jsonl"), "lr");
+  CHECK(batch == std::vector<double>{2, 2, 3, 4, 4, 4});
+  const double coefficients[] = {0.9, 0.8, 0.65, 0.45, 0.25, 0.05};  // 1 - consumed / 20
+  REQUIRE(lr.size() == 6);
+  for (size_t i = 0; i < 6; ++i) CHECK(lr[i] == Catch::Approx(1e-3 * coefficients[i]).epsilon(1e-12));
+  // Its first two steps are a run at a fixed global batch of 2, bit for bit: the same sequences,
+  // the same rates, and each step's gradient the mean over its own micro-batches.
+  const auto fixed = testing::run_fp8lm(
+      run_of("--global-batch-size 2 --train-samples 20 --metrics-file " + dir.file("fixed.jsonl")));
+  REQUIRE(fixed.exit_code == 0);
+  const std::vector<double> ramped_losses = testing::metrics_losses(dir.file("ramp.jsonl"));
+  const std::vector<double> fixed_losses = testing::metrics_losses(dir.file("fixed.jsonl"));
+  REQUIRE(ramped_losses.size() == 6);
+  REQUIRE(fixed_losses.size() == 10);
+  CHECK(ramped_losses[0] == fixed_losses[0]);
+  CHECK(ramped_losses[1] == fixed_losses[1]);
+  CHECK(ramped_losses[2] != fixed_losses[2]);  // three sequences against two
+  // Stopped inside the ramp and resumed, it continues bit for bit: the batch follows the
+  // sequences consumed, which the checkpoint's data position keeps.
+  REQUIRE(testing::run_fp8lm(run_of("--exit-interval 2 --save " + dir.file("ckpt") + ramp)).exit_code == 0);
+  const auto resumed =
+      testing::run_fp8lm(run_of("--load " + dir.file("ckpt") + " --metrics-file " + dir.file("resumed.jsonl") + ramp));
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  const std::vector<double> rest = testing::metrics_losses(dir.file("resumed.jsonl"));
+  REQUIRE(rest.size() == 4);
+  for (size_t i = 0; i < 4; ++i) CHECK(rest[i] == ramped_losses[i + 2]);
+  CHECK(testing::metrics_field(dir.file("resumed.jsonl"), "global_batch_size") == std::vector<double>{3, 4, 4, 4});
+
+  // Refused, naming the flag: without --train-samples (Megatron asserts it), with --benchmark,
+  // and a batch of the ramp that is not whole micro-batch steps.
+  CHECK_THAT(parse_error({"--mock-data", "--rampup-batch-size", "2", "1", "6"}),
+             ContainsSubstring("--rampup-batch-size needs --train-samples"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "20", "--rampup-batch-size", "2", "1", "6", "--benchmark"}),
+             ContainsSubstring("--benchmark times steps of one size"));
+  CHECK_THAT(parse_error({"--mock-data", "--train-samples", "20", "--rampup-batch-size", "2", "1"}),
+             ContainsSubstring("--rampup-batch-size takes three numbers, START INCREMENT SAMPLES (got 2)"));
+  const auto odd = testing::run_fp8lm("train --config " + kTiny +
+                                      " --mock-data --device cpu --seq-length 32 --micro-batch-size 2 "
+                                      "--global-batch-size 4 --train-samples 20 --rampup-batch-size 2 1 6");
+  CHECK(odd.exit_code == 2);
+  CHECK_THAT(odd.output, ContainsSubstring("--rampup-batch-size 2 1 6: the ramp's global batch 3 is not a multiple"));
 }
 
 TEST_CASE("the initial weights: --init-method-std sets the initial weights' deviation, --norm-epsilon LayerNorm's epsilon",

@@ -12,6 +12,7 @@
 
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -21,12 +22,14 @@
 #include "layers/ops_cpu.h"
 #include "optim/step_control.h"
 #include "optim/adamw.h"
+#include "optim/batch_rampup.h"
 #include "optim/grad_clip.h"
 #include "optim/lr_schedule.h"
 
 namespace {
 
 using namespace fp8lm;
+using Catch::Matchers::ContainsSubstring;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
 
@@ -486,6 +489,52 @@ TEST_CASE("learning_rate: inverse square root and WSD, as Megatron's get_lr", "[
   CHECK(to_string(LrDecayStyle::wsd) == "WSD");
   CHECK(to_string(LrDecayStyle::inverse_square_root) == "inverse-square-root");
   CHECK(to_string(WsdDecayStyle::minus_sqrt) == "minus_sqrt");
+}
+
+TEST_CASE("global_batch_at and rampup_train_iters: Megatron's batch-size ramp-up", "[optim]") {
+  // GPT-3 175B's --rampup-batch-size 16 16 5859375 to a global batch of 1,536: 95 increments of
+  // 5859375 / 95 sequences each.
+  const BatchRampup gpt3{.start = 16, .increment = 16, .samples = 5859375, .global_batch = 1536};
+  CHECK(global_batch_at(gpt3, 0) == 16);
+  CHECK(global_batch_at(gpt3, 61677) == 16);  // 5859375 / 95 = 61677.6...
+  CHECK(global_batch_at(gpt3, 61678) == 32);
+  CHECK(global_batch_at(gpt3, 5800000) == 16 + 94 * 16);
+  CHECK(global_batch_at(gpt3, 5859376) == 1536);  // past the ramp
+  CHECK(global_batch_at(gpt3, 100000000) == 1536);
+  CHECK_NOTHROW(validate_batch_rampup(gpt3, 16));
+  CHECK(global_batch_at(BatchRampup{.global_batch = 64}, 5) == 64);  // no ramp-up
+
+  // 2 to 4 by 1 over 6 sequences: batches 2, 2, 3 (after 0, 2, 4 consumed), then 4 from 7 on;
+  // of 20 sequences the ramp takes 3 steps (7 sequences) and 3 whole global batches follow.
+  const BatchRampup small{.start = 2, .increment = 1, .samples = 6, .global_batch = 4};
+  const int64_t expected[] = {2, 2, 3, 4, 4, 4};
+  uint64_t consumed = 0;
+  for (const int64_t batch : expected) {
+    CHECK(global_batch_at(small, consumed) == batch);
+    consumed += uint64_t(batch);
+  }
+  CHECK(rampup_train_iters(small, 20) == 6);
+  CHECK(rampup_train_iters(small, 5) == 3);  // the ramp's steps run whole, as Megatron's count
+  CHECK(rampup_train_iters(small, 30) == 8);
+
+  // Megatron's assertions, and its consistency check made up front.
+  CHECK_NOTHROW(validate_batch_rampup(small, 1));
+  auto refusal = [](const BatchRampup& rampup, int64_t per_micro_step) {
+    try {
+      validate_batch_rampup(rampup, per_micro_step);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(refusal(small, 2), ContainsSubstring("the ramp's global batch 3 is not a multiple of --micro-batch-size x "
+                                                  "data-parallel size (2)"));
+  CHECK_THAT(refusal({.start = 0, .increment = 1, .samples = 6, .global_batch = 4}, 1), ContainsSubstring(">= 1"));
+  CHECK_THAT(refusal({.start = 2, .increment = 1, .samples = 0, .global_batch = 4}, 1), ContainsSubstring(">= 1"));
+  CHECK_THAT(refusal({.start = 4, .increment = 1, .samples = 6, .global_batch = 4}, 1),
+             ContainsSubstring("the ramp must start below --global-batch-size (4)"));
+  CHECK_THAT(refusal({.start = 1, .increment = 2, .samples = 6, .global_batch = 4}, 1),
+             ContainsSubstring("minus the start batch must be a multiple of the increment"));
 }
 
 TEST_CASE("weight_decay: constant, or linear and cosine from start to end over the run, as Megatron's get_wd",

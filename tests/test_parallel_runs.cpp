@@ -351,6 +351,28 @@ TEST_CASE("FP8 statistics under mpirun: rank 0 writes each operand once, counts 
     CHECK(tp_stats.at(replicated)["elements"].get<double>() == 2 * one.at(replicated)["elements"].get<double>());
 }
 
+TEST_CASE("a batch-size ramp-up under mpirun: DP = 2 takes the one-process run's batches and losses",
+          "[parallel][cpu]") {
+  // 20 sequences, the batch ramping 2, 2, then 4 (--rampup-batch-size 2 2 4): with a
+  // micro-batch of one, a DP = 2 step of 2 is one micro-batch a rank, of 4 two.
+  const std::string args = "--config " + testing::source_path("configs/tiny.json") +
+                           " --mock-data --device cpu --seq-length 32 --micro-batch-size 1 --global-batch-size 4"
+                           " --train-samples 20 --rampup-batch-size 2 2 4 --lr 3e-3 --log-interval 1 --eval-interval 0"
+                           " --eval-iters 0 --log-level warn --metrics-file ";
+  const testing::TempDir dir;
+  REQUIRE(testing::run_fp8lm(args + dir.file("one.jsonl")).exit_code == 0);
+  const auto two = run_ranks(2, args + dir.file("two.jsonl"));
+  INFO(two.output);
+  REQUIRE(two.exit_code == 0);
+  const std::vector<double> batches{2, 2, 4, 4, 4, 4};
+  CHECK(testing::metrics_field(dir.file("one.jsonl"), "global_batch_size") == batches);
+  CHECK(testing::metrics_field(dir.file("two.jsonl"), "global_batch_size") == batches);
+  const std::vector<double> one_losses = losses(dir.file("one.jsonl")), two_losses = losses(dir.file("two.jsonl"));
+  REQUIRE(one_losses.size() == 6);
+  REQUIRE(two_losses.size() == 6);
+  CHECK(largest_relative_gap(two_losses, one_losses) < 2e-3);
+}
+
 TEST_CASE("bad parallel input fails before any work, naming the flag", "[parallel][cpu][cli]") {
   struct Case {
     int ranks;
