@@ -160,6 +160,8 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"seed", o.seed},
           {"train_data_path", o.train_data_path},
           {"valid_data_path", o.valid_data_path},
+          {"train_data_blend", o.train_data_blend},
+          {"valid_data_blend", o.valid_data_blend},
           {"data_path", o.data_path},
           {"split", o.split},
           {"mock_data", o.mock_data},

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <sched.h>
 
@@ -396,12 +397,19 @@ void validate_options(const TrainOptions& o) {
   // fp8lm sample times its decode steps, which wait for the device anyway.
   require(!o.profile_ops || o.benchmark || o.command == RunCommand::sample,
           "--profile-ops needs --benchmark (it times synchronised steps)");
-  require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty() || !o.data_path.empty(),
+  require(o.mock_data || o.train_iters == 0 || !o.train_data_path.empty() || !o.train_data_blend.empty() ||
+              !o.data_path.empty(),
           "--train-data-path or --data-path is required (or --mock-data for a synthetic token stream)");
+  if (!o.train_data_blend.empty()) {
+    require(!o.mock_data, "--train-data-path contradicts --mock-data");
+    parse_data_path(o.train_data_blend, "--train-data-path");
+  }
+  if (!o.valid_data_blend.empty()) parse_data_path(o.valid_data_blend, "--valid-data-path");
   if (!o.data_path.empty()) {
-    require(o.train_data_path.empty() && o.valid_data_path.empty(),
+    require(o.train_data_path.empty() && o.valid_data_path.empty() && o.train_data_blend.empty() &&
+                o.valid_data_blend.empty(),
             "--data-path contradicts --train-data-path and --valid-data-path: --data-path's --split makes the "
-            "train and valid sets; llm.c shards go through --train-data-path/--valid-data-path");
+            "train and valid sets; give one or the other, as Megatron asserts");
     require(!o.mock_data, "--data-path contradicts --mock-data");
     parse_data_path(o.data_path);  // InputError naming --data-path
     const auto split = parse_split(o.split);
@@ -650,9 +658,19 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
 
   // ---- Data
   const char* data = "Data";
-  app.add_option("--train-data-path", o.train_data_path, "Token shards (see --data-format); globs allowed")
+  // Each occurrence's values apart: a repeated flag keeps its last list, as every other flag.
+  std::vector<std::vector<std::string>> train_data_values, valid_data_values;
+  app.add_option("--train-data-path", train_data_values,
+                 "Token shards (see --data-format; a glob), or Megatron indexed datasets used whole for training: "
+                 "PREFIX, or weight/prefix pairs 0.3 PREFIX_A 0.7 PREFIX_B")
+      ->expected(1, CLI::detail::expected_max_vector_size)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->group(data);
-  app.add_option("--valid-data-path", o.valid_data_path, "Validation token shards")->group(data);
+  app.add_option("--valid-data-path", valid_data_values,
+                 "Validation token shards (a glob), or Megatron indexed datasets used whole for validation")
+      ->expected(1, CLI::detail::expected_max_vector_size)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->group(data);
   app.add_flag("--mock-data", o.mock_data, "Synthetic learnable token stream instead of files")->group(data);
   app.add_option("--data-path", o.data_path,
                  "Megatron indexed dataset(s) (PREFIX.bin/.idx): PREFIX, or a weighted blend 0.3 PREFIX_A 0.7 PREFIX_B")
@@ -850,6 +868,21 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                                         .state_precision_given = app.count("--optimizer-state-precision") > 0});
   o.fused_weight_casts = weight_casts == "fused";
   o.first_pass_in_backward = first_pass == "backward";
+  // Megatron's per-split paths name indexed datasets; one other value is fp8lm's llm.c shard glob.
+  for (auto [values, flag, glob, blend] :
+       {std::tuple{&train_data_values, "--train-data-path", &o.train_data_path, &o.train_data_blend},
+        std::tuple{&valid_data_values, "--valid-data-path", &o.valid_data_path, &o.valid_data_blend}}) {
+    if (values->empty()) continue;
+    const std::vector<std::string>& last = values->back();
+    if (names_indexed_datasets(last))
+      *blend = last;
+    else if (last.size() == 1)
+      *glob = last.front();
+    else
+      bad_flag(std::string(flag) + " takes one llm.c shard glob (quote it) or Megatron's indexed datasets, PREFIX "
+               "or weight/prefix pairs; got " + std::to_string(last.size()) + " values, the first '" + last.front() +
+               "' not a weight");
+  }
   o.lr_decay_style = lookup<LrDecayStyle>({{"cosine", LrDecayStyle::cosine},
                                            {"linear", LrDecayStyle::linear},
                                            {"constant", LrDecayStyle::constant},

@@ -42,7 +42,8 @@ const char* const kHelpHint = "run `fp8lm eval --help` for its flags";
 std::vector<ForwardedFlag> eval_flags() {
   std::vector<ForwardedFlag> flags = kWeightsFlags;
   flags.insert(flags.end(), {
-      {"--valid-data-path", true, "Token shards to evaluate on (see --data-format); globs allowed"},
+      {"--valid-data-path", true,
+       "Token shards to evaluate on (see --data-format; a glob), or Megatron indexed datasets: [WEIGHT] PREFIX ..."},
       {"--data-path", true, "Megatron indexed dataset(s), [WEIGHT] PREFIX ...: evaluates --split's valid part"},
       {"--split", true, "Train/valid/test weights over --data-path's documents (default 969,30,1)"},
       {"--data-format", true, "llmc or raw-uint16"},
@@ -94,9 +95,9 @@ int run_eval_command(const std::vector<std::string>& args) {
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
   log_settings_table("fp8lm eval memory (the training engine: weights, gradients, optimizer state, activations)",
                      memory_estimate_rows(setup.memory, setup.use_cuda));
-  const std::string data = options.data_path.empty()
-                              ? options.valid_data_path
-                              : "the valid split (" + options.split + ") of --data-path";
+  const std::string data = !options.data_path.empty() ? "the valid split (" + options.split + ") of --data-path"
+                           : !options.valid_data_blend.empty() ? "the indexed dataset(s) of --valid-data-path"
+                                                                : options.valid_data_path;
   spdlog::info("evaluating {} on {}: {} batches of {} x {} tokens, {}, {}", weights, data,
                options.eval_iters, options.micro_batch_size, setup.seq_length, describe_precision(options),
                setup.device_description);

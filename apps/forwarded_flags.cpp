@@ -16,8 +16,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// --data-path takes a list ([WEIGHT] PREFIX ...), as train's does.
-bool is_list_flag(const std::string& name) { return name == "--data-path"; }
+// --data-path takes a list ([WEIGHT] PREFIX ...), as train's does, and so do Megatron's per-split
+// --valid-data-path and --train-data-path.
+bool is_list_flag(const std::string& name) {
+  return name == "--data-path" || name == "--valid-data-path" || name == "--train-data-path";
+}
 
 bool is_precision_choice(const std::string& name) {
   return name == "--bf16" || name == "--fp32" || name == "--fp8-format" || name == "--fp8-hybrid" ||

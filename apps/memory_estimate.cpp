@@ -497,7 +497,9 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
     if (o.mock_data) {
       const uint64_t stream_floor = add(mul(4, x.B, x.dp, x.T), 1);
       const uint64_t train_tokens = std::max<uint64_t>(kMockTrainTokens, stream_floor);
-      const uint64_t valid_tokens = o.valid_data_path.empty() ? std::max<uint64_t>(kMockValidTokens, stream_floor) : 0;
+      const uint64_t valid_tokens = o.valid_data_path.empty() && o.valid_data_blend.empty()
+                                      ? std::max<uint64_t>(kMockValidTokens, stream_floor)
+                                      : 0;
       // uint16 tokens, and each stream's shuffled sample order (8 bytes a sample).
       data = sum({data, mul(add(train_tokens, valid_tokens), 2),
                   x.T ? mul(add(train_tokens, valid_tokens) / x.T, 8) : 0});

@@ -445,8 +445,12 @@ SettingsTable settings_table(const RunSetup& s) {
       {"clip-grad", o.clip_grad > 0 ? format_double(o.clip_grad) : "off"},
       {"max-skipped-steps", str(o.max_skipped_steps)},
       {"seed", str(o.seed)},
-      {"train-data-path", o.mock_data ? "(mock data)" : or_none(o.train_data_path)},
-      {"valid-data-path", o.mock_data && o.valid_data_path.empty() ? "(mock data)" : or_none(o.valid_data_path)},
+      {"train-data-path", o.mock_data                  ? "(mock data)"
+                          : !o.train_data_blend.empty() ? join_words(o.train_data_blend) + " (indexed, whole)"
+                                                        : or_none(o.train_data_path)},
+      {"valid-data-path", !o.valid_data_blend.empty() ? join_words(o.valid_data_blend) + " (indexed, whole)"
+                          : o.mock_data && o.valid_data_path.empty() ? "(mock data)"
+                                                                      : or_none(o.valid_data_path)},
       {"data-format", std::string(to_string(o.data_format))},
       {"data-path / split", o.data_path.empty() ? std::string("(none)") : join_words(o.data_path) + " / " + o.split},
       {"save", or_none(o.save_dir)},

@@ -1,6 +1,7 @@
 #include "apps/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cmath>
@@ -48,26 +49,30 @@ DataLoaders open_data(const RunSetup& setup) {
   loader_options.format = o.data_format;
 
   DataLoaders loaders;
+  DataLoaderOptions valid_options = loader_options;
+  valid_options.shuffle = false;  // the same batches at every evaluation
+  // Megatron's per-split datasets are their split whole.
+  constexpr std::array<double, 3> kWholeTrain = {1, 0, 0}, kWholeValid = {0, 1, 0};
   if (o.mock_data) {
     MockDataLoaders mock = make_mock_data_loaders(loader_options);
     loaders.train.emplace(std::move(mock.train));
-    if (o.valid_data_path.empty()) loaders.valid.emplace(std::move(mock.valid));
+    if (o.valid_data_path.empty() && o.valid_data_blend.empty()) loaders.valid.emplace(std::move(mock.valid));
+  } else if (!o.train_data_blend.empty()) {
+    loaders.train = open_indexed_loader(parse_data_path(o.train_data_blend, "--train-data-path"), kWholeTrain,
+                                        DataSplit::train, loader_options);
   } else if (!o.data_path.empty()) {
     // Megatron indexed datasets: the train and valid splits of each, blended by weight.
     const DataBlend blend = parse_data_path(o.data_path);
     const auto split = parse_split(o.split);
     loaders.train = open_indexed_loader(blend, split, DataSplit::train, loader_options);
-    DataLoaderOptions valid_options = loader_options;
-    valid_options.shuffle = false;  // the same batches at every evaluation
     loaders.valid = open_indexed_loader(blend, split, DataSplit::valid, valid_options);
   } else if (!o.train_data_path.empty()) {  // evaluation alone reads no training data
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
-  if (!o.valid_data_path.empty()) {
-    DataLoaderOptions valid_options = loader_options;
-    valid_options.shuffle = false;  // the same batches at every evaluation
-    loaders.valid.emplace(expand_shard_paths(o.valid_data_path), valid_options);
-  }
+  if (!o.valid_data_path.empty()) loaders.valid.emplace(expand_shard_paths(o.valid_data_path), valid_options);
+  if (!o.valid_data_blend.empty())
+    loaders.valid = open_indexed_loader(parse_data_path(o.valid_data_blend, "--valid-data-path"), kWholeValid,
+                                        DataSplit::valid, valid_options);
   return loaders;
 }
 
@@ -583,7 +588,7 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
   const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
   FP8LM_INPUT_CHECK(!checkpoint.empty(), "--load DIR or --init-from PATH is required: the weights to evaluate");
-  FP8LM_INPUT_CHECK(!o.valid_data_path.empty() || !o.data_path.empty(),
+  FP8LM_INPUT_CHECK(!o.valid_data_path.empty() || !o.valid_data_blend.empty() || !o.data_path.empty(),
                     "--valid-data-path or --data-path is required: the tokens to evaluate on");
   FP8LM_INPUT_CHECK(o.eval_iters >= 1, "--eval-iters must be >= 1 (got ", o.eval_iters, ")");
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <string>
 #include <system_error>
 
 #include "core/error.h"
@@ -348,10 +350,10 @@ std::optional<DocumentRange> split_documents(const std::array<double, 3>& fracti
   return range;
 }
 
-DataBlend parse_data_path(const std::vector<std::string>& values) {
-  const std::string hint = "--data-path takes one prefix (PREFIX for PREFIX.bin/.idx), or weight/prefix pairs: "
-                           "--data-path 0.3 PREFIX_A 0.7 PREFIX_B";
-  if (values.empty()) throw InputError("--data-path: no prefix given", hint);
+DataBlend parse_data_path(const std::vector<std::string>& values, const std::string& flag) {
+  const std::string hint = flag + " takes one prefix (PREFIX for PREFIX.bin/.idx), or weight/prefix pairs: " + flag +
+                           " 0.3 PREFIX_A 0.7 PREFIX_B";
+  if (values.empty()) throw InputError(flag + ": no prefix given", hint);
   DataBlend blend;
   if (values.size() == 1) {
     blend.prefixes = values;
@@ -359,7 +361,7 @@ DataBlend parse_data_path(const std::vector<std::string>& values) {
     return blend;
   }
   if (values.size() % 2 != 0) {
-    throw InputError(detail::concat("--data-path: ", values.size(), " values, not weight/prefix pairs"), hint);
+    throw InputError(detail::concat(flag, ": ", values.size(), " values, not weight/prefix pairs"), hint);
   }
   double total = 0;
   for (size_t i = 0; i < values.size(); i += 2) {
@@ -371,7 +373,7 @@ DataBlend parse_data_path(const std::vector<std::string>& values) {
       used = 0;
     }
     if (used == 0 || used != values[i].size() || !std::isfinite(weight) || weight <= 0) {
-      throw InputError(detail::concat("--data-path: '", values[i], "' (value ", i + 1,
+      throw InputError(detail::concat(flag, ": '", values[i], "' (value ", i + 1,
                                       ") is not a positive weight for prefix '", values[i + 1], "'"),
                        hint);
     }
@@ -381,6 +383,19 @@ DataBlend parse_data_path(const std::vector<std::string>& values) {
   }
   for (double& w : blend.weights) w /= total;
   return blend;
+}
+
+bool names_indexed_datasets(const std::vector<std::string>& values) {
+  if (values.size() >= 2) {
+    size_t used = 0;
+    try {
+      std::stod(values[0], &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    return used > 0 && used == values[0].size();
+  }
+  return values.size() == 1 && std::filesystem::is_regular_file(values[0] + ".idx");
 }
 
 std::optional<DataLoader> open_indexed_loader(const DataBlend& blend, const std::array<double, 3>& fractions,

@@ -142,12 +142,17 @@ std::optional<DocumentRange> split_documents(const std::array<double, 3>& fracti
                                              uint64_t num_documents);
 
 // --data-path: one PREFIX, or weight/prefix pairs "0.3 A 0.7 B". Weights are positive and
-// returned normalised. InputError naming --data-path when malformed.
+// returned normalised. InputError naming `flag` (--data-path, or Megatron's per-split
+// --train-data-path / --valid-data-path, which take the same list) when malformed.
 struct DataBlend {
   std::vector<std::string> prefixes;
   std::vector<double> weights;
 };
-DataBlend parse_data_path(const std::vector<std::string>& values);
+DataBlend parse_data_path(const std::vector<std::string>& values, const std::string& flag = "--data-path");
+
+// Whether `values` name Megatron indexed datasets rather than an llm.c shard glob: a weighted
+// list (two values or more, the first a number), or one PREFIX whose PREFIX.idx exists.
+bool names_indexed_datasets(const std::vector<std::string>& values);
 
 // A loader over `split` of every dataset of `blend`, blended by weight (one dataset: a plain
 // loader). nullopt when the split's fraction is 0. Every dataset's split must hold at least

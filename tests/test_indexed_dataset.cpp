@@ -525,4 +525,76 @@ TEST_CASE("training on a --data-path blend resumes bit-exactly", "[indexed][cli]
   CHECK(nlohmann::json::parse(json_line)["loss"].get<double>() == last_val_loss);
 }
 
+TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path name indexed datasets used whole",
+          "[indexed][cli]") {
+  TempDir dir;
+  for (const char* name : {"a", "b"}) {
+    IndexedDatasetWriter writer(dir.file(name), 256);
+    uint64_t state = name[0];
+    for (int d = 0; d < 40; ++d) {
+      std::vector<uint16_t> document;
+      for (int t = 0; t < 20 + d % 11; ++t) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        document.push_back(uint16_t((state >> 33) % 256));
+      }
+      writer.add_document(document);
+    }
+    writer.finish();
+  }
+  const std::string base = "train --config " + testing::source_path("configs/tiny.json") +
+                           " --device cpu --seq-length 16 --micro-batch-size 2 --lr 1e-3 --log-interval 1 "
+                           "--log-level warn --train-iters 6 --bf16 ";
+  auto losses_of = [&](const std::string& args, const std::string& metrics) {
+    const auto result = run_fp8lm(base + args + " --metrics-file " + dir.file(metrics));
+    INFO(args << "\n" << result.output);
+    REQUIRE(result.exit_code == 0);
+    return testing::metrics_losses(dir.file(metrics));
+  };
+  // A blend for training is --data-path's blend with all of each dataset in the train split.
+  const std::string blend = "0.4 " + dir.file("a") + " 0.6 " + dir.file("b");
+  const std::vector<double> per_split = losses_of("--eval-iters 0 --train-data-path " + blend, "per_split.jsonl");
+  const std::vector<double> split_whole =
+      losses_of("--eval-iters 0 --data-path " + blend + " --split 1,0,0", "split_whole.jsonl");
+  REQUIRE(per_split.size() == 6);
+  CHECK(per_split == split_whole);  // bit for bit: the same samples in the same order
+  // A repeated flag keeps its last list, as every other flag its last value.
+  CHECK(losses_of("--eval-iters 0 --train-data-path " + dir.file("nothing.bin") + " --train-data-path " + blend,
+                  "repeated.jsonl") == per_split);
+  // One PREFIX (PREFIX.idx exists) is a dataset too; validation on another whole dataset, whose
+  // loss fp8lm eval reproduces from the checkpoint, as from --data-path's valid split of it.
+  const auto trained = run_fp8lm(base + "--train-data-path " + dir.file("a") + " --valid-data-path " + dir.file("b") +
+                                 " --eval-interval 6 --eval-iters 3 --save " + dir.file("ckpt") + " --metrics-file " +
+                                 dir.file("valid.jsonl") + " --log-level info");
+  INFO(trained.output);
+  REQUIRE(trained.exit_code == 0);
+  CHECK_THAT(trained.output, ContainsSubstring(dir.file("b") + " (indexed, whole)"));
+  const std::vector<double> val_loss = testing::metrics_field(dir.file("valid.jsonl"), "val_loss");
+  REQUIRE(val_loss.size() == 1);
+  auto eval_loss = [&](const std::string& data) {
+    const auto eval = run_fp8lm("eval --load " + dir.file("ckpt") + " --device cpu --log-level warn " + data);
+    INFO(data << "\n" << eval.output);
+    REQUIRE(eval.exit_code == 0);
+    return nlohmann::json::parse(eval.output.substr(eval.output.rfind("{\"")))["loss"].get<double>();
+  };
+  CHECK(eval_loss("--valid-data-path " + dir.file("b")) == val_loss[0]);
+  CHECK(eval_loss("--valid-data-path 1 " + dir.file("b")) == val_loss[0]);
+  CHECK(eval_loss("--data-path " + dir.file("b") + " --split 0,1,0") == val_loss[0]);
+
+  // Malformed lists name the flag; a name without PREFIX.idx stays an llm.c shard glob.
+  auto expect_error = [&](const std::string& args, const std::string& named) {
+    const auto result = run_fp8lm(base + args);
+    INFO(args << "\n" << result.output);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.output, ContainsSubstring(named));
+  };
+  expect_error("--train-data-path 0.4 " + dir.file("a") + " 0.6", "--train-data-path: 3 values, not weight/prefix pairs");
+  expect_error("--train-data-path " + dir.file("a") + " " + dir.file("b"),
+               "--train-data-path takes one llm.c shard glob (quote it) or Megatron's indexed datasets");
+  expect_error("--train-data-path 1 " + dir.file("a") + " --valid-data-path 0 " + dir.file("b"),
+               "--valid-data-path: '0' (value 1) is not a positive weight");
+  expect_error("--train-data-path " + dir.file("a") + " --data-path " + dir.file("b"), "--data-path contradicts");
+  expect_error("--train-data-path 1 " + dir.file("a") + " 1 " + dir.file("missing"), dir.file("missing.idx"));
+  expect_error("--train-data-path " + dir.file("missing"), dir.file("missing"));
+}
+
 }  // namespace fp8lm
