@@ -3,15 +3,18 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 #include <tuple>
 
 #include <sched.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "apps/megatron_flags.h"
 #include "core/error.h"
@@ -220,6 +223,48 @@ void validate_sample_counts(const TrainOptions& o) {
   if (o.use_checkpoint_lr_schedule)
     bad_flag("--use-checkpoint-opt_param-scheduler takes a schedule counted in iterations; with --train-samples "
              "give the schedule's flags instead");
+}
+
+// --data-args-path: the file's whitespace-separated words, --data-path's list.
+std::vector<std::string> data_list_from_file(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) bad_flag("--data-args-path " + path + ": cannot read the file");
+  std::vector<std::string> words;
+  for (std::string word; file >> word;) words.push_back(word);
+  if (words.empty()) bad_flag("--data-args-path " + path + ": the file holds no dataset");
+  return words;
+}
+
+struct PerSplitDataLists {
+  std::vector<std::string> train, valid;
+  bool test_given = false;
+};
+
+// --per-split-data-args-path: Megatron's JSON object whose "train", "valid" and "test" are each a
+// list of words or one string of them.
+PerSplitDataLists per_split_data_lists_from_file(const std::string& path) {
+  const std::string flag = "--per-split-data-args-path " + path;
+  std::ifstream file(path);
+  if (!file) bad_flag(flag + ": cannot read the file");
+  const nlohmann::json json = nlohmann::json::parse(file, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object()) bad_flag(flag + ": not a JSON object with \"train\", \"valid\" and \"test\" lists");
+  auto list = [&](const char* key) {
+    std::vector<std::string> words;
+    if (!json.contains(key)) return words;
+    const nlohmann::json& value = json[key];
+    if (value.is_string()) {
+      std::istringstream text(value.get<std::string>());
+      for (std::string word; text >> word;) words.push_back(word);
+    } else if (value.is_array() && std::all_of(value.begin(), value.end(), [](const auto& v) { return v.is_string(); })) {
+      for (const auto& word : value) words.push_back(word.get<std::string>());
+    } else if (!value.is_null()) {
+      bad_flag(flag + ": \"" + key + "\" must be a list of strings or one string, not " + value.dump());
+    }
+    return words;
+  };
+  PerSplitDataLists lists{.train = list("train"), .valid = list("valid"), .test_given = !list("test").empty()};
+  if (lists.train.empty()) bad_flag(flag + ": no \"train\" list");
+  return lists;
 }
 
 // Megatron's WSD anneal and weight-decay schedule: each flag only where its style reads it, and
@@ -678,6 +723,13 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->group(data);
   app.add_option("--split", o.split, "Train/valid/test weights over --data-path's documents")->group(data);
+  std::string data_args_path, per_split_data_args_path;
+  app.add_option("--data-args-path", data_args_path, "A file holding --data-path's list (for long blends)")
+      ->group(data);
+  app.add_option("--per-split-data-args-path", per_split_data_args_path,
+                 "A JSON file of Megatron's per-split lists: \"train\" and \"valid\" (as --train-data-path and "
+                 "--valid-data-path); \"test\" is not read")
+      ->group(data);
   std::string data_format = "llmc";
   app.add_option("--vocab-file", o.vocab_file,
                  "GPT-2's encoder.json: checked to fit the model's vocabulary (the data is tokenized already)")
@@ -868,6 +920,21 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                                         .state_precision_given = app.count("--optimizer-state-precision") > 0});
   o.fused_weight_casts = weight_casts == "fused";
   o.first_pass_in_backward = first_pass == "backward";
+  // Megatron's lists in files, for blends too long for a command line.
+  if (!data_args_path.empty()) {
+    if (!o.data_path.empty()) bad_flag("--data-args-path contradicts --data-path: give the list once");
+    o.data_path = data_list_from_file(data_args_path);
+  }
+  if (!per_split_data_args_path.empty()) {
+    if (!train_data_values.empty() || !valid_data_values.empty())
+      bad_flag("--per-split-data-args-path contradicts --train-data-path and --valid-data-path: give the lists once");
+    const PerSplitDataLists lists = per_split_data_lists_from_file(per_split_data_args_path);
+    o.train_data_blend = lists.train;
+    o.valid_data_blend = lists.valid;
+    if (lists.test_given)
+      o.megatron_warnings.push_back("--per-split-data-args-path " + per_split_data_args_path +
+                                    ": its \"test\" list is not read (`fp8lm eval --valid-data-path` scores a test set)");
+  }
   // Megatron's per-split paths name indexed datasets; one other value is fp8lm's llm.c shard glob.
   for (auto [values, flag, glob, blend] :
        {std::tuple{&train_data_values, "--train-data-path", &o.train_data_path, &o.train_data_blend},

@@ -560,6 +560,14 @@ TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path n
   // A repeated flag keeps its last list, as every other flag its last value.
   CHECK(losses_of("--eval-iters 0 --train-data-path " + dir.file("nothing.bin") + " --train-data-path " + blend,
                   "repeated.jsonl") == per_split);
+  // The lists in files (Megatron's --data-args-path and --per-split-data-args-path).
+  write_bytes(dir.file("data_args.txt"), blend + "\n");
+  CHECK(losses_of("--eval-iters 0 --data-args-path " + dir.file("data_args.txt") + " --split 1,0,0",
+                  "data_args.jsonl") == per_split);
+  write_bytes(dir.file("per_split.json"), "{\"train\": \"" + blend + "\", \"valid\": [\"" + dir.file("b") +
+                                              "\"], \"test\": []}");
+  CHECK(losses_of("--eval-iters 0 --per-split-data-args-path " + dir.file("per_split.json"), "per_split_json.jsonl") ==
+        per_split);
   // One PREFIX (PREFIX.idx exists) is a dataset too; validation on another whole dataset, whose
   // loss fp8lm eval reproduces from the checkpoint, as from --data-path's valid split of it.
   const auto trained = run_fp8lm(base + "--train-data-path " + dir.file("a") + " --valid-data-path " + dir.file("b") +
@@ -595,6 +603,17 @@ TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path n
   expect_error("--train-data-path " + dir.file("a") + " --data-path " + dir.file("b"), "--data-path contradicts");
   expect_error("--train-data-path 1 " + dir.file("a") + " 1 " + dir.file("missing"), dir.file("missing.idx"));
   expect_error("--train-data-path " + dir.file("missing"), dir.file("missing"));
+  expect_error("--data-args-path " + dir.file("none.txt"), "--data-args-path " + dir.file("none.txt") + ": cannot read");
+  expect_error("--data-args-path " + dir.file("data_args.txt") + " --data-path " + dir.file("a"),
+               "--data-args-path contradicts --data-path");
+  write_bytes(dir.file("bad.json"), "{\"train\": 3}");
+  expect_error("--per-split-data-args-path " + dir.file("bad.json"), "\"train\" must be a list of strings");
+  write_bytes(dir.file("no_train.json"), "{\"valid\": \"x\"}");
+  expect_error("--per-split-data-args-path " + dir.file("no_train.json"), "no \"train\" list");
+  write_bytes(dir.file("not_json.json"), "train: a");
+  expect_error("--per-split-data-args-path " + dir.file("not_json.json"), "not a JSON object");
+  expect_error("--per-split-data-args-path " + dir.file("per_split.json") + " --train-data-path " + dir.file("a"),
+               "--per-split-data-args-path contradicts");
 }
 
 }  // namespace fp8lm
