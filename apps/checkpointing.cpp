@@ -166,6 +166,7 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"split", o.split},
           {"mock_data", o.mock_data},
           {"save", o.save_dir},
+          {"save_retain_interval", o.save_retain_interval},
           {"load", o.load_dir},
           {"save_interval", o.save_interval},
           {"eval_interval", o.eval_interval},
@@ -697,6 +698,18 @@ void publish_directory(const fs::path& staged, const fs::path& final_dir, const 
   fs::remove_all(aside, ignored);
 }
 
+// The iteration `latest` names in a --save root, when it names one.
+std::optional<int64_t> latest_iteration(const fs::path& root) {
+  std::error_code error;
+  if (!fs::is_regular_file(root / kLatestFile, error)) return std::nullopt;
+  std::string text = read_small_file(root / kLatestFile);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  int64_t iteration = -1;
+  const auto [end, failure] = std::from_chars(text.data(), text.data() + text.size(), iteration);
+  if (failure != std::errc() || end != text.data() + text.size() || iteration < 0) return std::nullopt;
+  return iteration;
+}
+
 // What killed saves leave: staging directories and aside copies. Called once `latest`
 // names the new checkpoint, so none of them is needed any more; the save lock keeps other
 // runs' saves out of this directory.
@@ -1083,10 +1096,25 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   }
 
   // Publish: the complete directory takes the final name, then `latest` moves.
+  const std::optional<int64_t> previous = latest_iteration(root);
   publish_directory(temporary, final_dir, hooks);
   crash_point(hooks, "published");
   write_file_durably((root / kLatestFile).string(), std::to_string(progress.iteration) + "\n");
   remove_stale_save_directories(root);
+  // Megatron's --save-retain-interval: the checkpoint `latest` named before goes, now that the
+  // new one is complete, unless it is one the interval keeps.
+  const int64_t retain = setup.options.save_retain_interval;
+  if (retain > 0 && previous && *previous != progress.iteration && *previous % retain != 0) {
+    const fs::path old_dir = root / iteration_dir_name(*previous);
+    std::error_code error;
+    if (is_fp8lm_checkpoint(old_dir)) fs::remove_all(old_dir, error);
+    if (error)
+      spdlog::warn("{}: cannot remove it ({}), though --save-retain-interval {} does not keep it", old_dir.string(),
+                   error.message(), retain);
+    else
+      spdlog::info("removed {}: --save-retain-interval {} keeps every {}-th iteration and the latest",
+                   old_dir.string(), retain, retain);
+  }
   spdlog::info("saved checkpoint {} (iteration {})", final_dir.string(), progress.iteration);
   world.barrier();
   return final_dir.string();

@@ -346,6 +346,10 @@ void validate_options(const TrainOptions& o) {
   require(o.max_skipped_steps >= 1, "--max-skipped-steps must be >= 1 (got " + num(o.max_skipped_steps) + ")");
   require(o.save_interval >= 0, "--save-interval must be >= 0 (got " + num(o.save_interval) + ")");
   require(o.save_interval == 0 || !o.save_dir.empty(), "--save-interval needs --save DIR");
+  require(o.save_retain_interval >= 0, "--save-retain-interval must be >= 0 (got " + num(o.save_retain_interval) + ")");
+  require(o.save_retain_interval == 0 || (o.save_interval > 0 && o.save_retain_interval % o.save_interval == 0),
+          "--save-retain-interval (" + num(o.save_retain_interval) + ") must be a multiple of --save-interval (" +
+              num(o.save_interval) + "), as Megatron asserts");
   // --init-from takes --ckpt-step too: --load DIR --finetune becomes --init-from DIR.
   require(!o.ckpt_step || !o.load_dir.empty() || !o.init_from.empty(), "--ckpt-step needs --load DIR");
   require(o.exit_interval >= 0, "--exit-interval must be >= 0 (got " + num(o.exit_interval) + ")");
@@ -687,9 +691,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "--start-weight-decay to --end-weight-decay over the run")
       ->check(CLI::IsMember({"constant", "linear", "cosine"}))
       ->group(training);
-  app.add_option("--start-weight-decay", o.start_weight_decay, "With --weight-decay-incr-style linear|cosine: the first step's")
+  app.add_option("--start-weight-decay", o.start_weight_decay,
+                 "With --weight-decay-incr-style linear|cosine: the weight decay the ramp starts from")
       ->group(training);
-  app.add_option("--end-weight-decay", o.end_weight_decay, "With --weight-decay-incr-style linear|cosine: the last step's")
+  app.add_option("--end-weight-decay", o.end_weight_decay,
+                 "With --weight-decay-incr-style linear|cosine: the weight decay at the run's end")
       ->group(training);
   app.add_option("--adam-beta1", o.adam_beta1, "AdamW beta1")->group(training);
   app.add_option("--adam-beta2", o.adam_beta2, "AdamW beta2")->group(training);
@@ -756,6 +762,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "the flags")
       ->group(checkpoints);
   app.add_option("--save-interval", o.save_interval, "Save every N steps (0: only at the end and on SIGTERM)")
+      ->group(checkpoints);
+  app.add_option("--save-retain-interval", o.save_retain_interval,
+                 "Keep the checkpoints of every N-th iteration and the latest: a save removes the one before it "
+                 "otherwise (0: keep all)")
       ->group(checkpoints);
   app.add_option("--exit-interval", o.exit_interval,
                  "Stop (saving a checkpoint with --save) once the iteration is a multiple of N; 0: off")

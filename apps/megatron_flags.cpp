@@ -224,8 +224,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--use-torch-fsdp2", false, Kind::refused, nullptr,
      "fp8lm shards the optimizer state (--use-distributed-optimizer), not the parameters"},
     {"--skip-train", false, Kind::refused, nullptr, "`fp8lm eval --load DIR` evaluates a checkpoint"},
-    {"--save-retain-interval", true, Kind::refused, nullptr,
-     "fp8lm keeps every checkpoint it saves (--save-interval); remove old ones yourself"},
     {"--use-dist-ckpt", false, Kind::refused, nullptr,
      "fp8lm writes its own checkpoints (safetensors inside, docs/RELIABILITY.md)"},
     {"--ckpt-convert-format", true, Kind::refused, nullptr, "`fp8lm convert` exports a Hugging Face model"},

@@ -149,6 +149,9 @@ struct TrainOptions {
   std::string save_dir;              // --save
   std::string load_dir;              // --load
   int64_t save_interval = 0;         // --save-interval; 0 = only at the end / on signal
+  // --save-retain-interval N (Megatron's): a save removes the checkpoint `latest` named before it
+  // unless that iteration is a multiple of N; 0 keeps every checkpoint.
+  int64_t save_retain_interval = 0;
   std::optional<int64_t> ckpt_step;  // --ckpt-step: resume from this iteration, not `latest`
   std::string init_from;             // --init-from: weights only (a Hugging Face model or checkpoint)
   int64_t exit_interval = 0;         // --exit-interval: stop (and save) when iteration % N == 0

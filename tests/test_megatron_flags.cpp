@@ -6,6 +6,7 @@
 // inverse-square-root decays and the weight-decay ramp), the ones it accepts without
 // effect, with one value, or with a warning, and the ones it refuses.
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <numbers>
@@ -512,6 +513,37 @@ TEST_CASE("a batch-size ramp-up: --rampup-batch-size grows the global batch over
                                       "--global-batch-size 4 --train-samples 20 --rampup-batch-size 2 1 6");
   CHECK(odd.exit_code == 2);
   CHECK_THAT(odd.output, ContainsSubstring("--rampup-batch-size 2 1 6: the ramp's global batch 3 is not a multiple"));
+}
+
+TEST_CASE("--save-retain-interval keeps every N-th checkpoint and the latest, as Megatron's", "[cli][megatron][checkpoint]") {
+  const testing::TempDir dir;
+  const auto run = testing::run_fp8lm(
+      tiny_run("--train-iters 5 --save-interval 1 --save-retain-interval 2 --save " + dir.file("ckpt")));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  namespace fs = std::filesystem;
+  auto kept = [&](int iteration) {
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", iteration);
+    return fs::exists(fs::path(dir.file("ckpt")) / name);
+  };
+  CHECK(!kept(1));
+  CHECK(kept(2));
+  CHECK(!kept(3));
+  CHECK(kept(4));
+  CHECK(kept(5));  // the latest, though not a multiple of 2
+  CHECK_THAT(run.output, ContainsSubstring("--save-retain-interval 2 keeps every 2-th iteration and the latest"));
+  // A resume from it continues, and its next save removes iteration 5.
+  const auto resumed = testing::run_fp8lm(tiny_run("--train-iters 6 --save-interval 1 --save-retain-interval 2 --load " +
+                                                   dir.file("ckpt") + " --save " + dir.file("ckpt")));
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(!kept(5));
+  CHECK(kept(6));
+  CHECK_THAT(parse_error({"--mock-data", "--save", dir.path().string(), "--save-interval", "2", "--save-retain-interval",
+                          "3"}),
+             ContainsSubstring("--save-retain-interval (3) must be a multiple of --save-interval (2)"));
+  CHECK_THAT(parse_error({"--mock-data", "--save-retain-interval", "4"}),
+             ContainsSubstring("must be a multiple of --save-interval (0)"));
 }
 
 TEST_CASE("the initial weights: --init-method-std sets the initial weights' deviation, --norm-epsilon LayerNorm's epsilon",
