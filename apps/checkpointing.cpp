@@ -698,16 +698,14 @@ void publish_directory(const fs::path& staged, const fs::path& final_dir, const 
   fs::remove_all(aside, ignored);
 }
 
-// The iteration `latest` names in a --save root, when it names one.
-std::optional<int64_t> latest_iteration(const fs::path& root) {
-  std::error_code error;
-  if (!fs::is_regular_file(root / kLatestFile, error)) return std::nullopt;
-  std::string text = read_small_file(root / kLatestFile);
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  int64_t iteration = -1;
-  const auto [end, failure] = std::from_chars(text.data(), text.data() + text.size(), iteration);
-  if (failure != std::errc() || end != text.data() + text.size() || iteration < 0) return std::nullopt;
-  return iteration;
+// The iteration number a `latest` file holds (digits, with whitespace after them), or nullopt.
+std::optional<int64_t> iteration_in_latest(const fs::path& latest) {
+  std::string text = read_small_file(latest);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  const bool digits = !text.empty() && text.size() <= 18 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (!digits) return std::nullopt;
+  return std::stoll(text);
 }
 
 // What killed saves leave: staging directories and aside copies. Called once `latest`
@@ -824,12 +822,9 @@ std::string resolve_checkpoint_dir(const std::string& path, std::optional<int64_
   }
   const fs::path latest = root / kLatestFile;
   if (!fs::exists(latest)) return root.string();  // a checkpoint directory itself, or a Hugging Face model
-  std::string text = read_small_file(latest);
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  const bool digits = !text.empty() && text.size() <= 18 &&
-                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  FP8LM_INPUT_CHECK(digits, latest.string(), ": does not hold an iteration number");
-  const int64_t iteration = std::stoll(text);
+  const std::optional<int64_t> latest_iteration = iteration_in_latest(latest);
+  FP8LM_INPUT_CHECK(latest_iteration.has_value(), latest.string(), ": does not hold an iteration number");
+  const int64_t iteration = *latest_iteration;
   const std::string name = iteration_dir_name(iteration);
   const fs::path dir = root / name;
   if (fs::is_directory(dir)) return dir.string();
@@ -1096,7 +1091,9 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   }
 
   // Publish: the complete directory takes the final name, then `latest` moves.
-  const std::optional<int64_t> previous = latest_iteration(root);
+  // -1: no `latest` before this save (or one naming no iteration).
+  const int64_t previous =
+      fs::is_regular_file(root / kLatestFile) ? iteration_in_latest(root / kLatestFile).value_or(-1) : -1;
   publish_directory(temporary, final_dir, hooks);
   crash_point(hooks, "published");
   write_file_durably((root / kLatestFile).string(), std::to_string(progress.iteration) + "\n");
@@ -1104,8 +1101,8 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   // Megatron's --save-retain-interval: the checkpoint `latest` named before goes, now that the
   // new one is complete, unless it is one the interval keeps.
   const int64_t retain = setup.options.save_retain_interval;
-  if (retain > 0 && previous && *previous != progress.iteration && *previous % retain != 0) {
-    const fs::path old_dir = root / iteration_dir_name(*previous);
+  if (retain > 0 && previous >= 0 && previous != progress.iteration && previous % retain != 0) {
+    const fs::path old_dir = root / iteration_dir_name(previous);
     std::error_code error;
     if (is_fp8lm_checkpoint(old_dir)) fs::remove_all(old_dir, error);
     if (error)
