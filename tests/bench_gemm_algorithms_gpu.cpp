@@ -415,16 +415,29 @@ std::vector<Shape> training_shapes() {
   };
 }
 
+// A cuBLASLt handle and the 32 MiB workspace every bench gives its candidates.
+struct BenchContext {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+  BenchContext() {
+    BENCH_CUBLAS(cublasLtCreate(&handle));
+    CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+  }
+  BenchContext(const BenchContext&) = delete;
+  BenchContext& operator=(const BenchContext&) = delete;
+  ~BenchContext() {
+    cudaFree(workspace);
+    cublasLtDestroy(handle);
+  }
+};
+
 // Times every training shape's candidates (exhaustive: and every configuration).
 void time_training_shapes(bool exhaustive) {
-  cublasLtHandle_t handle;
-  BENCH_CUBLAS(cublasLtCreate(&handle));
-  const size_t workspace_bytes = size_t{32} << 20;
-  void* workspace = nullptr;
-  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-  for (const Shape& s : training_shapes()) time_candidates(handle, s, workspace, workspace_bytes, exhaustive);
-  cudaFree(workspace);
-  cublasLtDestroy(handle);
+  const BenchContext bench;
+  for (const Shape& s : training_shapes())
+    time_candidates(bench.handle, s, bench.workspace, BenchContext::kWorkspaceBytes, exhaustive);
 }
 
 }  // namespace
@@ -442,16 +455,11 @@ TEST_CASE("every cuBLASLt configuration for gpt2-1558m's training GEMMs, timed",
 
 TEST_CASE("gpt2-1558m's training GEMMs' candidates sustained at the power cap", "[gemm-sustained][.bench][gpu]") {
   FP8LM_REQUIRE_GPU();
-  cublasLtHandle_t handle;
-  BENCH_CUBLAS(cublasLtCreate(&handle));
-  const size_t workspace_bytes = size_t{32} << 20;
-  void* workspace = nullptr;
-  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  const BenchContext bench;
   const BoardSensors sensors;
   if (!sensors.available()) std::printf("no NVML: energy, clock and power are not read\n");
-  for (const Shape& s : training_shapes()) sustain_candidates(handle, s, workspace, workspace_bytes, sensors);
-  cudaFree(workspace);
-  cublasLtDestroy(handle);
+  for (const Shape& s : training_shapes())
+    sustain_candidates(bench.handle, s, bench.workspace, BenchContext::kWorkspaceBytes, sensors);
 }
 
 // Transformer Engine keeps split accumulation (FP32 promotion of the tensor cores' partial sums)
@@ -461,20 +469,14 @@ TEST_CASE("gpt2-1558m's training GEMMs' candidates sustained at the power cap", 
 TEST_CASE("gpt2-1558m's backward GEMMs with fast accumulation against split accumulation, timed",
           "[gemm-fast-accumulation][.bench][gpu]") {
   FP8LM_REQUIRE_GPU();
-  cublasLtHandle_t handle;
-  BENCH_CUBLAS(cublasLtCreate(&handle));
-  const size_t workspace_bytes = size_t{32} << 20;
-  void* workspace = nullptr;
-  CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  const BenchContext bench;
   for (const Shape& s : training_shapes()) {
     if (s.fast_accum) continue;  // the forward's already are
     const std::string fast_name = std::string(s.name) + " fast";
     Shape fast = s;
     fast.name = fast_name.c_str();
     fast.fast_accum = true;
-    time_candidates(handle, s, workspace, workspace_bytes, /*exhaustive=*/false);
-    time_candidates(handle, fast, workspace, workspace_bytes, /*exhaustive=*/false);
+    time_candidates(bench.handle, s, bench.workspace, BenchContext::kWorkspaceBytes, /*exhaustive=*/false);
+    time_candidates(bench.handle, fast, bench.workspace, BenchContext::kWorkspaceBytes, /*exhaustive=*/false);
   }
-  cudaFree(workspace);
-  cublasLtDestroy(handle);
 }

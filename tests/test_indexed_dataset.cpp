@@ -85,6 +85,22 @@ std::vector<std::vector<uint16_t>> tagged_documents(int tag, int count, int toke
   return documents;
 }
 
+// `documents` documents of random tokens below 256 (the tiny model's vocabulary), document d
+// 20 + d % length_period tokens long, drawn from `seed`: PREFIX.bin and PREFIX.idx at `prefix`.
+void write_random_dataset(const std::string& prefix, uint64_t seed, int documents, int length_period) {
+  IndexedDatasetWriter writer(prefix, 256);
+  uint64_t state = seed;
+  for (int d = 0; d < documents; ++d) {
+    std::vector<uint16_t> document;
+    for (int t = 0; t < 20 + d % length_period; ++t) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      document.push_back(uint16_t((state >> 33) % 256));
+    }
+    writer.add_document(document);
+  }
+  writer.finish();
+}
+
 }  // namespace
 
 TEST_CASE("indexed dataset: the writer's documents read back exactly, uint16 and int32", "[indexed]") {
@@ -465,19 +481,7 @@ TEST_CASE("data-path flags are validated before any work, naming the flag or fil
 TEST_CASE("training on a --data-path blend resumes bit-exactly", "[indexed][cli][checkpoint]") {
   TempDir dir;
   // Random tokens below the tiny model's vocabulary, in documents of varied lengths.
-  for (const char* name : {"a", "b"}) {
-    IndexedDatasetWriter writer(dir.file(name), 256);
-    uint64_t state = name[0];
-    for (int d = 0; d < 60; ++d) {
-      std::vector<uint16_t> document;
-      for (int t = 0; t < 20 + d % 13; ++t) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        document.push_back(uint16_t((state >> 33) % 256));
-      }
-      writer.add_document(document);
-    }
-    writer.finish();
-  }
+  for (const char* name : {"a", "b"}) write_random_dataset(dir.file(name), name[0], 60, 13);
   const std::string args = "train --config " + testing::source_path("configs/tiny.json") +
                            " --device cpu --seq-length 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
                            "--log-interval 1 --eval-interval 4 --eval-iters 2 --log-level warn --train-iters 8 --bf16 "
@@ -528,19 +532,7 @@ TEST_CASE("training on a --data-path blend resumes bit-exactly", "[indexed][cli]
 TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path name indexed datasets used whole",
           "[indexed][cli]") {
   TempDir dir;
-  for (const char* name : {"a", "b"}) {
-    IndexedDatasetWriter writer(dir.file(name), 256);
-    uint64_t state = name[0];
-    for (int d = 0; d < 40; ++d) {
-      std::vector<uint16_t> document;
-      for (int t = 0; t < 20 + d % 11; ++t) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        document.push_back(uint16_t((state >> 33) % 256));
-      }
-      writer.add_document(document);
-    }
-    writer.finish();
-  }
+  for (const char* name : {"a", "b"}) write_random_dataset(dir.file(name), name[0], 40, 11);
   const std::string base = "train --config " + testing::source_path("configs/tiny.json") +
                            " --device cpu --seq-length 16 --micro-batch-size 2 --lr 1e-3 --log-interval 1 "
                            "--log-level warn --train-iters 6 --bf16 ";
