@@ -515,7 +515,8 @@ TEST_CASE("a batch-size ramp-up: --rampup-batch-size grows the global batch over
   CHECK_THAT(odd.output, ContainsSubstring("--rampup-batch-size 2 1 6: the ramp's global batch 3 is not a multiple"));
 }
 
-TEST_CASE("--save-retain-interval keeps every N-th checkpoint and the latest, as Megatron's", "[cli][megatron][checkpoint]") {
+TEST_CASE("checkpoint retention: --save-retain-interval keeps every N-th checkpoint and the latest, as Megatron's",
+          "[cli][megatron][checkpoint]") {
   const testing::TempDir dir;
   const auto run = testing::run_fp8lm(
       tiny_run("--train-iters 5 --save-interval 1 --save-retain-interval 2 --save " + dir.file("ckpt")));
