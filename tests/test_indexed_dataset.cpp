@@ -101,6 +101,14 @@ void write_random_dataset(const std::string& prefix, uint64_t seed, int document
   writer.finish();
 }
 
+// `command` exits 2 before any work, its message naming `named` (a flag or a file).
+void expect_refused(const std::string& command, const std::string& named) {
+  const auto result = run_fp8lm(command);
+  INFO(command << "\n" << result.output);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.output, ContainsSubstring(named));
+}
+
 }  // namespace
 
 TEST_CASE("indexed dataset: the writer's documents read back exactly, uint16 and int32", "[indexed]") {
@@ -453,12 +461,7 @@ TEST_CASE("data-path flags are validated before any work, naming the flag or fil
   write_dataset(dir.file("d"), tagged_documents(1, 10, 9));
   const std::string base = "train --config " + testing::source_path("configs/tiny.json") +
                            " --device cpu --seq-length 8 --micro-batch-size 2 --train-iters 1 --log-level warn ";
-  auto expect_error = [&](const std::string& args, const std::string& named) {
-    const auto result = run_fp8lm(base + args);
-    INFO(args << "\n" << result.output);
-    CHECK(result.exit_code == 2);
-    CHECK_THAT(result.output, ContainsSubstring(named));
-  };
+  auto expect_error = [&](const std::string& args, const std::string& named) { expect_refused(base + args, named); };
   expect_error("--data-path 0.3 " + dir.file("d") + " 0.7", "--data-path");
   expect_error("--data-path x " + dir.file("d") + " 1 " + dir.file("d"), "--data-path");
   expect_error("--data-path " + dir.file("d") + " --split 1,x", "--split");
@@ -581,12 +584,7 @@ TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path n
   CHECK(eval_loss("--data-path " + dir.file("b") + " --split 0,1,0") == val_loss[0]);
 
   // Malformed lists name the flag; a name without PREFIX.idx stays an llm.c shard glob.
-  auto expect_error = [&](const std::string& args, const std::string& named) {
-    const auto result = run_fp8lm(base + args);
-    INFO(args << "\n" << result.output);
-    CHECK(result.exit_code == 2);
-    CHECK_THAT(result.output, ContainsSubstring(named));
-  };
+  auto expect_error = [&](const std::string& args, const std::string& named) { expect_refused(base + args, named); };
   expect_error("--train-data-path 0.4 " + dir.file("a") + " 0.6", "--train-data-path: 3 values, not weight/prefix pairs");
   expect_error("--train-data-path " + dir.file("a") + " " + dir.file("b"),
                "--train-data-path takes one llm.c shard glob (quote it) or Megatron's indexed datasets");
