@@ -133,6 +133,7 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"micro_batch_size", o.micro_batch_size},
           {"global_batch_size", o.global_batch_size},
           {"seq_length", o.seq_length},
+          {"eod_mask_loss", o.eod_mask_loss},
           {"lr", o.lr},
           {"min_lr", o.min_lr},
           {"lr_warmup_iters", o.lr_warmup_iters},

@@ -729,6 +729,14 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->group(data);
   app.add_option("--split", o.split, "Train/valid/test weights over --data-path's documents")->group(data);
+  app.add_flag("--eod-mask-loss", o.eod_mask_loss,
+               "Leave the prediction made from each end-of-document token (the next document's first token) out of "
+               "the loss and its mean, as Megatron (the token: --vocab-file's <|endoftext|>, else GPT-2's 50256)")
+      ->group(data);
+  bool per_token_loss = false;
+  app.add_flag("--calculate-per-token-loss", per_token_loss,
+               "Megatron's mean over the step's tokens: without --eod-mask-loss fp8lm's loss already is")
+      ->group(data);
   std::string data_args_path, per_split_data_args_path;
   app.add_option("--data-args-path", data_args_path, "A file holding --data-path's list (for long blends)")
       ->group(data);
@@ -990,6 +998,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     if (!o.mock_data) bad_flag("--split needs --data-path (it splits its documents)");
     o.megatron_no_effect.push_back("--split " + o.split + " with --mock-data: the mock stream has no documents to split");
   }
+  if (per_token_loss && o.eod_mask_loss)
+    bad_flag("--calculate-per-token-loss with --eod-mask-loss: fp8lm divides each micro-batch's masked loss by its "
+             "own unmasked tokens (Megatron's default), not by the step's");
+  if (per_token_loss)
+    o.megatron_no_effect.push_back("--calculate-per-token-loss: without a loss mask every micro-batch has the same "
+                                   "number of tokens, so fp8lm's mean over the global batch's tokens is the per-token loss");
   if (app.count("--data-format") > 0 && !o.data_path.empty())
     bad_flag("--data-format names the llm.c shard format; --data-path's indexed datasets name their dtype in PREFIX.idx");
   o.device = lookup<DeviceKind>(

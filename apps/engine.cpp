@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "core/host_values.h"
 #include "core/launch.h"
+#include "core/loss_mask.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "layers/ops_cuda.h"
@@ -255,6 +256,10 @@ struct TrainingEngine::State {
   bool weights_from_refresh = false;
   int micro_batches = 0;
   float tokens_per_micro_batch = 1.0f;
+  // --eod-mask-loss: targets may be masked, and the step's loss divides by the unmasked
+  // targets of every micro-batch and data-parallel rank (this rank's so far: step_loss_tokens).
+  bool loss_mask = false;
+  int64_t step_loss_tokens = 0;
   MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
 
   size_t tensor_count() const { return model->layout().tensors().size(); }
@@ -306,6 +311,9 @@ struct TrainingEngine::State {
 
   const std::vector<size_t>& buckets_of(int layer) const { return buckets_of_layer[size_t(layer + 1)]; }
   void reduce_bucket(size_t bucket, bool overlapped);
+  // What the step's summed token losses divide by: its tokens, or under --eod-mask-loss the
+  // unmasked ones of every data-parallel rank (agreed on the host; at least 1).
+  float step_loss_divisor();
   void sum_bucket_across_ranks(size_t bucket, bool overlapped);
   void reduce_fp8_bucket(size_t bucket, Communicator& comm, Ops::Lane lane);
   void reduce_gradients();
@@ -591,6 +599,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   // dloss of a micro-batch is 1 / (its tokens x micro-batches x data-parallel ranks): the
   // loss divisor counts the same tokens.
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
+  s.loss_mask = o.eod_mask_loss;
 
   if (start == ParameterStart::set_by_caller) return;
   const auto began = std::chrono::steady_clock::now();
@@ -656,19 +665,36 @@ void TrainingEngine::begin_step(int64_t step, int micro_batches) {
   s.model->zero_gradients();
   s.ops->zero(&s.device_scalars()->loss_sum, sizeof(float));
   s.micro_batches = 0;
+  s.step_loss_tokens = 0;
   s.first_pass_layers_queued = 0;
   s.first_pass_waiting.clear();  // a backward without an end_step (none in training) left nothing
 }
 
 void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  const float dloss = 1.0f / (s.tokens_per_micro_batch * float(s.grad_accum_steps));
   GptModel& model = *s.model;
+  const int64_t tokens = int64_t{model.micro_batch_size()} * model.seq_length();
+  const int64_t unmasked = count_unmasked_targets(targets, size_t(tokens));
+  FP8LM_CHECK(s.loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
+  s.step_loss_tokens += unmasked;
+  // Megatron's loss of a masked micro-batch: the mean over its unmasked tokens, over the
+  // micro-batches, averaged over the data-parallel ranks. Without a mask it is the same weight.
+  const float dloss = unmasked == tokens ? 1.0f / (s.tokens_per_micro_batch * float(s.grad_accum_steps))
+                      : unmasked == 0
+                          ? 0.0f
+                          : 1.0f / (float(unmasked) * float(s.parallel.dp_size) * float(s.grad_accum_steps));
   const TokenBatch batch =
       s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
   s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
   model.forward_backward(batch, dloss, s.scalar_tensor(&s.device_scalars()->loss_sum));
   ++s.micro_batches;
+}
+
+float TrainingEngine::State::step_loss_divisor() {
+  if (!loss_mask) return tokens_per_micro_batch * float(std::max(micro_batches, 1));
+  double unmasked = double(step_loss_tokens);
+  if (parallel.dp_size > 1) host->dp().all_reduce(&unmasked, &unmasked, 1, CommDtype::f64, ReduceOp::sum);
+  return float(std::max(unmasked, 1.0));
 }
 
 // Bucket b's gradients complete across ranks: the sequence-parallel partial sums, then the
@@ -943,8 +969,7 @@ void TrainingEngine::end_step(const AdamWHyperparams& hyperparams, double clip_g
   if (norm_group.size() > 1)
     norm_group.all_reduce(&scalars->sum_of_squares, &scalars->sum_of_squares, 1, CommDtype::f64, ReduceOp::sum);
   if (s.dp().size() > 1) s.dp().all_reduce(&scalars->loss_sum, &scalars->loss_sum, 1, CommDtype::f32, ReduceOp::sum);
-  ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum,
-                    s.tokens_per_micro_batch * float(std::max(s.micro_batches, 1)), clip_grad);
+  ops.finalize_step(s.control(), &scalars->sum_of_squares, &scalars->loss_sum, s.step_loss_divisor(), clip_grad);
 
   // The FP8 scale update: THE place scales change (core/scaling.h). Before the optimizer, so
   // that its update pass can cast the next step's FP8 weights with them; nothing in the
@@ -1054,9 +1079,12 @@ TrainingEngine::SkipStatus TrainingEngine::skip_status() {
   return SkipStatus{s.last_seen.total_skips, s.last_seen.consecutive_skips};
 }
 
-double TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
+TrainingEngine::BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
   GptModel& model = *s.model;
+  const size_t tokens = size_t(model.micro_batch_size()) * size_t(model.seq_length());
+  const int64_t unmasked = count_unmasked_targets(targets, tokens);
+  FP8LM_CHECK(s.loss_mask || unmasked == int64_t(tokens), "masked targets in a run without --eod-mask-loss");
   float* sum = &s.device_scalars()->eval_loss_sum;
   s.ops->zero(sum, sizeof(float));
   const TokenBatch batch =
@@ -1064,10 +1092,10 @@ double TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   model.forward_eval(batch, s.scalar_tensor(sum));
   float host_sum = 0.0f;
   s.ops->download(&host_sum, sum, sizeof(float));
-  // The mean over every data-parallel rank's batch.
-  double mean = double(host_sum) / s.tokens_per_micro_batch;
-  s.host->dp().all_reduce(&mean, &mean, 1, CommDtype::f64, ReduceOp::sum);
-  return mean;
+  // Every data-parallel rank's batch.
+  double totals[2] = {double(host_sum), double(unmasked)};
+  s.host->dp().all_reduce(totals, totals, 2, CommDtype::f64, ReduceOp::sum);
+  return BatchLoss{.sum = totals[0], .tokens = totals[1]};
 }
 
 // ---- Snapshots in the canonical layout --------------------------------------------------

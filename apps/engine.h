@@ -118,7 +118,10 @@ class TrainingEngine {
   void begin_step(int64_t step, int micro_batches);
   // One micro-batch: forward and backward. Each token's loss weighs 1 / (the step's tokens
   // over every data-parallel rank), so that the reduced gradients are those of the global
-  // batch's mean loss. inputs/targets [B,T] on the host.
+  // batch's mean loss. inputs/targets [B,T] on the host. Under --eod-mask-loss targets may be
+  // kMaskedTarget (core/loss_mask.h) and, as in Megatron, a micro-batch's unmasked tokens
+  // weigh 1 / (their count x micro-batches x data-parallel ranks); the step's loss is the sum
+  // over every rank's unmasked tokens over their count.
   void forward_backward(const int32_t* inputs, const int32_t* targets);
   // Ends the step: gradient norm, clipping, and (unless the loss or gradient is not
   // finite) the AdamW update and the FP8 scale update. `step` is 0-based. Never waits
@@ -148,8 +151,13 @@ class TrainingEngine {
     int consecutive = 0;
   };
   SkipStatus skip_status();
-  // Mean loss of one batch, forward only; touches no training state.
-  double evaluate(const int32_t* inputs, const int32_t* targets);
+  // One batch's loss over every data-parallel rank, forward only; touches no training state.
+  struct BatchLoss {
+    double sum = 0.0;     // of the token losses (masked targets add 0)
+    double tokens = 0.0;  // that count: the unmasked targets
+    double mean() const { return sum / std::max(tokens, 1.0); }
+  };
+  BatchLoss evaluate(const int32_t* inputs, const int32_t* targets);
 
   // The FP32 master weights, [layout().total_elements()], copied to / from the host
   // (checkpoints, tests, initialisation from another model).

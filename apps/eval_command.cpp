@@ -47,6 +47,11 @@ std::vector<ForwardedFlag> eval_flags() {
       {"--data-path", true, "Megatron indexed dataset(s), [WEIGHT] PREFIX ...: evaluates --split's valid part"},
       {"--split", true, "Train/valid/test weights over --data-path's documents (default 969,30,1)"},
       {"--data-format", true, "llmc or raw-uint16"},
+      {"--eod-mask-loss", false,
+       "Leave the predictions made from end-of-document tokens out of the loss (Megatron's; the token is "
+       "--vocab-file's <|endoftext|>, else GPT-2's 50256)"},
+      {"--vocab-file", true, "GPT-2's encoder.json (its <|endoftext|> for --eod-mask-loss)"},
+      {"--merge-file", true, "GPT-2's vocab.bpe, with --vocab-file"},
       {"--eval-iters", true, "Batches to score (default: the checkpoint run's --eval-iters, else 100)"},
       {"--micro-batch-size", true, "Sequences per batch (default: the checkpoint run's, else 4)"},
       {"--seq-length", true, "Tokens per sequence (default: the checkpoint run's, else n_positions)"},

@@ -78,9 +78,6 @@ const std::vector<MegatronFlag> kFlags = {
      "fp8lm's kernels are always deterministic: a run repeats bit for bit and resumes bit-exactly"},
     {"--check-for-nan-in-loss-and-grad", false, Kind::no_effect, nullptr, kNonFiniteSteps},
     {"--no-check-for-nan-in-loss-and-grad", false, Kind::no_effect, nullptr, kNonFiniteSteps},
-    {"--calculate-per-token-loss", false, Kind::no_effect, nullptr,
-     "without a loss mask every micro-batch has the same number of tokens, so fp8lm's mean over the global "
-     "batch's tokens is Megatron's per-token loss"},
     {"--manual-gc", false, Kind::no_effect, nullptr, kPythonRuntime},
     {"--manual-gc-interval", true, Kind::no_effect, nullptr, kPythonRuntime},
     {"--empty-unused-memory-level", true, Kind::no_effect, nullptr,
@@ -209,8 +206,6 @@ const std::vector<MegatronFlag> kFlags = {
     {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},
     {"--no-save-rng", false, Kind::refused, nullptr, kWholeState},
-    {"--eod-mask-loss", false, Kind::refused, nullptr,
-     "fp8lm's loss covers every position; it has no end-of-document loss mask"},
     {"--reset-position-ids", false, Kind::refused, nullptr, kWholeSequence},
     {"--reset-attention-mask", false, Kind::refused, nullptr, kWholeSequence},
     {"--no-fp8-wgrad", false, Kind::refused, nullptr,

@@ -144,6 +144,9 @@ struct TrainOptions {
   // --data-path: Megatron indexed datasets, PREFIX or weight/prefix pairs (core/indexed_dataset.h)
   std::vector<std::string> data_path;
   std::string split = "969,30,1";    // --split: train/valid/test weights over --data-path's documents
+  // --eod-mask-loss: the loss skips the prediction made from each end-of-document token (the
+  // next document's first token), and means divide by the tokens that count (core/loss_mask.h)
+  bool eod_mask_loss = false;
 
   // Checkpoints
   std::string save_dir;              // --save

@@ -165,12 +165,23 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                     " does not divide the padded vocabulary ", m.padded_vocab_size(), " into slices of a multiple of 8");
 
   const TrainOptions& o = setup.options;  // with what a resume took from its checkpoint
+  int32_t end_of_document = kGpt2EndOfText;
   if (!o.vocab_file.empty()) {
     // Megatron takes the vocabulary from the tokenizer; fp8lm from the config, so the two must agree.
     const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_file, o.merge_file);
     tokenizer.check_fits_model(o.vocab_file, m.vocab_size,
                                "give a config with vocab_size >= " + std::to_string(tokenizer.vocab_size()) +
                                    ", or --vocab-size " + std::to_string(tokenizer.vocab_size()));
+    end_of_document = tokenizer.end_of_text_id();
+  }
+  if (o.eod_mask_loss) {
+    // Megatron's tokenizer.eod: GPT2BPETokenizer's <|endoftext|>.
+    if (end_of_document >= m.vocab_size)
+      throw InputError("--eod-mask-loss: the end-of-document token " + std::to_string(end_of_document) +
+                           " (GPT-2's <|endoftext|>) is outside the model's vocabulary of " +
+                           std::to_string(m.vocab_size),
+                       "give --vocab-file and --merge-file of the tokenizer that made the data");
+    setup.loss_mask_token = end_of_document;
   }
   if (o.first_last_layers_bf16) {
     const int64_t bf16_layers = int64_t{o.num_layers_at_start_in_bf16} + o.num_layers_at_end_in_bf16;
@@ -460,6 +471,8 @@ SettingsTable settings_table(const RunSetup& s) {
       {"exit-interval", str(o.exit_interval)},
       {"exit-duration-in-mins", o.exit_duration_in_mins ? str(*o.exit_duration_in_mins) : "(none)"},
       {"vocab-file / merge-file", o.vocab_file.empty() ? std::string("(none)") : o.vocab_file + " / " + o.merge_file},
+      {"eod-mask-loss", s.loss_mask_token < 0 ? std::string("off")
+                                              : "on (targets after token " + str(s.loss_mask_token) + " skipped)"},
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},

@@ -24,6 +24,9 @@ struct RunSetup {
   int grad_accum_steps = 1;   // of a global batch (after a ramp-up)
   int global_batch_size = 0;
   BatchRampup rampup;         // --rampup-batch-size (rampup.enabled()), with global_batch_size its end
+  // --eod-mask-loss: the end-of-document token whose next-token targets the loss skips
+  // (--vocab-file's <|endoftext|>, else GPT-2's 50256); -1 without the flag.
+  int32_t loss_mask_token = -1;
   bool use_cuda = false;
   std::string device_description;
   // This rank's host and device memory, estimated before anything is allocated (for fp8lm

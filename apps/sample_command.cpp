@@ -35,7 +35,6 @@ namespace fp8lm {
 namespace {
 
 const char* const kHelpHint = "run `fp8lm sample --help` for its flags";
-constexpr int32_t kEndOfText = 50256;  // GPT-2's <|endoftext|>
 
 struct SampleOptions {
   std::string vocab_file, merge_file;
@@ -246,7 +245,7 @@ int run_sample_command(const std::vector<std::string>& args) {
   request.sampling = o.sampling;
   request.seed = o.seed;
   request.calibrate_activation_scales = o.fp8_activation_scales == "prompt";
-  if (!o.ignore_eos && model.vocab_size > kEndOfText) request.stop_token = kEndOfText;
+  if (!o.ignore_eos && model.vocab_size > kGpt2EndOfText) request.stop_token = kGpt2EndOfText;
   // One sequence streams as it is generated; a batch prints when done.
   const bool stream = !o.quiet && o.batch_size == 1 && tokenizer;
   if (stream) {

@@ -47,6 +47,7 @@ DataLoaders open_data(const RunSetup& setup) {
   loader_options.data_parallel_rank = setup.data_parallel_rank;
   loader_options.data_parallel_size = setup.data_parallel_size;
   loader_options.format = o.data_format;
+  loader_options.loss_mask_token = setup.loss_mask_token;
 
   DataLoaders loaders;
   DataLoaderOptions valid_options = loader_options;
@@ -76,20 +77,23 @@ DataLoaders open_data(const RunSetup& setup) {
   return loaders;
 }
 
-// The validation loss: `eval_iters` batches from the start of the validation data, each
-// batch's mean token loss, averaged. Training's periodic evaluation and `fp8lm eval` both call
-// it, so a checkpoint's evaluation reproduces the loss its run logged.
+// The validation loss: `eval_iters` batches from the start of the validation data, the sum of
+// their token losses over the tokens counted (every token, or the unmasked ones under
+// --eod-mask-loss, as Megatron's evaluation). Training's periodic evaluation and `fp8lm eval`
+// both call it, so a checkpoint's evaluation reproduces the loss its run logged.
 double validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_iters, int micro_batch_size,
                        int seq_length, Watchdog* watchdog) {
   std::vector<int32_t> inputs(size_t(micro_batch_size) * seq_length), targets(inputs.size());
   valid.reset();
-  double sum = 0.0;
+  TrainingEngine::BatchLoss total;
   for (int64_t i = 0; i < eval_iters; ++i) {
     valid.next_batch(inputs.data(), targets.data());
-    sum += engine.evaluate(inputs.data(), targets.data());
+    const TrainingEngine::BatchLoss batch = engine.evaluate(inputs.data(), targets.data());
+    total.sum += batch.sum;
+    total.tokens += batch.tokens;
     if (watchdog) watchdog->heartbeat();
   }
-  return sum / double(eval_iters);
+  return total.mean();
 }
 
 // "42.1s", "3m07s", "2h05m": the progress line's elapsed time and ETA.

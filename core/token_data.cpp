@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/loss_mask.h"
 
 namespace fp8lm {
 
@@ -523,6 +524,8 @@ void DataLoader::init() {
   FP8LM_CHECK(o.vocab_size > 0 && o.vocab_size <= 65536, "vocab_size ", o.vocab_size, " (uint16 tokens)");
   FP8LM_CHECK(o.data_parallel_size > 0 && o.data_parallel_rank >= 0 && o.data_parallel_rank < o.data_parallel_size,
               "data-parallel rank ", o.data_parallel_rank, " of ", o.data_parallel_size);
+  FP8LM_CHECK(o.loss_mask_token >= -1 && o.loss_mask_token < o.vocab_size, "loss_mask_token ", o.loss_mask_token,
+              " (vocabulary ", o.vocab_size, ")");
 
   window_.resize(size_t(o.seq_len) + 1);
   sample_offsets_.assign(1, 0);
@@ -593,6 +596,7 @@ void DataLoader::copy_sample(uint64_t sample, int32_t* inputs /*[T]*/, int32_t* 
     inputs[t] = window_[t];
     targets[t] = window_[t + 1];
   }
+  if (options_.loss_mask_token >= 0) mask_targets_after_token(options_.loss_mask_token, inputs, targets, T);
 }
 
 void DataLoader::next_batch(int32_t* inputs /*[B,T]*/, int32_t* targets /*[B,T]*/) {

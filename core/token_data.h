@@ -120,6 +120,9 @@ struct DataLoaderOptions {
   int data_parallel_size = 1;
   bool shuffle = true;        // false: samples in shard order (validation, debugging)
   TokenFileFormat format = TokenFileFormat::llmc;  // of shard files (--data-format)
+  // >= 0: every target whose input is this token is kMaskedTarget (core/loss_mask.h), Megatron's
+  // --eod-mask-loss with the end-of-document token; -1: no mask.
+  int32_t loss_mask_token = -1;
 };
 
 class DataLoader {

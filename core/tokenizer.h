@@ -25,6 +25,9 @@
 
 namespace fp8lm {
 
+// GPT-2's <|endoftext|>: the document separator of its data (and Megatron's tokenizer.eod).
+inline constexpr int32_t kGpt2EndOfText = 50256;
+
 enum class CharClass : uint8_t { kOther = 0, kLetter = 1, kNumber = 2, kSpace = 3 };
 
 // The pre-tokenizer's class of a code point (any value up to 0x10FFFF; others are kOther).

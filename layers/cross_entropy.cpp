@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/exp_vectorizable.h"
+#include "core/loss_mask.h"
 
 // Lanes is local to the AVX2 and baseline clones of each function and never crosses a call.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -67,8 +68,8 @@ void cross_entropy_forward_backward(float* logits, float* losses, const int32_t*
   // Checked up front: an exception cannot leave an OpenMP loop, and a bad target would
   // otherwise read outside the row.
   for (int i = 0; i < N; i++) {
-    FP8LM_CHECK(targets[i] >= 0 && targets[i] < V, "target ", targets[i], " at row ", i,
-                " is outside the vocabulary [0, ", V, ")");
+    FP8LM_CHECK(targets[i] == kMaskedTarget || (targets[i] >= 0 && targets[i] < V), "target ", targets[i], " at row ",
+                i, " is outside the vocabulary [0, ", V, ")");
   }
 
 #pragma omp parallel for
@@ -80,10 +81,11 @@ void cross_entropy_forward_backward(float* logits, float* losses, const int32_t*
     const float logsumexp = max_logit + std::log(row_sum_exp(row, V, max_logit));
 
     const int target = targets[i];
-    losses[i] = logsumexp - row[target];
+    const bool masked = target == kMaskedTarget;
+    losses[i] = masked ? 0.0f : logsumexp - row[target];
 
     if (dloss == 0.0f) continue;  // forward only: the logits stay as they are
-    row_softmax_gradient(row, V, logsumexp, target, dloss);
+    row_softmax_gradient(row, V, logsumexp, target, masked ? 0.0f : dloss);
     for (int v = V; v < Vp; v++) row[v] = 0.0f;
   }
 }
@@ -97,8 +99,8 @@ void check_vocab_slice(const char* what, const int32_t* targets, int N, int V, i
   FP8LM_CHECK(vocab_begin >= 0 && vocab_begin % Vs == 0, what, ": vocab_begin must be a multiple of Vs=", Vs,
               ", got ", vocab_begin);
   for (int i = 0; i < N; i++) {
-    FP8LM_CHECK(targets[i] >= 0 && targets[i] < V, what, ": target ", targets[i], " at row ", i,
-                " is outside the vocabulary [0, ", V, ")");
+    FP8LM_CHECK(targets[i] == kMaskedTarget || (targets[i] >= 0 && targets[i] < V), what, ": target ", targets[i],
+                " at row ", i, " is outside the vocabulary [0, ", V, ")");
   }
 }
 
@@ -118,7 +120,8 @@ void cross_entropy_partials(float* partials, const float* logits, const int32_t*
     const float max_logit = row_max(row, real);
     const float sum_exp = row_sum_exp(row, real, max_logit);
 
-    const int local_target = targets[i] - vocab_begin;  // < real when in the slice: targets are < V
+    // < real when in the slice: targets are < V (a masked target, -1, is in no slice)
+    const int local_target = targets[i] == kMaskedTarget ? -1 : targets[i] - vocab_begin;
     float* out = partials + static_cast<size_t>(i) * 3;  // [3]
     out[0] = max_logit;
     out[1] = sum_exp;
@@ -150,12 +153,13 @@ void cross_entropy_finish(float* logits, float* losses, const float* all_partial
     const float logsumexp = max_logit + std::log(sum_exp);
 
     const int target = targets[i];
-    losses[i] = logsumexp - partial(target / Vs)[2];
+    const bool masked = target == kMaskedTarget;
+    losses[i] = masked ? 0.0f : logsumexp - partial(target / Vs)[2];
 
     if (dloss == 0.0f) continue;  // forward only: the logits stay as they are
     float* row = logits + static_cast<size_t>(i) * Vs;  // [Vs]
     const int real = std::clamp(V - vocab_begin, 0, Vs);  // the rest is padding: never part of the softmax
-    row_softmax_gradient(row, real, logsumexp, target - vocab_begin, dloss);
+    row_softmax_gradient(row, real, logsumexp, masked ? -1 : target - vocab_begin, masked ? 0.0f : dloss);
     for (int v = real; v < Vs; v++) row[v] = 0.0f;
   }
 }

@@ -16,6 +16,7 @@
 // logit) instead of logsumexp; cross_entropy_finish_kernel combines the R ranks' pairs in rank
 // order on one thread and runs pass 2 with the global column index. With R = 1 the combine
 // returns m and s unchanged, so lse, the losses and the dlogits are the fused kernel's bits.
+// A masked row (kMaskedTarget) runs both passes as any other, with loss 0 and dloss 0.
 #include "layers/cross_entropy.h"
 
 #include <cmath>
@@ -28,6 +29,7 @@
 #include "core/check_cuda.h"
 #include "core/error.h"
 #include "core/launch.cuh"
+#include "core/loss_mask.h"
 
 namespace fp8lm::cuda {
 
@@ -183,6 +185,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   const int chunks = Vp / 8;
   const int target = targets[blockIdx.x];
   const bool target_valid = target >= 0 && target < V;
+  const bool masked = target == kMaskedTarget;
 
   // Thread 0 reads the target logit before the first barrier (no thread writes before the last one).
   float target_logit = NAN;
@@ -201,12 +204,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   if (tid == 0) row_lse = m + logf(s);
   __syncthreads();
   const float lse = row_lse;
-  if (tid == 0) losses[blockIdx.x] = target_valid ? lse - target_logit : NAN;
+  if (tid == 0) losses[blockIdx.x] = masked ? 0.0f : target_valid ? lse - target_logit : NAN;
 
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
 
-  // Pass 2: dlogits over this thread's own chunks.
-  write_dlogits(row, source, chunks, 0, V, target, lse, dloss);
+  // Pass 2: dlogits over this thread's own chunks (a masked row's are (softmax - 0) * 0).
+  write_dlogits(row, source, chunks, 0, V, target, lse, masked ? 0.0f : dloss);
 }
 
 // partials [N,3] = (m, s, target logit or 0) of this rank's slice logits [N,Vs], global
@@ -256,12 +259,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     const float lse = m + logf(s);
     row_lse = lse;
     const bool target_valid = target >= 0 && target < V;  // then target / Vs < R (V <= R * Vs)
-    losses[i] = target_valid ? lse - all_partials[(static_cast<size_t>(target / Vs) * N + i) * 3 + 2] : NAN;
+    losses[i] = target == kMaskedTarget ? 0.0f
+                : target_valid          ? lse - all_partials[(static_cast<size_t>(target / Vs) * N + i) * 3 + 2]
+                                        : NAN;
   }
   __syncthreads();
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
   bf16* row = logits + static_cast<size_t>(i) * Vs;
-  write_dlogits(row, reinterpret_cast<const uint4*>(row), Vs / 8, vocab_begin, V, target, row_lse, dloss);
+  write_dlogits(row, reinterpret_cast<const uint4*>(row), Vs / 8, vocab_begin, V, target, row_lse,
+                target == kMaskedTarget ? 0.0f : dloss);
 }
 
 // *total += sum(losses): each thread sums a fixed strided subset in order, then a fixed tree.

@@ -5,6 +5,8 @@
 //   dlogits[i, v] = (softmax(logits[i, :V])[v] - [v == target[i]]) * dloss,  v < V
 //   dlogits[i, v] = 0 for padded columns V <= v < Vp
 // The padded columns (vocab rounded up to 128) never take part in the softmax.
+// A masked row (target kMaskedTarget, core/loss_mask.h: Megatron's --eod-mask-loss) has
+// loss 0 and dlogits (softmax - 0) * 0 = 0: it takes no part in the loss or the gradient.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +16,8 @@
 
 namespace fp8lm::cpu {
 
-// logits [N,Vp] (in: logits, out: dlogits when dloss != 0), losses [N], targets [N].
+// logits [N,Vp] (in: logits, out: dlogits when dloss != 0), losses [N], targets [N] in
+// [0, V) or kMaskedTarget.
 // dloss is the gradient of the objective w.r.t. each token's loss (1/(B*T*accum) for
 // a mean); pass 0 for a forward-only pass, which leaves the logits untouched.
 void cross_entropy_forward_backward(float* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
@@ -35,7 +38,8 @@ void cross_entropy_forward_backward(float* logits, float* losses, const int32_t*
 
 // partials [N,3]: per row (max m, sum s of exp(x - m), target logit t) over the slice's real
 // columns. m = -inf and s = 0 when the slice has no real column; t = 0 when targets[i] is not
-// in the slice. logits [N,Vs] (this rank's slice), targets [N] global ids in [0, V) (a target
+// in the slice (or masked). logits [N,Vs] (this rank's slice), targets [N] global ids in [0, V)
+// or kMaskedTarget (a target
 // outside throws, as in cross_entropy_forward_backward; the GPU gives a NaN loss instead).
 // vocab_begin: a multiple of Vs.
 void cross_entropy_partials(float* partials, const float* logits, const int32_t* targets, int N, int V, int Vs,
@@ -63,7 +67,8 @@ namespace fp8lm::cuda {
 //   logits [N,Vp] (in: bf16 logits; out: bf16 dlogits when dloss != 0, padded columns
 //                  V..Vp-1 set to 0; untouched when dloss == 0)
 //   losses [N]    (written) logsumexp(logits[i,:V]) - logits[i,target[i]], FP32
-//   targets [N]   (device) in [0, V); a target outside it makes that row's loss NaN (and
+//   targets [N]   (device) in [0, V), or kMaskedTarget: loss 0 and dlogits 0 (a NaN logit
+//                 still makes them NaN); another target outside [0, V) makes that row's loss NaN (and
 //                 its dlogits the softmax without the one-hot), so bad data shows in the loss.
 // Requirements (FP8LM_CHECK before launch): 0 < V <= Vp, Vp % 8 == 0, logits 16-byte aligned.
 void cross_entropy_forward_backward(__nv_bfloat16* logits, float* losses, const int32_t* targets, int N, int V,

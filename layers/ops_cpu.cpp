@@ -11,6 +11,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/gemm.h"
+#include "core/loss_mask.h"
 #include "layers/attention.h"
 #include "layers/cross_entropy.h"
 #include "layers/encoder.h"
@@ -185,7 +186,8 @@ class CpuOps final : public Ops {
     for (size_t i = 0; i < n; ++i) {
       FP8LM_INPUT_CHECK(host_inputs[i] >= 0 && host_inputs[i] < slice.vocab_size, "input token ", host_inputs[i],
                         " is outside the vocabulary [0, ", slice.vocab_size, ")");
-      FP8LM_INPUT_CHECK(host_targets[i] >= 0 && host_targets[i] < slice.vocab_size, "target token ", host_targets[i],
+      FP8LM_INPUT_CHECK(host_targets[i] == kMaskedTarget || (host_targets[i] >= 0 && host_targets[i] < slice.vocab_size),
+                        "target token ", host_targets[i],
                         " is outside the vocabulary [0, ", slice.vocab_size, ")");
     }
     inputs_.assign(host_inputs, host_inputs + n);

@@ -21,6 +21,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/loss_mask.h"
 #include "error_testing.h"
 #include "temp_dir.h"
 #include "core/mock_data.h"
@@ -194,6 +195,43 @@ TEST_CASE("inputs and targets are the same window shifted by one", "[data]") {
         REQUIRE(batch.targets[size_t(b) * T + t] == start + t + 1);
       }
     }
+  }
+}
+
+TEST_CASE("--eod-mask-loss: the loader masks exactly the targets whose input is the end-of-document token",
+          "[data][loss-mask]") {
+  const int B = 3, T = 16, kEnd = 7;
+  // Tokens 0..9 repeating: every tenth input is the end-of-document token.
+  auto tokens = [] { return std::vector<uint16_t>(counting_tokens(2000, 0, 10)); };
+  auto blend = [&](const DataLoaderOptions& options) {
+    std::vector<std::vector<TokenShard>> sources(2);
+    for (auto& source : sources) source.push_back(TokenShard::from_tokens(tokens(), "mem", 65536, T + 1));
+    return DataLoader(std::move(sources), {0.3, 0.7}, options);
+  };
+  DataLoaderOptions masked_options = small_options(B, T);
+  masked_options.loss_mask_token = kEnd;
+  for (const bool blended : {false, true}) {
+    CAPTURE(blended);
+    DataLoader plain = blended ? blend(small_options(B, T))
+                               : DataLoader(std::vector<std::vector<uint16_t>>{tokens()}, small_options(B, T));
+    DataLoader masked = blended ? blend(masked_options)
+                                : DataLoader(std::vector<std::vector<uint16_t>>{tokens()}, masked_options);
+    size_t masked_count = 0;
+    for (int step = 0; step < 8; ++step) {
+      const Batch a = next(plain), b = next(masked);
+      REQUIRE(a.inputs == b.inputs);
+      for (size_t i = 0; i < a.targets.size(); ++i) {
+        if (a.inputs[i] == kEnd) {
+          REQUIRE(b.targets[i] == kMaskedTarget);
+          ++masked_count;
+        } else {
+          REQUIRE(b.targets[i] == a.targets[i]);
+        }
+      }
+      CHECK(count_unmasked_targets(b.targets.data(), b.targets.size()) ==
+            int64_t(b.targets.size()) - std::count(b.inputs.begin(), b.inputs.end(), kEnd));
+    }
+    CHECK(masked_count > 8 * B * T / 20);  // about one target in ten
   }
 }
 

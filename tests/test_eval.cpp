@@ -12,6 +12,7 @@
 
 #include "apps/shard_writer.h"
 #include "cli_testing.h"
+#include "byte_vocabulary.h"
 #include "temp_dir.h"
 
 using namespace fp8lm;
@@ -115,6 +116,44 @@ TEST_CASE("eval of a checkpoint reproduces the validation loss its run logged", 
   REQUIRE(crossed.exit_code == 0);
   const double bf16_logged = last_val_loss(dir.file("ck--bf16.jsonl"));
   CHECK(std::fabs(eval_json(crossed.output)["loss"].get<double>() - bf16_logged) < 0.05 * bf16_logged);
+}
+
+TEST_CASE("--eod-mask-loss: training logs, and eval reproduces, the loss over the unmasked targets", "[eval][loss-mask]") {
+  TempDir dir;
+  const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
+  const std::string tokenizer = " --vocab-file " + vocab.vocab_file + " --merge-file " + vocab.merge_file;
+  std::vector<std::filesystem::path> written;
+  ShardWriter writer(dir.path(), "val", 1 << 20, written);
+  std::vector<uint16_t> tokens(4000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint16_t(i % 37 == 0 ? 257 : (i * 7 + i / 5) % 256);
+  writer.append(tokens.data(), tokens.size());
+  writer.finish();
+  const std::string valid = writer.final_path(0).string(), ck = dir.file("ck"), metrics = dir.file("m.jsonl");
+  const std::string train = "--config " + kTiny + " --vocab-size 300 --mock-data --valid-data-path " + valid +
+                            " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+                            "--train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 3 --fp8-hybrid";
+  const auto trained = run(train + tokenizer + " --eod-mask-loss --save " + ck + " --metrics-file " + metrics);
+  REQUIRE(trained.exit_code == 0);
+  CHECK_THAT(trained.output, ContainsSubstring("on (targets after token 257 skipped)"));
+  const double logged = last_val_loss(metrics);
+  REQUIRE(logged > 0.0);
+  const auto masked = run("eval --load " + ck + " --valid-data-path " + valid + tokenizer +
+                          " --eod-mask-loss --device cpu --log-level warn");
+  REQUIRE(masked.exit_code == 0);
+  CHECK(eval_json(masked.output)["loss"].get<double>() == logged);
+  // Every target counted: another mean.
+  const auto unmasked = run("eval --load " + ck + " --valid-data-path " + valid + " --device cpu --log-level warn");
+  REQUIRE(unmasked.exit_code == 0);
+  CHECK(eval_json(unmasked.output)["loss"].get<double>() != logged);
+
+  // Bad combinations, before any work: the token outside the model, Megatron's per-token mean.
+  const auto outside = run("--config " + kTiny + " --mock-data --device cpu --train-iters 1 --eod-mask-loss");
+  CHECK(outside.exit_code == 2);
+  CHECK_THAT(outside.output, ContainsSubstring("--eod-mask-loss: the end-of-document token 50256 (GPT-2's "
+                                               "<|endoftext|>) is outside the model's vocabulary of 256"));
+  const auto per_token = run(train + tokenizer + " --eod-mask-loss --calculate-per-token-loss");
+  CHECK(per_token.exit_code == 2);
+  CHECK_THAT(per_token.output, ContainsSubstring("--calculate-per-token-loss with --eod-mask-loss"));
 }
 
 TEST_CASE("eval of a Hugging Face export scores as its checkpoint does", "[eval]") {

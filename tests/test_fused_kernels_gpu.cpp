@@ -40,6 +40,7 @@
 #include "core/device_memory_cuda.h"
 #include "core/dtype.h"
 #include "core/fp8.h"
+#include "core/loss_mask.h"
 #include "layers/cross_entropy.h"
 #include "layers/encoder.h"
 #include "layers/encoder_index.h"
@@ -766,6 +767,27 @@ TEST_CASE("fused cross-entropy matches the CPU reference", "[gpu][cross_entropy]
   SECTION("V == Vp") { check_cross_entropy(cross_entropy_inputs(N, 384, 384, 2000), 1.0f / N); }
   SECTION("a wider vocabulary, 60,000 padded to 60,032") {
     check_cross_entropy(cross_entropy_inputs(4, 60000, 60032, 2050), 0.25f);
+  }
+  SECTION("masked targets (--eod-mask-loss): loss 0, a zero gradient row") {
+    for (const auto& [V, Vp] : {std::pair{300, 384}, std::pair{50257, 50304}}) {
+      CrossEntropyInputs in = cross_entropy_inputs(N, V, Vp, 2060);
+      for (int i = 0; i < N; i += 3) in.targets[i] = kMaskedTarget;
+      check_cross_entropy(in, 1.0f / N);
+      check_cross_entropy(in, 0.0f);
+      auto d_logits = device_copy(to_bf16(in.logits));
+      auto d_targets = device_copy(in.targets);
+      auto d_losses = poisoned<float>(N);
+      cuda::cross_entropy_forward_backward(d_logits.data(), d_losses.data(), d_targets.data(), N, V, Vp, 1.0f / N,
+                                           kStream);
+      device_sync();
+      const std::vector<float> losses = d_losses.download(), dlogits = from_bf16(d_logits.download());
+      for (int i = 0; i < N; i += 3) {
+        CHECK(losses[i] == 0.0f);
+        size_t nonzero = 0;
+        for (int v = 0; v < Vp; v++) nonzero += bits_of(dlogits[size_t(i) * Vp + v]) != 0u;
+        CHECK(nonzero == 0);
+      }
+    }
   }
 }
 

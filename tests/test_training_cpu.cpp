@@ -14,11 +14,13 @@
 #include "apps/engine.h"
 #include "apps/run_setup.h"
 #include "apps/trainer.h"
+#include "byte_vocabulary.h"
 #include "cli_testing.h"
 #include "weight_cast_runs.h"
 #include "temp_dir.h"
 #include "core/dtype.h"
 #include "core/fp8.h"
+#include "core/loss_mask.h"
 #include "core/random.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
@@ -361,6 +363,88 @@ TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[t
                                    "--eval-interval", "0"});
   diverging.options.lr = 1e30;
   CHECK_THROWS_WITH(run_training(diverging), Catch::Matchers::ContainsSubstring("stopping: 3 non-finite steps in a row"));
+}
+
+TEST_CASE("--eod-mask-loss: a micro-batch's loss is the mean over its unmasked targets, each weighing 1/their count",
+          "[training][cpu][loss-mask]") {
+  // Megatron's normalisation: sum(loss * mask) / sum(mask) per micro-batch, over the
+  // micro-batches. The engine's step loss and gradient norm against the model's loss sum and
+  // gradients with that weight, and against the unmasked weight the flag replaces.
+  const testing::TempDir dir;
+  const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
+  const int B = 2, T = 16, kEnd = 257;
+  const std::vector<std::string> base = {"--config", testing::source_path("configs/tiny.json"), "--vocab-size", "300",
+                                         "--vocab-file", vocab.vocab_file, "--merge-file", vocab.merge_file,
+                                         "--mock-data", "--seq-length", std::to_string(T), "--micro-batch-size",
+                                         std::to_string(B), "--fp32"};
+  std::vector<std::string> with_mask = base;
+  with_mask.push_back("--eod-mask-loss");
+  const RunSetup setup = setup_from(with_mask);
+  REQUIRE(setup.loss_mask_token == kEnd);
+  REQUIRE(setup_from(base).loss_mask_token == -1);
+
+  auto inputs = random_tokens(size_t(B) * T, 300, 21);
+  const auto targets = random_tokens(size_t(B) * T, 300, 22);
+  for (const int position : {0, 5, 6, 17, 30}) inputs[position] = kEnd;
+  std::vector<int32_t> masked = targets;
+  mask_targets_after_token(kEnd, inputs.data(), masked.data(), masked.size());
+  const int64_t count = count_unmasked_targets(masked.data(), masked.size());
+  REQUIRE(count == B * T - 5);
+
+  auto engine = make_engine(setup);
+  const std::vector<float> initial = engine->parameters();
+  engine->begin_step();
+  engine->forward_backward(inputs.data(), masked.data());
+  engine->end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+  const StepMetrics metrics = engine->step_metrics();
+
+  // The same weights in the model alone.
+  CpuModel reference(setup.model, B, T);
+  for (const TensorInfo& t : reference.model.layout().tensors()) {
+    const TensorInfo* canonical = engine->layout().find(t.name);
+    REQUIRE(canonical != nullptr);
+    std::copy_n(initial.begin() + ptrdiff_t(canonical->offset), t.numel, reference.parameters().begin() + ptrdiff_t(t.offset));
+  }
+  auto gradient_norm = [&](float dloss) {
+    reference.model.zero_gradients();
+    reference.forward_backward(inputs, masked, dloss);
+    double squares = 0;
+    for (float g : reference.gradients()) squares += double(g) * g;
+    return std::sqrt(squares);
+  };
+  const double masked_norm = gradient_norm(1.0f / float(count));
+  const double expected_loss = double(reference.loss_sum) / double(count);
+  CHECK(std::fabs(metrics.loss - expected_loss) <= 1e-6 * expected_loss);
+  CHECK(std::fabs(metrics.grad_norm - masked_norm) <= 1e-5 * masked_norm);
+  // The weight without the flag's normalisation, 1 / (B T), would be 5/32 smaller: told apart.
+  CHECK(std::fabs(metrics.grad_norm - gradient_norm(1.0f / float(B * T))) > 0.1 * masked_norm);
+
+  // Evaluation counts the same tokens.
+  engine->set_parameters(initial);
+  const TrainingEngine::BatchLoss eval = engine->evaluate(inputs.data(), masked.data());
+  CHECK(eval.tokens == double(count));
+  CHECK(std::fabs(eval.mean() - expected_loss) <= 1e-6 * expected_loss);
+
+  // A batch without the token: the flag changes nothing, bit for bit; masked targets without
+  // the flag are an internal error, never a silent mean over the wrong count.
+  const auto plain_inputs = random_tokens(size_t(B) * T, kEnd, 23);
+  auto run_plain = [&](const std::vector<std::string>& args) {
+    auto e = make_engine(setup_from(args));
+    e->set_parameters(initial);
+    e->begin_step();
+    e->forward_backward(plain_inputs.data(), targets.data());
+    e->end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+    return std::pair{e->step_metrics(), e->parameters()};
+  };
+  const auto [flag_metrics, flag_parameters] = run_plain(with_mask);
+  const auto [plain_metrics, plain_parameters] = run_plain(base);
+  CHECK(flag_metrics.loss == plain_metrics.loss);
+  CHECK(flag_metrics.grad_norm == plain_metrics.grad_norm);
+  CHECK(flag_parameters == plain_parameters);
+  auto unflagged = make_engine(setup_from(base));
+  unflagged->begin_step();
+  CHECK_THROWS_WITH(unflagged->forward_backward(inputs.data(), masked.data()),
+                    Catch::Matchers::ContainsSubstring("masked targets in a run without --eod-mask-loss"));
 }
 
 TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp32", "[training][cpu][slow]") {

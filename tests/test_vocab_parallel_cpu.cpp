@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/loss_mask.h"
 #include "layers/cross_entropy.h"
 #include "layers/layernorm.h"
 
@@ -244,6 +245,10 @@ void check_against_fused(const VocabProblem& p, int R) {
   }
   double worst_loss = 0.0;
   for (int i = 0; i < p.N; i++) {
+    if (p.targets[i] == fp8lm::kMaskedTarget) {
+      CHECK(got.losses[i] == 0.0f);
+      continue;
+    }
     // The error is a few ulps of lse = loss + target logit: measure it relative to that.
     const double lse = double(ref.losses[i]) + p.logits[static_cast<size_t>(i) * p.Vp + p.targets[i]];
     const double scale = std::max(std::fabs(lse), std::fabs(double(ref.losses[i])));
@@ -287,6 +292,33 @@ TEST_CASE("vocab-parallel cross-entropy over 2 and 4 ranks matches the fused ref
   check_against_fused(vocab_problem(37, 150, 384, 1.0f / 37, 851), 2);
   // The smallest slices (8 columns), the last four of them all padding.
   check_against_fused(vocab_problem(37, 27, 64, 0.5f, 852), 8);
+}
+
+TEST_CASE("masked targets (--eod-mask-loss): loss 0 and a zero gradient row, fused and over 1, 2 and 4 ranks",
+          "[cross_entropy][cpu][loss-mask]") {
+  for (const float dloss : {0.25f, 0.0f}) {
+    CAPTURE(dloss);
+    const VocabProblem plain = vocab_problem(37, 300, 384, dloss, 880);
+    VocabProblem masked = plain;
+    for (int i = 0; i < masked.N; i += 3) masked.targets[i] = fp8lm::kMaskedTarget;  // the first row too
+    const VocabResult reference = run_fused(plain), got = run_fused(masked);
+    for (int i = 0; i < masked.N; i++) {
+      CAPTURE(i);
+      const auto row = [&](const VocabResult& r) {
+        return std::vector<float>(r.dlogits.begin() + ptrdiff_t(i) * masked.Vp,
+                                  r.dlogits.begin() + ptrdiff_t(i + 1) * masked.Vp);
+      };
+      if (masked.targets[i] == fp8lm::kMaskedTarget) {
+        CHECK(got.losses[i] == 0.0f);
+        if (dloss != 0.0f) CHECK(row(got) == std::vector<float>(size_t(masked.Vp), 0.0f));
+      } else {
+        CHECK(same_bits({got.losses[i]}, {reference.losses[i]}));  // the other rows are as without a mask
+        CHECK(same_bits(row(got), row(reference)));
+      }
+      if (dloss == 0.0f) CHECK(same_bits(row(got), row(reference)));  // forward only: the logits untouched
+    }
+    for (int R : {1, 2, 4}) check_against_fused(masked, R);
+  }
 }
 
 TEST_CASE("vocab-parallel partials of a slice without real columns are (-inf, 0, 0)", "[cross_entropy][cpu]") {

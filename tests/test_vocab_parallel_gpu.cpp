@@ -26,6 +26,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/random.h"
+#include "core/loss_mask.h"
 #include "layers/cross_entropy.h"
 #include "tests/gpu_testing.h"
 
@@ -232,6 +233,24 @@ TEST_CASE("vocab-parallel cross-entropy over 2 and 4 ranks matches the CPU twins
   // V = 150 leaves [192, 384) without one.
   check_against_cpu(make_inputs(N, 200, 384, 4800), 4, 1.0f / N);
   check_against_cpu(make_inputs(N, 150, 384, 4900), 2, 1.0f / N);
+}
+
+TEST_CASE("vocab-parallel cross-entropy with masked targets (--eod-mask-loss) matches the CPU twins and the fused kernel",
+          "[gpu][cross_entropy][loss-mask]") {
+  FP8LM_REQUIRE_GPU();
+  const int N = 77;
+  Inputs in = make_inputs(N, 300, 384, 5000);
+  for (int i = 0; i < N; i += 4) in.targets[i] = kMaskedTarget;
+  check_one_rank_is_fused(in, 1.0f / N);
+  for (int R : {2, 4}) {
+    check_against_cpu(in, R, 1.0f / N);
+    check_against_cpu(in, R, 0.0f);
+  }
+  const Result got = run_parallel(in, in.targets, 2, 1.0f / N);
+  for (int i = 0; i < N; i += 4) {
+    CHECK(got.losses[i] == 0.0f);
+    for (int v = 0; v < in.Vp; v++) REQUIRE(float_bits(__bfloat162float(got.dlogits[size_t(i) * in.Vp + v])) == 0u);
+  }
 }
 
 TEST_CASE("vocab-parallel cross-entropy: a target outside the vocabulary gives a NaN loss, other rows unaffected",

@@ -6,6 +6,7 @@
 // "mpi:" cases run the CPU backend over MPI; "nccl:" cases the CUDA backend over NCCL, and skip
 // on every rank alike without a GPU per rank.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "apps/engine.h"
 #include "apps/run_setup.h"
 #include "core/device.h"
+#include "core/loss_mask.h"
 #include "core/random.h"
 #include "engine_testing.h"
 #include "layers/gpt.h"
@@ -24,7 +26,9 @@
 #include "parallel/mappings.h"
 #include "parallel/process_groups.h"
 #include "parallel/recording_communicator.h"
+#include "tests/byte_vocabulary.h"
 #include "tests/recording_ops.h"
+#include "tests/temp_dir.h"
 
 using namespace fp8lm;
 
@@ -235,10 +239,76 @@ TEST_CASE("mpi: every layout starts from the canonical model's initial weights, 
         CHECK(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(float)) == 0);
         const size_t tokens = size_t(setup.options.micro_batch_size) * size_t(setup.seq_length);
         const auto x = testing::tiny_tokens(tokens, 7 + layout.dp_rank), y = testing::tiny_tokens(tokens, 8);
-        first_losses.push_back(engine.evaluate(x.data(), y.data()));
+        first_losses.push_back(engine.evaluate(x.data(), y.data()).mean());
       }
       INFO("tp " << tp << ", " << precision);
       CHECK(std::memcmp(&first_losses[0], &first_losses[1], sizeof(double)) == 0);
     }
   }
+}
+
+TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch is its own unmasked mean, the "
+          "step's loss the global one",
+          "[mpi][parallel][loss-mask]") {
+  // Megatron's normalisation: a rank's micro-batch weighs each unmasked token 1 / (its count x
+  // the data-parallel ranks), and the reported loss is every rank's loss sum over every rank's
+  // count. The ranks mask different numbers of targets, so the two differ from a plain mean.
+  const testing::TempDir dir;
+  const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
+  const ParallelLayout layout = detect_parallel_layout(1);
+  const int dp = layout.dp_size, B = 2, T = 32, kEnd = 257;
+  const RunSetup setup = tiny_setup(layout, "cpu",
+                                    {"--fp32", "--vocab-size", "300", "--vocab-file", vocab.vocab_file, "--merge-file",
+                                     vocab.merge_file, "--eod-mask-loss", "--use-distributed-optimizer"});
+  REQUIRE(setup.loss_mask_token == kEnd);
+  // Rank r's batch: tokens from its seed, 3 r + 1 of its inputs the end-of-document token.
+  auto rank_batch = [&](int r) {
+    Random random(uint64_t(500 + r));
+    std::vector<int32_t> x(size_t(B) * T), y(x.size());
+    for (auto& t : x) t = int32_t(random.next_u64() % 300);
+    for (auto& t : y) t = int32_t(random.next_u64() % 300);
+    for (auto& t : x) t = t == kEnd ? 0 : t;
+    for (int k = 0; k < 3 * r + 1; ++k) x[size_t(7 * k + r) % x.size()] = kEnd;
+    mask_targets_after_token(kEnd, x.data(), y.data(), y.size());
+    return std::pair{x, y};
+  };
+  TrainingEngine engine(setup, layout);
+  const std::vector<float> initial = engine.parameters();
+  const auto [x, y] = rank_batch(layout.dp_rank);
+  engine.begin_step();
+  engine.forward_backward(x.data(), y.data());
+  engine.end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+  const StepMetrics metrics = engine.step_metrics();
+
+  // Every rank's batch through the model alone, on this process, gradients accumulated.
+  std::unique_ptr<Ops> ops = make_cpu_ops();
+  GptModel model(setup.model, B, T, GptPrecision{}, *ops);
+  float* master = static_cast<float*>(model.working());
+  for (const TensorInfo& t : model.layout().tensors())
+    std::copy_n(initial.begin() + ptrdiff_t(engine.layout().find(t.name)->offset), t.numel, master + t.offset);
+  model.zero_gradients();
+  double loss_sum = 0, count = 0;
+  for (int r = 0; r < dp; ++r) {
+    const auto [rx, ry] = rank_batch(r);
+    const double unmasked = double(count_unmasked_targets(ry.data(), ry.size()));
+    float sum = 0.0f;
+    Tensor sum_tensor;
+    sum_tensor.data = &sum;
+    sum_tensor.rows = sum_tensor.cols = 1;
+    model.forward_backward(ops->load_batch(rx.data(), ry.data(), B, T, model.vocab_slice()),
+                           float(1.0 / (unmasked * dp)), sum_tensor);
+    loss_sum += sum;
+    count += unmasked;
+  }
+  double squares = 0;
+  const float* gradients = model.gradients().as<float>();
+  for (size_t i = 0; i < model.layout().total_elements(); ++i) squares += double(gradients[i]) * gradients[i];
+  INFO("rank " << layout.world_rank << " loss " << metrics.loss << " expected " << loss_sum / count);
+  CHECK(std::fabs(metrics.loss - loss_sum / count) <= 1e-6 * (loss_sum / count));
+  CHECK(std::fabs(metrics.grad_norm - std::sqrt(squares)) <= 1e-5 * std::sqrt(squares));
+  // Evaluation: the same global count.
+  engine.set_parameters(initial);
+  const TrainingEngine::BatchLoss eval = engine.evaluate(x.data(), y.data());
+  CHECK(eval.tokens == count);
+  CHECK(std::fabs(eval.mean() - loss_sum / count) <= 1e-6 * (loss_sum / count));
 }
