@@ -733,6 +733,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "Leave the prediction made from each end-of-document token (the next document's first token) out of "
                "the loss and its mean, as Megatron (the token: --vocab-file's <|endoftext|>, else GPT-2's 50256)")
       ->group(data);
+  app.add_option("--hellaswag-path", o.hellaswag_path,
+                 "llm.c's multiple-choice eval file (HellaSwag's hellaswag_val.bin from llm.c's dev/data/hellaswag.py): "
+                 "its accuracy is logged at every evaluation")
+      ->group(data);
   bool per_token_loss = false;
   app.add_flag("--calculate-per-token-loss", per_token_loss,
                "Megatron's mean over the step's tokens: without --eod-mask-loss fp8lm's loss already is")

@@ -1098,6 +1098,25 @@ TrainingEngine::BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const 
   return BatchLoss{.sum = totals[0], .tokens = totals[1]};
 }
 
+std::vector<TrainingEngine::BatchLoss> TrainingEngine::row_losses(const int32_t* inputs, const int32_t* targets) {
+  State& s = *state_;
+  GptModel& model = *s.model;
+  const int B = model.micro_batch_size(), T = model.seq_length();
+  float* sum = &s.device_scalars()->eval_loss_sum;
+  s.ops->zero(sum, sizeof(float));
+  model.forward_eval(s.ops->load_batch(inputs, targets, B, T, model.vocab_slice()), s.scalar_tensor(sum));
+  std::vector<float> losses(size_t(B) * T);
+  s.ops->download(losses.data(), model.token_losses().data, losses.size() * sizeof(float));
+  std::vector<BatchLoss> rows(B);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) {
+      const size_t i = size_t(b) * T + t;
+      rows[b].sum += losses[i];
+      rows[b].tokens += targets[i] != kMaskedTarget;
+    }
+  return rows;
+}
+
 // ---- Snapshots in the canonical layout --------------------------------------------------
 
 template <typename T>

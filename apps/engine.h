@@ -158,6 +158,9 @@ class TrainingEngine {
     double mean() const { return sum / std::max(tokens, 1.0); }
   };
   BatchLoss evaluate(const int32_t* inputs, const int32_t* targets);
+  // Each row's loss of one batch [B,T] on this rank, forward only: its token losses' sum and
+  // its unmasked targets (multiple-choice scoring, core/choice_eval.h). Waits for the device.
+  std::vector<BatchLoss> row_losses(const int32_t* inputs, const int32_t* targets);
 
   // The FP32 master weights, [layout().total_elements()], copied to / from the host
   // (checkpoints, tests, initialisation from another model).

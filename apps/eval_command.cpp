@@ -50,11 +50,15 @@ std::vector<ForwardedFlag> eval_flags() {
       {"--eod-mask-loss", false,
        "Leave the predictions made from end-of-document tokens out of the loss (Megatron's; the token is "
        "--vocab-file's <|endoftext|>, else GPT-2's 50256)"},
+      {"--hellaswag-path", true,
+       "llm.c's multiple-choice eval file (HellaSwag's hellaswag_val.bin): the accuracy of the lowest mean loss"},
       {"--vocab-file", true, "GPT-2's encoder.json (its <|endoftext|> for --eod-mask-loss)"},
       {"--merge-file", true, "GPT-2's vocab.bpe, with --vocab-file"},
       {"--eval-iters", true, "Batches to score (default: the checkpoint run's --eval-iters, else 100)"},
       {"--micro-batch-size", true, "Sequences per batch (default: the checkpoint run's, else 4)"},
       {"--seq-length", true, "Tokens per sequence (default: the checkpoint run's, else n_positions)"},
+      {"--tensor-model-parallel-size", true,
+       "Ranks a model is split over under mpirun (default 1: every rank holds it whole, each scoring its batches)"},
   });
   flags.insert(flags.end(), kPrecisionFlags.begin(), kPrecisionFlags.end());
   flags.insert(flags.end(), kRuntimeFlags.begin(), kRuntimeFlags.end());
@@ -74,8 +78,8 @@ int run_eval_command(const std::vector<std::string>& args) {
   flags.collect();
   const std::set<std::string>& given = flags.names_given();
   const WeightsSource weights_from = weights_source(flags, "eval");
-  if (!given.count("--valid-data-path") && !given.count("--data-path"))
-    throw InputError("fp8lm eval: --valid-data-path or --data-path is required (the tokens to evaluate on)",
+  if (!given.count("--valid-data-path") && !given.count("--data-path") && !given.count("--hellaswag-path"))
+    throw InputError("fp8lm eval: --valid-data-path, --data-path or --hellaswag-path is required (what to evaluate on)",
                      kHelpHint);
 
   // The checkpoint's settings first, the user's after them: a repeated flag takes its last value.
@@ -100,29 +104,45 @@ int run_eval_command(const std::vector<std::string>& args) {
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
   log_settings_table("fp8lm eval memory (the training engine: weights, gradients, optimizer state, activations)",
                      memory_estimate_rows(setup.memory, setup.use_cuda));
+  const bool validating = !options.data_path.empty() || !options.valid_data_blend.empty() ||
+                          !options.valid_data_path.empty();
   const std::string data = !options.data_path.empty() ? "the valid split (" + options.split + ") of --data-path"
                            : !options.valid_data_blend.empty() ? "the indexed dataset(s) of --valid-data-path"
                                                                 : options.valid_data_path;
-  spdlog::info("evaluating {} on {}: {} batches of {} x {} tokens, {}, {}", weights, data,
-               options.eval_iters, options.micro_batch_size, setup.seq_length, describe_precision(options),
-               setup.device_description);
+  if (validating)
+    spdlog::info("evaluating {} on {}: {} batches of {} x {} tokens, {}, {}", weights, data, options.eval_iters,
+                 options.micro_batch_size, setup.seq_length, describe_precision(options), setup.device_description);
+  if (!options.hellaswag_path.empty())
+    spdlog::info("evaluating {} on the multiple-choice examples of {}: batches of {} rows of {} tokens, {}, {}",
+                 weights, options.hellaswag_path, options.micro_batch_size, setup.seq_length,
+                 describe_precision(options), setup.device_description);
   const EvaluationResult result = run_evaluation(setup);
   spdlog::info("memory: host peak {} (VmHWM), estimated {} before allocation",
                format_bytes(measure_host_memory().host_peak_bytes), format_bytes(setup.memory.host_bytes()));
   if (layout.world_rank != 0) return kExitOk;
-  // exp() of a diverged model's loss overflows: the JSON line stays valid (null is not a number).
-  const double perplexity = std::exp(std::min(result.loss, 700.0));
-  std::printf("eval: loss %.4f | perplexity %.2f | %lld tokens (%lld batches of %d x %d, %s)\n", result.loss,
-              perplexity, static_cast<long long>(result.tokens), static_cast<long long>(options.eval_iters),
-              options.micro_batch_size, setup.seq_length, describe_precision(options).c_str());
-  const nlohmann::json line = {{"loss", result.loss},
-                               {"perplexity", perplexity},
-                               {"tokens", result.tokens},
-                               {"eval_iters", options.eval_iters},
-                               {"micro_batch_size", options.micro_batch_size},
-                               {"seq_length", setup.seq_length},
-                               {"precision", options.precision_name()},
-                               {"weights", weights}};
+  nlohmann::json line = {{"micro_batch_size", options.micro_batch_size},
+                         {"seq_length", setup.seq_length},
+                         {"precision", options.precision_name()},
+                         {"weights", weights}};
+  if (validating) {
+    // exp() of a diverged model's loss overflows: the JSON line stays valid (null is not a number).
+    const double perplexity = std::exp(std::min(result.loss, 700.0));
+    std::printf("eval: loss %.4f | perplexity %.2f | %lld tokens (%lld batches of %d x %d, %s)\n", result.loss,
+                perplexity, static_cast<long long>(result.tokens), static_cast<long long>(options.eval_iters),
+                options.micro_batch_size, setup.seq_length, describe_precision(options).c_str());
+    line["loss"] = result.loss;
+    line["perplexity"] = perplexity;
+    line["tokens"] = result.tokens;
+    line["eval_iters"] = options.eval_iters;
+  }
+  if (result.choices) {
+    std::printf("eval: hellaswag accuracy %.4f | %lld of %lld examples right (%s)\n", result.choices->accuracy(),
+                static_cast<long long>(result.choices->correct), static_cast<long long>(result.choices->examples),
+                describe_precision(options).c_str());
+    line["hellaswag_accuracy"] = result.choices->accuracy();
+    line["hellaswag_correct"] = result.choices->correct;
+    line["hellaswag_examples"] = result.choices->examples;
+  }
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
   return kExitOk;

@@ -147,6 +147,9 @@ struct TrainOptions {
   // --eod-mask-loss: the loss skips the prediction made from each end-of-document token (the
   // next document's first token), and means divide by the tokens that count (core/loss_mask.h)
   bool eod_mask_loss = false;
+  // --hellaswag-path: llm.c's multiple-choice eval file (core/choice_eval.h), scored at every
+  // evaluation (training) and by fp8lm eval
+  std::string hellaswag_path;
 
   // Checkpoints
   std::string save_dir;              // --save

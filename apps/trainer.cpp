@@ -21,8 +21,10 @@
 #include "apps/cli.h"
 #include "apps/engine.h"
 #include "apps/signals.h"
+#include "core/choice_eval.h"
 #include "core/error.h"
 #include "core/indexed_dataset.h"
+#include "core/loss_mask.h"
 #include "core/mock_data.h"
 #include "core/token_data.h"
 #include "optim/lr_schedule.h"
@@ -35,7 +37,24 @@ namespace {
 struct DataLoaders {
   std::optional<DataLoader> train;
   std::optional<DataLoader> valid;
+  std::vector<ChoiceExample> choices;  // --hellaswag-path
 };
+
+// --hellaswag-path's examples, read and checked before any work: each must fit a row of the
+// sequence, and its completions one micro-batch.
+std::vector<ChoiceExample> open_choices(const RunSetup& setup) {
+  const TrainOptions& o = setup.options;
+  if (o.hellaswag_path.empty()) return {};
+  std::vector<ChoiceExample> examples = read_choice_file(o.hellaswag_path, setup.model.vocab_size, setup.seq_length);
+  for (const ChoiceExample& example : examples)
+    if (example.endings.size() > size_t(o.micro_batch_size))
+      throw InputError("--hellaswag-path " + o.hellaswag_path + ": example " + std::to_string(example.index) + " has " +
+                           std::to_string(example.endings.size()) + " completions, more than the " +
+                           std::to_string(o.micro_batch_size) + " rows of a micro-batch",
+                       "evaluate with --micro-batch-size " + std::to_string(example.endings.size()) +
+                           " or more (each completion is a row)");
+  return examples;
+}
 
 DataLoaders open_data(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
@@ -70,6 +89,7 @@ DataLoaders open_data(const RunSetup& setup) {
   } else if (!o.train_data_path.empty()) {  // evaluation alone reads no training data
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
+  loaders.choices = open_choices(setup);
   if (!o.valid_data_path.empty()) loaders.valid.emplace(expand_shard_paths(o.valid_data_path), valid_options);
   if (!o.valid_data_blend.empty())
     loaders.valid = open_indexed_loader(parse_data_path(o.valid_data_blend, "--valid-data-path"), kWholeValid,
@@ -94,6 +114,53 @@ double validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_i
     if (watchdog) watchdog->heartbeat();
   }
   return total.mean();
+}
+
+// Multiple-choice accuracy (core/choice_eval.h): data-parallel rank r scores examples r, r +
+// dp, ..., each example's completions whole in one batch of B rows. Every rank runs as many
+// batches as the busiest (the others fully masked), so that each forward's tensor-parallel
+// collectives meet; the counts are summed over the data-parallel ranks on the host.
+ChoiceAccuracy choice_accuracy(TrainingEngine& engine, const std::vector<ChoiceExample>& examples, int B, int T,
+                               int dp_rank, int dp_size, Watchdog* watchdog) {
+  std::vector<std::vector<size_t>> batches;  // this rank's examples, batch by batch
+  size_t rows = size_t(B);
+  for (size_t e = size_t(dp_rank); e < examples.size(); e += size_t(dp_size)) {
+    const size_t completions = examples[e].endings.size();
+    if (rows + completions > size_t(B)) {
+      batches.emplace_back();
+      rows = 0;
+    }
+    batches.back().push_back(e);
+    rows += completions;
+  }
+  Communicator& dp = engine.host_groups().dp();
+  double batch_count = double(batches.size());
+  dp.all_reduce(&batch_count, &batch_count, 1, CommDtype::f64, ReduceOp::max);
+  std::vector<int32_t> inputs(size_t(B) * T), targets(inputs.size());
+  double counts[2] = {0.0, 0.0};  // correct, examples
+  for (size_t i = 0; i < size_t(batch_count); ++i) {
+    std::fill(inputs.begin(), inputs.end(), 0);
+    std::fill(targets.begin(), targets.end(), kMaskedTarget);
+    size_t row = 0;
+    const std::vector<size_t> none;
+    const std::vector<size_t>& batch = i < batches.size() ? batches[i] : none;
+    for (size_t e : batch) {
+      fill_choice_rows(examples[e], T, inputs.data() + row * T, targets.data() + row * T);
+      row += examples[e].endings.size();
+    }
+    const std::vector<TrainingEngine::BatchLoss> losses = engine.row_losses(inputs.data(), targets.data());
+    row = 0;
+    for (size_t e : batch) {
+      std::vector<double> means;
+      for (size_t k = 0; k < examples[e].endings.size(); ++k) means.push_back(losses[row + k].mean());
+      counts[0] += predicted_choice(means) == examples[e].label;
+      counts[1] += 1;
+      row += examples[e].endings.size();
+    }
+    if (watchdog) watchdog->heartbeat();
+  }
+  dp.all_reduce(counts, counts, 2, CommDtype::f64, ReduceOp::sum);
+  return ChoiceAccuracy{.correct = int64_t(counts[0]), .examples = int64_t(counts[1])};
 }
 
 // "42.1s", "3m07s", "2h05m": the progress line's elapsed time and ETA.
@@ -379,12 +446,28 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
 
-  auto evaluate = [&](int64_t iteration) -> double {
-    const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog);
-    spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
-                 std::exp(std::min(val_loss, 50.0)));
-    metrics_file.write({{"iter", iteration}, {"val_loss", val_loss}});
-    return val_loss;
+  // What an evaluation scores: the validation loss (with validation data and --eval-iters),
+  // the multiple-choice accuracy (with --hellaswag-path).
+  const bool validating = data.valid && o.eval_iters > 0;
+  const bool choosing = !data.choices.empty();
+  auto evaluate = [&](int64_t iteration) {
+    nlohmann::json line = {{"iter", iteration}};
+    if (validating) {
+      const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog);
+      spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
+                   std::exp(std::min(val_loss, 50.0)));
+      line["val_loss"] = val_loss;
+      summary.last_val_loss = val_loss;
+    }
+    if (choosing) {
+      const ChoiceAccuracy accuracy = choice_accuracy(*engine, data.choices, B, T, setup.data_parallel_rank,
+                                                      setup.data_parallel_size, watchdog);
+      spdlog::info("iter {:6d} | hellaswag accuracy {:.4f} ({} of {} examples)", iteration, accuracy.accuracy(),
+                   accuracy.correct, accuracy.examples);
+      line["hellaswag_accuracy"] = accuracy.accuracy();
+      summary.last_choices = accuracy;
+    }
+    metrics_file.write(line);
   };
 
   // --benchmark: without --profile-ops the steps after warm-up are timed as one window,
@@ -531,8 +614,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
         spdlog::info("iter {:6d} | fp8-auto-precision: BF16 blocks now {}", iteration,
                      block_list_text(setup.options.bf16_blocks));
     }
-    if (data.valid && o.eval_interval > 0 && o.eval_iters > 0 && iteration % o.eval_interval == 0)
-      summary.last_val_loss = evaluate(iteration);
+    if ((validating || choosing) && o.eval_interval > 0 && iteration % o.eval_interval == 0) evaluate(iteration);
     summary.steps = iteration;
 
     // Every rank stops at the same iteration: a signal seen by any rank, or the time limit
@@ -571,8 +653,8 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
     }
   }
 
-  if (data.valid && o.eval_iters > 0 && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
-    summary.last_val_loss = evaluate(o.train_iters);
+  if ((validating || choosing) && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
+    evaluate(o.train_iters);
   summary.skipped_steps = engine->skip_status().total;
   if (o.benchmark && engine->op_profiler()) {
     benchmark_step_ms.erase(benchmark_step_ms.begin(),
@@ -592,12 +674,14 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
   const std::string& checkpoint = !o.load_dir.empty() ? o.load_dir : o.init_from;
   FP8LM_INPUT_CHECK(!checkpoint.empty(), "--load DIR or --init-from PATH is required: the weights to evaluate");
-  FP8LM_INPUT_CHECK(!o.valid_data_path.empty() || !o.valid_data_blend.empty() || !o.data_path.empty(),
-                    "--valid-data-path or --data-path is required: the tokens to evaluate on");
-  FP8LM_INPUT_CHECK(o.eval_iters >= 1, "--eval-iters must be >= 1 (got ", o.eval_iters, ")");
+  const bool validating = !o.valid_data_path.empty() || !o.valid_data_blend.empty() || !o.data_path.empty();
+  FP8LM_INPUT_CHECK(validating || !o.hellaswag_path.empty(),
+                    "--valid-data-path, --data-path or --hellaswag-path is required: what to evaluate on");
+  FP8LM_INPUT_CHECK(!validating || o.eval_iters >= 1, "--eval-iters must be >= 1 (got ", o.eval_iters, ")");
   if (o.num_threads > 0) omp_set_num_threads(o.num_threads);
   DataLoaders data = open_data(setup);
-  FP8LM_INPUT_CHECK(data.valid.has_value(), "--split ", o.split, " leaves no documents of --data-path for validation");
+  FP8LM_INPUT_CHECK(!validating || data.valid.has_value(), "--split ", o.split,
+                    " leaves no documents of --data-path for validation");
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
   // --load restores the FP8 scaling state too, so the loss is the one the run logged.
   load_into_engine(checkpoint, o.ckpt_step, setup, *engine,
@@ -605,8 +689,13 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   log_settings_table("memory once the weights are loaded (rank " + std::to_string(setup.parallel.world_rank) + ")",
                      engine->describe());
   EvaluationResult result;
-  result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
-  result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
+  if (validating) {
+    result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
+    result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
+  }
+  if (!data.choices.empty())
+    result.choices = choice_accuracy(*engine, data.choices, o.micro_batch_size, setup.seq_length,
+                                     setup.data_parallel_rank, setup.data_parallel_size, nullptr);
   return result;
 }
 

@@ -3,9 +3,18 @@
 // a TrainingEngine.
 #pragma once
 
+#include <optional>
+
 #include "apps/run_setup.h"
 
 namespace fp8lm {
+
+// A multiple-choice evaluation's count (--hellaswag-path), over every data-parallel rank.
+struct ChoiceAccuracy {
+  int64_t correct = 0;
+  int64_t examples = 0;
+  double accuracy() const { return examples > 0 ? double(correct) / double(examples) : 0.0; }
+};
 
 struct TrainingSummary {
   int64_t steps = 0;
@@ -13,6 +22,7 @@ struct TrainingSummary {
   double first_loss = 0.0;
   double last_loss = 0.0;
   double last_val_loss = -1.0;  // < 0 when never evaluated
+  std::optional<ChoiceAccuracy> last_choices;  // --hellaswag-path's last evaluation
   int stop_signal = 0;          // SIGTERM/SIGINT that ended the run early (after saving)
   std::string last_checkpoint;  // directory of the last checkpoint written
 };
@@ -25,8 +35,9 @@ class Watchdog;
 TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog = nullptr);
 
 struct EvaluationResult {
-  double loss = 0.0;   // mean token loss (nats)
-  int64_t tokens = 0;  // target tokens scored, all ranks
+  double loss = 0.0;   // mean token loss (nats); with validation data only
+  int64_t tokens = 0;  // target tokens scored, all ranks; 0 without validation data
+  std::optional<ChoiceAccuracy> choices;  // with --hellaswag-path
 };
 
 // `fp8lm eval`: the engine training uses, loaded from --load / --init-from, scores

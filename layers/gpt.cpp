@@ -1034,6 +1034,8 @@ Tensor GptModel::next_token_logits() const {
   return scratch_->logits;
 }
 
+Tensor GptModel::token_losses() const { return scratch_->losses; }
+
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
   const Scratch& s = *scratch_;
   const VocabSlice slice = vocab_slice();

@@ -287,6 +287,8 @@ class GptModel {
   void forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum);
   // Forward and loss only; the token losses accumulate into loss_sum. Records no amax.
   void forward_eval(const TokenBatch& batch, const Tensor& loss_sum);
+  // The last forward's token losses [B*T] f32 (0 at masked targets), every rank's the same.
+  Tensor token_losses() const;
   // Incremental decoding (inference models): runs batch [B,n] (n new tokens of each of the
   // B sequences, at positions [position, position + n)) through the model, appending their
   // keys and values to the cache. position 0 starts the sequences (a prompt: causal

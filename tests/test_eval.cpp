@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/shard_writer.h"
+#include "core/choice_eval.h"
+#include "core/mock_data.h"
+#include "core/random.h"
 #include "cli_testing.h"
 #include "byte_vocabulary.h"
 #include "temp_dir.h"
@@ -156,6 +159,60 @@ TEST_CASE("--eod-mask-loss: training logs, and eval reproduces, the loss over th
   CHECK_THAT(per_token.output, ContainsSubstring("--calculate-per-token-loss with --eod-mask-loss"));
 }
 
+TEST_CASE("--hellaswag-path: a trained model picks the true continuation; eval reproduces the accuracy its run logged",
+          "[eval][choice-eval]") {
+  // 41 examples from a mock stream the training never saw: 24 tokens of context, the next 6 as
+  // one ending and 6 random tokens as each of the three others, the true one at label e % 4.
+  TempDir dir;
+  const std::vector<uint16_t> stream = make_mock_tokens(41 * 40, 256, 999);
+  Random random(5);
+  std::vector<ChoiceExample> examples;
+  for (int e = 0; e < 41; ++e) {
+    ChoiceExample example{.index = e, .label = e % 4, .context = {}, .endings = {}};
+    const auto first = stream.begin() + ptrdiff_t(e) * 40;
+    example.context.assign(first, first + 24);
+    for (int k = 0; k < 4; ++k) {
+      std::vector<int32_t> ending(6);
+      if (k == example.label)
+        ending.assign(first + 24, first + 30);
+      else
+        for (int32_t& token : ending) token = int32_t(random.next_u64() % 256);
+      example.endings.push_back(ending);
+    }
+    examples.push_back(example);
+  }
+  const std::string choices = dir.file("choices.bin"), ck = dir.file("ck"), metrics = dir.file("m.jsonl");
+  write_choice_file(choices, examples);
+  const auto trained = run("--config " + kTiny + " --mock-data --device cpu --seq-length 32 --micro-batch-size 4 "
+                           "--global-batch-size 4 --lr 3e-3 --train-iters 80 --log-interval 40 --eval-interval 40 "
+                           "--eval-iters 0 --fp8-hybrid --hellaswag-path " + choices + " --save " + ck +
+                           " --metrics-file " + metrics);
+  REQUIRE(trained.exit_code == 0);
+  CHECK_THAT(trained.output, ContainsSubstring("hellaswag accuracy"));
+  const std::vector<double> logged = testing::metrics_field(metrics, "hellaswag_accuracy");
+  REQUIRE(logged.size() == 2);  // iterations 40 and 80
+  CHECK(logged.back() >= 0.8);  // chance is 0.25
+
+  const auto scored = run("eval --load " + ck + " --hellaswag-path " + choices + " --device cpu --log-level warn");
+  REQUIRE(scored.exit_code == 0);
+  std::istringstream lines(scored.output);
+  std::string line;
+  nlohmann::json json;
+  while (std::getline(lines, line))
+    if (line.rfind("{\"", 0) == 0) json = nlohmann::json::parse(line);
+  REQUIRE(json.contains("hellaswag_accuracy"));
+  CHECK(json["hellaswag_accuracy"].get<double>() == logged.back());
+  CHECK(json["hellaswag_examples"].get<int64_t>() == 41);
+  CHECK_FALSE(json.contains("loss"));  // no validation data given
+  CHECK_THAT(scored.output, ContainsSubstring("eval: hellaswag accuracy "));
+
+  // Four completions need four rows: a micro-batch of two is refused before any work.
+  const auto narrow = run("eval --load " + ck + " --hellaswag-path " + choices +
+                          " --micro-batch-size 2 --device cpu --log-level warn");
+  CHECK(narrow.exit_code == 2);
+  CHECK_THAT(narrow.output, ContainsSubstring("example 0 has 4 completions, more than the 2 rows of a micro-batch"));
+}
+
 TEST_CASE("eval of a Hugging Face export scores as its checkpoint does", "[eval]") {
   TempDir dir;
   const std::string valid = write_valid_shard(dir);
@@ -196,7 +253,7 @@ TEST_CASE("eval: bad input exits 2 naming the flag, file or path", "[eval]") {
            {"eval --load " + ck + data + " --bogus", "--bogus"},
            {"eval" + data, "--load DIR or --init-from PATH is required"},
            {"eval --load " + ck + " --init-from " + ck + data, "--load and --init-from are alternatives"},
-           {"eval --load " + ck + " --device cpu", "--valid-data-path or --data-path is required"},
+           {"eval --load " + ck + " --device cpu", "--valid-data-path, --data-path or --hellaswag-path is required"},
            {"eval --load " + ck + " --device cpu --valid-data-path " + dir.file("nothing*.bin"), "nothing*.bin"},
            {"eval --load " + dir.file("missing") + data, dir.file("missing")},
            {"eval --load " + ck + data + " --eval-iters 0", "--eval-iters"},

@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_testing.h"
+#include "core/choice_eval.h"
+#include "core/mock_data.h"
 #include "temp_dir.h"
 
 using namespace fp8lm;
@@ -371,6 +373,41 @@ TEST_CASE("a batch-size ramp-up under mpirun: DP = 2 takes the one-process run's
   REQUIRE(one_losses.size() == 6);
   REQUIRE(two_losses.size() == 6);
   CHECK(largest_relative_gap(two_losses, one_losses) < 2e-3);
+}
+
+TEST_CASE("--hellaswag-path under mpirun: DP = 2 and TP = 2 count the one-process evaluation's right answers",
+          "[parallel][cpu][choice-eval]") {
+  // 13 examples (an odd count: one data-parallel rank scores one more, the other a masked
+  // batch beside it), two or three completions each, from a mock stream.
+  const testing::TempDir dir;
+  const std::vector<uint16_t> stream = make_mock_tokens(13 * 30, 256, 77);
+  std::vector<ChoiceExample> examples;
+  for (int e = 0; e < 13; ++e) {
+    const auto first = stream.begin() + ptrdiff_t(e) * 30;
+    ChoiceExample example{.index = e, .label = e % 2, .context = {first, first + 16}, .endings = {}};
+    for (int k = 0; k < 2 + e % 2; ++k) {
+      std::vector<int32_t> ending(first + 16, first + 22);
+      if (k != example.label) ending[k % 6] = (ending[k % 6] + 1 + k) % 256;  // one token off
+      example.endings.push_back(ending);
+    }
+    examples.push_back(example);
+  }
+  write_choice_file(dir.file("choices.bin"), examples);
+  REQUIRE(testing::run_fp8lm(base_args("--micro-batch-size 4 --global-batch-size 4 --save " + dir.file("ck")))
+              .exit_code == 0);
+  const std::string eval = "eval --load " + dir.file("ck") + " --hellaswag-path " + dir.file("choices.bin") +
+                           " --device cpu --log-level warn";
+  auto correct = [](const testing::CommandResult& run) {
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    const auto at = run.output.find("\"hellaswag_correct\":");
+    REQUIRE(at != std::string::npos);
+    return std::stoll(run.output.substr(at + 20));
+  };
+  const long long one = correct(testing::run_fp8lm(eval));
+  CHECK(correct(run_ranks(2, eval)) == one);
+  CHECK(correct(run_ranks(2, eval + " --tensor-model-parallel-size 2")) == one);
+  CHECK(one > 0);
 }
 
 TEST_CASE("bad parallel input fails before any work, naming the flag", "[parallel][cpu][cli]") {
