@@ -260,7 +260,7 @@ TEST_CASE("vocab-parallel cross-entropy: a target outside the vocabulary gives a
   const Inputs in = make_inputs(N, V, Vp, 5000);
   std::vector<int32_t> bad_targets = in.targets;
   bad_targets[2] = V;   // a padded column: not a real token
-  bad_targets[4] = -1;
+  bad_targets[4] = -2;  // negative, and not the mask (kMaskedTarget, -1): a bad target
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
     const Result clean = run_parallel(in, in.targets, R, 0.5f);
