@@ -737,9 +737,9 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "llm.c's multiple-choice eval file (HellaSwag's hellaswag_val.bin from llm.c's dev/data/hellaswag.py): "
                  "its accuracy is logged at every evaluation")
       ->group(data);
-  bool per_token_loss = false;
-  app.add_flag("--calculate-per-token-loss", per_token_loss,
-               "Megatron's mean over the step's tokens: without --eod-mask-loss fp8lm's loss already is")
+  app.add_flag("--calculate-per-token-loss", o.calculate_per_token_loss,
+               "With --eod-mask-loss, one mean over the step's unmasked tokens (Megatron's), not each micro-batch's "
+               "mean; without the mask every micro-batch counts the same tokens and nothing changes")
       ->group(data);
   std::string data_args_path, per_split_data_args_path;
   app.add_option("--data-args-path", data_args_path, "A file holding --data-path's list (for long blends)")
@@ -1002,10 +1002,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     if (!o.mock_data) bad_flag("--split needs --data-path (it splits its documents)");
     o.megatron_no_effect.push_back("--split " + o.split + " with --mock-data: the mock stream has no documents to split");
   }
-  if (per_token_loss && o.eod_mask_loss)
-    bad_flag("--calculate-per-token-loss with --eod-mask-loss: fp8lm divides each micro-batch's masked loss by its "
-             "own unmasked tokens (Megatron's default), not by the step's");
-  if (per_token_loss)
+  if (o.calculate_per_token_loss && !o.eod_mask_loss)
     o.megatron_no_effect.push_back("--calculate-per-token-loss: without a loss mask every micro-batch has the same "
                                    "number of tokens, so fp8lm's mean over the global batch's tokens is the per-token loss");
   if (app.count("--data-format") > 0 && !o.data_path.empty())

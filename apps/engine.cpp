@@ -260,6 +260,10 @@ struct TrainingEngine::State {
   // targets of every micro-batch and data-parallel rank (this rank's so far: step_loss_tokens).
   bool loss_mask = false;
   int64_t step_loss_tokens = 0;
+  // --calculate-per-token-loss with the mask: the step's unmasked targets over every rank,
+  // known before its first backward (begin_step's loss_tokens); -1 until then.
+  bool per_token_loss = false;
+  double step_global_loss_tokens = -1.0;
   MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
 
   size_t tensor_count() const { return model->layout().tensors().size(); }
@@ -600,6 +604,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   // loss divisor counts the same tokens.
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
   s.loss_mask = o.eod_mask_loss;
+  s.per_token_loss = o.eod_mask_loss && o.calculate_per_token_loss;
 
   if (start == ParameterStart::set_by_caller) return;
   const auto began = std::chrono::steady_clock::now();
@@ -666,8 +671,19 @@ void TrainingEngine::begin_step(int64_t step, int micro_batches) {
   s.ops->zero(&s.device_scalars()->loss_sum, sizeof(float));
   s.micro_batches = 0;
   s.step_loss_tokens = 0;
+  s.step_global_loss_tokens = -1.0;
   s.first_pass_layers_queued = 0;
   s.first_pass_waiting.clear();  // a backward without an end_step (none in training) left nothing
+}
+
+void TrainingEngine::begin_step(int64_t step, int micro_batches, int64_t loss_tokens) {
+  State& s = *state_;
+  FP8LM_CHECK(s.per_token_loss, "a step's token count is for --eod-mask-loss --calculate-per-token-loss");
+  FP8LM_CHECK(loss_tokens >= 0, "loss_tokens=", loss_tokens);
+  begin_step(step, micro_batches);
+  double total = double(loss_tokens);
+  if (s.parallel.dp_size > 1) s.host->dp().all_reduce(&total, &total, 1, CommDtype::f64, ReduceOp::sum);
+  s.step_global_loss_tokens = total;
 }
 
 void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targets) {
@@ -678,11 +694,19 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   FP8LM_CHECK(s.loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
   s.step_loss_tokens += unmasked;
   // Megatron's loss of a masked micro-batch: the mean over its unmasked tokens, over the
-  // micro-batches, averaged over the data-parallel ranks. Without a mask it is the same weight.
-  const float dloss = unmasked == tokens ? 1.0f / (s.tokens_per_micro_batch * float(s.grad_accum_steps))
-                      : unmasked == 0
-                          ? 0.0f
-                          : 1.0f / (float(unmasked) * float(s.parallel.dp_size) * float(s.grad_accum_steps));
+  // micro-batches, averaged over the data-parallel ranks (without a mask the same weight); with
+  // --calculate-per-token-loss the mean over the step's unmasked tokens on every rank (the
+  // data-parallel reduction sums).
+  float dloss = 0.0f;
+  if (s.per_token_loss) {
+    FP8LM_CHECK(s.step_global_loss_tokens >= 0.0,
+                "--calculate-per-token-loss: begin_step needs the step's unmasked targets before its first micro-batch");
+    dloss = s.step_global_loss_tokens > 0.0 ? float(1.0 / s.step_global_loss_tokens) : 0.0f;
+  } else if (unmasked == tokens) {
+    dloss = 1.0f / (s.tokens_per_micro_batch * float(s.grad_accum_steps));
+  } else if (unmasked > 0) {
+    dloss = 1.0f / (float(unmasked) * float(s.parallel.dp_size) * float(s.grad_accum_steps));
+  }
   const TokenBatch batch =
       s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
   s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
@@ -692,6 +716,7 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
 
 float TrainingEngine::State::step_loss_divisor() {
   if (!loss_mask) return tokens_per_micro_batch * float(std::max(micro_batches, 1));
+  if (per_token_loss) return float(std::max(step_global_loss_tokens, 1.0));  // agreed in begin_step
   double unmasked = double(step_loss_tokens);
   if (parallel.dp_size > 1) host->dp().all_reduce(&unmasked, &unmasked, 1, CommDtype::f64, ReduceOp::sum);
   return float(std::max(unmasked, 1.0));

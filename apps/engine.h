@@ -116,12 +116,17 @@ class TrainingEngine {
   // A step of `micro_batches` forward_backward calls where the run's global batch has another
   // count (a batch of the ramp-up, --rampup-batch-size): its loss is their mean.
   void begin_step(int64_t step, int micro_batches);
+  // Under --eod-mask-loss --calculate-per-token-loss: `loss_tokens` is this rank's unmasked
+  // targets over the step's micro-batches (the loop reads them first), and every unmasked token
+  // of the step weighs 1 / (every data-parallel rank's total, agreed on the host here).
+  void begin_step(int64_t step, int micro_batches, int64_t loss_tokens);
   // One micro-batch: forward and backward. Each token's loss weighs 1 / (the step's tokens
   // over every data-parallel rank), so that the reduced gradients are those of the global
   // batch's mean loss. inputs/targets [B,T] on the host. Under --eod-mask-loss targets may be
   // kMaskedTarget (core/loss_mask.h) and, as in Megatron, a micro-batch's unmasked tokens
-  // weigh 1 / (their count x micro-batches x data-parallel ranks); the step's loss is the sum
-  // over every rank's unmasked tokens over their count.
+  // weigh 1 / (their count x micro-batches x data-parallel ranks), or with
+  // --calculate-per-token-loss 1 / (the step's count over every rank); the step's loss is the
+  // sum over every rank's unmasked tokens over their count.
   void forward_backward(const int32_t* inputs, const int32_t* targets);
   // Ends the step: gradient norm, clipping, and (unless the loss or gradient is not
   // finite) the AdamW update and the FP8 scale update. `step` is 0-based. Never waits

@@ -147,6 +147,9 @@ struct TrainOptions {
   // --eod-mask-loss: the loss skips the prediction made from each end-of-document token (the
   // next document's first token), and means divide by the tokens that count (core/loss_mask.h)
   bool eod_mask_loss = false;
+  // --calculate-per-token-loss (Megatron's): with the mask, every unmasked token of the step
+  // weighs 1 / (the step's unmasked tokens over every rank), not 1 / (its micro-batch's) / ...
+  bool calculate_per_token_loss = false;
   // --hellaswag-path: llm.c's multiple-choice eval file (core/choice_eval.h), scored at every
   // evaluation (training) and by fp8lm eval
   std::string hellaswag_path;

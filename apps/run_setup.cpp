@@ -472,7 +472,9 @@ SettingsTable settings_table(const RunSetup& s) {
       {"exit-duration-in-mins", o.exit_duration_in_mins ? str(*o.exit_duration_in_mins) : "(none)"},
       {"vocab-file / merge-file", o.vocab_file.empty() ? std::string("(none)") : o.vocab_file + " / " + o.merge_file},
       {"eod-mask-loss", s.loss_mask_token < 0 ? std::string("off")
-                                              : "on (targets after token " + str(s.loss_mask_token) + " skipped)"},
+                        : "on (targets after token " + str(s.loss_mask_token) + " skipped; " +
+                              (o.calculate_per_token_loss ? "the mean over the step's tokens, --calculate-per-token-loss)"
+                                                          : "each micro-batch's mean)")},
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},

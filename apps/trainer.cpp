@@ -101,8 +101,8 @@ DataLoaders open_data(const RunSetup& setup) {
 // their token losses over the tokens counted (every token, or the unmasked ones under
 // --eod-mask-loss, as Megatron's evaluation). Training's periodic evaluation and `fp8lm eval`
 // both call it, so a checkpoint's evaluation reproduces the loss its run logged.
-double validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_iters, int micro_batch_size,
-                       int seq_length, Watchdog* watchdog) {
+TrainingEngine::BatchLoss validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_iters,
+                                          int micro_batch_size, int seq_length, Watchdog* watchdog) {
   std::vector<int32_t> inputs(size_t(micro_batch_size) * seq_length), targets(inputs.size());
   valid.reset();
   TrainingEngine::BatchLoss total;
@@ -113,7 +113,7 @@ double validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_i
     total.tokens += batch.tokens;
     if (watchdog) watchdog->heartbeat();
   }
-  return total.mean();
+  return total;
 }
 
 // Multiple-choice accuracy (core/choice_eval.h): data-parallel rank r scores examples r, r +
@@ -445,6 +445,9 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
 
   const int B = o.micro_batch_size, T = setup.seq_length;
   std::vector<int32_t> inputs(size_t(B) * T), targets(size_t(B) * T);
+  // --eod-mask-loss --calculate-per-token-loss: the step's micro-batches, read before its first.
+  const bool per_token_loss = o.eod_mask_loss && o.calculate_per_token_loss;
+  std::vector<int32_t> step_inputs, step_targets;
 
   // What an evaluation scores: the validation loss (with validation data and --eval-iters),
   // the multiple-choice accuracy (with --hellaswag-path).
@@ -453,7 +456,7 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   auto evaluate = [&](int64_t iteration) {
     nlohmann::json line = {{"iter", iteration}};
     if (validating) {
-      const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog);
+      const double val_loss = validation_loss(*engine, *data.valid, o.eval_iters, B, T, watchdog).mean();
       spdlog::info("iter {:6d} | validation loss {:.4f} | perplexity {:.2f}", iteration, val_loss,
                    std::exp(std::min(val_loss, 50.0)));
       line["val_loss"] = val_loss;
@@ -494,10 +497,21 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
     const double lr = learning_rate_after(steps_done, schedule);
     const double decay = weight_decay_after(steps_done, decay_schedule);
     const Clock::time_point step_start = Clock::now();
-    engine->begin_step(step, micro_batches);
-    for (int micro = 0; micro < micro_batches; ++micro) {
-      data.train->next_batch(inputs.data(), targets.data());
-      engine->forward_backward(inputs.data(), targets.data());
+    if (per_token_loss) {
+      // Every micro-batch of the step first: each token's weight needs the step's count.
+      step_inputs.resize(size_t(micro_batches) * B * T);
+      step_targets.resize(step_inputs.size());
+      for (int micro = 0; micro < micro_batches; ++micro)
+        data.train->next_batch(step_inputs.data() + size_t(micro) * B * T, step_targets.data() + size_t(micro) * B * T);
+      engine->begin_step(step, micro_batches, count_unmasked_targets(step_targets.data(), step_targets.size()));
+      for (int micro = 0; micro < micro_batches; ++micro)
+        engine->forward_backward(step_inputs.data() + size_t(micro) * B * T, step_targets.data() + size_t(micro) * B * T);
+    } else {
+      engine->begin_step(step, micro_batches);
+      for (int micro = 0; micro < micro_batches; ++micro) {
+        data.train->next_batch(inputs.data(), targets.data());
+        engine->forward_backward(inputs.data(), targets.data());
+      }
     }
     engine->end_step(adamw_hyperparams(o, lr, decay), o.clip_grad, step);
     if (o.benchmark) {
@@ -690,8 +704,10 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
                      engine->describe());
   EvaluationResult result;
   if (validating) {
-    result.loss = validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
-    result.tokens = o.eval_iters * int64_t{o.micro_batch_size} * setup.seq_length * setup.data_parallel_size;
+    const TrainingEngine::BatchLoss total =
+        validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
+    result.loss = total.mean();
+    result.tokens = int64_t(total.tokens);
   }
   if (!data.choices.empty())
     result.choices = choice_accuracy(*engine, data.choices, o.micro_batch_size, setup.seq_length,

@@ -36,7 +36,7 @@ TrainingSummary run_training(const RunSetup& setup, Watchdog* watchdog = nullptr
 
 struct EvaluationResult {
   double loss = 0.0;   // mean token loss (nats); with validation data only
-  int64_t tokens = 0;  // target tokens scored, all ranks; 0 without validation data
+  int64_t tokens = 0;  // target tokens scored (unmasked), all ranks; 0 without validation data
   std::optional<ChoiceAccuracy> choices;  // with --hellaswag-path
 };
 

@@ -137,26 +137,40 @@ TEST_CASE("--eod-mask-loss: training logs, and eval reproduces, the loss over th
                             "--train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 3 --fp8-hybrid";
   const auto trained = run(train + tokenizer + " --eod-mask-loss --save " + ck + " --metrics-file " + metrics);
   REQUIRE(trained.exit_code == 0);
-  CHECK_THAT(trained.output, ContainsSubstring("on (targets after token 257 skipped)"));
+  CHECK_THAT(trained.output, ContainsSubstring("on (targets after token 257 skipped; each micro-batch's mean)"));
   const double logged = last_val_loss(metrics);
   REQUIRE(logged > 0.0);
   const auto masked = run("eval --load " + ck + " --valid-data-path " + valid + tokenizer +
                           " --eod-mask-loss --device cpu --log-level warn");
   REQUIRE(masked.exit_code == 0);
   CHECK(eval_json(masked.output)["loss"].get<double>() == logged);
+  // The tokens counted: 3 batches of 2 x 32 targets, less the masked ones (one in 37 tokens).
+  const int64_t counted = eval_json(masked.output)["tokens"].get<int64_t>();
+  CHECK(counted < 3 * 2 * 32);
+  CHECK(counted >= 3 * 2 * 32 - 3 * 2 * 2);
   // Every target counted: another mean.
   const auto unmasked = run("eval --load " + ck + " --valid-data-path " + valid + " --device cpu --log-level warn");
   REQUIRE(unmasked.exit_code == 0);
   CHECK(eval_json(unmasked.output)["loss"].get<double>() != logged);
 
-  // Bad combinations, before any work: the token outside the model, Megatron's per-token mean.
+  // The token outside the model: refused before any work.
   const auto outside = run("--config " + kTiny + " --mock-data --device cpu --train-iters 1 --eod-mask-loss");
   CHECK(outside.exit_code == 2);
   CHECK_THAT(outside.output, ContainsSubstring("--eod-mask-loss: the end-of-document token 50256 (GPT-2's "
                                                "<|endoftext|>) is outside the model's vocabulary of 256"));
-  const auto per_token = run(train + tokenizer + " --eod-mask-loss --calculate-per-token-loss");
-  CHECK(per_token.exit_code == 2);
-  CHECK_THAT(per_token.output, ContainsSubstring("--calculate-per-token-loss with --eod-mask-loss"));
+  // Megatron's per-token mean runs too (its weights: tests/test_training_cpu.cpp). On the
+  // masked shard, its first step's loss (the same weights and batches) is the one the mean per
+  // micro-batch logs: both report the step's loss sum over its unmasked targets.
+  const std::string two_steps = "--config " + kTiny + " --vocab-size 300 --train-data-path " + valid +
+                                " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+                                "--train-iters 2 --log-interval 1 --eval-iters 0 --fp8-hybrid --eod-mask-loss" +
+                                tokenizer + " --metrics-file ";
+  REQUIRE(run(two_steps + dir.file("micro.jsonl")).exit_code == 0);
+  const auto per_token = run(two_steps + dir.file("token.jsonl") + " --calculate-per-token-loss");
+  REQUIRE(per_token.exit_code == 0);
+  CHECK_THAT(per_token.output, ContainsSubstring("the mean over the step's tokens, --calculate-per-token-loss"));
+  CHECK(testing::metrics_losses(dir.file("token.jsonl")).front() ==
+        testing::metrics_losses(dir.file("micro.jsonl")).front());
 }
 
 TEST_CASE("--hellaswag-path: a trained model picks the true continuation; eval reproduces the accuracy its run logged",

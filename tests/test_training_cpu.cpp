@@ -447,6 +447,68 @@ TEST_CASE("--eod-mask-loss: a micro-batch's loss is the mean over its unmasked t
                     Catch::Matchers::ContainsSubstring("masked targets in a run without --eod-mask-loss"));
 }
 
+TEST_CASE("--eod-mask-loss over two micro-batches: each one's mean by default, one mean of the step with "
+          "--calculate-per-token-loss",
+          "[training][cpu][loss-mask]") {
+  // Megatron: by default the step's gradient is (g1 / c1 + g2 / c2) / 2 for micro-batches of c1
+  // and c2 unmasked targets; with --calculate-per-token-loss it is (g1 + g2) / (c1 + c2). Both
+  // log the step's loss sum over c1 + c2.
+  const testing::TempDir dir;
+  const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);
+  const int B = 2, T = 16, kEnd = 257;
+  std::vector<int32_t> inputs = random_tokens(size_t(2 * B) * T, 300, 31), targets = random_tokens(inputs.size(), 300, 32);
+  for (const int position : {3, 4, 9, 40}) inputs[position] = kEnd;  // 3 in the first micro-batch, 1 in the second
+  mask_targets_after_token(kEnd, inputs.data(), targets.data(), targets.size());
+  const size_t half = size_t(B) * T;
+  const double c1 = double(count_unmasked_targets(targets.data(), half));
+  const double c2 = double(count_unmasked_targets(targets.data() + half, half));
+  REQUIRE(c1 == half - 3);
+  REQUIRE(c2 == half - 1);
+  for (const bool per_token : {false, true}) {
+    CAPTURE(per_token);
+    std::vector<std::string> args = {"--config", testing::source_path("configs/tiny.json"), "--vocab-size", "300",
+                                     "--vocab-file", vocab.vocab_file, "--merge-file", vocab.merge_file, "--mock-data",
+                                     "--seq-length", std::to_string(T), "--micro-batch-size", std::to_string(B),
+                                     "--fp32", "--eod-mask-loss"};
+    if (per_token) args.push_back("--calculate-per-token-loss");
+    const RunSetup setup = setup_from(args);
+    auto engine = make_engine(setup);
+    const std::vector<float> initial = engine->parameters();
+    if (per_token) {
+      engine->begin_step(0, 2, int64_t(c1 + c2));
+    } else {
+      engine->begin_step(0, 2);
+    }
+    engine->forward_backward(inputs.data(), targets.data());
+    engine->forward_backward(inputs.data() + half, targets.data() + half);
+    engine->end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+    const StepMetrics metrics = engine->step_metrics();
+
+    CpuModel reference(setup.model, B, T);
+    for (const TensorInfo& t : reference.model.layout().tensors())
+      std::copy_n(initial.begin() + ptrdiff_t(engine->layout().find(t.name)->offset), t.numel,
+                  reference.parameters().begin() + ptrdiff_t(t.offset));
+    reference.model.zero_gradients();
+    reference.forward_backward(inputs, targets, per_token ? float(1.0 / (c1 + c2)) : float(1.0 / (2 * c1)));
+    double loss_sum = reference.loss_sum;
+    reference.forward_backward(inputs, targets, per_token ? float(1.0 / (c1 + c2)) : float(1.0 / (2 * c2)), half);
+    loss_sum += reference.loss_sum;
+    double squares = 0;
+    for (float g : reference.gradients()) squares += double(g) * g;
+    CHECK(std::fabs(metrics.loss - loss_sum / (c1 + c2)) <= 1e-6 * metrics.loss);
+    CHECK(std::fabs(metrics.grad_norm - std::sqrt(squares)) <= 1e-5 * std::sqrt(squares));
+  }
+  // The per-token mean needs the step's count first: a step begun without it is an internal error.
+  const RunSetup per_token = setup_from({"--config", testing::source_path("configs/tiny.json"), "--vocab-size", "300",
+                                         "--vocab-file", vocab.vocab_file, "--merge-file", vocab.merge_file,
+                                         "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
+                                         "--eod-mask-loss", "--calculate-per-token-loss"});
+  auto engine = make_engine(per_token);
+  engine->begin_step(0, 1);
+  CHECK_THROWS_WITH(engine->forward_backward(inputs.data(), targets.data()),
+                    Catch::Matchers::ContainsSubstring("begin_step needs the step's unmasked targets"));
+}
+
 TEST_CASE("the tiny model learns in fp32, bf16 and fp8 hybrid; fp8 ends near fp32", "[training][cpu][slow]") {
   // 150 steps of 4 x 32 tokens on the mock language (entropy about 1.3 nats/token at
   // vocab 256, uniform is log 256 = 5.55). Measured on the dev machine: validation

@@ -247,20 +247,17 @@ TEST_CASE("mpi: every layout starts from the canonical model's initial weights, 
   }
 }
 
-TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch is its own unmasked mean, the "
-          "step's loss the global one",
+TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch is its own unmasked mean (or, "
+          "with --calculate-per-token-loss, the step's), the step's loss the global one",
           "[mpi][parallel][loss-mask]") {
-  // Megatron's normalisation: a rank's micro-batch weighs each unmasked token 1 / (its count x
-  // the data-parallel ranks), and the reported loss is every rank's loss sum over every rank's
-  // count. The ranks mask different numbers of targets, so the two differ from a plain mean.
+  // Megatron's normalisation: by default a rank's micro-batch weighs each unmasked token 1 / (its
+  // count x the data-parallel ranks); with --calculate-per-token-loss each weighs 1 / (every
+  // rank's count). The reported loss is every rank's loss sum over every rank's count either way.
+  // The ranks mask different numbers of targets, so the weights differ from a plain mean.
   const testing::TempDir dir;
   const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
   const ParallelLayout layout = detect_parallel_layout(1);
   const int dp = layout.dp_size, B = 2, T = 32, kEnd = 257;
-  const RunSetup setup = tiny_setup(layout, "cpu",
-                                    {"--fp32", "--vocab-size", "300", "--vocab-file", vocab.vocab_file, "--merge-file",
-                                     vocab.merge_file, "--eod-mask-loss", "--use-distributed-optimizer"});
-  REQUIRE(setup.loss_mask_token == kEnd);
   // Rank r's batch: tokens from its seed, 3 r + 1 of its inputs the end-of-document token.
   auto rank_batch = [&](int r) {
     Random random(uint64_t(500 + r));
@@ -272,43 +269,56 @@ TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch 
     mask_targets_after_token(kEnd, x.data(), y.data(), y.size());
     return std::pair{x, y};
   };
-  TrainingEngine engine(setup, layout);
-  const std::vector<float> initial = engine.parameters();
-  const auto [x, y] = rank_batch(layout.dp_rank);
-  engine.begin_step();
-  engine.forward_backward(x.data(), y.data());
-  engine.end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
-  const StepMetrics metrics = engine.step_metrics();
+  double count = 0;
+  for (int r = 0; r < dp; ++r) count += double(count_unmasked_targets(rank_batch(r).second.data(), size_t(B) * T));
+  for (const bool per_token : {false, true}) {
+    std::vector<std::string> flags = {"--fp32", "--vocab-size", "300", "--vocab-file", vocab.vocab_file,
+                                      "--merge-file", vocab.merge_file, "--eod-mask-loss", "--use-distributed-optimizer"};
+    if (per_token) flags.push_back("--calculate-per-token-loss");
+    const RunSetup setup = tiny_setup(layout, "cpu", flags);
+    REQUIRE(setup.loss_mask_token == kEnd);
+    TrainingEngine engine(setup, layout);
+    const std::vector<float> initial = engine.parameters();
+    const auto [x, y] = rank_batch(layout.dp_rank);
+    if (per_token) {
+      engine.begin_step(0, 1, count_unmasked_targets(y.data(), y.size()));
+    } else {
+      engine.begin_step();
+    }
+    engine.forward_backward(x.data(), y.data());
+    engine.end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+    const StepMetrics metrics = engine.step_metrics();
 
-  // Every rank's batch through the model alone, on this process, gradients accumulated.
-  std::unique_ptr<Ops> ops = make_cpu_ops();
-  GptModel model(setup.model, B, T, GptPrecision{}, *ops);
-  float* master = static_cast<float*>(model.working());
-  for (const TensorInfo& t : model.layout().tensors())
-    std::copy_n(initial.begin() + ptrdiff_t(engine.layout().find(t.name)->offset), t.numel, master + t.offset);
-  model.zero_gradients();
-  double loss_sum = 0, count = 0;
-  for (int r = 0; r < dp; ++r) {
-    const auto [rx, ry] = rank_batch(r);
-    const double unmasked = double(count_unmasked_targets(ry.data(), ry.size()));
-    float sum = 0.0f;
-    Tensor sum_tensor;
-    sum_tensor.data = &sum;
-    sum_tensor.rows = sum_tensor.cols = 1;
-    model.forward_backward(ops->load_batch(rx.data(), ry.data(), B, T, model.vocab_slice()),
-                           float(1.0 / (unmasked * dp)), sum_tensor);
-    loss_sum += sum;
-    count += unmasked;
+    // Every rank's batch through the model alone, on this process, gradients accumulated.
+    std::unique_ptr<Ops> ops = make_cpu_ops();
+    GptModel model(setup.model, B, T, GptPrecision{}, *ops);
+    float* master = static_cast<float*>(model.working());
+    for (const TensorInfo& t : model.layout().tensors())
+      std::copy_n(initial.begin() + ptrdiff_t(engine.layout().find(t.name)->offset), t.numel, master + t.offset);
+    model.zero_gradients();
+    double loss_sum = 0;
+    for (int r = 0; r < dp; ++r) {
+      const auto [rx, ry] = rank_batch(r);
+      const double unmasked = double(count_unmasked_targets(ry.data(), ry.size()));
+      float sum = 0.0f;
+      Tensor sum_tensor;
+      sum_tensor.data = &sum;
+      sum_tensor.rows = sum_tensor.cols = 1;
+      model.forward_backward(ops->load_batch(rx.data(), ry.data(), B, T, model.vocab_slice()),
+                             float(per_token ? 1.0 / count : 1.0 / (unmasked * dp)), sum_tensor);
+      loss_sum += sum;
+    }
+    double squares = 0;
+    const float* gradients = model.gradients().as<float>();
+    for (size_t i = 0; i < model.layout().total_elements(); ++i) squares += double(gradients[i]) * gradients[i];
+    INFO("rank " << layout.world_rank << (per_token ? ", per token" : "") << ": loss " << metrics.loss
+                 << " expected " << loss_sum / count);
+    CHECK(std::fabs(metrics.loss - loss_sum / count) <= 1e-6 * (loss_sum / count));
+    CHECK(std::fabs(metrics.grad_norm - std::sqrt(squares)) <= 1e-5 * std::sqrt(squares));
+    // Evaluation: the same global count.
+    engine.set_parameters(initial);
+    const TrainingEngine::BatchLoss eval = engine.evaluate(x.data(), y.data());
+    CHECK(eval.tokens == count);
+    CHECK(std::fabs(eval.mean() - loss_sum / count) <= 1e-6 * (loss_sum / count));
   }
-  double squares = 0;
-  const float* gradients = model.gradients().as<float>();
-  for (size_t i = 0; i < model.layout().total_elements(); ++i) squares += double(gradients[i]) * gradients[i];
-  INFO("rank " << layout.world_rank << " loss " << metrics.loss << " expected " << loss_sum / count);
-  CHECK(std::fabs(metrics.loss - loss_sum / count) <= 1e-6 * (loss_sum / count));
-  CHECK(std::fabs(metrics.grad_norm - std::sqrt(squares)) <= 1e-5 * std::sqrt(squares));
-  // Evaluation: the same global count.
-  engine.set_parameters(initial);
-  const TrainingEngine::BatchLoss eval = engine.evaluate(x.data(), y.data());
-  CHECK(eval.tokens == count);
-  CHECK(std::fabs(eval.mean() - loss_sum / count) <= 1e-6 * (loss_sum / count));
 }
