@@ -473,6 +473,7 @@ void validate_options(const TrainOptions& o) {
   positive(o.model.ffn_hidden_size, "--ffn-hidden-size");
   positive(o.model.max_position_embeddings, "--max-position-embeddings");
   positive(o.model.vocab_size, "--vocab-size");
+  positive(o.model.kv_channels, "--kv-channels");
   auto positive_real = [&](const std::optional<double>& value, const char* flag, double max) {
     require(!value || (std::isfinite(*value) && *value > 0.0 && *value <= max),
             std::string(flag) + " must be a number in (0, " + format_real(max) + "] (got " +
@@ -505,6 +506,9 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--ffn-hidden-size", o.model.ffn_hidden_size, "Override n_inner (MLP width)")->group(model);
   app.add_option("--max-position-embeddings", o.model.max_position_embeddings, "Override n_positions")->group(model);
   app.add_option("--vocab-size", o.model.vocab_size, "Override vocab_size")->group(model);
+  app.add_option("--kv-channels", o.model.kv_channels,
+                 "A head's width: only hidden-size / num-attention-heads (Megatron's default), checked")
+      ->group(model);
   app.add_option("--init-method-std", o.model.init_method_std,
                  "Standard deviation of the initial weights (the residual projections': this / sqrt(2 x layers)); "
                  "overrides initializer_range (default 0.02)")

@@ -40,6 +40,9 @@ struct ModelOverrides {  // Megatron's model-shape flags; each overrides --confi
   std::optional<int> vocab_size;               // --vocab-size
   std::optional<double> init_method_std;       // --init-method-std: overrides initializer_range
   std::optional<double> norm_epsilon;          // --norm-epsilon: overrides layer_norm_epsilon
+  // --kv-channels: a head's width, which fp8lm's GPT (as Megatron's default) makes
+  // hidden-size / num-attention-heads; any other value is refused
+  std::optional<int> kv_channels;
 };
 
 struct TrainOptions {

@@ -71,6 +71,11 @@ GptConfig model_config_from(const TrainOptions& o) {
     config = parse_gpt_config(json, o.config_path.empty() ? "model flags" : o.config_path + " with model flags");
     config.name = name;
   }
+  if (m.kv_channels && int64_t{*m.kv_channels} * config.n_head != config.n_embd)
+    throw InputError("--kv-channels " + std::to_string(*m.kv_channels) + ": fp8lm's heads are hidden-size / "
+                         "num-attention-heads = " + std::to_string(config.n_embd) + " / " +
+                         std::to_string(config.n_head) + " wide; a projection to another width is not implemented",
+                     "leave --kv-channels out, or give " + std::to_string(config.n_embd / config.n_head));
   return config;
 }
 

@@ -594,6 +594,23 @@ TEST_CASE("the initial weights: --init-method-std sets the initial weights' devi
   }
 }
 
+TEST_CASE("--kv-channels: hidden-size / num-attention-heads is accepted, another width refused by name",
+          "[cli][megatron]") {
+  auto setup_error = [](const std::string& channels) {
+    try {
+      resolve_run_setup(parse({"--config", kTiny, "--mock-data", "--device", "cpu", "--kv-channels", channels}));
+    } catch (const InputError& e) {
+      return e.full_message();
+    }
+    return std::string("(no error)");
+  };
+  CHECK(setup_error("32") == "(no error)");  // the tiny model: 64 wide, 2 heads
+  CHECK_THAT(setup_error("48"), ContainsSubstring("--kv-channels 48: fp8lm's heads are hidden-size / "
+                                                  "num-attention-heads = 64 / 2 wide") &&
+                                    ContainsSubstring("give 32"));
+  CHECK_THAT(parse_error({"--mock-data", "--kv-channels", "0"}), ContainsSubstring("--kv-channels"));
+}
+
 TEST_CASE("a time limit: --exit-duration-in-mins stops after the step that passes it, with a checkpoint", "[cli][megatron]") {
   const testing::TempDir dir;
   const auto run = testing::run_fp8lm(tiny_run("--train-iters 5 --exit-duration-in-mins 0 --save " + dir.file("ckpt") +
