@@ -415,8 +415,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   MemoryEstimate estimate;
   // fp8lm eval builds this engine too, with fewer flags: its remedies name its own.
   const bool eval = o.command == RunCommand::eval;
-  const std::string more_tp = eval ? "fp8lm eval keeps the whole model on each rank: evaluate on a machine with more "
-                                     "memory"
+  const std::string more_tp = eval ? "split the model over ranks: mpirun -np N fp8lm eval --tensor-model-parallel-size N"
                                    : "raise --tensor-model-parallel-size";
   const std::string zero = eval ? "fp8lm eval builds the training engine, optimizer state included: evaluate over "
                                   "several data-parallel ranks (mpirun -np N) to shard it"
