@@ -209,10 +209,11 @@ TEST_CASE("eval's estimate is the engine eval builds, and matches its allocation
     CHECK(std::fabs(estimated - measured) <= 0.02 * measured);
     CHECK_THAT(consumer(setup.memory, "activations").remedy, ContainsSubstring("eval scores --eval-iters batches"));
     CHECK_THAT(consumer(setup.memory, "optimizer").remedy, ContainsSubstring("mpirun -np N"));
-    for (const MemoryConsumer& c : setup.memory.consumers) {
+    // eval takes --tensor-model-parallel-size (under mpirun), not --global-batch-size.
+    CHECK_THAT(consumer(setup.memory, "parameters").remedy,
+               ContainsSubstring("mpirun -np N fp8lm eval --tensor-model-parallel-size N"));
+    for (const MemoryConsumer& c : setup.memory.consumers)
       CHECK(c.remedy.find("--global-batch-size") == std::string::npos);
-      CHECK(c.remedy.find("--tensor-model-parallel-size") == std::string::npos);
-    }
   }
 }
 
