@@ -353,6 +353,8 @@ void validate_options(const TrainOptions& o) {
   // --init-from takes --ckpt-step too: --load DIR --finetune becomes --init-from DIR.
   require(!o.ckpt_step || !o.load_dir.empty() || !o.init_from.empty(), "--ckpt-step needs --load DIR");
   require(o.exit_interval >= 0, "--exit-interval must be >= 0 (got " + num(o.exit_interval) + ")");
+  require(o.check_weight_hash_interval >= 0, "--check-weight-hash-across-dp-replicas-interval must be >= 0 (got " +
+                                                 num(o.check_weight_hash_interval) + ")");
   require(!o.exit_duration_in_mins || *o.exit_duration_in_mins >= 0,
           "--exit-duration-in-mins must be >= 0 (got " + (o.exit_duration_in_mins ? num(*o.exit_duration_in_mins) : "") +
               ")");
@@ -782,6 +784,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--save-retain-interval", o.save_retain_interval,
                  "Keep the checkpoints of every N-th iteration and the latest: a save removes the one before it "
                  "otherwise (0: keep all)")
+      ->group(checkpoints);
+  app.add_option("--check-weight-hash-across-dp-replicas-interval", o.check_weight_hash_interval,
+                 "Every N iterations compare the data-parallel replicas' parameters (CRC-32); a difference stops the "
+                 "run naming the ranks (0: never)")
       ->group(checkpoints);
   app.add_option("--exit-interval", o.exit_interval,
                  "Stop (saving a checkpoint with --save) once the iteration is a multiple of N; 0: off")

@@ -21,6 +21,7 @@
 
 #include "apps/run_setup.h"
 #include "core/check_cuda.h"
+#include "core/checksum.h"
 #include "core/error.h"
 #include "core/host_values.h"
 #include "core/launch.h"
@@ -1140,6 +1141,38 @@ std::vector<TrainingEngine::BatchLoss> TrainingEngine::row_losses(const int32_t*
       rows[b].tokens += targets[i] != kMaskedTarget;
     }
   return rows;
+}
+
+uint32_t TrainingEngine::replica_checksum() {
+  State& s = *state_;
+  s.ops->synchronize();
+  std::vector<uint8_t> bytes(s.model->working_bytes());
+  s.ops->download(bytes.data(), s.model->working(), bytes.size());
+  uint32_t crc = crc32(bytes.data(), bytes.size());
+  if (!s.sharded && s.master != s.model->working()) {
+    std::vector<float> master(s.shard.size);
+    s.ops->download(master.data(), s.master, master.size() * sizeof(float));
+    crc = crc32(master.data(), master.size() * sizeof(float), crc);
+  }
+  return crc;
+}
+
+void TrainingEngine::check_replicas_agree(int64_t iteration) {
+  State& s = *state_;
+  const uint32_t own = replica_checksum();
+  Communicator& dp = s.host->dp();
+  std::vector<uint32_t> all(size_t(dp.size()));
+  dp.all_gather(&own, all.data(), sizeof own, CommDtype::u8);
+  std::string differ;
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0]) differ += (differ.empty() ? "" : ", ") + std::to_string(r) + " (" + crc32_hex(all[r]) + ")";
+  if (!differ.empty())
+    throw RuntimeError("--check-weight-hash-across-dp-replicas-interval: after iteration " + std::to_string(iteration) +
+                           ", data-parallel ranks " + differ + " hold other weights than rank 0 (" +
+                           crc32_hex(all[0]) + ") in tensor-parallel rank " + std::to_string(s.parallel.tp_rank) +
+                           "'s replicas",
+                       "a replica's memory or arithmetic went wrong (fp8lm's steps are deterministic): resume from "
+                       "the last checkpoint, and check that GPU");
 }
 
 // ---- Snapshots in the canonical layout --------------------------------------------------

@@ -167,6 +167,14 @@ class TrainingEngine {
   // its unmasked targets (multiple-choice scoring, core/choice_eval.h). Waits for the device.
   std::vector<BatchLoss> row_losses(const int32_t* inputs, const int32_t* targets);
 
+  // Megatron's --check-weight-hash-across-dp-replicas-interval: the CRC-32 of the parameters
+  // every data-parallel replica of this rank's tensor-parallel slice holds the same (the
+  // working copy, and the FP32 master where it is not sharded). Waits for the device.
+  uint32_t replica_checksum();
+  // Every data-parallel rank's replica_checksum, compared (a host all-gather): a RuntimeError
+  // naming the ranks that differ from rank 0's and `iteration`, on every rank alike.
+  void check_replicas_agree(int64_t iteration);
+
   // The FP32 master weights, [layout().total_elements()], copied to / from the host
   // (checkpoints, tests, initialisation from another model).
   std::vector<float> parameters();

@@ -167,6 +167,9 @@ struct TrainOptions {
   std::optional<int64_t> ckpt_step;  // --ckpt-step: resume from this iteration, not `latest`
   std::string init_from;             // --init-from: weights only (a Hugging Face model or checkpoint)
   int64_t exit_interval = 0;         // --exit-interval: stop (and save) when iteration % N == 0
+  // --check-weight-hash-across-dp-replicas-interval N (Megatron's): every N iterations the
+  // data-parallel replicas' parameters are compared by CRC-32, and a difference stops the run
+  int64_t check_weight_hash_interval = 0;
   // --exit-duration-in-mins: stop (and save) after the step that ends this many minutes into
   // the run, every rank at the same step (Megatron's, whole minutes)
   std::optional<int64_t> exit_duration_in_mins;

@@ -474,6 +474,8 @@ SettingsTable settings_table(const RunSetup& s) {
       {"load", or_none(o.load_dir) + (o.ckpt_step ? " (ckpt-step " + str(*o.ckpt_step) + ")" : "")},
       {"init-from", or_none(o.init_from) + (o.finetune ? " (--load with --finetune)" : "")},
       {"exit-interval", str(o.exit_interval)},
+      {"check-weight-hash-across-dp-replicas-interval",
+       o.check_weight_hash_interval > 0 ? str(o.check_weight_hash_interval) : std::string("off")},
       {"exit-duration-in-mins", o.exit_duration_in_mins ? str(*o.exit_duration_in_mins) : "(none)"},
       {"vocab-file / merge-file", o.vocab_file.empty() ? std::string("(none)") : o.vocab_file + " / " + o.merge_file},
       {"eod-mask-loss", s.loss_mask_token < 0 ? std::string("off")

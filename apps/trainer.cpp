@@ -628,6 +628,12 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
         spdlog::info("iter {:6d} | fp8-auto-precision: BF16 blocks now {}", iteration,
                      block_list_text(setup.options.bf16_blocks));
     }
+    if (o.check_weight_hash_interval > 0 && iteration % o.check_weight_hash_interval == 0) {
+      engine->check_replicas_agree(iteration);  // every rank throws alike when they differ
+      if (first_rank)
+        spdlog::info("iter {:6d} | weights identical on the {} data-parallel replicas (CRC-32)", iteration,
+                     setup.data_parallel_size);
+    }
     if ((validating || choosing) && o.eval_interval > 0 && iteration % o.eval_interval == 0) evaluate(iteration);
     summary.steps = iteration;
 

@@ -265,6 +265,7 @@ class GptModel {
   // [1, elements] tensor of the gradient dtype (GptPrecision::gradients; empty in an
   // inference model).
   void* working() { return working_->data(); }
+  size_t working_bytes() const { return working_->bytes(); }
   // Where each tensor of layout() sits in the working slab: its layout offset less the
   // elements of the dropped Linear-weight buckets before it (GptPrecision::fp8_linear_working_copy),
   // or kNoWorkingValue (optim/adamw.h) for the tensors of those buckets. working_offsets_on_backend() is the same

@@ -198,7 +198,7 @@ TEST_CASE("inputs and targets are the same window shifted by one", "[data]") {
   }
 }
 
-TEST_CASE("--eod-mask-loss: the loader masks exactly the targets whose input is the end-of-document token",
+TEST_CASE("the loss mask (--eod-mask-loss): the loader masks exactly the targets whose input is the end-of-document token",
           "[data][loss-mask]") {
   const int B = 3, T = 16, kEnd = 7;
   // Tokens 0..9 repeating: every tenth input is the end-of-document token.

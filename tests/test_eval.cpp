@@ -121,7 +121,7 @@ TEST_CASE("eval of a checkpoint reproduces the validation loss its run logged", 
   CHECK(std::fabs(eval_json(crossed.output)["loss"].get<double>() - bf16_logged) < 0.05 * bf16_logged);
 }
 
-TEST_CASE("--eod-mask-loss: training logs, and eval reproduces, the loss over the unmasked targets", "[eval][loss-mask]") {
+TEST_CASE("the loss mask (--eod-mask-loss): training logs, and eval reproduces, the loss over the unmasked targets", "[eval][loss-mask]") {
   TempDir dir;
   const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
   const std::string tokenizer = " --vocab-file " + vocab.vocab_file + " --merge-file " + vocab.merge_file;
@@ -173,7 +173,7 @@ TEST_CASE("--eod-mask-loss: training logs, and eval reproduces, the loss over th
         testing::metrics_losses(dir.file("micro.jsonl")).front());
 }
 
-TEST_CASE("--hellaswag-path: a trained model picks the true continuation; eval reproduces the accuracy its run logged",
+TEST_CASE("multiple choice (--hellaswag-path): a trained model picks the true continuation; eval reproduces the accuracy its run logged",
           "[eval][choice-eval]") {
   // 41 examples from a mock stream the training never saw: 24 tokens of context, the next 6 as
   // one ending and 6 random tokens as each of the three others, the true one at label e % 4.

@@ -594,7 +594,7 @@ TEST_CASE("the initial weights: --init-method-std sets the initial weights' devi
   }
 }
 
-TEST_CASE("--kv-channels: hidden-size / num-attention-heads is accepted, another width refused by name",
+TEST_CASE("a head's width (--kv-channels): hidden-size / num-attention-heads is accepted, another width refused by name",
           "[cli][megatron]") {
   auto setup_error = [](const std::string& channels) {
     try {

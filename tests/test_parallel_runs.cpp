@@ -18,6 +18,7 @@
 #include "core/choice_eval.h"
 #include "core/mock_data.h"
 #include "temp_dir.h"
+#include "train_flags_testing.h"
 
 using namespace fp8lm;
 using Catch::Matchers::ContainsSubstring;
@@ -375,7 +376,7 @@ TEST_CASE("a batch-size ramp-up under mpirun: DP = 2 takes the one-process run's
   CHECK(largest_relative_gap(two_losses, one_losses) < 2e-3);
 }
 
-TEST_CASE("--hellaswag-path under mpirun: DP = 2 and TP = 2 count the one-process evaluation's right answers",
+TEST_CASE("multiple choice (--hellaswag-path) under mpirun: DP = 2 and TP = 2 count the one-process evaluation's right answers",
           "[parallel][cpu][choice-eval]") {
   // 13 examples (an odd count: one data-parallel rank scores one more, the other a masked
   // batch beside it), two or three completions each, from a mock stream.
@@ -408,6 +409,21 @@ TEST_CASE("--hellaswag-path under mpirun: DP = 2 and TP = 2 count the one-proces
   CHECK(correct(run_ranks(2, eval)) == one);
   CHECK(correct(run_ranks(2, eval + " --tensor-model-parallel-size 2")) == one);
   CHECK(one > 0);
+}
+
+TEST_CASE("the replicas' weight check (--check-weight-hash-across-dp-replicas-interval) under mpirun: DP = 2 replicas checked every 4 iterations",
+          "[parallel][cpu]") {
+  const auto run = run_ranks(2, base_args("--check-weight-hash-across-dp-replicas-interval 4 --log-level info"));
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  // Iterations 4, 8 and 12 of 12.
+  size_t checks = 0;
+  for (size_t at = run.output.find("weights identical on the 2 data-parallel replicas"); at != std::string::npos;
+       at = run.output.find("weights identical on the 2 data-parallel replicas", at + 1))
+    ++checks;
+  CHECK(checks == 3);
+  CHECK_THAT(testing::train_flags_error({"--mock-data", "--check-weight-hash-across-dp-replicas-interval", "-1"}),
+             Catch::Matchers::ContainsSubstring("--check-weight-hash-across-dp-replicas-interval must be >= 0"));
 }
 
 TEST_CASE("bad parallel input fails before any work, naming the flag", "[parallel][cpu][cli]") {

@@ -365,7 +365,7 @@ TEST_CASE("a non-finite step skips the update and leaves no poisoned state", "[t
   CHECK_THROWS_WITH(run_training(diverging), Catch::Matchers::ContainsSubstring("stopping: 3 non-finite steps in a row"));
 }
 
-TEST_CASE("--eod-mask-loss: a micro-batch's loss is the mean over its unmasked targets, each weighing 1/their count",
+TEST_CASE("the loss mask (--eod-mask-loss): a micro-batch's loss is the mean over its unmasked targets, each weighing 1/their count",
           "[training][cpu][loss-mask]") {
   // Megatron's normalisation: sum(loss * mask) / sum(mask) per micro-batch, over the
   // micro-batches. The engine's step loss and gradient norm against the model's loss sum and
@@ -447,7 +447,7 @@ TEST_CASE("--eod-mask-loss: a micro-batch's loss is the mean over its unmasked t
                     Catch::Matchers::ContainsSubstring("masked targets in a run without --eod-mask-loss"));
 }
 
-TEST_CASE("--eod-mask-loss over two micro-batches: each one's mean by default, one mean of the step with "
+TEST_CASE("the loss mask (--eod-mask-loss) over two micro-batches: each one's mean by default, one mean of the step with "
           "--calculate-per-token-loss",
           "[training][cpu][loss-mask]") {
   // Megatron: by default the step's gradient is (g1 / c1 + g2 / c2) / 2 for micro-batches of c1

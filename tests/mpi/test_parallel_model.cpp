@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
 #include <mpi.h>
 
 #include "apps/cli.h"
@@ -320,5 +321,34 @@ TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch 
     const TrainingEngine::BatchLoss eval = engine.evaluate(x.data(), y.data());
     CHECK(eval.tokens == count);
     CHECK(std::fabs(eval.mean() - loss_sum / count) <= 1e-6 * (loss_sum / count));
+  }
+}
+
+TEST_CASE("mpi: --check-weight-hash-across-dp-replicas-interval: replicas agree after training steps, and a replica "
+          "changed on one rank is named",
+          "[mpi][parallel]") {
+  const ParallelLayout layout = detect_parallel_layout(1);
+  const int dp = layout.dp_size;
+  for (const char* optimizer : {"--use-distributed-optimizer", "--no-use-distributed-optimizer"}) {
+    INFO(optimizer);
+    const RunSetup setup = tiny_setup(layout, "cpu", {"--fp8-hybrid", optimizer});
+    TrainingEngine engine(setup, layout);
+    const size_t tokens = size_t(setup.options.micro_batch_size) * size_t(setup.seq_length);
+    for (int step = 0; step < 2; ++step) {
+      engine.begin_step();
+      const auto x = testing::tiny_tokens(tokens, 300 + 10 * step + layout.dp_rank);
+      const auto y = testing::tiny_tokens(tokens, 301 + 10 * step + layout.dp_rank);
+      engine.forward_backward(x.data(), y.data());
+      engine.end_step(AdamWHyperparams{.lr = 3e-3f}, 1.0, step);
+    }
+    CHECK_NOTHROW(engine.check_replicas_agree(2));
+    // The last data-parallel rank's replica moves one weight (set_parameters is rank-local).
+    std::vector<float> values = engine.parameters();
+    if (layout.dp_rank == dp - 1) values[values.size() / 3] += 0.25f;
+    engine.set_parameters(values);
+    CHECK_THROWS_WITH(engine.check_replicas_agree(2),
+                      Catch::Matchers::ContainsSubstring("after iteration 2, data-parallel ranks " +
+                                                         std::to_string(dp - 1) + " (") &&
+                          Catch::Matchers::ContainsSubstring("hold other weights than rank 0"));
   }
 }
