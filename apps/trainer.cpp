@@ -384,7 +384,8 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
   spdlog::info("train data: {} shard(s), {} tokens, {} samples per epoch", data.train->num_shards(),
                data.train->num_tokens(), data.train->samples_per_epoch());
   if (!data.valid && o.eval_interval > 0 && o.eval_iters > 0)
-    spdlog::info("no --valid-data-path: evaluation is off");
+    spdlog::info("no --valid-data-path: {}", data.choices.empty() ? "evaluation is off"
+                                                                  : "evaluations score --hellaswag-path only");
 
   const auto engine_began = std::chrono::steady_clock::now();
   std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
