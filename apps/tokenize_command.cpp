@@ -19,6 +19,11 @@
 // tokens each, each written as NAME.tmp and renamed when complete. On failure every file this
 // run wrote is removed.
 //
+// --output-format hellaswag: one JSONL file of multiple-choice records (HellaSwag's
+// hellaswag_val.jsonl: "ctx", "endings", "label") to llm.c's eval file DIR/STEM.bin
+// (core/choice_eval.h) as llm.c's dev/data/hellaswag.py renders them: the context as it is,
+// each ending with a space before it; --hellaswag-path scores it.
+//
 // --output-format megatron: one Megatron-LM indexed dataset DIR/text_document.{bin,idx}
 // (core/indexed_dataset.h) holding every document, one document per input document, each
 // followed by <|endoftext|> as Megatron's preprocess_data.py --append-eod writes it. Its
@@ -48,6 +53,7 @@
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "apps/shard_writer.h"
+#include "core/choice_eval.h"
 #include "core/indexed_dataset.h"
 #include "core/error.h"
 #include "core/logging.h"
@@ -72,7 +78,7 @@ struct TokenizeOptions {
   std::string tokenizer_type = "GPT2BPETokenizer";
   int workers = 0;
   std::string log_level = "info";
-  std::string output_format = "llmc";  // or "megatron"
+  std::string output_format = "llmc";  // or "megatron", "hellaswag"
 };
 
 constexpr const char* kMegatronOutputName = "text_document";
@@ -395,14 +401,20 @@ TokenizeOptions parse_options(const std::vector<std::string>& args, bool& help) 
   app.add_option("--tokenizer-type", o.tokenizer_type, "Only GPT2BPETokenizer (Megatron's name)");
   app.add_option("--workers", o.workers, "Threads (0: every core)");
   app.add_option("--output-format", o.output_format,
-                 "llmc (train_/val_ shards) or megatron (DIR/text_document.bin/.idx, Megatron's indexed dataset; "
-                 "split at training time by --split)")
-      ->check(CLI::IsMember({"llmc", "megatron"}));
+                 "llmc (train_/val_ shards), megatron (DIR/text_document.bin/.idx, Megatron's indexed dataset; "
+                 "split at training time by --split) or hellaswag (a JSONL of ctx/endings/label records to llm.c's "
+                 "multiple-choice file DIR/STEM.bin, for --hellaswag-path)")
+      ->check(CLI::IsMember({"llmc", "megatron", "hellaswag"}));
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn or error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
   if (!parse_subcommand_arguments(app, args, "tokenize")) {
     help = true;
     return o;
+  }
+  if (o.output_format == "hellaswag") {
+    for (const char* flag : {"--val-fraction", "--shard-tokens", "--json-key"})
+      FP8LM_INPUT_CHECK(app.count(flag) == 0, flag, ": not used with --output-format hellaswag (its records are "
+                        "ctx, endings and label, every one written)");
   }
   if (o.output_format == "megatron") {
     FP8LM_INPUT_CHECK(app.count("--val-fraction") == 0, "--val-fraction: not used with --output-format megatron ",
@@ -419,6 +431,53 @@ TokenizeOptions parse_options(const std::vector<std::string>& args, bool& help) 
   FP8LM_INPUT_CHECK(o.workers >= 0, "--workers ", o.workers, ": must be >= 0 (0: every core)");
   FP8LM_INPUT_CHECK(!o.json_key.empty(), "--json-key: must not be empty");
   return o;
+}
+
+// --output-format hellaswag: the records of one JSONL file, tokenized as llm.c's
+// render_example does, to DIR/STEM.bin. Every problem names the file and line.
+int write_hellaswag(const std::string& input, const fs::path& out_dir, const Gpt2Tokenizer& tokenizer) {
+  FP8LM_INPUT_CHECK(kind_of(input) == InputKind::kJsonLines, "--input ", input,
+                    ": --output-format hellaswag reads one .jsonl file of ctx/endings/label records");
+  std::ifstream in(input, std::ios::binary);
+  FP8LM_INPUT_CHECK(in.good(), "--input ", input, ": cannot be read");
+  std::vector<ChoiceExample> examples;
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = input + ":" + std::to_string(number);
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw InputError(where + ": not JSON (" + e.what() + ")");
+    }
+    FP8LM_INPUT_CHECK(record.is_object() && record.contains("ctx") && record["ctx"].is_string() &&
+                          record.contains("endings") && record["endings"].is_array() && record.contains("label") &&
+                          record["label"].is_number_integer(),
+                      where, ": a record needs \"ctx\" (a string), \"endings\" (strings) and \"label\" (an integer)");
+    ChoiceExample example;
+    example.index = int64_t(examples.size());
+    example.label = record["label"].get<int>();
+    example.context = tokenizer.encode(record["ctx"].get<std::string>());
+    for (const nlohmann::json& ending : record["endings"]) {
+      FP8LM_INPUT_CHECK(ending.is_string(), where, ": every ending must be a string");
+      example.endings.push_back(tokenizer.encode(" " + ending.get<std::string>()));  // as llm.c: a space first
+    }
+    FP8LM_INPUT_CHECK(example.endings.size() >= 2 && example.label >= 0 && size_t(example.label) < example.endings.size(),
+                      where, ": label ", example.label, " is not one of its ", example.endings.size(),
+                      " endings (2 or more)");
+    FP8LM_INPUT_CHECK(!example.context.empty(), where, ": an empty ctx leaves nothing to predict the first ending from");
+    examples.push_back(std::move(example));
+    FP8LM_INPUT_CHECK(examples.size() < 65536, input, ": more than 65,535 records (llm.c's file numbers them in uint16)");
+  }
+  FP8LM_INPUT_CHECK(!examples.empty(), "--input ", input, ": no records");
+  const fs::path output = out_dir / (fs::path(input).stem().string() + ".bin");
+  FP8LM_INPUT_CHECK(!fs::exists(output), "--output ", out_dir.string(), ": ", output.filename().string(),
+                    " exists already HINT: use another directory, or delete it");
+  write_choice_file(output.string(), examples);
+  spdlog::info("tokenize: {} multiple-choice examples to {} (score with --hellaswag-path {})", examples.size(),
+               output.string(), output.string());
+  return kExitOk;
 }
 
 // Refuses a directory that already holds shards: a glob over it would mix two runs.
@@ -468,6 +527,11 @@ int run_tokenize_command(const std::vector<std::string>& args) {
   }
   const fs::path out_dir(o.output);
   check_output_dir(out_dir);
+  if (o.output_format == "hellaswag") {
+    FP8LM_INPUT_CHECK(files.size() == 1, "--input ", o.input, ": --output-format hellaswag takes one .jsonl file, got ",
+                      files.size());
+    return write_hellaswag(files.front().path, out_dir, tokenizer);
+  }
 
   const int workers = o.workers > 0 ? o.workers : omp_get_max_threads();
   spdlog::info("tokenize: {} file(s), {:.1f} MB, {} workers, GPT-2 BPE ({} tokens, {} merges) -> {}", files.size(),

@@ -13,6 +13,9 @@
 #include "core/choice_eval.h"
 #include "core/error.h"
 #include "core/loss_mask.h"
+#include "core/tokenizer.h"
+#include "byte_vocabulary.h"
+#include "cli_testing.h"
 #include "temp_dir.h"
 
 using namespace fp8lm;
@@ -137,4 +140,54 @@ TEST_CASE("the model's choice is the completion with the lowest mean loss, the f
   CHECK(predicted_choice(std::vector<double>{2.0, 1.0, 1.0, 3.0}) == 1);
   CHECK(predicted_choice(std::vector<double>{0.5, 0.5}) == 0);
   CHECK(predicted_choice(std::vector<double>{4.0, 3.0, 2.0, 1.0}) == 3);
+}
+
+TEST_CASE("tokenize --output-format hellaswag renders HellaSwag's records as llm.c does", "[choice-eval][cli]") {
+  const testing::TempDir dir;
+  const testing::ByteVocabulary files = testing::write_byte_vocabulary(dir);
+  const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(files.vocab_file, files.merge_file);
+  const std::string flags = " --vocab-file " + files.vocab_file + " --merge-file " + files.merge_file;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> records = {
+      {"A man is sitting on a roof. he", {"is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                                          "is holding a rubik's cube.", "starts pulling up roofing on a roof."}},
+      {"aa", {"b", "aaa"}}};
+  {
+    std::ofstream jsonl(dir.file("hellaswag_val.jsonl"));
+    for (size_t r = 0; r < records.size(); ++r)
+      jsonl << nlohmann::json{{"ctx", records[r].first}, {"endings", records[r].second}, {"label", r == 0 ? 2 : 0},
+                              {"ind", 24}}
+                   .dump()
+            << "\n";
+  }
+  const auto run = testing::run_fp8lm("tokenize --output-format hellaswag --input " + dir.file("hellaswag_val.jsonl") +
+                                      " --output " + dir.file("out") + flags);
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, ContainsSubstring("--hellaswag-path " + dir.file("out/hellaswag_val.bin")));
+  const std::vector<ChoiceExample> examples = read_choice_file(dir.file("out/hellaswag_val.bin"), 258, 128);
+  REQUIRE(examples.size() == 2);
+  for (size_t r = 0; r < 2; ++r) {
+    CHECK(examples[r].index == int64_t(r));
+    CHECK(examples[r].label == (r == 0 ? 2 : 0));
+    CHECK(examples[r].context == tokenizer.encode(records[r].first));
+    REQUIRE(examples[r].endings.size() == records[r].second.size());
+    for (size_t k = 0; k < records[r].second.size(); ++k)
+      CHECK(examples[r].endings[k] == tokenizer.encode(" " + records[r].second[k]));  // a space first, as llm.c
+  }
+
+  // Bad records name the file and line; flags of the shard formats are refused.
+  auto refused = [&](const std::string& line, const std::string& extra = "") {
+    const std::string path = dir.file("bad.jsonl");
+    std::ofstream(path) << "{\"ctx\": \"x\", \"endings\": [\"a\", \"b\"], \"label\": 0}\n" << line << "\n";
+    static int n = 0;
+    const auto bad = testing::run_fp8lm("tokenize --output-format hellaswag --input " + path + " --output " +
+                                        dir.file("bad" + std::to_string(n++)) + flags + extra);
+    CHECK(bad.exit_code == 2);
+    return bad.output;
+  };
+  CHECK_THAT(refused("{\"ctx\": \"x\", \"endings\": [\"a\", \"b\"], \"label\": 2}"),
+             ContainsSubstring(dir.file("bad.jsonl") + ":2: label 2 is not one of its 2 endings"));
+  CHECK_THAT(refused("{\"ctx\": \"x\", \"label\": 0}"), ContainsSubstring(":2: a record needs \"ctx\""));
+  CHECK_THAT(refused("not json"), ContainsSubstring(dir.file("bad.jsonl") + ":2: not JSON"));
+  CHECK_THAT(refused("", " --val-fraction 0.1"), ContainsSubstring("--val-fraction: not used with --output-format hellaswag"));
 }
