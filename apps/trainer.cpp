@@ -40,20 +40,11 @@ struct DataLoaders {
   std::vector<ChoiceExample> choices;  // --hellaswag-path
 };
 
-// --hellaswag-path's examples, read and checked before any work: each must fit a row of the
-// sequence, and its completions one micro-batch.
+// --hellaswag-path's examples, read and checked before any work (each must fit a row).
 std::vector<ChoiceExample> open_choices(const RunSetup& setup) {
   const TrainOptions& o = setup.options;
   if (o.hellaswag_path.empty()) return {};
-  std::vector<ChoiceExample> examples = read_choice_file(o.hellaswag_path, setup.model.vocab_size, setup.seq_length);
-  for (const ChoiceExample& example : examples)
-    if (example.endings.size() > size_t(o.micro_batch_size))
-      throw InputError("--hellaswag-path " + o.hellaswag_path + ": example " + std::to_string(example.index) + " has " +
-                           std::to_string(example.endings.size()) + " completions, more than the " +
-                           std::to_string(o.micro_batch_size) + " rows of a micro-batch",
-                       "evaluate with --micro-batch-size " + std::to_string(example.endings.size()) +
-                           " or more (each completion is a row)");
-  return examples;
+  return read_choice_file(o.hellaswag_path, setup.model.vocab_size, setup.seq_length);
 }
 
 DataLoaders open_data(const RunSetup& setup) {
@@ -117,47 +108,40 @@ TrainingEngine::BatchLoss validation_loss(TrainingEngine& engine, DataLoader& va
 }
 
 // Multiple-choice accuracy (core/choice_eval.h): data-parallel rank r scores examples r, r +
-// dp, ..., each example's completions whole in one batch of B rows. Every rank runs as many
-// batches as the busiest (the others fully masked), so that each forward's tensor-parallel
-// collectives meet; the counts are summed over the data-parallel ranks on the host.
+// dp, ..., their completions one row each, B rows a batch (so any micro-batch size will do).
+// Every rank runs as many batches as the busiest (the rest of its rows fully masked), so that
+// each forward's tensor-parallel collectives meet; the counts are summed over the data-parallel
+// ranks on the host.
 ChoiceAccuracy choice_accuracy(TrainingEngine& engine, const std::vector<ChoiceExample>& examples, int B, int T,
                                int dp_rank, int dp_size, Watchdog* watchdog) {
-  std::vector<std::vector<size_t>> batches;  // this rank's examples, batch by batch
-  size_t rows = size_t(B);
-  for (size_t e = size_t(dp_rank); e < examples.size(); e += size_t(dp_size)) {
-    const size_t completions = examples[e].endings.size();
-    if (rows + completions > size_t(B)) {
-      batches.emplace_back();
-      rows = 0;
-    }
-    batches.back().push_back(e);
-    rows += completions;
-  }
+  struct Row {
+    size_t example;
+    int ending;
+  };
+  std::vector<Row> rows;  // this rank's, in order
+  for (size_t e = size_t(dp_rank); e < examples.size(); e += size_t(dp_size))
+    for (size_t k = 0; k < examples[e].endings.size(); ++k) rows.push_back({e, int(k)});
   Communicator& dp = engine.host_groups().dp();
-  double batch_count = double(batches.size());
-  dp.all_reduce(&batch_count, &batch_count, 1, CommDtype::f64, ReduceOp::max);
+  double batches = double((rows.size() + size_t(B) - 1) / size_t(B));
+  dp.all_reduce(&batches, &batches, 1, CommDtype::f64, ReduceOp::max);
   std::vector<int32_t> inputs(size_t(B) * T), targets(inputs.size());
-  double counts[2] = {0.0, 0.0};  // correct, examples
-  for (size_t i = 0; i < size_t(batch_count); ++i) {
+  std::vector<double> mean_losses(rows.size());
+  for (size_t i = 0; i < size_t(batches); ++i) {
     std::fill(inputs.begin(), inputs.end(), 0);
     std::fill(targets.begin(), targets.end(), kMaskedTarget);
-    size_t row = 0;
-    const std::vector<size_t> none;
-    const std::vector<size_t>& batch = i < batches.size() ? batches[i] : none;
-    for (size_t e : batch) {
-      fill_choice_rows(examples[e], T, inputs.data() + row * T, targets.data() + row * T);
-      row += examples[e].endings.size();
-    }
+    const size_t first = i * size_t(B), end = std::min(rows.size(), first + size_t(B));
+    for (size_t r = first; r < end; ++r)
+      fill_choice_row(examples[rows[r].example], rows[r].ending, T, inputs.data() + (r - first) * T,
+                      targets.data() + (r - first) * T);
     const std::vector<TrainingEngine::BatchLoss> losses = engine.row_losses(inputs.data(), targets.data());
-    row = 0;
-    for (size_t e : batch) {
-      std::vector<double> means;
-      for (size_t k = 0; k < examples[e].endings.size(); ++k) means.push_back(losses[row + k].mean());
-      counts[0] += predicted_choice(means) == examples[e].label;
-      counts[1] += 1;
-      row += examples[e].endings.size();
-    }
+    for (size_t r = first; r < end; ++r) mean_losses[r] = losses[r - first].mean();
     if (watchdog) watchdog->heartbeat();
+  }
+  double counts[2] = {0.0, 0.0};  // correct, examples
+  for (size_t r = 0; r < rows.size(); r += examples[rows[r].example].endings.size()) {
+    const ChoiceExample& example = examples[rows[r].example];
+    counts[0] += predicted_choice({mean_losses.data() + r, example.endings.size()}) == example.label;
+    counts[1] += 1;
   }
   dp.all_reduce(counts, counts, 2, CommDtype::f64, ReduceOp::sum);
   return ChoiceAccuracy{.correct = int64_t(counts[0]), .examples = int64_t(counts[1])};

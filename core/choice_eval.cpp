@@ -164,21 +164,20 @@ void write_choice_file(const std::string& path, const std::vector<ChoiceExample>
   if (error) throw RuntimeError(path + ": cannot rename from " + temp + " (" + error.message() + ")");
 }
 
-void fill_choice_rows(const ChoiceExample& example, int seq_length, int32_t* inputs, int32_t* targets) {
+void fill_choice_row(const ChoiceExample& example, int ending_index, int seq_length, int32_t* inputs,
+                     int32_t* targets) {
   const size_t T = size_t(seq_length), context = example.context.size();
-  for (size_t k = 0; k < example.endings.size(); ++k) {
-    const std::vector<int32_t>& ending = example.endings[k];
-    FP8LM_CHECK(context >= 1 && !ending.empty() && context + ending.size() <= T + 1,
-                "fill_choice_rows: example ", example.index, " does not fit a row of ", T);
-    int32_t* row_inputs = inputs + k * T;
-    int32_t* row_targets = targets + k * T;
-    std::fill_n(row_inputs, T, 0);
-    std::fill_n(row_targets, T, kMaskedTarget);
-    std::copy(example.context.begin(), example.context.end(), row_inputs);
-    // All but the ending's last token are inputs; position context - 1 + j predicts ending[j].
-    std::copy(ending.begin(), ending.end() - 1, row_inputs + context);
-    std::copy(ending.begin(), ending.end(), row_targets + context - 1);
-  }
+  FP8LM_CHECK(ending_index >= 0 && size_t(ending_index) < example.endings.size(), "fill_choice_row: example ",
+              example.index, " has no ending ", ending_index);
+  const std::vector<int32_t>& ending = example.endings[size_t(ending_index)];
+  FP8LM_CHECK(context >= 1 && !ending.empty() && context + ending.size() <= T + 1, "fill_choice_row: example ",
+              example.index, " does not fit a row of ", T);
+  std::fill_n(inputs, T, 0);
+  std::fill_n(targets, T, kMaskedTarget);
+  std::copy(example.context.begin(), example.context.end(), inputs);
+  // All but the ending's last token are inputs; position context - 1 + j predicts ending[j].
+  std::copy(ending.begin(), ending.end() - 1, inputs + context);
+  std::copy(ending.begin(), ending.end(), targets + context - 1);
 }
 
 int predicted_choice(std::span<const double> mean_losses) {

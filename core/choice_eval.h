@@ -43,9 +43,10 @@ std::vector<ChoiceExample> read_choice_file(const std::string& path, int vocab_s
 // Writes llm.c's format, under a temporary name then renamed (tests, and data made here).
 void write_choice_file(const std::string& path, const std::vector<ChoiceExample>& examples);
 
-// Example `example`'s completion rows: rows [K, seq_length] of inputs and targets, one per
-// ending (inputs past the row's tokens are 0, their targets masked).
-void fill_choice_rows(const ChoiceExample& example, int seq_length, int32_t* inputs, int32_t* targets);
+// The row of `example`'s ending `ending`: inputs [seq_length] the context and the ending but
+// its last token, then 0; targets [seq_length] the ending's tokens where they are predicted,
+// kMaskedTarget elsewhere.
+void fill_choice_row(const ChoiceExample& example, int ending, int seq_length, int32_t* inputs, int32_t* targets);
 
 // The completion with the lowest mean loss; the first of equal ones.
 int predicted_choice(std::span<const double> mean_losses);

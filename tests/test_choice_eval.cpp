@@ -125,13 +125,14 @@ TEST_CASE("a completion's row: the context and ending as inputs, the ending's to
           "[choice-eval]") {
   const int T = 4, M = kMaskedTarget;
   std::vector<int32_t> inputs(2 * T, -7), targets(2 * T, -7);
-  fill_choice_rows(small_example(), T, inputs.data(), targets.data());
+  for (int k = 0; k < 2; ++k) fill_choice_row(small_example(), k, T, inputs.data() + k * T, targets.data() + k * T);
   CHECK(inputs == std::vector<int32_t>{5, 6, 0, 0, /**/ 5, 6, 8, 0});
   CHECK(targets == std::vector<int32_t>{M, 7, M, M, /**/ M, 8, 9, M});
   // The longest that fits: context + ending = T + 1.
   const ChoiceExample full{.index = 3, .label = 0, .context = {1, 2}, .endings = {{3, 4, 5}, {6}}};
   std::vector<int32_t> full_inputs(2 * T), full_targets(2 * T);
-  fill_choice_rows(full, T, full_inputs.data(), full_targets.data());
+  for (int k = 0; k < 2; ++k)
+    fill_choice_row(full, k, T, full_inputs.data() + k * T, full_targets.data() + k * T);
   CHECK(full_inputs == std::vector<int32_t>{1, 2, 3, 4, /**/ 1, 2, 0, 0});
   CHECK(full_targets == std::vector<int32_t>{M, 3, 4, 5, /**/ M, 6, M, M});
 }

@@ -220,11 +220,14 @@ TEST_CASE("multiple choice (--hellaswag-path): a trained model picks the true co
   CHECK_FALSE(json.contains("loss"));  // no validation data given
   CHECK_THAT(scored.output, ContainsSubstring("eval: hellaswag accuracy "));
 
-  // Four completions need four rows: a micro-batch of two is refused before any work.
-  const auto narrow = run("eval --load " + ck + " --hellaswag-path " + choices +
-                          " --micro-batch-size 2 --device cpu --log-level warn");
-  CHECK(narrow.exit_code == 2);
-  CHECK_THAT(narrow.output, ContainsSubstring("example 0 has 4 completions, more than the 2 rows of a micro-batch"));
+  // Any micro-batch holds the rows: one of 1 or 3 rows splits examples over batches, and the
+  // same completions score the same (a row's forward does not depend on the rows beside it).
+  for (const char* rows : {"1", "3"}) {
+    const auto narrow = run("eval --load " + ck + " --hellaswag-path " + choices + " --micro-batch-size " + rows +
+                            " --device cpu --log-level warn");
+    REQUIRE(narrow.exit_code == 0);
+    CHECK_THAT(narrow.output, ContainsSubstring("\"hellaswag_correct\":" + json["hellaswag_correct"].dump()));
+  }
 }
 
 TEST_CASE("eval of a Hugging Face export scores as its checkpoint does", "[eval]") {
