@@ -316,6 +316,11 @@ struct TrainingEngine::State {
 
   const std::vector<size_t>& buckets_of(int layer) const { return buckets_of_layer[size_t(layer + 1)]; }
   void reduce_bucket(size_t bucket, bool overlapped);
+  // The targets [B*T] that count in the loss (not kMaskedTarget); masked ones only under
+  // --eod-mask-loss, whose normalisation counts them.
+  int64_t unmasked_targets(const int32_t* targets) const;
+  // A forward of one batch without gradients: its token losses summed into eval_loss_sum.
+  void forward_only(const int32_t* inputs, const int32_t* targets);
   // What the step's summed token losses divide by: its tokens, or under --eod-mask-loss the
   // unmasked ones of every data-parallel rank (agreed on the host; at least 1).
   float step_loss_divisor();
@@ -691,8 +696,7 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   State& s = *state_;
   GptModel& model = *s.model;
   const int64_t tokens = int64_t{model.micro_batch_size()} * model.seq_length();
-  const int64_t unmasked = count_unmasked_targets(targets, size_t(tokens));
-  FP8LM_CHECK(s.loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
+  const int64_t unmasked = s.unmasked_targets(targets);
   s.step_loss_tokens += unmasked;
   // Megatron's loss of a masked micro-batch: the mean over its unmasked tokens, over the
   // micro-batches, averaged over the data-parallel ranks (without a mask the same weight); with
@@ -713,6 +717,21 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
   model.forward_backward(batch, dloss, s.scalar_tensor(&s.device_scalars()->loss_sum));
   ++s.micro_batches;
+}
+
+int64_t TrainingEngine::State::unmasked_targets(const int32_t* targets) const {
+  const int64_t tokens = int64_t{model->micro_batch_size()} * model->seq_length();
+  const int64_t unmasked = count_unmasked_targets(targets, size_t(tokens));
+  FP8LM_CHECK(loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
+  return unmasked;
+}
+
+void TrainingEngine::State::forward_only(const int32_t* inputs, const int32_t* targets) {
+  float* sum = &device_scalars()->eval_loss_sum;
+  ops->zero(sum, sizeof(float));
+  model->forward_eval(ops->load_batch(inputs, targets, model->micro_batch_size(), model->seq_length(),
+                                      model->vocab_slice()),
+                      scalar_tensor(sum));
 }
 
 float TrainingEngine::State::step_loss_divisor() {
@@ -1107,17 +1126,10 @@ TrainingEngine::SkipStatus TrainingEngine::skip_status() {
 
 TrainingEngine::BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  GptModel& model = *s.model;
-  const size_t tokens = size_t(model.micro_batch_size()) * size_t(model.seq_length());
-  const int64_t unmasked = count_unmasked_targets(targets, tokens);
-  FP8LM_CHECK(s.loss_mask || unmasked == int64_t(tokens), "masked targets in a run without --eod-mask-loss");
-  float* sum = &s.device_scalars()->eval_loss_sum;
-  s.ops->zero(sum, sizeof(float));
-  const TokenBatch batch =
-      s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
-  model.forward_eval(batch, s.scalar_tensor(sum));
+  const int64_t unmasked = s.unmasked_targets(targets);
+  s.forward_only(inputs, targets);
   float host_sum = 0.0f;
-  s.ops->download(&host_sum, sum, sizeof(float));
+  s.ops->download(&host_sum, &s.device_scalars()->eval_loss_sum, sizeof(float));
   // Every data-parallel rank's batch.
   double totals[2] = {double(host_sum), double(unmasked)};
   s.host->dp().all_reduce(totals, totals, 2, CommDtype::f64, ReduceOp::sum);
@@ -1128,9 +1140,7 @@ std::vector<TrainingEngine::BatchLoss> TrainingEngine::row_losses(const int32_t*
   State& s = *state_;
   GptModel& model = *s.model;
   const int B = model.micro_batch_size(), T = model.seq_length();
-  float* sum = &s.device_scalars()->eval_loss_sum;
-  s.ops->zero(sum, sizeof(float));
-  model.forward_eval(s.ops->load_batch(inputs, targets, B, T, model.vocab_slice()), s.scalar_tensor(sum));
+  s.forward_only(inputs, targets);  // choice rows mask their targets by construction: no flag to check
   std::vector<float> losses(size_t(B) * T);
   s.ops->download(losses.data(), model.token_losses().data, losses.size() * sizeof(float));
   std::vector<BatchLoss> rows(B);

@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "apps/checkpointing.h"
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "apps/shard_writer.h"
@@ -474,7 +475,7 @@ int write_hellaswag(const std::string& input, const fs::path& out_dir, const Gpt
   const fs::path output = out_dir / (fs::path(input).stem().string() + ".bin");
   FP8LM_INPUT_CHECK(!fs::exists(output), "--output ", out_dir.string(), ": ", output.filename().string(),
                     " exists already HINT: use another directory, or delete it");
-  write_choice_file(output.string(), examples);
+  write_file_durably(output.string(), choice_file_bytes(examples));
   spdlog::info("tokenize: {} multiple-choice examples to {} (score with --hellaswag-path {})", examples.size(),
                output.string(), output.string());
   return kExitOk;

@@ -2,8 +2,7 @@
 
 #include <algorithm>
 #include <array>
-#include <filesystem>
-#include <fstream>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/input_file.h"
@@ -16,7 +15,6 @@ namespace {
 constexpr int kHeaderInts = 256;
 constexpr uint64_t kHeaderBytes = kHeaderInts * sizeof(int32_t);
 constexpr uint16_t kStartOfExample = 65535;
-constexpr int kExampleHeaderWords = 5;  // start, bytes, index, label, K
 
 // Reads the examples' uint16 stream word by word, with the byte offset of every word for errors.
 class WordReader {
@@ -122,28 +120,28 @@ std::vector<ChoiceExample> read_choice_file(const std::string& path, int vocab_s
   return examples;
 }
 
-void write_choice_file(const std::string& path, const std::vector<ChoiceExample>& examples) {
+std::string choice_file_bytes(const std::vector<ChoiceExample>& examples) {
   std::vector<uint16_t> stream;
   int32_t longest = 0;
   for (const ChoiceExample& example : examples) {
     const size_t start = stream.size();
     FP8LM_CHECK(example.endings.size() >= 2 && example.label >= 0 && size_t(example.label) < example.endings.size(),
-                "write_choice_file: example ", example.index, " needs 2 or more endings and a label among them");
+                "choice_file_bytes: example ", example.index, " needs 2 or more endings and a label among them");
     stream.insert(stream.end(), {kStartOfExample, 0, uint16_t(example.index), uint16_t(example.label),
                                  uint16_t(example.endings.size())});
     auto append = [&](const std::vector<int32_t>& tokens) {
-      FP8LM_CHECK(!tokens.empty() && tokens.size() < kStartOfExample, "write_choice_file: example ", example.index,
+      FP8LM_CHECK(!tokens.empty() && tokens.size() < kStartOfExample, "choice_file_bytes: example ", example.index,
                   " has an empty or oversized token list");
       stream.push_back(uint16_t(tokens.size()));
       for (int32_t token : tokens) {
-        FP8LM_CHECK(token >= 0 && token < kStartOfExample, "write_choice_file: token ", token);
+        FP8LM_CHECK(token >= 0 && token < kStartOfExample, "choice_file_bytes: token ", token);
         stream.push_back(uint16_t(token));
       }
     };
     append(example.context);
     for (const auto& ending : example.endings) append(ending);
     const size_t bytes = 2 * (stream.size() - start);
-    FP8LM_CHECK(bytes < 65536, "write_choice_file: example ", example.index, " is ", bytes, " bytes (at most 65535)");
+    FP8LM_CHECK(bytes < 65536, "choice_file_bytes: example ", example.index, " is ", bytes, " bytes (at most 65535)");
     stream[start + 1] = uint16_t(bytes);
     longest = std::max(longest, int32_t(bytes));
   }
@@ -152,16 +150,10 @@ void write_choice_file(const std::string& path, const std::vector<ChoiceExample>
   header[1] = 1;
   header[2] = int32_t(examples.size());
   header[3] = longest;
-  const std::string temp = path + ".tmp";
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(header.data()), kHeaderBytes);
-    out.write(reinterpret_cast<const char*>(stream.data()), std::streamsize(2 * stream.size()));
-    if (!out.flush()) throw RuntimeError(temp + ": cannot write");
-  }
-  std::error_code error;
-  std::filesystem::rename(temp, path, error);
-  if (error) throw RuntimeError(path + ": cannot rename from " + temp + " (" + error.message() + ")");
+  std::string bytes(kHeaderBytes + 2 * stream.size(), '\0');
+  std::memcpy(bytes.data(), header.data(), kHeaderBytes);
+  std::memcpy(bytes.data() + kHeaderBytes, stream.data(), 2 * stream.size());
+  return bytes;
 }
 
 void fill_choice_row(const ChoiceExample& example, int ending_index, int seq_length, int32_t* inputs,

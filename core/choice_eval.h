@@ -40,8 +40,8 @@ struct ChoiceExample {
 // context and all but the ending's last token), so that no example is cut short.
 std::vector<ChoiceExample> read_choice_file(const std::string& path, int vocab_size, int seq_length);
 
-// Writes llm.c's format, under a temporary name then renamed (tests, and data made here).
-void write_choice_file(const std::string& path, const std::vector<ChoiceExample>& examples);
+// The file's bytes in llm.c's format (written with write_file_durably, apps/checkpointing.h).
+std::string choice_file_bytes(const std::vector<ChoiceExample>& examples);
 
 // The row of `example`'s ending `ending`: inputs [seq_length] the context and the ending but
 // its last token, then 0; targets [seq_length] the ending's tokens where they are predicted,

@@ -10,6 +10,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include "apps/checkpointing.h"
 #include "core/choice_eval.h"
 #include "core/error.h"
 #include "core/loss_mask.h"
@@ -63,7 +64,7 @@ std::string read_error(const std::string& path, int vocab_size = 300, int seq_le
 
 TEST_CASE("the multiple-choice file: llm.c's bytes, written and read back", "[choice-eval]") {
   const testing::TempDir dir;
-  write_choice_file(dir.file("small.bin"), {small_example()});
+  write_file_durably(dir.file("small.bin"), choice_file_bytes({small_example()}));
   CHECK(file_bytes(dir.file("small.bin")) == hand_built_file());
 
   // Mixed completion counts, long token lists, ids up to 65534.
@@ -71,7 +72,7 @@ TEST_CASE("the multiple-choice file: llm.c's bytes, written and read back", "[ch
   ChoiceExample wide{.index = 1, .label = 3, .context = std::vector<int32_t>(40, 65534), .endings = {}};
   for (int k = 0; k < 4; ++k) wide.endings.push_back(std::vector<int32_t>(size_t(k + 1), 100 + k));
   examples.push_back(wide);
-  write_choice_file(dir.file("two.bin"), examples);
+  write_file_durably(dir.file("two.bin"), choice_file_bytes(examples));
   const std::vector<ChoiceExample> back = read_choice_file(dir.file("two.bin"), 65535, 64);
   REQUIRE(back.size() == 2);
   for (size_t e = 0; e < 2; ++e) {
@@ -115,7 +116,7 @@ TEST_CASE("the multiple-choice file: every malformed field is refused, naming th
   CHECK_THAT(with([](auto& b) { b[8] = 2; }), ContainsSubstring("the header counts 2 examples, the file holds 1"));
   CHECK_THAT(with([](auto& b) { b.push_back(0); }), ContainsSubstring("an odd count"));
   // A context and ending longer than a row of the sequence holds: refused, not cut short.
-  write_choice_file(path, {small_example()});
+  write_file_durably(path, choice_file_bytes({small_example()}));
   CHECK(read_error(path, 300, 3) == "(no error)");  // 2 + 2 tokens: 3 inputs, the last ending token a target only
   CHECK_THAT(read_error(path, 300, 2), ContainsSubstring("context and ending 1 are 4 tokens, more than a row of "
                                                          "--seq-length 2 holds (3)"));

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/shard_writer.h"
+#include "apps/checkpointing.h"
 #include "core/choice_eval.h"
 #include "core/mock_data.h"
 #include "core/random.h"
@@ -196,7 +197,7 @@ TEST_CASE("multiple choice (--hellaswag-path): a trained model picks the true co
     examples.push_back(example);
   }
   const std::string choices = dir.file("choices.bin"), ck = dir.file("ck"), metrics = dir.file("m.jsonl");
-  write_choice_file(choices, examples);
+  write_file_durably(choices, choice_file_bytes(examples));
   const auto trained = run("--config " + kTiny + " --mock-data --device cpu --seq-length 32 --micro-batch-size 4 "
                            "--global-batch-size 4 --lr 3e-3 --train-iters 80 --log-interval 40 --eval-interval 40 "
                            "--eval-iters 0 --fp8-hybrid --hellaswag-path " + choices + " --save " + ck +

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_testing.h"
+#include "apps/checkpointing.h"
 #include "core/choice_eval.h"
 #include "core/mock_data.h"
 #include "temp_dir.h"
@@ -393,7 +394,7 @@ TEST_CASE("multiple choice (--hellaswag-path) under mpirun: DP = 2 and TP = 2 co
     }
     examples.push_back(example);
   }
-  write_choice_file(dir.file("choices.bin"), examples);
+  write_file_durably(dir.file("choices.bin"), choice_file_bytes(examples));
   REQUIRE(testing::run_fp8lm(base_args("--micro-batch-size 4 --global-batch-size 4 --save " + dir.file("ck")))
               .exit_code == 0);
   const std::string eval = "eval --load " + dir.file("ck") + " --hellaswag-path " + dir.file("choices.bin") +
