@@ -125,9 +125,9 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
   }
 }
 
-// The backend a run set-up asks for (setup.use_cuda), with its model shape checked
-// against the backend's limits first: InputError before anything is allocated.
-std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
+}  // namespace
+
+std::unique_ptr<Ops> make_run_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
   const int world = setup.data_parallel_size * setup.options.tensor_model_parallel_size;
@@ -136,8 +136,6 @@ std::unique_ptr<Ops> make_ops(const RunSetup& setup, int device) {
                        /*background_yields=*/optimizer_first_pass_in_backward(setup.options, world),
                        setup.options.fp8_fast_accumulation);
 }
-
-}  // namespace
 
 struct TrainingEngine::State {
   ParallelLayout parallel;
@@ -319,8 +317,6 @@ struct TrainingEngine::State {
   // The targets [B*T] that count in the loss (not kMaskedTarget); masked ones only under
   // --eod-mask-loss, whose normalisation counts them.
   int64_t unmasked_targets(const int32_t* targets) const;
-  // A forward of one batch without gradients: its token losses summed into eval_loss_sum.
-  void forward_only(const int32_t* inputs, const int32_t* targets);
   // What the step's summed token losses divide by: its tokens, or under --eod-mask-loss the
   // unmasked ones of every data-parallel rank (agreed on the host; at least 1).
   float step_loss_divisor();
@@ -402,7 +398,7 @@ AdamWHyperparams adamw_hyperparams(const TrainOptions& o, double lr, double weig
 }
 
 TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, ParameterStart start)
-    : TrainingEngine(setup, layout, make_ops(setup, layout.local_rank), start) {}
+    : TrainingEngine(setup, layout, make_run_ops(setup, layout.local_rank), start) {}
 
 TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops,
                                ParameterStart start)
@@ -724,14 +720,6 @@ int64_t TrainingEngine::State::unmasked_targets(const int32_t* targets) const {
   const int64_t unmasked = count_unmasked_targets(targets, size_t(tokens));
   FP8LM_CHECK(loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
   return unmasked;
-}
-
-void TrainingEngine::State::forward_only(const int32_t* inputs, const int32_t* targets) {
-  float* sum = &device_scalars()->eval_loss_sum;
-  ops->zero(sum, sizeof(float));
-  model->forward_eval(ops->load_batch(inputs, targets, model->micro_batch_size(), model->seq_length(),
-                                      model->vocab_slice()),
-                      scalar_tensor(sum));
 }
 
 float TrainingEngine::State::step_loss_divisor() {
@@ -1124,33 +1112,14 @@ TrainingEngine::SkipStatus TrainingEngine::skip_status() {
   return SkipStatus{s.last_seen.total_skips, s.last_seen.consecutive_skips};
 }
 
-TrainingEngine::BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
+BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  const int64_t unmasked = s.unmasked_targets(targets);
-  s.forward_only(inputs, targets);
-  float host_sum = 0.0f;
-  s.ops->download(&host_sum, &s.device_scalars()->eval_loss_sum, sizeof(float));
-  // Every data-parallel rank's batch.
-  double totals[2] = {double(host_sum), double(unmasked)};
-  s.host->dp().all_reduce(totals, totals, 2, CommDtype::f64, ReduceOp::sum);
-  return BatchLoss{.sum = totals[0], .tokens = totals[1]};
+  return score_batch(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, s.host->dp(), s.loss_mask, inputs, targets);
 }
 
-std::vector<TrainingEngine::BatchLoss> TrainingEngine::row_losses(const int32_t* inputs, const int32_t* targets) {
+std::vector<BatchLoss> TrainingEngine::row_losses(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  GptModel& model = *s.model;
-  const int B = model.micro_batch_size(), T = model.seq_length();
-  s.forward_only(inputs, targets);  // choice rows mask their targets by construction: no flag to check
-  std::vector<float> losses(size_t(B) * T);
-  s.ops->download(losses.data(), model.token_losses().data, losses.size() * sizeof(float));
-  std::vector<BatchLoss> rows(B);
-  for (int b = 0; b < B; ++b)
-    for (int t = 0; t < T; ++t) {
-      const size_t i = size_t(b) * T + t;
-      rows[b].sum += losses[i];
-      rows[b].tokens += targets[i] != kMaskedTarget;
-    }
-  return rows;
+  return score_rows(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, inputs, targets);
 }
 
 uint32_t TrainingEngine::replica_checksum() {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/batch_scorer.h"
 #include "apps/fp8_statistics.h"
 #include "apps/memory_estimate.h"
 #include "apps/options.h"
@@ -78,7 +79,7 @@ enum class ParameterStart { seeded, set_by_caller };
 // The training step, written once over the Ops interface: the CPU reference backend or
 // the CUDA one (chosen by the run set-up), the model, the optimizer state and the
 // device-resident step control.
-class TrainingEngine {
+class TrainingEngine : public BatchScorer {
  public:
   // `layout`: this rank's place in the run (a single process by default). Every rank of a
   // parallel run constructs its engine together (the process groups are made here).
@@ -87,14 +88,14 @@ class TrainingEngine {
   // Over a given backend (tests wrap one to record the op sequence).
   TrainingEngine(const RunSetup& setup, const ParallelLayout& layout, std::unique_ptr<Ops> ops,
                  ParameterStart start = ParameterStart::seeded);
-  ~TrainingEngine();
+  ~TrainingEngine() override;
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;
 
   // The canonical layout of every snapshot (make_gpt_layout).
   const TensorLayout& layout() const;
   // The host (MPI) groups: checkpoint gathers, metrics, the stop decision.
-  const ProcessGroups& host_groups() const;
+  const ProcessGroups& host_groups() const override;
   // Bytes each rank sent per communicator since the last reset (benchmarks, the volume model).
   std::vector<std::pair<std::string, CommTraffic>> traffic() const;
   void reset_traffic();
@@ -156,16 +157,10 @@ class TrainingEngine {
     int consecutive = 0;
   };
   SkipStatus skip_status();
-  // One batch's loss over every data-parallel rank, forward only; touches no training state.
-  struct BatchLoss {
-    double sum = 0.0;     // of the token losses (masked targets add 0)
-    double tokens = 0.0;  // that count: the unmasked targets
-    double mean() const { return sum / std::max(tokens, 1.0); }
-  };
-  BatchLoss evaluate(const int32_t* inputs, const int32_t* targets);
-  // Each row's loss of one batch [B,T] on this rank, forward only: its token losses' sum and
-  // its unmasked targets (multiple-choice scoring, core/choice_eval.h). Waits for the device.
-  std::vector<BatchLoss> row_losses(const int32_t* inputs, const int32_t* targets);
+  // Forward only, through the training model (apps/batch_scorer.h): the periodic evaluation.
+  using BatchLoss = fp8lm::BatchLoss;
+  BatchLoss evaluate(const int32_t* inputs, const int32_t* targets) override;
+  std::vector<BatchLoss> row_losses(const int32_t* inputs, const int32_t* targets) override;
 
   // Megatron's --check-weight-hash-across-dp-replicas-interval: the CRC-32 of the parameters
   // every data-parallel replica of this rank's tensor-parallel slice holds the same (the
@@ -206,5 +201,9 @@ class TrainingEngine {
 
 std::unique_ptr<TrainingEngine> make_engine(const RunSetup& setup, const ParallelLayout& layout = {},
                                             ParameterStart start = ParameterStart::seeded);
+
+// The backend a run set-up asks for (setup.use_cuda) on `device`, with the model's shape checked
+// against the backend's limits first: InputError before anything is allocated.
+std::unique_ptr<Ops> make_run_ops(const RunSetup& setup, int device);
 
 }  // namespace fp8lm

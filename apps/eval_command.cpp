@@ -3,7 +3,8 @@
 //
 // Its flags are a subset of train's, with the same meaning; they are handed to train's parser
 // (with --train-iters 0), so validation, precision resolution and the run set-up are train's
-// own, and the evaluation is the training loop's (run_evaluation in apps/trainer.cpp). Flags
+// own, and the evaluation loop is the training loop's (run_evaluation in apps/trainer.cpp), over
+// a forward-only model (apps/evaluator.h) instead of the training engine. Flags
 // left out default to the checkpoint's run: its precision and FP8 recipe, micro-batch size,
 // sequence length and eval-iters, so `fp8lm eval --load DIR --valid-data-path ...` scores
 // the batches the run's own evaluation scored.
@@ -102,7 +103,7 @@ int run_eval_command(const std::vector<std::string>& args) {
   // Checks, last, that the engine's estimated memory fits, before anything is allocated.
   const RunSetup setup = resolve_run_setup(options, layout);
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
-  log_settings_table("fp8lm eval memory (the training engine: weights, gradients, optimizer state, activations)",
+  log_settings_table("fp8lm eval memory (forward only: weights, one block's activations, the batch's logits)",
                      memory_estimate_rows(setup.memory, setup.use_cuda));
   const bool validating = !options.data_path.empty() || !options.valid_data_blend.empty() ||
                           !options.valid_data_path.empty();

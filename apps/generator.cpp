@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/checkpointing.h"
+#include "apps/evaluator.h"
 #include "apps/run_setup.h"
 #include "core/error.h"
 #include "core/launch.h"
@@ -53,18 +54,6 @@ struct Generator::State {
     table.mark_initialized();
     ops->upload_scaling();
   }
-
-  // The model's FP8 operands, as a checkpoint's scaling state must match them.
-  ScalingSnapshot expected_scaling() {
-    ScalingTable& table = model->scaling();
-    ScalingSnapshot snapshot;
-    for (int i = 0; i < table.size(); ++i) {
-      snapshot.names.push_back(table.name(i));
-      snapshot.dtypes.push_back(table.dtype(i));
-    }
-    snapshot.history_len = table.config().amax_history_len;
-    return snapshot;
-  }
 };
 
 Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state_(std::make_unique<State>()) {
@@ -89,7 +78,7 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
     s.ops = make_observed_ops(std::move(s.ops), std::move(profiler));
   }
   s.memory_estimate = setup.memory;
-  s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), decoder_model_precision(o, s.ops->activation_dtype()),
+  s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), forward_only_model_precision(o, s.ops->activation_dtype()),
                                        *s.ops);
   s.canonical = make_gpt_layout(setup.model);
 }
@@ -98,43 +87,15 @@ Generator::~Generator() = default;
 
 void Generator::set_parameters(const std::vector<float>& canonical) {
   State& s = *state_;
-  FP8LM_CHECK(canonical.size() == s.canonical.total_elements(), "set_parameters: ", canonical.size(),
-              " values for a model of ", s.canonical.total_elements());
-  const TensorLayout& layout = s.model->layout();
-  std::vector<float> local(layout.total_elements(), 0.0f);
-  for (const TensorInfo& t : layout.tensors()) {
-    const TensorInfo* source = s.canonical.find(t.name);
-    FP8LM_CHECK(source != nullptr, "no canonical tensor ", t.name);
-    copy_part_from_full(t, canonical.data() + source->offset, local.data() + t.offset, 0, 1);
-  }
-  s.model->set_working_values(local.data());
-  if (s.model->fp8_weight_operands().empty()) {
-    // No FP8 weights: the operands (BF16 copies on the CPU) come from the working copy.
-    s.model->refresh_weight_operands();
-    s.ops->synchronize();
-    return;
-  }
-  // The FP8 weights are cast from the FP32 values: one rounding, as in training. The FP32
-  // copy lives in the backend's memory only while they are cast.
-  const std::unique_ptr<Allocation> fp32_values = s.ops->allocate(local.size() * sizeof(float));
-  s.ops->upload(fp32_values->data(), local.data(), local.size() * sizeof(float));
-  s.model->set_fp8_cast_source(static_cast<const float*>(fp32_values->data()));
-  s.model->refresh_weight_operands();
-  s.ops->synchronize();
-  s.model->set_fp8_cast_source(nullptr);
+  set_forward_only_weights(*s.ops, *s.model, s.canonical, canonical, /*tp_rank=*/0, /*tp_size=*/1);
 }
 
 std::string Generator::load(const std::string& path, std::optional<int64_t> step) {
   State& s = *state_;
-  InferenceWeights weights = read_inference_weights(path, step, s.canonical, s.config, s.fp8, s.expected_scaling());
+  InferenceWeights weights =
+      read_inference_weights(path, step, s.canonical, s.config, s.fp8, expected_scaling_state(*s.model));
   ScalingTable& table = s.model->scaling();
-  if (weights.scaling) {
-    table.history() = weights.scaling->history;
-    table.scales() = weights.scaling->scale;
-    table.scale_invs() = weights.scaling->scale_inv;
-    std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), weights.scaling->initialized ? 1 : 0);
-    s.ops->upload_scaling();
-  }
+  if (weights.scaling) restore_scaling_table(*s.ops, *s.model, *weights.scaling);
   set_parameters(weights.params);
   if (s.fp8)
     spdlog::info("FP8 activations cast with {}", table.uses_current_scaling()

@@ -170,8 +170,11 @@ std::vector<std::pair<GemmPrecision, uint64_t>> block_precisions(const Shape& x,
   return block_precisions_in(x, precision, 0, x.L);
 }
 
+// The activation slab of a training model (GptModel::plan_memory), or with `evaluating` of an
+// evaluation model: one set of block buffers per block precision shared by every such block, the
+// residual stream once, the whole batch's logits and losses, no backward buffers.
 uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
-                          const ActivationRecompute& recompute) {
+                          const ActivationRecompute& recompute, bool evaluating = false) {
   const DType head_input = forward_operand_dtype(precision.lm_head());
   const DType head_grad = gradient_operand_dtype(precision.lm_head(), precision.fp8.format);
   // Under --fp8-recipe blockwise an FP8 input operand keeps its own transposed copy and tile scales.
@@ -199,7 +202,7 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   // FP8 blocks with per-tensor scales keep no GELU output: their GELU backward recomputes it
   // into one buffer (GptModel::recomputes_gelu_output), which is counted once below.
   auto recomputes_gelu_output = [&](GemmPrecision gemm) {
-    return gemm == GemmPrecision::fp8 && !blockwise;
+    return gemm == GemmPrecision::fp8 && !blockwise && !evaluating;
   };
   auto mlp_outputs = [&](GemmPrecision gemm) {
     return add(tensor_bytes(eb, x.BT, x.Fl, act),
@@ -222,6 +225,26 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
         recompute.mlp ? 0 : mlp_outputs(gemm),
     });
   };
+  const bool sp = x.sequence_parallel;
+  if (evaluating) {
+    uint64_t sets = 0;
+    for (const auto& [gemm, count] : block_precisions(x, precision)) sets = add(sets, block_buffers(gemm));
+    return sum({
+        tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
+        sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
+        residual,  // the residual stream (the encoder output), every block's
+        sets,
+        tensor_bytes(eb, x.BT, x.C, act),  // branch
+        sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
+        tensor_bytes(eb, x.N, x.C, act),  // residual_final
+        input_operand(x.BT, x.C, head_input),
+        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
+        tensor_bytes(eb, x.BT, x.Vs, act),      // logits
+        tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
+        tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
+        x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
+    });
+  }
   const uint64_t recomputed = uint64_t(recompute.recomputed_blocks(int64_t(x.L)));
   uint64_t layers = 0;
   for (const auto& [gemm, count] : block_precisions_in(x, precision, recomputed, x.L))
@@ -244,7 +267,6 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   for (DType grad_dtype : grad_dtypes)
     grad_operands = add(grad_operands, operand_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
                                                      is_fp8(grad_dtype), tiles));
-  const bool sp = x.sequence_parallel;
   const uint64_t once = sum({
       tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
       sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
@@ -413,13 +435,8 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   const uint64_t tensors = mul(x.L, 12) + 4;
 
   MemoryEstimate estimate;
-  // fp8lm eval builds this engine too, with fewer flags: its remedies name its own.
-  const bool eval = o.command == RunCommand::eval;
-  const std::string more_tp = eval ? "split the model over ranks: mpirun -np N fp8lm eval --tensor-model-parallel-size N"
-                                   : "raise --tensor-model-parallel-size";
-  const std::string zero = eval ? "fp8lm eval builds the training engine, optimizer state included: evaluate over "
-                                  "several data-parallel ranks (mpirun -np N) to shard it"
-                                : "shard it with the distributed optimizer over more data-parallel ranks";
+  const std::string more_tp = "raise --tensor-model-parallel-size";
+  const std::string zero = "shard it with the distributed optimizer over more data-parallel ranks";
 
   // The working copy: every parameter, or all but the FP8 blocks' Linear-weight buckets
   // (GptPrecision::fp8_linear_working_copy), with a table of where each tensor sits.
@@ -444,7 +461,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
                            std::string(to_string(o.optimizer_state)) + ")" +
                            (sharded ? ", 1/" + number(x.dp) + " shard" : ""),
                        optimizer,
-                       o.optimizer_state == OptimizerStatePrecision::fp32 && !eval
+                       o.optimizer_state == OptimizerStatePrecision::fp32
                            ? "pass --optimizer-state-precision fp8-fp16, or " + zero
                            : zero);
 
@@ -465,9 +482,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
       estimate, cuda,
       "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) + ", " + number(x.L) + " layers)",
       activation_bytes(x, eb, act, precision, activation_recompute(o)),
-      eval
-          ? "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)"
-          : "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
+      "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
 
   if (cuda) {
     add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
@@ -536,6 +551,82 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   return estimate;
 }
 
+MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
+  const TrainOptions& o = s.options;
+  // The evaluation model pads its buckets for one data-parallel rank: it reduces nothing.
+  RunSetup one_replica = s;
+  one_replica.data_parallel_size = 1;
+  const Shape x = shape_of(one_replica);
+  const uint64_t data_parallel = uint64_t(std::max(1, s.data_parallel_size));
+  const bool cuda = s.use_cuda;
+  const ElementBytes eb{cuda};
+  const DType act = cuda ? DType::bf16 : DType::f32;
+  const GptPrecision precision = forward_only_model_precision(o, act);
+  const uint64_t n = slab_of(x).elements;            // this rank's parameter slab
+  const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
+  const bool fp8_block_weights = o.fp8_enabled() && precision.bf16_block_count(int64_t(x.L)) < int64_t(x.L);
+  const std::string more_tp = "split the model over ranks: mpirun -np N fp8lm eval --tensor-model-parallel-size N";
+
+  MemoryEstimate estimate;
+  // No transposed copies (no dgrad), and on the GPU no BF16 working copy of the FP8 blocks'
+  // Linear weights (cast once from the FP32 values), with a table of where the rest sits.
+  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
+  const LeftOut left_out = working_copy_left_out(x, precision);
+  add_backend_consumer(estimate, cuda,
+                       "parameters (" + std::string(to_string(act)) + " working copy" +
+                           (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
+                       sum({mul(n - left_out.elements, eb(act)), left_out.table_bytes, operands,
+                            operands ? uint64_t{256} : uint64_t{0}}),
+                       more_tp);
+  add_backend_consumer(estimate, cuda,
+                       "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) +
+                           ", one block's buffers shared by " + number(x.L) + " layers; the batch's logits)",
+                       add(activation_bytes(x, eb, act, precision, ActivationRecompute{}, /*evaluating=*/true), 256),
+                       "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)");
+  if (cuda) {
+    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
+                         "lower --micro-batch-size");
+  } else {
+    add_backend_consumer(estimate, cuda, "CPU backend scratch (normalised blocks, GEMM transposes)",
+                         cpu_workspace_bytes(x), "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
+  }
+  add_scaling_consumer(estimate, fp8_scaling_states(s), o.fp8.amax_history_len, cuda);
+  if (cuda && (data_parallel > 1 || x.tp > 1)) {
+    MemoryConsumer c;
+    c.name = "NCCL communicators (allowance)";
+    c.device_bytes = mul(kNcclAllowance, uint64_t((data_parallel > 1) + (x.tp > 1)));
+    estimate.consumers.push_back(std::move(c));
+  }
+  {  // Host: the batch and the backend's staging of it.
+    MemoryConsumer c;
+    c.name = "host: token batches and data";
+    c.host_bytes = add(mul(x.BT, 4, 2, 2), cuda ? mul(4, add(mul(5, x.BT), 1), 4) : 0);
+    c.remedy = "lower --micro-batch-size";
+    estimate.consumers.push_back(std::move(c));
+  }
+  add_process_consumers(estimate, cuda);
+  {  // The weights on their way in (Evaluator::load): the file read to FP32, then this rank's
+     // part set (set_forward_only_weights: the canonical values, the slab, the upload's BF16 bits).
+    const uint64_t setting = sum({mul(canonical, 4), mul(n, 4), cuda ? mul(n, 2) : 0});
+    const uint64_t reading = sum({mul(canonical, 8), mul(std::max(mul(x.V, x.C), mul(x.F, x.C)), 4)});
+    MemoryConsumer c;
+    c.name = "host: weights staging (the file read to FP32, then set)";
+    c.transient = true;
+    c.host_bytes = std::max(setting, reading);
+    c.remedy = "the host holds the whole model in FP32 while the weights are set: free host memory";
+    estimate.consumers.push_back(c);
+    if (cuda && fp8_block_weights) {
+      MemoryConsumer cast;
+      cast.name = "GPU: FP32 weights the FP8 weights are cast from (while loading)";
+      cast.transient = true;
+      cast.device_bytes = mul(n, 4);
+      cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
+      estimate.consumers.push_back(cast);
+    }
+  }
+  return estimate;
+}
+
 namespace {
 
 // The decoder's model (GptModel's inference constructor): one rank, its whole model, a batch
@@ -588,7 +679,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   const bool cuda = s.use_cuda;
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
-  const GptPrecision precision = decoder_model_precision(o, act);
+  const GptPrecision precision = forward_only_model_precision(o, act);
   const uint64_t n = slab_of(x).elements;            // the parameter slab (make_gpt_shard_layout, one rank)
   const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
   const uint64_t capacity = uint64_t(std::max(0, inference.capacity));

@@ -3,12 +3,15 @@
 // fit is refused at start-up, naming its largest consumers, instead of growing until the
 // kernel kills it or ending in a bare std::bad_alloc.
 //
-// Training (fp8lm train, and fp8lm eval, which builds the same engine): the estimate follows
+// Training (fp8lm train): the estimate follows
 // what the engine allocates (apps/engine.cpp: master weights, optimizer state, communication
 // buffers; layers/gpt.cpp: the working copy, gradients, weight operands and the activation
 // slab; the backends' workspaces; the FP8 amax histories) for this rank's share under tensor
 // and data parallelism and the distributed optimizer, plus the host staging of initialisation
 // and checkpoints.
+// Evaluation (fp8lm eval): what the evaluator allocates (apps/evaluator.cpp; layers/gpt.cpp's
+// evaluation model): the working copy and weight operands, one set of block buffers per block
+// precision, the batch's logits, the backend's workspaces, and the host staging of the weights.
 // Decoding (fp8lm sample): what the generator allocates (apps/generator.cpp; layers/gpt.cpp's
 // inference model): the working copy and weight operands, the key/value cache, one block's
 // activations for the prompt pass shared by every block, one row of logits per sequence, the
@@ -50,9 +53,12 @@ struct MemoryEstimate {
   uint64_t engine_bytes(bool device) const;
 };
 
-// fp8lm train, or fp8lm eval (setup.options.command): the training engine. Eval's remedies
-// name eval's flags.
+// fp8lm train: the training engine.
 MemoryEstimate estimate_memory(const RunSetup& setup);
+
+// fp8lm eval: the evaluator (apps/evaluator.h) over setup's backend, precision, model and
+// tensor-parallel layout.
+MemoryEstimate estimate_evaluation_memory(const RunSetup& setup);
 
 // fp8lm sample: the generator of `shape` over setup's backend, precision and model, with its
 // weights read from --load / --init-from or drawn at random.

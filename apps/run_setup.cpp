@@ -276,7 +276,7 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
   // checks its memory itself (estimate_decoding_memory), before allocating anything.
   if (options.command == RunCommand::sample) return setup;
   // Last, because it needs every size above; before anything is allocated.
-  setup.memory = estimate_memory(setup);
+  setup.memory = options.command == RunCommand::eval ? estimate_evaluation_memory(setup) : estimate_memory(setup);
   check_run_memory(setup);
   return setup;
 }
@@ -305,7 +305,7 @@ GptPrecision engine_model_precision(const TrainOptions& o, bool sharded_optimize
   return precision;
 }
 
-GptPrecision decoder_model_precision(const TrainOptions& o, DType activation_dtype) {
+GptPrecision forward_only_model_precision(const TrainOptions& o, DType activation_dtype) {
   GptPrecision precision = model_precision(o);
   // The FP8 weights are cast once, from the checkpoint's FP32 values (Generator::set_parameters).
   precision.fp8_linear_working_copy = activation_dtype == DType::f32;

@@ -59,8 +59,10 @@ GptPrecision model_precision(const TrainOptions& options);
 // ... as the training engine builds its model, whose optimizer is sharded or not and whose
 // working copy has `activation_dtype` (GptPrecision::fp8_linear_working_copy).
 GptPrecision engine_model_precision(const TrainOptions& options, bool sharded_optimizer, DType activation_dtype);
-// ... as fp8lm sample builds its decoding model (GptPrecision::fp8_linear_working_copy).
-GptPrecision decoder_model_precision(const TrainOptions& options, DType activation_dtype);
+// ... as fp8lm sample and fp8lm eval build their models, which run no optimizer: the FP8
+// Linear weights are cast once from the FP32 values they are given
+// (GptPrecision::fp8_linear_working_copy).
+GptPrecision forward_only_model_precision(const TrainOptions& options, DType activation_dtype);
 // The training model's activation recomputation from the --recompute-* flags (none unless
 // --recompute-granularity full).
 ActivationRecompute activation_recompute(const TrainOptions& options);

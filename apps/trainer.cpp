@@ -20,6 +20,7 @@
 #include "apps/checkpointing.h"
 #include "apps/cli.h"
 #include "apps/engine.h"
+#include "apps/evaluator.h"
 #include "apps/signals.h"
 #include "core/choice_eval.h"
 #include "core/error.h"
@@ -92,14 +93,14 @@ DataLoaders open_data(const RunSetup& setup) {
 // their token losses over the tokens counted (every token, or the unmasked ones under
 // --eod-mask-loss, as Megatron's evaluation). Training's periodic evaluation and `fp8lm eval`
 // both call it, so a checkpoint's evaluation reproduces the loss its run logged.
-TrainingEngine::BatchLoss validation_loss(TrainingEngine& engine, DataLoader& valid, int64_t eval_iters,
-                                          int micro_batch_size, int seq_length, Watchdog* watchdog) {
+BatchLoss validation_loss(BatchScorer& model, DataLoader& valid, int64_t eval_iters, int micro_batch_size,
+                          int seq_length, Watchdog* watchdog) {
   std::vector<int32_t> inputs(size_t(micro_batch_size) * seq_length), targets(inputs.size());
   valid.reset();
-  TrainingEngine::BatchLoss total;
+  BatchLoss total;
   for (int64_t i = 0; i < eval_iters; ++i) {
     valid.next_batch(inputs.data(), targets.data());
-    const TrainingEngine::BatchLoss batch = engine.evaluate(inputs.data(), targets.data());
+    const BatchLoss batch = model.evaluate(inputs.data(), targets.data());
     total.sum += batch.sum;
     total.tokens += batch.tokens;
     if (watchdog) watchdog->heartbeat();
@@ -112,7 +113,7 @@ TrainingEngine::BatchLoss validation_loss(TrainingEngine& engine, DataLoader& va
 // Every rank runs as many batches as the busiest (the rest of its rows fully masked), so that
 // each forward's tensor-parallel collectives meet; the counts are summed over the data-parallel
 // ranks on the host.
-ChoiceAccuracy choice_accuracy(TrainingEngine& engine, const std::vector<ChoiceExample>& examples, int B, int T,
+ChoiceAccuracy choice_accuracy(BatchScorer& model, const std::vector<ChoiceExample>& examples, int B, int T,
                                int dp_rank, int dp_size, Watchdog* watchdog) {
   struct Row {
     size_t example;
@@ -121,7 +122,7 @@ ChoiceAccuracy choice_accuracy(TrainingEngine& engine, const std::vector<ChoiceE
   std::vector<Row> rows;  // this rank's, in order
   for (size_t e = size_t(dp_rank); e < examples.size(); e += size_t(dp_size))
     for (size_t k = 0; k < examples[e].endings.size(); ++k) rows.push_back({e, int(k)});
-  Communicator& dp = engine.host_groups().dp();
+  Communicator& dp = model.host_groups().dp();
   double batches = double((rows.size() + size_t(B) - 1) / size_t(B));
   dp.all_reduce(&batches, &batches, 1, CommDtype::f64, ReduceOp::max);
   std::vector<int32_t> inputs(size_t(B) * T), targets(inputs.size());
@@ -133,7 +134,7 @@ ChoiceAccuracy choice_accuracy(TrainingEngine& engine, const std::vector<ChoiceE
     for (size_t r = first; r < end; ++r)
       fill_choice_row(examples[rows[r].example], rows[r].ending, T, inputs.data() + (r - first) * T,
                       targets.data() + (r - first) * T);
-    const std::vector<TrainingEngine::BatchLoss> losses = engine.row_losses(inputs.data(), targets.data());
+    const std::vector<BatchLoss> losses = model.row_losses(inputs.data(), targets.data());
     for (size_t r = first; r < end; ++r) mean_losses[r] = losses[r - first].mean();
     if (watchdog) watchdog->heartbeat();
   }
@@ -687,21 +688,21 @@ EvaluationResult run_evaluation(const RunSetup& setup) {
   DataLoaders data = open_data(setup);
   FP8LM_INPUT_CHECK(!validating || data.valid.has_value(), "--split ", o.split,
                     " leaves no documents of --data-path for validation");
-  std::unique_ptr<TrainingEngine> engine = make_engine(setup, setup.parallel);
+  // The forward-only model: no gradients, optimizer state or backward activations.
+  Evaluator evaluator(setup, setup.parallel);
   // --load restores the FP8 scaling state too, so the loss is the one the run logged.
-  load_into_engine(checkpoint, o.ckpt_step, setup, *engine,
-                   o.load_dir.empty() ? CheckpointUse::weights_only : CheckpointUse::resume);
+  evaluator.load(checkpoint, o.ckpt_step, /*with_scaling=*/!o.load_dir.empty());
   log_settings_table("memory once the weights are loaded (rank " + std::to_string(setup.parallel.world_rank) + ")",
-                     engine->describe());
+                     evaluator.describe());
   EvaluationResult result;
   if (validating) {
-    const TrainingEngine::BatchLoss total =
-        validation_loss(*engine, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
+    const BatchLoss total =
+        validation_loss(evaluator, *data.valid, o.eval_iters, o.micro_batch_size, setup.seq_length, nullptr);
     result.loss = total.mean();
     result.tokens = int64_t(total.tokens);
   }
   if (!data.choices.empty())
-    result.choices = choice_accuracy(*engine, data.choices, o.micro_batch_size, setup.seq_length,
+    result.choices = choice_accuracy(evaluator, data.choices, o.micro_batch_size, setup.seq_length,
                                      setup.data_parallel_rank, setup.data_parallel_size, nullptr);
   return result;
 }

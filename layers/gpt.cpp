@@ -421,18 +421,26 @@ Tensor slab_view(void* slab, DType dtype, size_t element_bytes, const TensorInfo
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
                    Ops& ops, const ModelParallelism& parallelism, const ActivationRecompute& recompute)
-    : GptModel(config, micro_batch_size, seq_length, precision, ops, parallelism,
+    : GptModel(config, micro_batch_size, seq_length, precision, ops, parallelism, ModelUse::train,
                InferenceShape{.batch = 0, .max_prompt = 0, .capacity = 0}, recompute) {}
 
+GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
+                   Ops& ops, const ModelParallelism& parallelism, ModelUse use)
+    : GptModel(config, micro_batch_size, seq_length, precision, ops, parallelism, use,
+               InferenceShape{.batch = 0, .max_prompt = 0, .capacity = 0}, ActivationRecompute{}) {
+  FP8LM_CHECK(use != ModelUse::decode, "a decoding model is built from an InferenceShape");
+}
+
 GptModel::GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops)
-    : GptModel(config, shape.batch, shape.max_prompt, precision, ops, ModelParallelism{}, shape, ActivationRecompute{}) {
+    : GptModel(config, shape.batch, shape.max_prompt, precision, ops, ModelParallelism{}, ModelUse::decode, shape,
+               ActivationRecompute{}) {
   FP8LM_CHECK(shape.capacity >= shape.max_prompt && shape.capacity <= config.n_positions,
               "inference model: cache capacity ", shape.capacity, " outside [", shape.max_prompt, ", ",
               config.n_positions, "]");
 }
 
 GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision,
-                   Ops& ops, const ModelParallelism& parallelism, const InferenceShape& inference,
+                   Ops& ops, const ModelParallelism& parallelism, ModelUse use, const InferenceShape& inference,
                    const ActivationRecompute& recompute)
     : config_(config),
       B_(micro_batch_size),
@@ -442,11 +450,12 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
       scaling_(precision.fp8),
       activation_dtype_(ops.activation_dtype()),
       gradient_dtype_(precision.gradients),
+      use_(use),
       inference_(inference),
       recompute_(recompute) {
-  FP8LM_CHECK(recompute.method == ActivationRecompute::Method::none || (!is_inference() && recompute.layers >= 1),
+  FP8LM_CHECK(recompute.method == ActivationRecompute::Method::none || (trains() && recompute.layers >= 1),
               "activation recomputation: a training model and at least one layer per group");
-  FP8LM_CHECK(!recompute.selective() || (!is_inference() && recompute.method == ActivationRecompute::Method::none),
+  FP8LM_CHECK(!recompute.selective() || (trains() && recompute.method == ActivationRecompute::Method::none),
               "selective recomputation: a training model, and not with full recomputation");
   FP8LM_CHECK(gradient_dtype_ == DType::f32 || gradient_dtype_ == DType::bf16, "gradients in ",
               to_string(gradient_dtype_), ": FP32 or BF16 only");
@@ -497,7 +506,7 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     ops.upload(working_offsets_backend_->data(), working_offsets_.data(), working_offsets_.size() * sizeof(uint64_t));
   }
   const size_t grad_bytes = ops.element_bytes(gradient_dtype_);
-  if (!is_inference()) gradients_ = ops.allocate(n * grad_bytes);
+  if (trains()) gradients_ = ops.allocate(n * grad_bytes);
 
   auto find = [&](const std::string& name) -> const TensorInfo& {
     const TensorInfo* info = layout_.find(name);
@@ -578,9 +587,9 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
     for (LinearParams* linear : owned) {
       const Tensor& w = linear->weight;
       const int state = linear->weight_operand.scaling_state;
-      // The transposed copy serves dgrad: an inference model runs no backward.
+      // The transposed copy serves dgrad: only a training model runs the backward.
       linear->weight_operand = carver.take(w.rows, w.cols, linear->weight_operand.dtype, state,
-                                           is_fp8(linear->weight_operand.dtype) && !is_inference(), weight_blocks);
+                                           is_fp8(linear->weight_operand.dtype) && trains(), weight_blocks);
     }
     return carver.size();
   };
@@ -610,8 +619,8 @@ void GptModel::plan_memory() {
   const int64_t N = tp_->local_rows(BT), Vs = vocab_slice().size, L = config_.n_layer;
   const bool sp = tp_->sequence_parallel();
   const DType act = activation_dtype_;
-  const bool training = !is_inference();
-  // A GEMM operand of `dtype`. An inference model shares one block's buffers among all
+  const bool training = trains(), decoding = is_inference(), evaluating = use_ == ModelUse::evaluate;
+  // A GEMM operand of `dtype`. A decoding model shares one block's buffers among all
   // blocks, whose operand dtypes may differ: its buffers take the widest (activation) size.
   auto stamped = [](Tensor t, DType dtype, int state) {
     t.dtype = dtype;
@@ -626,7 +635,7 @@ void GptModel::plan_memory() {
   auto carve = [&](void* base) {
     Carver c(ops_, base);
     auto operand = [&](int64_t rows, int64_t cols, DType dtype, int state) {
-      if (!training) return stamped(c.take(rows, cols, act), dtype, state);
+      if (decoding) return stamped(c.take(rows, cols, act), dtype, state);
       return c.take(rows, cols, dtype, state, blockwise && is_fp8(dtype), tiles);
     };
     Scratch s;
@@ -634,7 +643,7 @@ void GptModel::plan_memory() {
     s.token_rows = sp ? c.take(N, C, DType::f32) : s.token_embeddings;
     s.encoded = c.take(N, C, act);
     saved_.assign(L, BlockActivations{});
-    Tensor shared_atty_operand;  // inference: c_proj's input when it is not the activation dtype
+    Tensor shared_atty_operand;  // decoding: c_proj's input when it is not the activation dtype
     // Carved when a block first needs it (the same place in both carving passes).
     auto gelu_operand = [&]() -> const Tensor& {
       if (!s.gelu_operand) {
@@ -660,11 +669,11 @@ void GptModel::plan_memory() {
       a.ln1_rstd = c.take(N, 1, DType::f32);
       a.qkv = c.take(BT, 3 * Cl, act);
       a.atty = c.take(BT, Cl, act);
-      if (!training) shared_atty_operand = c.take(BT, Cl, act);
+      if (decoding) shared_atty_operand = c.take(BT, Cl, act);
       a.atty_operand = w.proj.input_dtype == act
                            ? a.atty
-                           : (training ? operand(BT, Cl, w.proj.input_dtype, w.proj.input_state)
-                                       : stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state));
+                           : (decoding ? stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state)
+                                       : operand(BT, Cl, w.proj.input_dtype, w.proj.input_state));
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
       a.ln2 = share_ln ? stamped(shared->ln2, w.fc.input_dtype, w.fc.input_state)
@@ -720,13 +729,27 @@ void GptModel::plan_memory() {
         carve_block(set, blocks_[l]);
       }
     }
+    // Evaluation: one set of block buffers per operand dtype combination (the residual stream
+    // is s.encoded for every block, as in decoding), carved when first met.
+    std::map<OperandDtypes, BlockActivations> evaluation_sets;
     for (int64_t l = 0; l < L; ++l) {
       const BlockParams& w = blocks_[l];
       BlockActivations& a = saved_[l];
-      if (!training && l > 0) {
+      if (decoding && l > 0) {
         // Block l runs after block l-1 is done with the buffers: the same ones, its own dtypes.
         a = saved_[0];
         stamp_operands(a, w, shared_atty_operand);
+        continue;
+      }
+      if (evaluating) {
+        // Block l reads the stream (s.encoded) in ln_1 and c_proj's epilogue, and its mlp.c_proj
+        // writes the next block's stream there from residual_mid: in place across blocks, never
+        // within one kernel.
+        const auto [found, fresh] = evaluation_sets.try_emplace(operand_dtypes(w));
+        if (fresh) carve_block(found->second, w);
+        a = found->second;
+        a.residual = s.encoded;
+        stamp_operands(a, w, a.atty_operand);
         continue;
       }
       if (sets > 0 && recompute_.recomputes(int(l))) {
@@ -743,23 +766,27 @@ void GptModel::plan_memory() {
     s.branch = c.take(BT, C, act);
     s.branch_rows = sp ? c.take(N, C, act) : s.branch;
     s.residual_final = c.take(N, C, act);
-    s.lnf = training ? operand(BT, C, lm_head_->input_dtype, lm_head_->input_state)
-                     : c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state);
+    s.lnf = decoding ? c.take(BT, C, lm_head_->input_dtype, lm_head_->input_state)
+                     : operand(BT, C, lm_head_->input_dtype, lm_head_->input_state);
     s.lnf_mean = c.take(N, 1, DType::f32);
     s.lnf_rstd = c.take(N, 1, DType::f32);
-    if (!training) {
+    if (decoding) {
       // Decoding computes the logits of one token per sequence; nothing runs backward.
       s.logits = c.take(B_, Vs, act);
       scratch_ = std::make_unique<Scratch>(s);
       return c.size();
     }
     s.logits = c.take(BT, Vs, act);
-    s.logits_grad = lm_head_->grad_dtype == act ? s.logits
-                                                : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state,
-                                                         is_fp8(lm_head_->grad_dtype), tiles);
     s.losses = c.take(BT, 1, DType::f32);
     s.ce_partials = c.take(BT, 3, DType::f32);
     s.ce_all = tp > 1 ? c.take(tp * BT, 3, DType::f32) : s.ce_partials;
+    if (evaluating) {
+      scratch_ = std::make_unique<Scratch>(s);
+      return c.size();
+    }
+    s.logits_grad = lm_head_->grad_dtype == act ? s.logits
+                                                : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state,
+                                                         is_fp8(lm_head_->grad_dtype), tiles);
     s.dresidual = c.take(N, C, act);
     s.dresidual_full = sp ? c.take(BT, C, act) : s.dresidual;
     s.dln = c.take(BT, C, act);
@@ -1197,7 +1224,7 @@ void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, 
 // the c_fc GEMM's epilogue computes its GELU from the unrounded sum, so its codes can differ
 // from the GELU backward's by a step, and the two would otherwise train apart.
 bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
-  return !is_inference() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+  return trains() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed
@@ -1219,7 +1246,7 @@ void GptModel::layernorm_backward(const LayerNormParams& ln, const Tensor& input
 // ---- Steps ----------------------------------------------------------------------------
 
 void GptModel::zero_gradients() {
-  FP8LM_CHECK(!is_inference(), "an inference model has no gradients");
+  FP8LM_CHECK(trains(), "only a training model has gradients");
   // The blocks' Linear weight gradients are left as they are: the step's first wgrad GEMMs
   // write them (GemmCall::accumulate), which saves a pass over most of the slab. Everything
   // else is zeroed, in runs of consecutive buckets.
@@ -1237,12 +1264,14 @@ void GptModel::zero_gradients() {
 }
 
 void GptModel::forward_backward(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
+  FP8LM_CHECK(trains(), "forward_backward needs a model built for training");
   forward(batch);
   loss(batch, dloss, loss_sum);
   backward(batch);
 }
 
 void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
+  FP8LM_CHECK(!is_inference(), "forward_eval needs a model built for training or evaluation");
   ops_.set_amax_recording(false);
   forward(batch);
   loss(batch, 0.0f, loss_sum);

@@ -238,12 +238,24 @@ struct InferenceShape {
   bool fp8_kv_cache = false;
 };
 
+// What a model is built for, which decides what it allocates.
+//   train:    gradients, weight transposes (dgrad), every block's activations kept for the backward;
+//   evaluate: the whole batch's forward and token losses only (fp8lm eval): no gradients, no
+//             transposes, one set of block buffers per combination of GEMM operand dtypes,
+//             shared by every block of that combination, and no backward buffers;
+//   decode:   incremental decoding through a key/value cache (InferenceShape).
+enum class ModelUse : uint8_t { train, evaluate, decode };
+
 class GptModel {
  public:
   // A model to train (and evaluate): gradients, and every block's activations kept for the
   // backward.
   GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
            const ModelParallelism& parallelism = {}, const ActivationRecompute& recompute = {});
+  // A model to evaluate with (ModelUse::evaluate): forward_eval and token_losses only, with
+  // tensor parallelism as a training model's.
+  GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
+           const ModelParallelism& parallelism, ModelUse use);
   // A model to decode with: no gradients, one block's activations shared by all blocks, and
   // a key/value cache. One rank (no tensor parallelism).
   GptModel(const GptConfig& config, const InferenceShape& shape, const GptPrecision& precision, Ops& ops);
@@ -301,7 +313,9 @@ class GptModel {
   // prompt that calibrates the activation scales, apps/generator.h); otherwise none is recorded.
   void forward_cached(const TokenBatch& batch, int position, bool record_amaxes = false);
   Tensor next_token_logits() const;
-  bool is_inference() const { return inference_.capacity > 0; }
+  bool is_inference() const { return use_ == ModelUse::decode; }
+  ModelUse use() const { return use_; }
+  bool trains() const { return use_ == ModelUse::train; }
   // Casts every weight operand that is not a view of the working copy (FP8 weights and
   // their transposes; BF16-rounded copies on the CPU) from the working copy, recording the
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
@@ -333,7 +347,8 @@ class GptModel {
 
  private:
   GptModel(const GptConfig& config, int micro_batch_size, int seq_length, const GptPrecision& precision, Ops& ops,
-           const ModelParallelism& parallelism, const InferenceShape& inference, const ActivationRecompute& recompute);
+           const ModelParallelism& parallelism, ModelUse use, const InferenceShape& inference,
+           const ActivationRecompute& recompute);
   // The rows one forward pass covers: the whole [B,T] batch (training and evaluation), or
   // in an inference model n new tokens of each sequence at `position`, through the cache.
   struct Chunk {
@@ -408,7 +423,8 @@ class GptModel {
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
   std::vector<uint64_t> working_offsets_;  // per tensor of layout_ (working_offsets())
   std::unique_ptr<Allocation> working_offsets_backend_;
-  InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // capacity 0: a training model
+  ModelUse use_ = ModelUse::train;
+  InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // a decoding model's
   ActivationRecompute recompute_;
   std::unique_ptr<Allocation> kv_cache_;
   std::vector<KvCache> kv_;  // per block

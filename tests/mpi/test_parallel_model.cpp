@@ -22,6 +22,7 @@
 #include "core/loss_mask.h"
 #include "core/random.h"
 #include "engine_testing.h"
+#include "tests/evaluator_testing.h"
 #include "layers/gpt.h"
 #include "layers/ops_cpu.h"
 #include "parallel/mappings.h"
@@ -141,6 +142,31 @@ TEST_CASE("nccl: FP8 scales, weights and metrics agree on every rank (delayed sc
   if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
   check_ranks_agree("cuda", {"--fp8-hybrid"});
   check_ranks_agree("cuda", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+}
+
+// fp8lm eval's evaluator splits the model as training does (TP = 2, with and without sequence
+// parallelism; at 4 ranks DP = 2 beside it, each rank scoring its own batches): its losses are
+// the engine's evaluation's, bit for bit. On the GPU the engine's optimizer is unsharded, so
+// that it casts its FP8 weights from FP32 as the evaluator does (the distributed optimizer
+// casts them from the gathered BF16 working copy).
+void check_evaluator_under_tensor_parallelism(const std::string& device, std::vector<std::string> extra) {
+  const ParallelLayout layout = detect_parallel_layout(2);
+  for (std::vector<std::string> flags : {std::vector<std::string>{"--fp8-hybrid"},
+                                         std::vector<std::string>{"--fp8-hybrid", "--sequence-parallel"},
+                                         std::vector<std::string>{"--bf16", "--sequence-parallel"}}) {
+    INFO(flags.back());
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    testing::check_evaluator_matches_engine(tiny_setup(layout, device, flags), layout);
+  }
+}
+
+TEST_CASE("mpi: the evaluator scores as the training engine under TP = 2 (and DP = 2), bit for bit", "[mpi][parallel]") {
+  check_evaluator_under_tensor_parallelism("cpu", {});
+}
+
+TEST_CASE("nccl: the evaluator scores as the training engine under TP = 2 (and DP = 2), bit for bit", "[nccl][parallel]") {
+  if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
+  check_evaluator_under_tensor_parallelism("cuda", {"--no-use-distributed-optimizer"});
 }
 
 TEST_CASE("mpi: activation recomputation under TP=2 with sequence parallelism changes nothing", "[mpi][parallel]") {
