@@ -34,10 +34,21 @@ void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& can
     ops.synchronize();
     return;
   }
-  const std::unique_ptr<Allocation> fp32_values = ops.allocate(local.size() * sizeof(float));
-  ops.upload(fp32_values->data(), local.data(), local.size() * sizeof(float));
-  model.set_fp8_cast_source(static_cast<const float*>(fp32_values->data()));
-  model.refresh_weight_operands();
+  // A block's FP8 Linear weights at a time, through a staging buffer of one bucket: loading
+  // holds one block's FP32 weights on the device, not the model's (27 GB at 6.7B parameters).
+  size_t largest = 0;
+  for (const ParameterBucket& bucket : model.buckets())
+    if (bucket.linear_weights) largest = std::max(largest, bucket.end - bucket.begin);
+  const std::unique_ptr<Allocation> staging = ops.allocate(largest * sizeof(float));
+  const auto* staged = static_cast<const float*>(staging->data());
+  model.refresh_weight_operands(/*layer=*/-1, /*fp8_linear_weights=*/true);  // the head's, from the working copy
+  for (const ParameterBucket& bucket : model.buckets()) {
+    if (!bucket.linear_weights) continue;
+    ops.synchronize();  // the block before has been cast from the buffer
+    ops.upload(staging->data(), local.data() + bucket.begin, (bucket.end - bucket.begin) * sizeof(float));
+    model.set_fp8_cast_source(staged, bucket.begin, bucket.end - bucket.begin);
+    model.refresh_weight_operands(bucket.layer, /*fp8_linear_weights=*/true);
+  }
   ops.synchronize();
   model.set_fp8_cast_source(nullptr);
 }

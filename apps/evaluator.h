@@ -63,8 +63,8 @@ class Evaluator : public BatchScorer {
 // Shared with the decoder (apps/generator.cpp), whose model has no optimizer either.
 // Sets a forward-only model's weights from FP32 values in the canonical layout: this
 // tensor-parallel rank's part of each tensor into the working copy, and the FP8 weights cast
-// once from the FP32 values (one rounding, as training casts them from its FP32 master), the
-// FP32 copy held in the backend's memory only while they are cast.
+// once from the FP32 values (one rounding, as training casts them from its FP32 master), one
+// block's FP32 values at a time in the backend's memory.
 void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& canonical,
                               const std::vector<float>& values, int tp_rank, int tp_size);
 // The model's FP8 scaling states as they are now (names, dtypes, history and scales), which a

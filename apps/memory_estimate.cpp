@@ -617,9 +617,9 @@ MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
     estimate.consumers.push_back(c);
     if (cuda && fp8_block_weights) {
       MemoryConsumer cast;
-      cast.name = "GPU: FP32 weights the FP8 weights are cast from (while loading)";
+      cast.name = "GPU: FP32 weights of one block, cast to FP8 (while loading)";
       cast.transient = true;
-      cast.device_bytes = mul(n, 4);
+      cast.device_bytes = mul(round_up(block_linear_elements(x), 256), 4);
       cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
       estimate.consumers.push_back(cast);
     }
@@ -763,9 +763,9 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
     estimate.consumers.push_back(c);
     if (cuda && fp8_block_weights) {
       MemoryConsumer cast;
-      cast.name = "GPU: FP32 weights the FP8 weights are cast from (while loading)";
+      cast.name = "GPU: FP32 weights of one block, cast to FP8 (while loading)";
       cast.transient = true;
-      cast.device_bytes = mul(n, 4);
+      cast.device_bytes = mul(round_up(block_linear_elements(x), 256), 4);
       cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
       estimate.consumers.push_back(cast);
     }

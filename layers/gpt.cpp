@@ -1296,7 +1296,11 @@ void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights, Ops::
                 "refresh_weight_operands: ", layout_.tensors()[size_t(linear->tensor)].name,
                 " has no working copy, and no FP32 master to cast from was set");
     if (fp8_cast_source_ && is_fp8(linear->weight_operand.dtype)) {
-      source.data = const_cast<float*>(fp8_cast_source_) + layout_.tensors()[size_t(linear->tensor)].offset;
+      const TensorInfo& tensor = layout_.tensors()[size_t(linear->tensor)];
+      const auto [first, count] = fp8_cast_window_;
+      FP8LM_CHECK(tensor.offset >= first && tensor.offset - first + tensor.numel <= count, "refresh_weight_operands: ",
+                  tensor.name, " lies outside the FP32 values set to cast from");
+      source.data = const_cast<float*>(fp8_cast_source_) + (tensor.offset - first);
       source.dtype = DType::f32;
     }
     ops_.quantize(linear->weight_operand, source, Tensor{}, lane);

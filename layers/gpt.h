@@ -21,6 +21,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/gemm.h"
@@ -328,7 +329,13 @@ class GptModel {
   // The FP8 Linear weights are cast from this FP32 copy of the whole parameter slab (the
   // master weights, laid out as layout()) instead of the working copy: one rounding
   // instead of two. nullptr: the working copy (the master is sharded across ranks).
-  void set_fp8_cast_source(const float* full_master) { fp8_cast_source_ = full_master; }
+  // `values` may hold a window of the slab instead, elements [first, first + count) (a forward-only
+  // model casts its weights layer by layer from a small FP32 staging buffer): refreshing a weight
+  // outside the window is an error.
+  void set_fp8_cast_source(const float* values, size_t first = 0, size_t count = SIZE_MAX) {
+    fp8_cast_source_ = values;
+    fp8_cast_window_ = {first, count};
+  }
   // The FP8 operands of the Linear weights (empty unless the block GEMMs run in FP8).
   std::vector<WeightOperand> fp8_weight_operands() const;
   // Under sequence parallelism: the slab ranges [begin, end) holding the partial gradients
@@ -436,6 +443,7 @@ class GptModel {
 
   std::vector<BlockActivations> saved_;
   const float* fp8_cast_source_ = nullptr;
+  std::pair<size_t, size_t> fp8_cast_window_{0, SIZE_MAX};  // first element, count
   // The last block_forward's MLP output, which the next ln_1 (or ln_f) adds if pending.
   ResidualAdd block_output_;
   LayerHooks hooks_;

@@ -379,18 +379,64 @@ TEST_CASE("the GPU decoding estimate is computed without a GPU", "[memory][sampl
     const double activations = double(consumer(estimate, "activations").device_bytes);
     CHECK(activations >= 2 * tokens * (3 * C + 2 * F) + 2 * v.batch * V);
     CHECK(activations <= 4 * 2 * tokens * (12 * C + 2 * F) + 4 * v.batch * V);
-    // Under FP8, the FP32 copy the FP8 weights are cast from, while loading.
+    // Under FP8, one block's FP32 Linear weights, which its FP8 codes are cast from while loading.
+    const double block_fp32 = 4 * linear / L;
     if (fp8) {
-      CHECK(std::fabs(double(consumer(estimate, "GPU: FP32 weights").device_bytes) - 4 * parameters) <=
-            0.001 * 4 * parameters);
+      CHECK(std::fabs(double(consumer(estimate, "GPU: FP32 weights").device_bytes) - block_fp32) <=
+            0.001 * block_fp32);
     }
-    // The peak adds the amax histories and, under FP8, the FP32 copy to the decoder's slabs.
+    // The peak adds the amax histories and, under FP8, that staging to the decoder's slabs.
     if (fp8) {
-      CHECK(estimate.device_bytes() >= estimate.engine_bytes(true) + uint64_t(4 * parameters));
+      CHECK(estimate.device_bytes() >= estimate.engine_bytes(true) + uint64_t(block_fp32));
     } else {
       CHECK(estimate.device_bytes() == estimate.engine_bytes(true));
     }
     CHECK(estimate.engine_bytes(true) < uint64_t(40 * kGiB));  // fits one H100 at these shapes
+  }
+}
+
+TEST_CASE("the GPU evaluation estimate is computed without a GPU: a fraction of training's", "[memory][eval]") {
+  // fp8lm eval at gpt2-1558m:8 x 1024 and gpt-6.7b:1 x 2048, FP8 and BF16, against the training
+  // engine's estimate at the same shape (what eval allocated before its evaluator): the
+  // parameters in their GEMM dtypes only (E4M3 Linear weights without transposes, or BF16), no
+  // gradients or optimizer, and the activations of one block beside the batch's logits.
+  struct Variant {
+    const char* config;
+    int micro_batch, seq_length;
+    const char* precision;
+  };
+  for (const Variant& v : {Variant{"gpt2-1558m", 8, 1024, "--fp8-hybrid"}, Variant{"gpt2-1558m", 8, 1024, "--bf16"},
+                           Variant{"gpt-6.7b", 1, 2048, "--fp8-hybrid"}}) {
+    TrainOptions options = parse_train_command_line({"--config", kTiny, "--device", "cpu", "--train-iters", "0",
+                                                     "--micro-batch-size", std::to_string(v.micro_batch),
+                                                     "--seq-length", "32", v.precision})
+                               .options;
+    RunSetup setup = resolve_run_setup(options);
+    setup.model = load_gpt_config(testing::source_path(std::string("configs/") + v.config + ".json"));
+    setup.seq_length = v.seq_length;
+    setup.use_cuda = true;
+    const MemoryEstimate training = estimate_memory(setup);
+    setup.options.command = RunCommand::eval;
+    const MemoryEstimate evaluation = estimate_evaluation_memory(setup);
+    const GptConfig& m = setup.model;
+    const bool fp8 = std::string(v.precision) == "--fp8-hybrid";
+    const double eval_gib = double(evaluation.engine_bytes(true)) / kGiB;
+    const double training_gib = double(training.engine_bytes(true)) / kGiB;
+    INFO(v.config << ":" << v.micro_batch << " " << v.precision << ": evaluator " << eval_gib << " GiB (GPU peak "
+                  << double(evaluation.device_bytes()) / kGiB << "), training engine " << training_gib << " GiB");
+    const double L = m.n_layer, C = m.n_embd, F = m.n_inner, V = m.padded_vocab_size();
+    const double linear = L * (3 * C * C + C * C + 2 * F * C);
+    const double parameters = double(make_gpt_layout(m).total_elements());
+    const double expected_parameters = fp8 ? 2 * (parameters - linear) + linear : 2 * parameters;
+    CHECK(std::fabs(double(consumer(evaluation, "parameters").device_bytes) - expected_parameters) <=
+          0.001 * expected_parameters);
+    // One block's tensors (qkv, attention output, the MLP's two [BT, F], the LayerNorm outputs)
+    // and the BF16 logits: at least those, and far below a layer's x L.
+    const double tokens = double(v.micro_batch) * v.seq_length;
+    const double activations = double(consumer(evaluation, "activations").device_bytes);
+    CHECK(activations >= 2 * tokens * (3 * C + 2 * F + V));
+    CHECK(activations <= 2 * tokens * (12 * C + 2 * F + 2 * V) + double(uint64_t(1) << 20));
+    CHECK(eval_gib < 0.25 * training_gib);
   }
 }
 
