@@ -1,7 +1,9 @@
 // Incremental decoding (GptModel::forward_cached, layers/kv_cache.h), the sampler
 // (layers/sampling.h) and `fp8lm sample`, on the CPU.
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <string>
 #include <vector>
 
 #include <catch2/catch_test_macros.hpp>
@@ -336,6 +338,41 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
   const auto no_weights = run_fp8lm("sample --prompt a --device cpu");
   CHECK(no_weights.exit_code == 2);
   CHECK_THAT(no_weights.output, ContainsSubstring("--load DIR or --init-from PATH is required"));
+}
+
+TEST_CASE("fp8lm sample and eval of a checkpoint whose FP8 operands are not the flags' (its BF16 first and last "
+          "layers made FP8): the stored scales where the names match, current scaling for the table",
+          "[sample][eval][cli]") {
+  // The checkpoint's scaling state lacks blocks 0 and 2; the models built from these flags have
+  // them. Both commands match the stored states by name against the model's own table
+  // (match_scaling_by_name), which must carry the table's arrays, not only its names.
+  TempDir dir;
+  const std::string checkpoint = dir.file("ck"), tiny = testing::source_path("configs/tiny.json");
+  REQUIRE(run_fp8lm("--config " + tiny + " --mock-data --device cpu --seq-length 16 --micro-batch-size 2 --num-layers 3 "
+                    "--train-iters 3 --log-level warn --fp8-hybrid --first-last-layers-bf16 --save " + checkpoint)
+              .exit_code == 0);
+  const std::string all_fp8 =
+      " --first-last-layers-bf16 --num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 0 --device cpu ";
+  const auto sampled = run_fp8lm("sample --load " + checkpoint + all_fp8 + "--random-prompt 5 --max-new-tokens 4");
+  INFO(sampled.output);
+  CHECK(sampled.exit_code == 0);
+  CHECK_THAT(sampled.output, ContainsSubstring("FP8 activations cast with current scaling"));
+  std::vector<uint16_t> tokens(600);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint16_t((i * 37 + i / 7) % 256);
+  const std::string valid = dir.file("val_000000.bin");
+  {  // llm.c's shard header (magic 20240520, version 1, the token count) and uint16 tokens.
+    std::vector<int32_t> header(256, 0);
+    header[0] = 20240520;
+    header[1] = 1;
+    header[2] = int32_t(tokens.size());
+    std::ofstream out(valid, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), std::streamsize(header.size() * sizeof(int32_t)));
+    out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * sizeof(uint16_t)));
+  }
+  const auto evaluated = run_fp8lm("eval --load " + checkpoint + all_fp8 + "--valid-data-path " + valid);
+  INFO(evaluated.output);
+  CHECK(evaluated.exit_code == 0);
+  CHECK_THAT(evaluated.output, ContainsSubstring("FP8 activations cast with current scaling"));
 }
 
 }  // namespace fp8lm
