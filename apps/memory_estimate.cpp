@@ -551,6 +551,56 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   return estimate;
 }
 
+namespace {
+
+// A forward-only model's parameters (fp8lm eval and fp8lm sample; GptPrecision of
+// forward_only_model_precision): the working copy, on the GPU without the FP8 blocks' Linear
+// weights (their E4M3 codes are cast once from the FP32 values) and with a table of where the
+// rest sits, and the weight operands without transposes (no dgrad).
+void add_forward_only_parameters(MemoryEstimate& estimate, const Shape& x, bool cuda, const GptPrecision& precision,
+                                 bool fp8, std::string remedy) {
+  const ElementBytes eb{cuda};
+  const DType act = cuda ? DType::bf16 : DType::f32;
+  const uint64_t n = slab_of(x).elements;
+  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
+  const LeftOut left_out = working_copy_left_out(x, precision);
+  add_backend_consumer(estimate, cuda,
+                       "parameters (" + std::string(to_string(act)) + " working copy" +
+                           (fp8 ? ", FP8 weight operands" : "") + ")",
+                       sum({mul(n - left_out.elements, eb(act)), left_out.table_bytes, operands,
+                            operands ? uint64_t{256} : uint64_t{0}}),
+                       std::move(remedy));
+}
+
+// The weights on their way into a forward-only model (Evaluator::load, Generator::load and
+// set_parameters; set_forward_only_weights). Setting them holds the canonical FP32 values, this
+// rank's slab of them and, on the GPU, the upload's BF16 bits; reading a file first holds the
+// canonical values, the mapped file (FP32 at most) and one tensor converted to FP32. On the GPU
+// under FP8, one block's Linear weights in FP32 at a time, which its E4M3 codes are cast from.
+void add_forward_only_weight_staging(MemoryEstimate& estimate, const Shape& x, bool cuda, bool fp8_block_weights,
+                                     bool reads_weights) {
+  const uint64_t n = slab_of(x).elements, canonical = canonical_elements(x);
+  const uint64_t setting = sum({mul(canonical, 4), mul(n, 4), cuda ? mul(n, 2) : 0});
+  const uint64_t reading = sum({mul(canonical, 8), mul(std::max(mul(x.V, x.C), mul(x.F, x.C)), 4)});
+  MemoryConsumer c;
+  c.name = reads_weights ? "host: weights staging (the file read to FP32, then set)"
+                         : "host: weights staging (random initialisation in FP32, then set)";
+  c.transient = true;
+  c.host_bytes = reads_weights ? std::max(setting, reading) : setting;
+  c.remedy = "the host holds the whole model in FP32 while the weights are set: free host memory";
+  estimate.consumers.push_back(c);
+  if (cuda && fp8_block_weights) {
+    MemoryConsumer cast;
+    cast.name = "GPU: FP32 weights of one block, cast to FP8 (while loading)";
+    cast.transient = true;
+    cast.device_bytes = mul(round_up(block_linear_elements(x), 256), 4);
+    cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
+    estimate.consumers.push_back(cast);
+  }
+}
+
+}  // namespace
+
 MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
   const TrainOptions& o = s.options;
   // The evaluation model pads its buckets for one data-parallel rank: it reduces nothing.
@@ -562,22 +612,11 @@ MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
   const GptPrecision precision = forward_only_model_precision(o, act);
-  const uint64_t n = slab_of(x).elements;            // this rank's parameter slab
-  const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
   const bool fp8_block_weights = o.fp8_enabled() && precision.bf16_block_count(int64_t(x.L)) < int64_t(x.L);
-  const std::string more_tp = "split the model over ranks: mpirun -np N fp8lm eval --tensor-model-parallel-size N";
 
   MemoryEstimate estimate;
-  // No transposed copies (no dgrad), and on the GPU no BF16 working copy of the FP8 blocks'
-  // Linear weights (cast once from the FP32 values), with a table of where the rest sits.
-  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
-  const LeftOut left_out = working_copy_left_out(x, precision);
-  add_backend_consumer(estimate, cuda,
-                       "parameters (" + std::string(to_string(act)) + " working copy" +
-                           (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-                       sum({mul(n - left_out.elements, eb(act)), left_out.table_bytes, operands,
-                            operands ? uint64_t{256} : uint64_t{0}}),
-                       more_tp);
+  add_forward_only_parameters(estimate, x, cuda, precision, o.fp8_enabled(),
+                              "split the model over ranks: mpirun -np N fp8lm eval --tensor-model-parallel-size N");
   add_backend_consumer(estimate, cuda,
                        "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) +
                            ", one block's buffers shared by " + number(x.L) + " layers; the batch's logits)",
@@ -605,25 +644,7 @@ MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
     estimate.consumers.push_back(std::move(c));
   }
   add_process_consumers(estimate, cuda);
-  {  // The weights on their way in (Evaluator::load): the file read to FP32, then this rank's
-     // part set (set_forward_only_weights: the canonical values, the slab, the upload's BF16 bits).
-    const uint64_t setting = sum({mul(canonical, 4), mul(n, 4), cuda ? mul(n, 2) : 0});
-    const uint64_t reading = sum({mul(canonical, 8), mul(std::max(mul(x.V, x.C), mul(x.F, x.C)), 4)});
-    MemoryConsumer c;
-    c.name = "host: weights staging (the file read to FP32, then set)";
-    c.transient = true;
-    c.host_bytes = std::max(setting, reading);
-    c.remedy = "the host holds the whole model in FP32 while the weights are set: free host memory";
-    estimate.consumers.push_back(c);
-    if (cuda && fp8_block_weights) {
-      MemoryConsumer cast;
-      cast.name = "GPU: FP32 weights of one block, cast to FP8 (while loading)";
-      cast.transient = true;
-      cast.device_bytes = mul(round_up(block_linear_elements(x), 256), 4);
-      cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
-      estimate.consumers.push_back(cast);
-    }
-  }
+  add_forward_only_weight_staging(estimate, x, cuda, fp8_block_weights, /*reads_weights=*/true);
   return estimate;
 }
 
@@ -680,8 +701,6 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
   const GptPrecision precision = forward_only_model_precision(o, act);
-  const uint64_t n = slab_of(x).elements;            // the parameter slab (make_gpt_shard_layout, one rank)
-  const uint64_t canonical = canonical_elements(x);  // the whole model as checkpoints hold it
   const uint64_t capacity = uint64_t(std::max(0, inference.capacity));
   const uint64_t new_tokens = capacity + 1 - std::min<uint64_t>(capacity, uint64_t(std::max(1, generator.max_prompt)));
   const bool fp8_block_weights =
@@ -694,18 +713,9 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
       "lower --batch-size or --max-new-tokens (or shorten the prompt)" +
       std::string(cuda && !generator.fp8_kv_cache ? ", or pass --kv-cache-dtype fp8 (half the bytes)" : "");
 
-  // No transposed copies (decoding runs no dgrad), and on the GPU no BF16 working copy of the
-  // FP8 blocks' Linear weights (cast once from the FP32 values), with a table of where the
-  // rest sits.
-  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
-  const LeftOut left_out = working_copy_left_out(x, precision);
-  add_backend_consumer(
-      estimate, cuda,
-      "parameters (" + std::string(to_string(act)) + " working copy" +
-          (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-      sum({mul(n - left_out.elements, eb(act)), left_out.table_bytes, operands, operands ? uint64_t{256} : uint64_t{0}}),
-      "fp8lm sample holds the whole model " + std::string(cuda ? "on one GPU" : "in one process") +
-          ": use a machine with more memory");
+  add_forward_only_parameters(estimate, x, cuda, precision, o.fp8_enabled(),
+                              "fp8lm sample holds the whole model " + std::string(cuda ? "on one GPU" : "in one process") +
+                                  ": use a machine with more memory");
 
   const DType cache_dtype = generator.fp8_kv_cache ? DType::e4m3 : act;
   add_backend_consumer(estimate, cuda,
@@ -747,29 +757,7 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
   }
   add_process_consumers(estimate, cuda);
 
-  {  // The weights on their way in (Generator::load / set_parameters; sample_command.cpp).
-    // Setting them holds the canonical FP32 values, this process's slab of them and the
-    // upload's copy (BF16 bits on the GPU; on the CPU the FP32 copy the FP8 weights are cast
-    // from). Reading a file first holds the canonical values, the mapped file (FP32 at most)
-    // and one tensor converted to FP32.
-    const uint64_t setting = sum({mul(canonical, 4), mul(n, 4), cuda ? mul(n, 2) : fp8_block_weights ? mul(n, 4) : 0});
-    const uint64_t reading = sum({mul(canonical, 8), mul(std::max(mul(x.V, x.C), mul(x.F, x.C)), 4)});
-    MemoryConsumer c;
-    c.name = reads_weights ? "host: weights staging (the file read to FP32, then set)"
-                           : "host: weights staging (random initialisation in FP32, then set)";
-    c.transient = true;
-    c.host_bytes = reads_weights ? std::max(setting, reading) : setting;
-    c.remedy = "the host holds the whole model in FP32 while the weights are set: free host memory";
-    estimate.consumers.push_back(c);
-    if (cuda && fp8_block_weights) {
-      MemoryConsumer cast;
-      cast.name = "GPU: FP32 weights of one block, cast to FP8 (while loading)";
-      cast.transient = true;
-      cast.device_bytes = mul(round_up(block_linear_elements(x), 256), 4);
-      cast.remedy = "BF16 GEMMs (--bf16) need no FP32 copy on the GPU";
-      estimate.consumers.push_back(cast);
-    }
-  }
+  add_forward_only_weight_staging(estimate, x, cuda, fp8_block_weights, reads_weights);
   return estimate;
 }
 
