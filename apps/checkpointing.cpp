@@ -625,7 +625,14 @@ CheckpointManifest read_manifest(const fs::path& dir, bool verify_data) {
     if (verify_data) verify_data_file(dir, name, state, state_path);
     manifest.files.push_back(name);
   }
+  // A checkpoint written under --no-save-optim says so; any other lacks nothing.
+  if (state.contains("optimizer_saved")) {
+    const nlohmann::json& saved = state["optimizer_saved"];
+    FP8LM_INPUT_CHECK(saved.is_boolean(), state_path, ": key \"optimizer_saved\" must be true or false");
+    manifest.optimizer_saved = saved.get<bool>();
+  }
   for (const char* required : {kModelFile, kOptimizerFile}) {
+    if (required == std::string(kOptimizerFile) && !manifest.optimizer_saved) continue;
     FP8LM_INPUT_CHECK(files.contains(required), state_path, ": key \"files\" does not record ", required,
                       " (not a complete checkpoint)");
   }
@@ -634,6 +641,15 @@ CheckpointManifest read_manifest(const fs::path& dir, bool verify_data) {
 
 bool records(const CheckpointManifest& manifest, const std::string& file) {
   return std::find(manifest.files.begin(), manifest.files.end(), file) != manifest.files.end();
+}
+
+// A resume restores the optimizer state unless --no-load-optim: a checkpoint saved without it
+// (--no-save-optim) needs that flag, or --finetune, which takes the weights alone.
+void check_optimizer_loadable(const CheckpointManifest& manifest, const TrainOptions& options) {
+  if (manifest.optimizer_saved || options.no_load_optim) return;
+  throw InputError("--load " + manifest.dir + ": saved without its optimizer state (--no-save-optim)",
+                   "pass --no-load-optim to resume from it with a fresh optimizer, or --finetune to start from its "
+                   "weights at iteration 0");
 }
 
 // `dir` is what `path` resolved to; it must be a complete checkpoint.
@@ -911,6 +927,7 @@ void start_fresh_without_checkpoint(TrainOptions& options) {
 void adopt_resume_checkpoint(TrainOptions& options) {
   if (options.load_dir.empty()) return;
   const CheckpointManifest manifest = read_checkpoint(options.load_dir, options.ckpt_step, /*verify_data=*/false);
+  check_optimizer_loadable(manifest, options);
   if (manifest.seed && *manifest.seed != options.seed) {
     spdlog::warn("--seed {} differs from the seed {} of the checkpoint {}; resuming with {} so the data order "
                  "continues where it stopped",
@@ -1028,7 +1045,10 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   // others wait until the checkpoint is complete.
   const TensorLayout& layout = engine.layout();
   const std::vector<float> parameters = engine.parameters();
-  const OptimizerSnapshot optimizer = engine.optimizer_state();
+  // --no-save-optim: the AdamW moments are left out (the master weights are the model file's).
+  const bool with_optimizer = !setup.options.no_save_optim;
+  OptimizerSnapshot optimizer;
+  if (with_optimizer) optimizer = engine.optimizer_state();
   std::optional<ScalingSnapshot> scaling;
   if (setup.options.fp8_enabled()) scaling = engine.scaling_state();
   Communicator& world = engine.host_groups().world();
@@ -1049,12 +1069,13 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
   // and what `latest` names was never touched.
   try {
     write_model_file(temporary / kModelFile, layout, parameters, setup.model);
-    {
+    std::vector<std::string> files = {kModelFile};
+    if (with_optimizer) {
       SafetensorsWriter writer;
       add_optimizer_tensors(writer, layout, optimizer);
       writer.write((temporary / kOptimizerFile).string());
+      files.push_back(kOptimizerFile);
     }
-    std::vector<std::string> files = {kModelFile, kOptimizerFile};
     if (scaling) {
       SafetensorsWriter writer;
       add_scaling_tensors(writer, *scaling);
@@ -1070,6 +1091,7 @@ std::string save_checkpoint(const std::string& dir, const RunSetup& setup, Train
                             {"data_position",
                              {{"epoch", progress.data.epoch}, {"next_sample", progress.data.next_sample}}},
                             {"skipped_steps", progress.skipped_steps},
+                            {"optimizer_saved", with_optimizer},
                             // fp8lm draws random numbers only at initialisation and for the data order,
                             // which the seed and the data position reproduce exactly.
                             {"rng", {{"seed", setup.options.seed}, {"data_position_is_the_state", true}}},
@@ -1215,8 +1237,11 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
                  manifest.dir);
     return loaded;
   }
-  const SafetensorsFile optimizer_file = SafetensorsFile::open((dir / kOptimizerFile).string());
-  const OptimizerSnapshot optimizer = read_optimizer_state(optimizer_file, layout, setup.options.optimizer_state);
+  check_optimizer_loadable(manifest, setup.options);
+  std::optional<OptimizerSnapshot> optimizer;
+  if (!setup.options.no_load_optim)
+    optimizer = read_optimizer_state(SafetensorsFile::open((dir / kOptimizerFile).string()), layout,
+                                     setup.options.optimizer_state);
   std::optional<ScalingSnapshot> scaling;
   if (setup.options.fp8_enabled()) {
     if (records(manifest, kScalingFile)) {
@@ -1228,13 +1253,13 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   }
 
   engine.set_parameters(params);
-  engine.set_optimizer_state(optimizer);
+  if (optimizer) engine.set_optimizer_state(*optimizer);  // else the engine's fresh state
   if (scaling) engine.set_scaling_state(*scaling);
   loaded.resumed = true;
   loaded.progress = manifest.progress;
   engine.set_total_skips(loaded.progress.skipped_steps);
-  spdlog::info("resumed from {} at iteration {} ({} precision checkpoint)", dir.string(), loaded.progress.iteration,
-               manifest.precision);
+  spdlog::info("resumed from {} at iteration {} ({} precision checkpoint{})", dir.string(), loaded.progress.iteration,
+               manifest.precision, optimizer ? "" : "; the optimizer starts fresh: --no-load-optim");
   return loaded;
 }
 

@@ -106,7 +106,8 @@ struct CheckpointManifest {
     std::optional<int64_t> train_samples;
   };
   OptimizerSettings optimizer;
-  std::vector<std::string> files;   // the data files it records (model and optimizer at least)
+  std::vector<std::string> files;   // the data files it records (model, and optimizer unless saved without it)
+  bool optimizer_saved = true;      // false: written under --no-save-optim, no optimizer file
 };
 
 // The complete fp8lm checkpoint that `path` and `step` designate (see
@@ -138,8 +139,8 @@ enum class CheckpointUse {
 };
 
 // Loads `path` into the engine. resume: an fp8lm checkpoint directory (DIR with `latest`,
-// or DIR/iter_N itself, or --ckpt-step N), with its optimizer and FP8 scaling state and
-// progress. weights_only: the weights of such a checkpoint, or of a Hugging Face GPT-2 model
+// or DIR/iter_N itself, or --ckpt-step N), with its optimizer (unless --no-load-optim, which a
+// checkpoint saved under --no-save-optim requires) and FP8 scaling state and progress. weights_only: the weights of such a checkpoint, or of a Hugging Face GPT-2 model
 // (a model.safetensors file or a directory holding one); optimizer and FP8 scaling start
 // fresh. Precision may differ from the saving run's: optimizer state is converted, FP8
 // scaling state is kept only when the run is FP8 with the same operands and history

@@ -797,6 +797,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(checkpoints);
   app.add_option("--ckpt-step", o.ckpt_step, "With --load: resume from this iteration instead of `latest`")
       ->group(checkpoints);
+  app.add_flag("--no-save-optim", o.no_save_optim,
+               "Checkpoints without the AdamW moments (about half the bytes); resuming from one needs --no-load-optim")
+      ->group(checkpoints);
+  app.add_flag("--no-load-optim", o.no_load_optim,
+               "With --load: restore the weights, FP8 scaling state and progress, and start the optimizer fresh")
+      ->group(checkpoints);
   app.add_flag("--finetune", o.finetune,
                "With --load: start from the checkpoint's weights only, at iteration 0 with a fresh optimizer "
                "(as --init-from)")

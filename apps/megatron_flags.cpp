@@ -18,9 +18,9 @@ constexpr const char* kNoDropout =
     "fp8lm trains without dropout, as llm.c and nanoGPT pretrain GPT-2 (Megatron's default is 0.1)";
 constexpr const char* kMetricsElsewhere =
     "fp8lm writes every log line to --metrics-file as JSON instead (scripts/plot_loss.sh plots it)";
-constexpr const char* kWholeState =
-    "fp8lm's checkpoints hold the whole training state, so that a resume is bit-exact; --finetune (or "
-    "--init-from DIR) starts from the weights alone";
+constexpr const char* kNoRandomState =
+    "fp8lm's training draws random numbers only at initialisation and for the data order, which the seed and "
+    "the checkpoint's data position reproduce: a checkpoint holds no random state";
 constexpr const char* kNonFiniteSteps =
     "fp8lm always checks: a step with a non-finite loss or gradient is skipped, and --max-skipped-steps in a "
     "row stop the run";
@@ -213,10 +213,8 @@ const std::vector<MegatronFlag> kFlags = {
     {"--apply-layernorm-1p", false, Kind::refused, nullptr, "fp8lm's LayerNorm gains are stored as they apply"},
     {"--use-rotary-position-embeddings", false, Kind::refused, nullptr,
      "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
-    {"--no-load-optim", false, Kind::refused, nullptr, kWholeState},
-    {"--no-load-rng", false, Kind::refused, nullptr, kWholeState},
-    {"--no-save-optim", false, Kind::refused, nullptr, kWholeState},
-    {"--no-save-rng", false, Kind::refused, nullptr, kWholeState},
+    {"--no-load-rng", false, Kind::no_effect, nullptr, kNoRandomState},
+    {"--no-save-rng", false, Kind::no_effect, nullptr, kNoRandomState},
     {"--reset-position-ids", false, Kind::refused, nullptr, kWholeSequence},
     {"--reset-attention-mask", false, Kind::refused, nullptr, kWholeSequence},
     {"--no-fp8-wgrad", false, Kind::refused, nullptr,

@@ -175,6 +175,12 @@ struct TrainOptions {
   std::optional<int64_t> exit_duration_in_mins;
   // --finetune with --load: the checkpoint's weights only, from iteration 0 (as --init-from)
   bool finetune = false;
+  // --no-save-optim: checkpoints without the optimizer state (the FP32 master weights are the
+  // model file's; the AdamW moments are left out), so that they are about half the size and a
+  // resume needs --no-load-optim. --no-load-optim: --load restores everything but the
+  // optimizer state, which starts fresh (moments zero, AdamW's step count 0), as Megatron's.
+  bool no_save_optim = false;
+  bool no_load_optim = false;
   // --exit-on-missing-checkpoint: a --load that is also --save and holds no checkpoint yet is
   // an error instead of a fresh start (start_fresh_without_checkpoint, apps/checkpointing.h)
   bool exit_on_missing_checkpoint = false;

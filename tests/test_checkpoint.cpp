@@ -789,3 +789,72 @@ TEST_CASE("BF16 first and last layers: a checkpoint resumes bit-exactly with the
   CHECK(to_bf16_ends.output.find("the first step takes current scaling") == std::string::npos);
   for (const auto& line : read_metrics(dir.file("ends.jsonl"))) CHECK(std::isfinite(line["loss"].get<double>()));
 }
+
+TEST_CASE("checkpoints without the optimizer (--no-save-optim): --load then needs --no-load-optim, which restores "
+          "the rest and starts the optimizer fresh",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string args = kRun + "--fp8-hybrid --exit-interval 4 ";
+  // The same 4 steps saved with and without the optimizer state.
+  REQUIRE(run(args + "--save " + dir.file("full")).exit_code == 0);
+  REQUIRE(run(args + "--no-save-optim --save " + dir.file("lean")).exit_code == 0);
+  const std::string lean = dir.file("lean/iter_0000004/"), full = dir.file("full/iter_0000004/");
+  CHECK(!fs::exists(lean + "optimizer.safetensors"));
+  CHECK(fs::exists(full + "optimizer.safetensors"));
+  for (const char* file : {"model.safetensors", "fp8_scaling.safetensors"})
+    CHECK(file_bytes(lean + file) == file_bytes(full + file));
+  const nlohmann::json state = nlohmann::json::parse(file_bytes(lean + "state.json"));
+  CHECK(state["optimizer_saved"] == false);
+  CHECK(!state["files"].contains("optimizer.safetensors"));
+  CHECK(nlohmann::json::parse(file_bytes(full + "state.json"))["optimizer_saved"] == true);
+
+  // Without --no-load-optim the lean checkpoint is refused at start-up, naming both ways on.
+  const auto refused = run(kRun + "--fp8-hybrid --load " + dir.file("lean"));
+  CHECK(refused.exit_code == 2);
+  CHECK_THAT(refused.output, ContainsSubstring("saved without its optimizer state (--no-save-optim)"));
+  CHECK_THAT(refused.output, ContainsSubstring("HINT: pass --no-load-optim"));
+  CHECK_THAT(refused.output, ContainsSubstring("--finetune"));
+
+  // --no-load-optim: iterations 5-8 from either checkpoint are the same run (weights, FP8 scales,
+  // data position restored; fresh moments), and not the full resume's.
+  auto resume = [&](const std::string& from, const std::string& flags) {
+    const std::string metrics = dir.file(from + (flags.empty() ? "" : "-fresh") + ".jsonl");
+    REQUIRE(run(kRun + "--fp8-hybrid --load " + dir.file(from) + " " + flags + " --metrics-file " + metrics)
+                .exit_code == 0);
+    return read_metrics(metrics);
+  };
+  const auto from_lean = resume("lean", "--no-load-optim");
+  const auto from_full_fresh = resume("full", "--no-load-optim");
+  const auto from_full = resume("full", "");
+  REQUIRE(from_lean.size() == 4);
+  REQUIRE(from_full_fresh.size() == 4);
+  REQUIRE(from_full.size() == 4);
+  CHECK(from_lean.front()["iter"] == 5);
+  for (size_t i = 0; i < 4; ++i) {
+    CHECK(from_lean[i]["loss"].get<double>() == from_full_fresh[i]["loss"].get<double>());
+    CHECK(from_lean[i]["grad_norm"].get<double>() == from_full_fresh[i]["grad_norm"].get<double>());
+  }
+  // Iteration 5's loss is the restored weights' on the same batch; its update (a fresh Adam's
+  // first step) differs, so iteration 6 does.
+  CHECK(from_lean[0]["loss"].get<double>() == from_full[0]["loss"].get<double>());
+  CHECK(from_lean[1]["loss"].get<double>() != from_full[1]["loss"].get<double>());
+  CHECK(std::fabs(from_lean[3]["loss"].get<double>() - from_full[3]["loss"].get<double>()) <
+        0.05 * from_full[3]["loss"].get<double>());
+}
+
+TEST_CASE("the RNG flags (--no-load-rng, --no-save-rng) change nothing: a checkpoint holds no random state",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string args = kRun + "--bf16 --exit-interval 4 --save " + dir.file("ck");
+  REQUIRE(run(args + " --metrics-file " + dir.file("a.jsonl")).exit_code == 0);
+  const auto with_flags = run(kRun + "--bf16 --no-save-rng --no-load-rng --load " + dir.file("ck") +
+                              " --log-level info --metrics-file " + dir.file("b.jsonl"));
+  REQUIRE(with_flags.exit_code == 0);
+  CHECK_THAT(with_flags.output, ContainsSubstring("--no-load-rng"));
+  CHECK_THAT(with_flags.output, ContainsSubstring("no random state"));
+  REQUIRE(run(kRun + "--bf16 --load " + dir.file("ck") + " --metrics-file " + dir.file("c.jsonl")).exit_code == 0);
+  const auto b = read_metrics(dir.file("b.jsonl")), c = read_metrics(dir.file("c.jsonl"));
+  REQUIRE(b.size() == 4);
+  REQUIRE(c.size() == 4);
+  for (size_t i = 0; i < 4; ++i) CHECK(b[i]["loss"].get<double>() == c[i]["loss"].get<double>());
+}
