@@ -541,9 +541,12 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
       // The weights and optimizer snapshots (whole tensors), and then the larger of a
       // gather's buffers (every tensor-parallel rank's slab, this rank's, its shard) and
       // the safetensors writer's copy of one file.
-      checkpoint.host_bytes =
-          add(mul(canonical, 4 + state_bytes_per_element),
-              std::max(sum({mul(n, x.tp, 4), mul(n, 4), mul(S, 4)}), mul(canonical, std::max<uint64_t>(4, state_bytes_per_element))));
+      // Without the optimizer state both ways (--no-save-optim, --no-load-optim), the weights only.
+      const bool saves_optimizer = !o.save_dir.empty() && !o.no_save_optim;
+      const bool loads_optimizer = !o.load_dir.empty() && !o.no_load_optim;
+      const uint64_t state = saves_optimizer || loads_optimizer ? state_bytes_per_element : 0;
+      checkpoint.host_bytes = add(mul(canonical, 4 + state), std::max(sum({mul(n, x.tp, 4), mul(n, 4), mul(S, 4)}),
+                                                                     mul(canonical, std::max<uint64_t>(4, state))));
       checkpoint.remedy = more_tp;
       estimate.consumers.push_back(checkpoint);
     }
