@@ -1369,7 +1369,9 @@ size_t GptModel::allocated_bytes() const {
 SettingsTable GptModel::memory_table() const {
   SettingsTable rows = {
       {"parameters: " + std::string(to_string(activation_dtype_)) + " working copy", format_mib(working_->bytes())}};
-  if (weight_operands_) rows.push_back({"parameters: weight operands (FP8 W and W^T)", format_mib(weight_operands_->bytes())});
+  if (weight_operands_)
+    rows.push_back({trains() ? "parameters: weight operands (W and, for FP8, W^T)" : "parameters: weight operands (W)",
+                    format_mib(weight_operands_->bytes())});
   if (gradients_)
     rows.push_back({gradient_dtype_ == DType::bf16 ? "gradients (BF16)" : "gradients (FP32)", format_mib(gradients_->bytes())});
   rows.push_back({"activations", format_mib(activations_->bytes())});
