@@ -644,9 +644,10 @@ bool records(const CheckpointManifest& manifest, const std::string& file) {
 }
 
 // A resume restores the optimizer state unless --no-load-optim: a checkpoint saved without it
-// (--no-save-optim) needs that flag, or --finetune, which takes the weights alone.
+// (--no-save-optim) needs that flag, or --finetune, which takes the weights alone. fp8lm eval
+// and fp8lm sample read no optimizer state.
 void check_optimizer_loadable(const CheckpointManifest& manifest, const TrainOptions& options) {
-  if (manifest.optimizer_saved || options.no_load_optim) return;
+  if (manifest.optimizer_saved || options.no_load_optim || options.command != RunCommand::train) return;
   throw InputError("--load " + manifest.dir + ": saved without its optimizer state (--no-save-optim)",
                    "pass --no-load-optim to resume from it with a fresh optimizer, or --finetune to start from its "
                    "weights at iteration 0");

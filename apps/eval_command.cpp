@@ -100,7 +100,7 @@ int run_eval_command(const std::vector<std::string>& args) {
   MpiSession mpi;
   const ParallelLayout layout = detect_parallel_layout(options.tensor_model_parallel_size);
   init_logging(options.log_level, layout.world_rank);
-  // Checks, last, that the engine's estimated memory fits, before anything is allocated.
+  // Checks, last, that the evaluator's estimated memory fits, before anything is allocated.
   const RunSetup setup = resolve_run_setup(options, layout);
   if (setup.use_cuda) check_ranks_fit_gpus(layout, cuda_availability().device_count);
   log_settings_table("fp8lm eval memory (forward only: weights, one block's activations, the batch's logits)",

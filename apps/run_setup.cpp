@@ -307,7 +307,7 @@ GptPrecision engine_model_precision(const TrainOptions& o, bool sharded_optimize
 
 GptPrecision forward_only_model_precision(const TrainOptions& o, DType activation_dtype) {
   GptPrecision precision = model_precision(o);
-  // The FP8 weights are cast once, from the checkpoint's FP32 values (Generator::set_parameters).
+  // The FP8 weights are cast once, from the checkpoint's FP32 values (set_forward_only_weights).
   precision.fp8_linear_working_copy = activation_dtype == DType::f32;
   return precision;
 }

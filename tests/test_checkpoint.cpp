@@ -814,6 +814,10 @@ TEST_CASE("checkpoints without the optimizer (--no-save-optim): --load then need
   CHECK_THAT(refused.output, ContainsSubstring("saved without its optimizer state (--no-save-optim)"));
   CHECK_THAT(refused.output, ContainsSubstring("HINT: pass --no-load-optim"));
   CHECK_THAT(refused.output, ContainsSubstring("--finetune"));
+  // fp8lm eval and fp8lm sample read the weights and FP8 scales alone: the lean checkpoint serves them.
+  const auto sampled = run("sample --load " + dir.file("lean") + " --device cpu --random-prompt 4 --max-new-tokens 3");
+  CHECK(sampled.exit_code == 0);
+  CHECK_THAT(sampled.output, ContainsSubstring("the checkpoint's delayed scales"));
 
   // --no-load-optim: iterations 5-8 from either checkpoint are the same run (weights, FP8 scales,
   // data position restored; fresh moments), and not the full resume's.
