@@ -236,8 +236,7 @@ std::vector<std::string> data_list_from_file(const std::string& path) {
 }
 
 struct PerSplitDataLists {
-  std::vector<std::string> train, valid;
-  bool test_given = false;
+  std::vector<std::string> train, valid, test;
 };
 
 // --per-split-data-args-path: Megatron's JSON object whose "train", "valid" and "test" are each a
@@ -262,7 +261,7 @@ PerSplitDataLists per_split_data_lists_from_file(const std::string& path) {
     }
     return words;
   };
-  PerSplitDataLists lists{.train = list("train"), .valid = list("valid"), .test_given = !list("test").empty()};
+  PerSplitDataLists lists{.train = list("train"), .valid = list("valid"), .test = list("test")};
   if (lists.train.empty()) bad_flag(flag + ": no \"train\" list");
   return lists;
 }
@@ -456,11 +455,12 @@ void validate_options(const TrainOptions& o) {
     parse_data_path(o.train_data_blend, "--train-data-path");
   }
   if (!o.valid_data_blend.empty()) parse_data_path(o.valid_data_blend, "--valid-data-path");
+  if (!o.test_data_blend.empty()) parse_data_path(o.test_data_blend, "--test-data-path");
   if (!o.data_path.empty()) {
-    require(o.train_data_path.empty() && o.valid_data_path.empty() && o.train_data_blend.empty() &&
-                o.valid_data_blend.empty(),
-            "--data-path contradicts --train-data-path and --valid-data-path: --data-path's --split makes the "
-            "train and valid sets; give one or the other, as Megatron asserts");
+    require(o.train_data_path.empty() && o.valid_data_path.empty() && o.test_data_path.empty() &&
+                o.train_data_blend.empty() && o.valid_data_blend.empty() && o.test_data_blend.empty(),
+            "--data-path contradicts --train-data-path, --valid-data-path and --test-data-path: --data-path's --split "
+            "makes the train, valid and test sets; give one or the other, as Megatron asserts");
     require(!o.mock_data, "--data-path contradicts --mock-data");
     parse_data_path(o.data_path);  // InputError naming --data-path
     const auto split = parse_split(o.split);
@@ -716,7 +716,7 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   // ---- Data
   const char* data = "Data";
   // Each occurrence's values apart: a repeated flag keeps its last list, as every other flag.
-  std::vector<std::vector<std::string>> train_data_values, valid_data_values;
+  std::vector<std::vector<std::string>> train_data_values, valid_data_values, test_data_values;
   app.add_option("--train-data-path", train_data_values,
                  "Token shards (see --data-format; a glob), or Megatron indexed datasets used whole for training: "
                  "PREFIX, or weight/prefix pairs 0.3 PREFIX_A 0.7 PREFIX_B")
@@ -725,6 +725,12 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(data);
   app.add_option("--valid-data-path", valid_data_values,
                  "Validation token shards (a glob), or Megatron indexed datasets used whole for validation")
+      ->expected(1, CLI::detail::expected_max_vector_size)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->group(data);
+  app.add_option("--test-data-path", test_data_values,
+                 "Test token shards (a glob), or Megatron indexed datasets used whole: --eval-iters batches scored "
+                 "once, at the end of training")
       ->expected(1, CLI::detail::expected_max_vector_size)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->group(data);
@@ -751,8 +757,8 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
   app.add_option("--data-args-path", data_args_path, "A file holding --data-path's list (for long blends)")
       ->group(data);
   app.add_option("--per-split-data-args-path", per_split_data_args_path,
-                 "A JSON file of Megatron's per-split lists: \"train\" and \"valid\" (as --train-data-path and "
-                 "--valid-data-path); \"test\" is not read")
+                 "A JSON file of Megatron's per-split lists: \"train\", \"valid\" and \"test\" (as --train-data-path, "
+                 "--valid-data-path and --test-data-path)")
       ->group(data);
   std::string data_format = "llmc";
   app.add_option("--vocab-file", o.vocab_file,
@@ -964,19 +970,19 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
     o.data_path = data_list_from_file(data_args_path);
   }
   if (!per_split_data_args_path.empty()) {
-    if (!train_data_values.empty() || !valid_data_values.empty())
-      bad_flag("--per-split-data-args-path contradicts --train-data-path and --valid-data-path: give the lists once");
+    if (!train_data_values.empty() || !valid_data_values.empty() || !test_data_values.empty())
+      bad_flag("--per-split-data-args-path contradicts --train-data-path, --valid-data-path and --test-data-path: "
+               "give the lists once");
     const PerSplitDataLists lists = per_split_data_lists_from_file(per_split_data_args_path);
     o.train_data_blend = lists.train;
     o.valid_data_blend = lists.valid;
-    if (lists.test_given)
-      o.megatron_warnings.push_back("--per-split-data-args-path " + per_split_data_args_path +
-                                    ": its \"test\" list is not read (`fp8lm eval --valid-data-path` scores a test set)");
+    o.test_data_blend = lists.test;
   }
   // Megatron's per-split paths name indexed datasets; one other value is fp8lm's llm.c shard glob.
   for (auto [values, flag, glob, blend] :
        {std::tuple{&train_data_values, "--train-data-path", &o.train_data_path, &o.train_data_blend},
-        std::tuple{&valid_data_values, "--valid-data-path", &o.valid_data_path, &o.valid_data_blend}}) {
+        std::tuple{&valid_data_values, "--valid-data-path", &o.valid_data_path, &o.valid_data_blend},
+        std::tuple{&test_data_values, "--test-data-path", &o.test_data_path, &o.test_data_blend}}) {
     if (values->empty()) continue;
     const std::vector<std::string>& last = values->back();
     if (names_indexed_datasets(last))

@@ -196,8 +196,6 @@ const std::vector<MegatronFlag> kFlags = {
      "watchdog names a rank that stops"},
     {"--log-progress", false, Kind::not_written, nullptr,
      "Megatron's progress.txt; fp8lm's progress lines and --metrics-file carry the throughput, elapsed time and ETA"},
-    {"--test-data-path", true, Kind::not_written, nullptr,
-     "fp8lm evaluates --valid-data-path during training; `fp8lm eval --valid-data-path` scores a test set"},
 
     // Features fp8lm does not have.
     {"--fp16", false, Kind::refused, nullptr,

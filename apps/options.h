@@ -138,10 +138,13 @@ struct TrainOptions {
   uint64_t seed = 1234;              // --seed
   std::string train_data_path;       // --train-data-path (file or glob of shards)
   std::string valid_data_path;       // --valid-data-path
-  // Megatron's per-split datasets: --train-data-path / --valid-data-path naming indexed datasets
-  // (PREFIX, or weight/prefix pairs; names_indexed_datasets), each dataset whole for its split.
+  std::string test_data_path;        // --test-data-path: scored once, at the end of training (Megatron's)
+  // Megatron's per-split datasets: --train-data-path / --valid-data-path / --test-data-path naming
+  // indexed datasets (PREFIX, or weight/prefix pairs; names_indexed_datasets), each dataset whole
+  // for its split.
   std::vector<std::string> train_data_blend;
   std::vector<std::string> valid_data_blend;
+  std::vector<std::string> test_data_blend;
   bool mock_data = false;            // --mock-data: a synthetic, learnable token stream
   TokenFileFormat data_format = TokenFileFormat::llmc;  // --data-format: llmc or raw-uint16
   // --data-path: Megatron indexed datasets, PREFIX or weight/prefix pairs (core/indexed_dataset.h)

@@ -38,6 +38,9 @@ namespace {
 struct DataLoaders {
   std::optional<DataLoader> train;
   std::optional<DataLoader> valid;
+  // Scored once, at the end of training: --test-data-path, or the test part of --data-path's
+  // --split when it holds a sample (Megatron's do_test).
+  std::optional<DataLoader> test;
   std::vector<ChoiceExample> choices;  // --hellaswag-path
 };
 
@@ -64,7 +67,7 @@ DataLoaders open_data(const RunSetup& setup) {
   DataLoaderOptions valid_options = loader_options;
   valid_options.shuffle = false;  // the same batches at every evaluation
   // Megatron's per-split datasets are their split whole.
-  constexpr std::array<double, 3> kWholeTrain = {1, 0, 0}, kWholeValid = {0, 1, 0};
+  constexpr std::array<double, 3> kWholeTrain = {1, 0, 0}, kWholeValid = {0, 1, 0}, kWholeTest = {0, 0, 1};
   if (o.mock_data) {
     MockDataLoaders mock = make_mock_data_loaders(loader_options);
     loaders.train.emplace(std::move(mock.train));
@@ -78,6 +81,15 @@ DataLoaders open_data(const RunSetup& setup) {
     const auto split = parse_split(o.split);
     loaders.train = open_indexed_loader(blend, split, DataSplit::train, loader_options);
     loaders.valid = open_indexed_loader(blend, split, DataSplit::valid, valid_options);
+    if (o.command == RunCommand::train && o.eval_iters > 0) {
+      const uint64_t micro_batch = uint64_t(o.micro_batch_size) * uint64_t(setup.data_parallel_size);
+      if (indexed_split_holds(blend, split, DataSplit::test, setup.seq_length, micro_batch))
+        loaders.test = open_indexed_loader(blend, split, DataSplit::test, valid_options);
+      else if (split[2] > 0)
+        spdlog::info("--split {}: the test part of --data-path holds less than one global micro-batch ({} samples of "
+                     "{} tokens); no test evaluation",
+                     o.split, micro_batch, setup.seq_length);
+    }
   } else if (!o.train_data_path.empty()) {  // evaluation alone reads no training data
     loaders.train.emplace(expand_shard_paths(o.train_data_path), loader_options);
   }
@@ -86,6 +98,10 @@ DataLoaders open_data(const RunSetup& setup) {
   if (!o.valid_data_blend.empty())
     loaders.valid = open_indexed_loader(parse_data_path(o.valid_data_blend, "--valid-data-path"), kWholeValid,
                                         DataSplit::valid, valid_options);
+  if (!o.test_data_path.empty()) loaders.test.emplace(expand_shard_paths(o.test_data_path), valid_options);
+  if (!o.test_data_blend.empty())
+    loaders.test = open_indexed_loader(parse_data_path(o.test_data_blend, "--test-data-path"), kWholeTest,
+                                       DataSplit::test, valid_options);
   return loaders;
 }
 
@@ -661,6 +677,15 @@ TrainingSummary run_training(const RunSetup& initial_setup, Watchdog* watchdog) 
 
   if ((validating || choosing) && o.train_iters > 0 && (o.eval_interval == 0 || o.train_iters % o.eval_interval != 0))
     evaluate(o.train_iters);
+  if (data.test && o.eval_iters > 0 && o.train_iters > 0) {
+    // Megatron's test evaluation at the end of training: --eval-iters batches from the start of
+    // the test data, as an evaluation scores the validation data.
+    const double test_loss = validation_loss(*engine, *data.test, o.eval_iters, B, T, watchdog).mean();
+    spdlog::info("iter {:6d} | test loss {:.4f} | perplexity {:.2f} (the end of training)", o.train_iters, test_loss,
+                 std::exp(std::min(test_loss, 50.0)));
+    metrics_file.write(nlohmann::json{{"iter", o.train_iters}, {"test_loss", test_loss}});
+    summary.test_loss = test_loss;
+  }
   summary.skipped_steps = engine->skip_status().total;
   if (o.benchmark && engine->op_profiler()) {
     benchmark_step_ms.erase(benchmark_step_ms.begin(),

@@ -23,6 +23,7 @@ struct TrainingSummary {
   double last_loss = 0.0;
   double last_val_loss = -1.0;  // < 0 when never evaluated
   std::optional<ChoiceAccuracy> last_choices;  // --hellaswag-path's last evaluation
+  std::optional<double> test_loss;             // the test set's, at the end of training (when it has one)
   int stop_signal = 0;          // SIGTERM/SIGINT that ended the run early (after saving)
   std::string last_checkpoint;  // directory of the last checkpoint written
 };

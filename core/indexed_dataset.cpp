@@ -398,6 +398,18 @@ bool names_indexed_datasets(const std::vector<std::string>& values) {
   return values.size() == 1 && std::filesystem::is_regular_file(values[0] + ".idx");
 }
 
+bool indexed_split_holds(const DataBlend& blend, const std::array<double, 3>& fractions, DataSplit split,
+                         int seq_len, uint64_t samples) {
+  if (fractions[static_cast<size_t>(split)] == 0.0) return false;
+  for (const std::string& prefix : blend.prefixes) {
+    const IndexedDataset dataset = IndexedDataset::open(prefix);
+    const DocumentRange documents = *split_documents(fractions, split, dataset.num_documents());
+    const uint64_t tokens = dataset.document_span(documents.begin, documents.end).tokens;
+    if (tokens == 0 || (tokens - 1) / uint64_t(seq_len) < std::max<uint64_t>(samples, 1)) return false;
+  }
+  return true;
+}
+
 std::optional<DataLoader> open_indexed_loader(const DataBlend& blend, const std::array<double, 3>& fractions,
                                               DataSplit split, const DataLoaderOptions& options) {
   FP8LM_CHECK(!blend.prefixes.empty() && blend.prefixes.size() == blend.weights.size(), "blend");

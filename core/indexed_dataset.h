@@ -159,5 +159,10 @@ bool names_indexed_datasets(const std::vector<std::string>& values);
 // one sample of seq_len + 1 tokens (InputError naming the dataset).
 std::optional<DataLoader> open_indexed_loader(const DataBlend& blend, const std::array<double, 3>& fractions,
                                               DataSplit split, const DataLoaderOptions& options);
+// Whether the split's fraction is above 0 and every dataset's split holds `samples` samples of
+// seq_len tokens and their next-token targets (one global micro-batch: what a loader needs).
+// Reads the indexes only.
+bool indexed_split_holds(const DataBlend& blend, const std::array<double, 3>& fractions, DataSplit split,
+                         int seq_len, uint64_t samples);
 
 }  // namespace fp8lm

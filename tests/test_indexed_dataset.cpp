@@ -606,4 +606,56 @@ TEST_CASE("Megatron's per-split paths: --train-data-path and --valid-data-path n
                "--per-split-data-args-path contradicts");
 }
 
+TEST_CASE("the test set is scored once, at the end of training (Megatron's do_test): --split's test part, "
+          "--test-data-path, or per-split lists; fp8lm eval reproduces it",
+          "[indexed][cli]") {
+  TempDir dir;
+  for (const char* name : {"a", "b"}) write_random_dataset(dir.file(name), name[0], 60, 13);
+  const std::string base = "train --config " + testing::source_path("configs/tiny.json") +
+                           " --device cpu --seq-length 16 --micro-batch-size 2 --lr 1e-3 --log-interval 1 "
+                           "--eval-interval 3 --eval-iters 2 --log-level info --train-iters 6 --bf16 ";
+  auto train = [&](const std::string& args, const std::string& name) {
+    const auto result = run_fp8lm(base + args + " --save " + dir.file(name) + " --metrics-file " + dir.file(name + ".jsonl"));
+    INFO(args << "\n" << result.output);
+    REQUIRE(result.exit_code == 0);
+    return result.output;
+  };
+  auto eval_loss = [&](const std::string& ckpt, const std::string& data) {
+    const auto eval = run_fp8lm("eval --load " + dir.file(ckpt) + " --device cpu --log-level warn " + data);
+    INFO(data << "\n" << eval.output);
+    REQUIRE(eval.exit_code == 0);
+    return nlohmann::json::parse(eval.output.substr(eval.output.rfind("{\"")))["loss"].get<double>();
+  };
+  // --data-path's --split with a test part: one test loss, after the last validation, the
+  // loss fp8lm eval gives on those documents (60 documents: 80,10,10's test part, 54-59, is
+  // 90,10,0's validation part).
+  const std::string split_log = train("--data-path " + dir.file("a") + " --split 80,10,10", "split");
+  CHECK_THAT(split_log, ContainsSubstring("test loss"));
+  const std::vector<double> test_loss = testing::metrics_field(dir.file("split.jsonl"), "test_loss");
+  REQUIRE(test_loss.size() == 1);
+  CHECK(testing::metrics_field(dir.file("split.jsonl"), "val_loss").size() == 2);
+  CHECK(test_loss[0] == eval_loss("split", "--data-path " + dir.file("a") + " --split 90,10,0"));
+  CHECK(test_loss[0] != testing::metrics_field(dir.file("split.jsonl"), "val_loss").back());
+  // No test part, or one too small for a sample (said at start-up): no test loss.
+  train("--data-path " + dir.file("a") + " --split 90,10,0", "no_test");
+  CHECK(testing::metrics_field(dir.file("no_test.jsonl"), "test_loss").empty());
+  const std::string tiny_test = train("--data-path " + dir.file("a") + " --split 90,9,1", "tiny_test");
+  CHECK(testing::metrics_field(dir.file("tiny_test.jsonl"), "test_loss").empty());
+  CHECK_THAT(tiny_test, ContainsSubstring("the test part of --data-path holds less than one global micro-batch"));
+  // Megatron's per-split paths name the test set whole, on the command line or in a JSON file.
+  train("--train-data-path " + dir.file("a") + " --valid-data-path " + dir.file("b") + " --test-data-path " +
+            dir.file("b"),
+        "per_split");
+  const std::vector<double> per_split_test = testing::metrics_field(dir.file("per_split.jsonl"), "test_loss");
+  REQUIRE(per_split_test.size() == 1);
+  // The test set is the validation set here, scored by the same weights after the last step.
+  CHECK(per_split_test[0] == testing::metrics_field(dir.file("per_split.jsonl"), "val_loss").back());
+  write_bytes(dir.file("lists.json"), "{\"train\": [\"" + dir.file("a") + "\"], \"valid\": [\"" + dir.file("b") +
+                                          "\"], \"test\": [\"" + dir.file("b") + "\"]}");
+  train("--per-split-data-args-path " + dir.file("lists.json"), "lists");
+  CHECK(testing::metrics_field(dir.file("lists.jsonl"), "test_loss") == per_split_test);
+  expect_refused(base + "--data-path " + dir.file("a") + " --test-data-path " + dir.file("b"),
+                 "--data-path contradicts --train-data-path, --valid-data-path and --test-data-path");
+}
+
 }  // namespace fp8lm
