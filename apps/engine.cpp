@@ -127,6 +127,35 @@ CommDtype storage_dtype(const Ops& ops, DType dtype) {
 
 }  // namespace
 
+ScalingSnapshot scaling_table_snapshot(GptModel& model) {
+  ScalingTable& table = model.scaling();
+  ScalingSnapshot snapshot;
+  for (int i = 0; i < table.size(); ++i) {
+    snapshot.names.push_back(table.name(i));
+    snapshot.dtypes.push_back(table.dtype(i));
+  }
+  snapshot.history_len = table.config().amax_history_len;
+  // Sized as the table: a checkpoint that lacks some of these operands leaves them as they are
+  // now (match_scaling_by_name).
+  snapshot.history = table.history();
+  snapshot.scale = table.scales();
+  snapshot.scale_inv = table.scale_invs();
+  snapshot.initialized = table.size() > 0 && table.initialized(0);
+  return snapshot;
+}
+
+void restore_scaling_table(Ops& ops, GptModel& model, const ScalingSnapshot& snapshot) {
+  ScalingTable& table = model.scaling();
+  FP8LM_CHECK(int(snapshot.names.size()) == table.size() && snapshot.history.size() == table.history().size(),
+              "scaling state of another model");
+  ops.synchronize();
+  table.history() = snapshot.history;
+  table.scales() = snapshot.scale;
+  table.scale_invs() = snapshot.scale_inv;
+  std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), snapshot.initialized ? 1 : 0);
+  ops.upload_scaling();
+}
+
 std::unique_ptr<Ops> make_run_ops(const RunSetup& setup, int device) {
   if (!setup.use_cuda) return make_cpu_ops();
   check_cuda_model_support(setup.model, setup.options.precision == GemmPrecision::fp32);
@@ -1396,30 +1425,12 @@ ScalingSnapshot TrainingEngine::scaling_state() {
                          ReduceOp::max);
   s.ops->synchronize();
   s.ops->download_scaling();
-  ScalingSnapshot snapshot;
-  for (int i = 0; i < table.size(); ++i) {
-    snapshot.names.push_back(table.name(i));
-    snapshot.dtypes.push_back(table.dtype(i));
-  }
-  snapshot.history_len = table.config().amax_history_len;
-  snapshot.history = table.history();
-  snapshot.scale = table.scales();
-  snapshot.scale_inv = table.scale_invs();
-  snapshot.initialized = table.size() > 0 && table.initialized(0);
-  return snapshot;
+  return scaling_table_snapshot(*s.model);
 }
 
 void TrainingEngine::set_scaling_state(const ScalingSnapshot& snapshot) {
   State& s = *state_;
-  ScalingTable& table = s.model->scaling();
-  FP8LM_CHECK(int(snapshot.names.size()) == table.size() && snapshot.history.size() == table.history().size(),
-              "scaling state of another model");
-  s.ops->synchronize();
-  table.history() = snapshot.history;
-  table.scales() = snapshot.scale;
-  table.scale_invs() = snapshot.scale_inv;
-  std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), snapshot.initialized ? 1 : 0);
-  s.ops->upload_scaling();
+  restore_scaling_table(*s.ops, *s.model, snapshot);
   // The weight operands must be cast with the restored weight scales. Recording the
   // weight amaxes again is idempotent: the saved row 0 already holds them.
   s.stop_fp8_statistics(/*keep=*/false);

@@ -31,6 +31,7 @@
 namespace fp8lm {
 
 struct RunSetup;
+class GptModel;
 
 struct BenchmarkMemory {
   size_t allocated_bytes = 0;      // every slab the engine allocated
@@ -60,6 +61,12 @@ struct ScalingSnapshot {
   std::vector<float> scale_inv;       // [S]
   bool initialized = false;           // delayed scales learned (false: current scaling next)
 };
+
+// The model's FP8 scaling table as it is on the host now (names, dtypes, histories, scales),
+// which a checkpoint's states are matched against by name; `initialized` from its first state.
+ScalingSnapshot scaling_table_snapshot(GptModel& model);
+// A snapshot of the same states into the model's table and the backend's copy of it.
+void restore_scaling_table(Ops& ops, GptModel& model, const ScalingSnapshot& snapshot);
 
 struct StepMetrics {
   double loss = 0.0;       // mean loss over the step's micro-batches

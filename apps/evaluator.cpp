@@ -53,34 +53,6 @@ void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& can
   model.set_fp8_cast_source(nullptr);
 }
 
-ScalingSnapshot expected_scaling_state(GptModel& model) {
-  ScalingTable& table = model.scaling();
-  ScalingSnapshot snapshot;
-  for (int i = 0; i < table.size(); ++i) {
-    snapshot.names.push_back(table.name(i));
-    snapshot.dtypes.push_back(table.dtype(i));
-  }
-  snapshot.history_len = table.config().amax_history_len;
-  // Sized as the table: a checkpoint that lacks some of these operands leaves them as they are
-  // now (match_scaling_by_name).
-  snapshot.history = table.history();
-  snapshot.scale = table.scales();
-  snapshot.scale_inv = table.scale_invs();
-  return snapshot;
-}
-
-void restore_scaling_table(Ops& ops, GptModel& model, const ScalingSnapshot& snapshot) {
-  ScalingTable& table = model.scaling();
-  FP8LM_CHECK(int(snapshot.names.size()) == table.size() && snapshot.history.size() == table.history().size(),
-              "scaling state of another model");
-  ops.synchronize();
-  table.history() = snapshot.history;
-  table.scales() = snapshot.scale;
-  table.scale_invs() = snapshot.scale_inv;
-  std::fill(table.initialized_flags().begin(), table.initialized_flags().end(), snapshot.initialized ? 1 : 0);
-  ops.upload_scaling();
-}
-
 struct Evaluator::State {
   ParallelLayout parallel;
   GptConfig config;
@@ -138,7 +110,7 @@ Evaluator::~Evaluator() {
 std::string Evaluator::load(const std::string& path, std::optional<int64_t> step, bool with_scaling) {
   State& s = *state_;
   InferenceWeights weights = read_inference_weights(path, step, s.canonical, s.config, s.fp8 && with_scaling,
-                                                    expected_scaling_state(*s.model));
+                                                    scaling_table_snapshot(*s.model));
   if (weights.scaling) restore_scaling_table(*s.ops, *s.model, *weights.scaling);
   set_parameters(weights.params);
   if (s.fp8)

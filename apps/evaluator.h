@@ -67,10 +67,5 @@ class Evaluator : public BatchScorer {
 // block's FP32 values at a time in the backend's memory.
 void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& canonical,
                               const std::vector<float>& values, int tp_rank, int tp_size);
-// The model's FP8 scaling states as they are now (names, dtypes, history and scales), which a
-// checkpoint's are matched against.
-ScalingSnapshot expected_scaling_state(GptModel& model);
-// A checkpoint's scaling state into the model's table and the backend's copy of it.
-void restore_scaling_table(Ops& ops, GptModel& model, const ScalingSnapshot& snapshot);
 
 }  // namespace fp8lm

@@ -93,7 +93,7 @@ void Generator::set_parameters(const std::vector<float>& canonical) {
 std::string Generator::load(const std::string& path, std::optional<int64_t> step) {
   State& s = *state_;
   InferenceWeights weights =
-      read_inference_weights(path, step, s.canonical, s.config, s.fp8, expected_scaling_state(*s.model));
+      read_inference_weights(path, step, s.canonical, s.config, s.fp8, scaling_table_snapshot(*s.model));
   ScalingTable& table = s.model->scaling();
   if (weights.scaling) restore_scaling_table(*s.ops, *s.model, *weights.scaling);
   set_parameters(weights.params);

@@ -226,24 +226,27 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
     });
   };
   const bool sp = x.sequence_parallel;
+  // What a training and an evaluation model hold once beside the blocks: the embedding's rows, the
+  // row-parallel branch, the last residual stream, ln_f's output and statistics, the logits and
+  // the token losses with their cross-entropy partials.
+  const uint64_t forward_once = sum({
+      tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
+      sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
+      tensor_bytes(eb, x.BT, x.C, act),  // branch
+      sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
+      tensor_bytes(eb, x.N, x.C, act),  // residual_final
+      input_operand(x.BT, x.C, head_input),
+      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
+      tensor_bytes(eb, x.BT, x.Vs, act),      // logits
+      tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
+      tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
+      x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
+  });
   if (evaluating) {
+    // The residual stream (the encoder output) once, every block's, and one buffer set per precision.
     uint64_t sets = 0;
     for (const auto& [gemm, count] : block_precisions(x, precision)) sets = add(sets, block_buffers(gemm));
-    return sum({
-        tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
-        sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
-        residual,  // the residual stream (the encoder output), every block's
-        sets,
-        tensor_bytes(eb, x.BT, x.C, act),  // branch
-        sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
-        tensor_bytes(eb, x.N, x.C, act),  // residual_final
-        input_operand(x.BT, x.C, head_input),
-        mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
-        tensor_bytes(eb, x.BT, x.Vs, act),      // logits
-        tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
-        tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
-        x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
-    });
+    return sum({forward_once, residual, sets});
   }
   const uint64_t recomputed = uint64_t(recompute.recomputed_blocks(int64_t(x.L)));
   uint64_t layers = 0;
@@ -267,19 +270,8 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   for (DType grad_dtype : grad_dtypes)
     grad_operands = add(grad_operands, operand_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
                                                      is_fp8(grad_dtype), tiles));
-  const uint64_t once = sum({
-      tensor_bytes(eb, x.BT, x.C, DType::f32),  // token embeddings
-      sp ? tensor_bytes(eb, x.N, x.C, DType::f32) : 0,
-      tensor_bytes(eb, x.BT, x.C, act),  // branch
-      sp ? tensor_bytes(eb, x.N, x.C, act) : 0,
-      tensor_bytes(eb, x.N, x.C, act),  // residual_final
-      input_operand(x.BT, x.C, head_input),
-      mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),
-      tensor_bytes(eb, x.BT, x.Vs, act),  // logits
+  const uint64_t backward_once = sum({
       head_grad == act ? 0 : operand_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad), tiles),
-      tensor_bytes(eb, x.BT, 1, DType::f32),  // losses
-      tensor_bytes(eb, x.BT, 3, DType::f32),  // cross-entropy partials
-      x.tp > 1 ? tensor_bytes(eb, mul(x.tp, x.BT), 3, DType::f32) : 0,
       tensor_bytes(eb, x.N, x.C, act),  // dresidual
       sp ? tensor_bytes(eb, x.BT, x.C, act) : 0,
       tensor_bytes(eb, x.BT, x.C, act),  // dln
@@ -289,7 +281,7 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       tensor_bytes(eb, x.BT, x.Fl, act),      // dgelu
       grad_operands,
   });
-  return add(layers, once);
+  return sum({layers, forward_once, backward_once});
 }
 
 // The elements the working copy leaves out (GptPrecision::fp8_linear_working_copy): the FP8
