@@ -39,7 +39,7 @@ struct DataLoaders {
   std::optional<DataLoader> train;
   std::optional<DataLoader> valid;
   // Scored once, at the end of training: --test-data-path, or the test part of --data-path's
-  // --split when it holds a sample (Megatron's do_test).
+  // --split when it holds a global micro-batch (Megatron's do_test).
   std::optional<DataLoader> test;
   std::vector<ChoiceExample> choices;  // --hellaswag-path
 };
