@@ -360,6 +360,17 @@ void add_backend_consumer(MemoryEstimate& estimate, bool cuda, std::string name,
   estimate.consumers.push_back(std::move(c));
 }
 
+// The backend's workspaces of a training or an evaluation model (ModelShape of plan_workspace).
+void add_workspace_consumer(MemoryEstimate& estimate, const Shape& x, bool cuda) {
+  if (cuda) {
+    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
+                         "lower --micro-batch-size");
+  } else {
+    add_backend_consumer(estimate, cuda, "CPU backend scratch (normalised blocks, GEMM transposes)",
+                         cpu_workspace_bytes(x), "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
+  }
+}
+
 // The FP8 amax histories of `states` scaling states: the host table and, on the GPU, its
 // device twin. Registering each state re-lays the history, so building it briefly holds two
 // copies on the host. Nothing without FP8 states.
@@ -476,13 +487,7 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
       activation_bytes(x, eb, act, precision, activation_recompute(o)),
       "lower --micro-batch-size (raise --global-batch-size accumulation instead) or --seq-length, or " + more_tp);
 
-  if (cuda) {
-    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
-                         "lower --micro-batch-size");
-  } else {
-    add_backend_consumer(estimate, cuda, "CPU backend scratch (normalised blocks, GEMM transposes)",
-                         cpu_workspace_bytes(x), "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
-  }
+  add_workspace_consumer(estimate, x, cuda);
 
   add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);
 
@@ -615,15 +620,10 @@ MemoryEstimate estimate_evaluation_memory(const RunSetup& s) {
   add_backend_consumer(estimate, cuda,
                        "activations (micro-batch " + number(x.B) + " x seq-length " + number(x.T) +
                            ", one block's buffers shared by " + number(x.L) + " layers; the batch's logits)",
+                       // 256: the carver's slack at the slab's end, as the decoder's estimate counts it
                        add(activation_bytes(x, eb, act, precision, ActivationRecompute{}, /*evaluating=*/true), 256),
                        "lower --micro-batch-size or --seq-length (eval scores --eval-iters batches of this shape)");
-  if (cuda) {
-    add_backend_consumer(estimate, cuda, "GPU workspaces (kernel scratch, cuBLASLt)", cuda_workspace_bytes(x),
-                         "lower --micro-batch-size");
-  } else {
-    add_backend_consumer(estimate, cuda, "CPU backend scratch (normalised blocks, GEMM transposes)",
-                         cpu_workspace_bytes(x), "lower --micro-batch-size or --seq-length", /*engine_slab=*/false);
-  }
+  add_workspace_consumer(estimate, x, cuda);
   add_scaling_consumer(estimate, fp8_scaling_states(s), o.fp8.amax_history_len, cuda);
   if (cuda && (data_parallel > 1 || x.tp > 1)) {
     MemoryConsumer c;
