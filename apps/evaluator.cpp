@@ -53,6 +53,17 @@ void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& can
   model.set_fp8_cast_source(nullptr);
 }
 
+SettingsTable forward_only_memory_rows(const GptModel& model, Ops& ops, const MemoryEstimate& estimate,
+                                       const std::string& allocations_label, size_t allocated) {
+  SettingsTable rows = model.memory_table();
+  rows.push_back({"backend workspaces", format_mib(ops.workspace_bytes())});
+  const bool device = ops.stream_handle() != nullptr;
+  for (auto& row :
+       measured_memory_rows(estimate, allocations_label, allocated, device, device ? ops.device_memory_in_use() : 0))
+    rows.push_back(std::move(row));
+  return rows;
+}
+
 struct Evaluator::State {
   ParallelLayout parallel;
   GptConfig config;
@@ -150,13 +161,7 @@ size_t Evaluator::allocated_bytes() const {
 
 SettingsTable Evaluator::describe() const {
   const State& s = *state_;
-  SettingsTable rows = s.model->memory_table();
-  rows.push_back({"backend workspaces", format_mib(s.ops->workspace_bytes())});
-  const bool device = s.ops->stream_handle() != nullptr;
-  for (auto& row : measured_memory_rows(s.memory_estimate, "evaluator allocations", allocated_bytes(), device,
-                                        device ? s.ops->device_memory_in_use() : 0))
-    rows.push_back(std::move(row));
-  return rows;
+  return forward_only_memory_rows(*s.model, *s.ops, s.memory_estimate, "evaluator allocations", allocated_bytes());
 }
 
 }  // namespace fp8lm

@@ -67,5 +67,9 @@ class Evaluator : public BatchScorer {
 // block's FP32 values at a time in the backend's memory.
 void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& canonical,
                               const std::vector<float>& values, int tp_rank, int tp_size);
+// A forward-only model's memory for the log: its classes, the backend's workspaces, and
+// `allocated` (labelled `allocations_label`) beside the start-up estimate.
+SettingsTable forward_only_memory_rows(const GptModel& model, Ops& ops, const MemoryEstimate& estimate,
+                                       const std::string& allocations_label, size_t allocated);
 
 }  // namespace fp8lm

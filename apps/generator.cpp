@@ -205,13 +205,7 @@ size_t Generator::allocated_bytes() const { return state_->model->allocated_byte
 
 SettingsTable Generator::describe() const {
   const State& s = *state_;
-  SettingsTable rows = s.model->memory_table();
-  rows.push_back({"backend workspaces", format_mib(s.ops->workspace_bytes())});
-  const bool device = s.ops->stream_handle() != nullptr;
-  for (auto& row : measured_memory_rows(s.memory_estimate, "decoder allocations", allocated_bytes(), device,
-                                        device ? s.ops->device_memory_in_use() : 0))
-    rows.push_back(std::move(row));
-  return rows;
+  return forward_only_memory_rows(*s.model, *s.ops, s.memory_estimate, "decoder allocations", allocated_bytes());
 }
 
 }  // namespace fp8lm
