@@ -10,23 +10,25 @@ namespace fp8lm {
 
 namespace {
 
-void forward_only(Ops& ops, GptModel& model, float* device_sum, const int32_t* inputs, const int32_t* targets) {
+void forward_only(Ops& ops, GptModel& model, float* device_sum, const DocumentMasking& documents,
+                  const int32_t* inputs, const int32_t* targets) {
   ops.zero(device_sum, sizeof(float));
   Tensor sum;
   sum.data = device_sum;
   sum.rows = sum.cols = 1;
-  model.forward_eval(ops.load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice()),
-                     sum);
+  model.forward_eval(
+      ops.load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice(), documents),
+      sum);
 }
 
 }  // namespace
 
-BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator& data_parallel, bool loss_mask,
-                      const int32_t* inputs, const int32_t* targets) {
+BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator& data_parallel,
+                      const BatchReading& reading, const int32_t* inputs, const int32_t* targets) {
   const int64_t tokens = int64_t{model.micro_batch_size()} * model.seq_length();
   const int64_t unmasked = count_unmasked_targets(targets, size_t(tokens));
-  FP8LM_CHECK(loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
-  forward_only(ops, model, device_sum, inputs, targets);
+  FP8LM_CHECK(reading.loss_mask || unmasked == tokens, "masked targets in a run without --eod-mask-loss");
+  forward_only(ops, model, device_sum, reading.documents, inputs, targets);
   float host_sum = 0.0f;
   ops.download(&host_sum, device_sum, sizeof(float));
   // Every data-parallel rank's batch.
@@ -35,10 +37,10 @@ BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator
   return BatchLoss{.sum = totals[0], .tokens = totals[1]};
 }
 
-std::vector<BatchLoss> score_rows(Ops& ops, GptModel& model, float* device_sum, const int32_t* inputs,
-                                  const int32_t* targets) {
+std::vector<BatchLoss> score_rows(Ops& ops, GptModel& model, float* device_sum, const BatchReading& reading,
+                                  const int32_t* inputs, const int32_t* targets) {
   const int B = model.micro_batch_size(), T = model.seq_length();
-  forward_only(ops, model, device_sum, inputs, targets);  // choice rows mask their targets by construction
+  forward_only(ops, model, device_sum, reading.documents, inputs, targets);  // choice rows mask their targets by construction
   std::vector<float> losses(size_t(B) * T);
   ops.download(losses.data(), model.token_losses().data, losses.size() * sizeof(float));
   std::vector<BatchLoss> rows(B);

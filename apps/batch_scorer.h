@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "layers/documents.h"
+
 namespace fp8lm {
 
 class Communicator;
@@ -37,13 +39,19 @@ class BatchScorer {
   virtual const ProcessGroups& host_groups() const = 0;
 };
 
+// How a run reads its batches: whether it masks targets (--eod-mask-loss; otherwise a masked
+// target is a program error), and its documents (--reset-position-ids, --reset-attention-mask).
+struct BatchReading {
+  bool loss_mask = false;
+  DocumentMasking documents;
+};
+
 // The forward pass both scorers run, over a model built to train or to evaluate (layers/gpt.h).
-// `device_sum` is one float in the backend's memory, the token losses' sum. `loss_mask`: the
-// run masks targets (--eod-mask-loss); otherwise a masked target is a program error.
-// score_batch sums over `data_parallel` (host memory).
-BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator& data_parallel, bool loss_mask,
-                      const int32_t* inputs, const int32_t* targets);
-std::vector<BatchLoss> score_rows(Ops& ops, GptModel& model, float* device_sum, const int32_t* inputs,
-                                  const int32_t* targets);
+// `device_sum` is one float in the backend's memory, the token losses' sum. score_batch sums
+// over `data_parallel` (host memory).
+BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator& data_parallel,
+                      const BatchReading& reading, const int32_t* inputs, const int32_t* targets);
+std::vector<BatchLoss> score_rows(Ops& ops, GptModel& model, float* device_sum, const BatchReading& reading,
+                                  const int32_t* inputs, const int32_t* targets);
 
 }  // namespace fp8lm

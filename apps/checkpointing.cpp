@@ -134,6 +134,8 @@ nlohmann::json options_json(const TrainOptions& o) {
           {"global_batch_size", o.global_batch_size},
           {"seq_length", o.seq_length},
           {"eod_mask_loss", o.eod_mask_loss},
+          {"reset_position_ids", o.reset_position_ids},
+          {"reset_attention_mask", o.reset_attention_mask},
           {"calculate_per_token_loss", o.calculate_per_token_loss},
           {"lr", o.lr},
           {"min_lr", o.min_lr},

@@ -745,6 +745,14 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                "Leave the prediction made from each end-of-document token (the next document's first token) out of "
                "the loss and its mean, as Megatron (the token: --vocab-file's <|endoftext|>, else GPT-2's 50256)")
       ->group(data);
+  app.add_flag("--reset-position-ids", o.reset_position_ids,
+               "Restart the position ids after each end-of-document token, so each document's first token takes "
+               "position 0, as Megatron (the token as for --eod-mask-loss)")
+      ->group(data);
+  app.add_flag("--reset-attention-mask", o.reset_attention_mask,
+               "Keep attention within each document: tokens after an end-of-document token do not attend to "
+               "those before it, as Megatron")
+      ->group(data);
   app.add_option("--hellaswag-path", o.hellaswag_path,
                  "llm.c's multiple-choice eval file (HellaSwag's hellaswag_val.bin from llm.c's dev/data/hellaswag.py): "
                  "its accuracy is logged at every evaluation")

@@ -287,6 +287,7 @@ struct TrainingEngine::State {
   // --eod-mask-loss: targets may be masked, and the step's loss divides by the unmasked
   // targets of every micro-batch and data-parallel rank (this rank's so far: step_loss_tokens).
   bool loss_mask = false;
+  DocumentMasking documents;  // --reset-position-ids, --reset-attention-mask
   int64_t step_loss_tokens = 0;
   // --calculate-per-token-loss with the mask: the step's unmasked targets over every rank,
   // known before its first backward (begin_step's loss_tokens); -1 until then.
@@ -294,6 +295,7 @@ struct TrainingEngine::State {
   double step_global_loss_tokens = -1.0;
   MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
 
+  BatchReading reading() const { return {.loss_mask = loss_mask, .documents = documents}; }
   size_t tensor_count() const { return model->layout().tensors().size(); }
   StepScalars* device_scalars() { return static_cast<StepScalars*>(scalars->data()); }
   StepControl* control() { return &device_scalars()->control; }
@@ -635,6 +637,7 @@ TrainingEngine::TrainingEngine(const RunSetup& setup, const ParallelLayout& layo
   // loss divisor counts the same tokens.
   s.tokens_per_micro_batch = float(o.micro_batch_size) * float(setup.seq_length) * float(layout.dp_size);
   s.loss_mask = o.eod_mask_loss;
+  s.documents = setup.documents;
   s.per_token_loss = o.eod_mask_loss && o.calculate_per_token_loss;
 
   if (start == ParameterStart::set_by_caller) return;
@@ -738,7 +741,7 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
     dloss = 1.0f / (float(unmasked) * float(s.parallel.dp_size) * float(s.grad_accum_steps));
   }
   const TokenBatch batch =
-      s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice());
+      s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice(), s.documents);
   s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
   model.forward_backward(batch, dloss, s.scalar_tensor(&s.device_scalars()->loss_sum));
   ++s.micro_batches;
@@ -1143,12 +1146,13 @@ TrainingEngine::SkipStatus TrainingEngine::skip_status() {
 
 BatchLoss TrainingEngine::evaluate(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  return score_batch(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, s.host->dp(), s.loss_mask, inputs, targets);
+  return score_batch(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, s.host->dp(), s.reading(), inputs,
+                     targets);
 }
 
 std::vector<BatchLoss> TrainingEngine::row_losses(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  return score_rows(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, inputs, targets);
+  return score_rows(*s.ops, *s.model, &s.device_scalars()->eval_loss_sum, s.reading(), inputs, targets);
 }
 
 uint32_t TrainingEngine::replica_checksum() {

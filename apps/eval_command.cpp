@@ -51,6 +51,8 @@ std::vector<ForwardedFlag> eval_flags() {
       {"--eod-mask-loss", false,
        "Leave the predictions made from end-of-document tokens out of the loss (Megatron's; the token is "
        "--vocab-file's <|endoftext|>, else GPT-2's 50256)"},
+      {"--reset-position-ids", false, "Restart the positions after each end-of-document token (as the run trained)"},
+      {"--reset-attention-mask", false, "Keep attention within each document (as the run trained)"},
       {"--hellaswag-path", true,
        "llm.c's multiple-choice eval file (HellaSwag's hellaswag_val.bin): the accuracy of the lowest mean loss"},
       {"--vocab-file", true, "GPT-2's encoder.json (its <|endoftext|> for --eod-mask-loss)"},

@@ -68,7 +68,7 @@ struct Evaluator::State {
   ParallelLayout parallel;
   GptConfig config;
   bool fp8 = false;
-  bool loss_mask = false;
+  BatchReading reading;
   MemoryEstimate memory_estimate;  // made before anything was allocated (run_setup.cpp)
   std::unique_ptr<Ops> ops;
   std::unique_ptr<ProcessGroups> groups;  // over the backend's memory: the tensor-parallel collectives
@@ -87,7 +87,7 @@ Evaluator::Evaluator(const RunSetup& setup, const ParallelLayout& layout) : stat
   s.parallel = layout;
   s.config = setup.model;
   s.fp8 = o.fp8_enabled();
-  s.loss_mask = o.eod_mask_loss;
+  s.reading = {.loss_mask = o.eod_mask_loss, .documents = setup.documents};
   s.memory_estimate = setup.memory;
   s.ops = make_run_ops(setup, layout.local_rank);
   s.host = std::make_unique<ProcessGroups>(ProcessGroups::create_host(layout));
@@ -142,12 +142,12 @@ void Evaluator::set_scaling_state(const ScalingSnapshot& snapshot) {
 
 BatchLoss Evaluator::evaluate(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  return score_batch(*s.ops, *s.model, s.device_sum(), s.host->dp(), s.loss_mask, inputs, targets);
+  return score_batch(*s.ops, *s.model, s.device_sum(), s.host->dp(), s.reading, inputs, targets);
 }
 
 std::vector<BatchLoss> Evaluator::row_losses(const int32_t* inputs, const int32_t* targets) {
   State& s = *state_;
-  return score_rows(*s.ops, *s.model, s.device_sum(), inputs, targets);
+  return score_rows(*s.ops, *s.model, s.device_sum(), s.reading, inputs, targets);
 }
 
 const ProcessGroups& Evaluator::host_groups() const { return *state_->host; }

@@ -30,8 +30,6 @@ constexpr const char* kLossScaling =
     "FP16 loss scaling, which Megatron applies only with --fp16; BF16 and FP8 training need none";
 constexpr const char* kProfileElsewhere =
     "fp8lm writes no profiler trace; --benchmark --profile-ops times each op class";
-constexpr const char* kWholeSequence =
-    "fp8lm's attention is causal over the whole sequence, across documents, as GPT-2 was trained";
 constexpr const char* kNoPipeline =
     "fp8lm parallelizes with tensor, sequence and data parallelism, not pipeline stages";
 
@@ -213,8 +211,6 @@ const std::vector<MegatronFlag> kFlags = {
      "fp8lm's GPT has GPT-2's learned absolute position embeddings"},
     {"--no-load-rng", false, Kind::no_effect, nullptr, kNoRandomState},
     {"--no-save-rng", false, Kind::no_effect, nullptr, kNoRandomState},
-    {"--reset-position-ids", false, Kind::refused, nullptr, kWholeSequence},
-    {"--reset-attention-mask", false, Kind::refused, nullptr, kWholeSequence},
     {"--no-fp8-wgrad", false, Kind::refused, nullptr,
      "fp8lm runs every Linear GEMM in FP8, the weight gradients' too (--bf16-blocks keeps whole blocks in BF16)"},
     {"--fp8-dot-product-attention", false, Kind::refused, nullptr, "fp8lm's attention stays in BF16"},

@@ -21,6 +21,7 @@
 #include "layers/gpt.h"
 #include "layers/kv_cache.h"
 #include "layers/layernorm.h"
+#include "layers/ops_cuda.h"
 
 namespace fp8lm {
 
@@ -337,7 +338,7 @@ uint64_t cuda_workspace_bytes(const Shape& x) {
     floats = std::max(floats, cuda::attention_decode_scratch_floats(int(x.B), int(x.Cl), int(x.NHl), int(x.capacity)));
   }
   return sum({mul(floats, 4), mul(x.BT, widest, 2), mul(x.BT, std::max(widest, x.C)),
-              mul(add(mul(5, x.BT), 1), 4), uint64_t(cuda::GemmEngine::kWorkspaceBytes)});
+              mul(cuda_token_slot_ints(x.B, x.T), 4), uint64_t(cuda::GemmEngine::kWorkspaceBytes)});
 }
 
 // The CPU backend's scratch vectors (layers/ops_cpu.cpp), at their largest: a normalised or

@@ -153,6 +153,10 @@ struct TrainOptions {
   // --eod-mask-loss: the loss skips the prediction made from each end-of-document token (the
   // next document's first token), and means divide by the tokens that count (core/loss_mask.h)
   bool eod_mask_loss = false;
+  // Megatron's document boundaries inside a sequence (layers/documents.h): positions restart
+  // after each end-of-document token, and attention stays within each document.
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
   // --calculate-per-token-loss (Megatron's): with the mask, every unmasked token of the step
   // weighs 1 / (the step's unmasked tokens over every rank), not 1 / (its micro-batch's) / ...
   bool calculate_per_token_loss = false;

@@ -179,14 +179,23 @@ RunSetup resolve_run_setup(const TrainOptions& options, const ParallelLayout& pa
                                    ", or --vocab-size " + std::to_string(tokenizer.vocab_size()));
     end_of_document = tokenizer.end_of_text_id();
   }
-  if (o.eod_mask_loss) {
-    // Megatron's tokenizer.eod: GPT2BPETokenizer's <|endoftext|>.
+  // Megatron's tokenizer.eod: GPT2BPETokenizer's <|endoftext|>.
+  const auto check_end_of_document = [&](const char* flag) {
     if (end_of_document >= m.vocab_size)
-      throw InputError("--eod-mask-loss: the end-of-document token " + std::to_string(end_of_document) +
+      throw InputError(std::string(flag) + ": the end-of-document token " + std::to_string(end_of_document) +
                            " (GPT-2's <|endoftext|>) is outside the model's vocabulary of " +
                            std::to_string(m.vocab_size),
                        "give --vocab-file and --merge-file of the tokenizer that made the data");
+  };
+  if (o.eod_mask_loss) {
+    check_end_of_document("--eod-mask-loss");
     setup.loss_mask_token = end_of_document;
+  }
+  if (o.reset_position_ids || o.reset_attention_mask) {
+    check_end_of_document(o.reset_attention_mask ? "--reset-attention-mask" : "--reset-position-ids");
+    setup.documents = {.end_of_document = end_of_document,
+                       .reset_attention_mask = o.reset_attention_mask,
+                       .reset_position_ids = o.reset_position_ids};
   }
   if (o.first_last_layers_bf16) {
     const int64_t bf16_layers = int64_t{o.num_layers_at_start_in_bf16} + o.num_layers_at_end_in_bf16;
@@ -482,6 +491,11 @@ SettingsTable settings_table(const RunSetup& s) {
                         : "on (targets after token " + str(s.loss_mask_token) + " skipped; " +
                               (o.calculate_per_token_loss ? "the mean over the step's tokens, --calculate-per-token-loss)"
                                                           : "each micro-batch's mean)")},
+      {"reset-position-ids / reset-attention-mask",
+       !s.documents.any() ? std::string("off / off")
+                          : std::string(o.reset_position_ids ? "on" : "off") + " / " +
+                                (o.reset_attention_mask ? "on" : "off") + " (documents end at token " +
+                                str(s.documents.end_of_document) + ")"},
       {"eval-interval / eval-iters", str(o.eval_interval) + " / " + str(o.eval_iters)},
       {"log-interval", str(o.log_interval)},
       {"metrics-file", or_none(o.metrics_file)},

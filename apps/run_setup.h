@@ -27,6 +27,8 @@ struct RunSetup {
   // --eod-mask-loss: the end-of-document token whose next-token targets the loss skips
   // (--vocab-file's <|endoftext|>, else GPT-2's 50256); -1 without the flag.
   int32_t loss_mask_token = -1;
+  // --reset-position-ids / --reset-attention-mask, with the same end-of-document token.
+  DocumentMasking documents;
   bool use_cuda = false;
   std::string device_description;
   // This rank's host and device memory, estimated before anything is allocated (for fp8lm

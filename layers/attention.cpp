@@ -11,6 +11,22 @@
 // nothing overflows, and FP32 sums over one row (T terms, in order s = 0..t) are accurate
 // to well below the BF16 the GPU keeps its inputs and outputs in.
 
+namespace fp8lm {
+
+void check_document_starts(const int32_t* document_starts, int B, int T, const char* what) {
+  if (document_starts == nullptr) return;
+  for (int b = 0; b < B; b++) {
+    const int32_t* first = document_starts + static_cast<size_t>(b) * T;
+    for (int t = 0; t < T; t++) {
+      const bool whole = t == 0 ? first[0] == 0 : first[t] == first[t - 1] || first[t] == t;
+      FP8LM_CHECK(whole, what, ": document_starts[", b, ",", t, "] = ", first[t],
+                  " is neither the previous position's document start nor ", t, " (a row must be whole documents)");
+    }
+  }
+}
+
+}  // namespace fp8lm
+
 namespace fp8lm::cpu {
 
 namespace {
@@ -32,9 +48,15 @@ float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
+// The first key query t of row b sees: its document's first position (0 without documents).
+int first_key(const int32_t* document_starts, int b, int t, int T) {
+  return document_starts == nullptr ? 0 : document_starts[static_cast<size_t>(b) * T + t];
+}
+
 }  // namespace
 
-void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
+void attention_forward(float* out, float* lse, const float* qkv, const int32_t* document_starts, int B, int T, int C,
+                       int NH) {
   FP8LM_CHECK(NH > 0 && C % NH == 0, "attention needs C divisible by NH, got C=", C, " NH=", NH);
   const int HS = C / NH;
   const HeadView at{T, C, HS};
@@ -49,21 +71,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
         for (int t = 0; t < T; t++) {
           const float* q = qkv + at.q(b, t, h);  // [HS]
 
-          // Causal: query t sees keys s = 0..t.
+          // Causal, within the query's document: query t sees keys s = first..t.
+          const int first = first_key(document_starts, b, t, T);
           float max_score = -INFINITY;
-          for (int s = 0; s <= t; s++) {
+          for (int s = first; s <= t; s++) {
             scores[s] = dot(q, qkv + at.k(b, s, h), HS) * scale;
             max_score = std::fmax(max_score, scores[s]);
           }
           float normaliser = 0.0f;
-          for (int s = 0; s <= t; s++) {
+          for (int s = first; s <= t; s++) {
             scores[s] = std::exp(scores[s] - max_score);  // unnormalised probability, <= 1
             normaliser += scores[s];
           }
 
           float* o = out + at.o(b, t, h);  // [HS]
           for (int i = 0; i < HS; i++) o[i] = 0.0f;
-          for (int s = 0; s <= t; s++) {
+          for (int s = first; s <= t; s++) {
             const float p = scores[s] / normaliser;
             const float* v = qkv + at.v(b, s, h);
             for (int i = 0; i < HS; i++) o[i] += p * v[i];
@@ -75,8 +98,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
   }
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
-                        int T, int C, int NH) {
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        const int32_t* document_starts, int B, int T, int C, int NH) {
   FP8LM_CHECK(NH > 0 && C % NH == 0, "attention needs C divisible by NH, got C=", C, " NH=", NH);
   const int HS = C / NH;
   const HeadView at{T, C, HS};
@@ -102,7 +125,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         const float row_lse = lse[(static_cast<size_t>(b) * NH + h) * T + t];
         const float D = dot(dout_t, o, HS);  // = sum_s P[t,s] dP[t,s], the softmax's Jacobian term
 
-        for (int s = 0; s <= t; s++) {
+        for (int s = first_key(document_starts, b, t, T); s <= t; s++) {
           const float* k = qkv + at.k(b, s, h);
           const float* v = qkv + at.v(b, s, h);
           const float p = std::exp(dot(q, k, HS) * scale - row_lse);  // P[t,s], recomputed

@@ -34,6 +34,14 @@
 //   first: two kernels.
 //   The dQ kernel recomputes S and dP (7 GEMM-shaped products in all instead of FA2's 5):
 //   the price of determinism without a T x T buffer or floating-point atomics.
+//
+// Documents (document_starts, layers/attention.h): every tiled kernel is instantiated twice,
+// by a template flag kDocuments. Without documents (nullptr) the launches pick the flag's
+// false instances, which never read the pointer and compile to the code the kernels had
+// before documents existed. With it, the kernels add the mask s < first[t] and skip the
+// tiles that first[]'s monotonicity shows to be invisible (attention_tiles.cuh). The wgmma
+// and the mma.sync kernels mask the same elements, and a tile that one of them walks and the
+// other skips leaves a row exactly as it was: their outputs stay bit-identical.
 
 #include <array>
 #include <atomic>
@@ -116,54 +124,63 @@ void set_smem(Kernel kernel, size_t bytes) {
 
 template <int HS, int MT>
 void launch_forward(bf16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale, bool e5m2,
-                    const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+                    const bf16* qkv, const int32_t* document_starts, int B, int T, int C, int NH,
+                    cudaStream_t stream) {
   using Cfg = ForwardConfig<HS, MT>;
-  auto kernel = attention_forward_kernel<HS, MT>;
+  auto kernel = document_starts != nullptr ? attention_forward_kernel<HS, MT, true>
+                                           : attention_forward_kernel<HS, MT, false>;
   set_smem(kernel, Cfg::smem_bytes);
   const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
   const float sl2 = kLog2e / sqrtf(static_cast<float>(HS));
   launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, T,
-                C, NH, sl2);
+                C, NH, sl2, document_starts);
 }
 
 template <int HS>
-void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B, int T,
-                     int C, int NH, cudaStream_t stream) {
+void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
+                     const int32_t* document_starts, int B, int T, int C, int NH, cudaStream_t stream) {
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   const float sl2 = kLog2e * scale;
+  const bool documents = document_starts != nullptr;
   {
     using Cfg = DkDvConfig<HS>;
-    auto kernel = attention_backward_dkdv_kernel<HS>;
-    set_smem(kernel, Cfg::smem_bytes);
+    auto kernel = documents ? attention_backward_dkdv_kernel<HS, true> : attention_backward_dkdv_kernel<HS, false>;
+    const size_t smem = Cfg::smem_bytes + (documents ? Cfg::documents_smem_bytes : 0);
+    set_smem(kernel, smem);
     const dim3 grid((T + Cfg::BK - 1) / Cfg::BK, NH, B);
-    launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    launch_kernel(kernel, grid, kThreads, smem, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale,
+                  document_starts);
   }
   {
     using Cfg = DqConfig<HS>;
-    auto kernel = attention_backward_dq_kernel<HS>;
+    auto kernel = documents ? attention_backward_dq_kernel<HS, true> : attention_backward_dq_kernel<HS, false>;
     set_smem(kernel, Cfg::smem_bytes);
     const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
-    launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale);
+    launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, dqkv, dout, qkv, lse, D, T, C, NH, sl2, scale,
+                  document_starts);
   }
 }
 
 // Head size 64 on Hopper (compute capability 9.x): the forward with wgmma.
 void launch_forward_wgmma(bf16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale, bool e5m2,
-                          const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+                          const bf16* qkv, const int32_t* document_starts, int B, int T, int C, int NH,
+                          cudaStream_t stream) {
   using Cfg = ForwardWgmmaConfig;
-  set_smem(attention_forward_wgmma_kernel, Cfg::smem_bytes);
+  auto kernel =
+      document_starts != nullptr ? attention_forward_wgmma_kernel<true> : attention_forward_wgmma_kernel<false>;
+  set_smem(kernel, Cfg::smem_bytes);
   const dim3 grid((T + Cfg::BR - 1) / Cfg::BR, NH, B);
   const float sl2 = kLog2e / sqrtf(static_cast<float>(Cfg::HS));
-  launch_kernel(attention_forward_wgmma_kernel, grid, kThreads, Cfg::smem_bytes, stream, out, lse, out_fp8, out_amax,
-                out_scale, e5m2, qkv, T, C, NH, sl2);
+  launch_kernel(kernel, grid, kThreads, Cfg::smem_bytes, stream, out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, T,
+                C, NH, sl2, document_starts);
 }
 
 // Head size 64 on Hopper (compute capability 9.x): the same two steps with wgmma. With
 // `operand`, the kernels write dqkv's FP8 operand instead of dqkv (attention_dqkv_operand.cuh).
 // The dQ kernel runs first: it writes D (rowsum(dO * O), scratch [B,NH,T]) for the dK/dV kernel.
 void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const bf16* dout, const bf16* qkv,
-                           const bf16* out, const float* lse, float* D, int B, int T, int C, int NH,
-                           cudaStream_t stream) {
+                           const bf16* out, const float* lse, float* D, const int32_t* document_starts, int B, int T,
+                           int C, int NH, cudaStream_t stream) {
   using Cfg = BackwardWgmmaConfig;
   static_assert(2 * sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dkdv_smem_bytes &&
                     sizeof(OperandTile) + kSwizzleAtomBytes <= Cfg::dq_smem_bytes,
@@ -171,18 +188,26 @@ void launch_backward_wgmma(bf16* dqkv, const DqkvOperandTarget* operand, const b
   const float scale = 1.0f / sqrtf(static_cast<float>(Cfg::HS));
   const float sl2 = kLog2e * scale;
   const dim3 grid((T + Cfg::BLOCK - 1) / Cfg::BLOCK, NH, B);
+  const bool documents = document_starts != nullptr;
+  const size_t dkdv_smem = Cfg::dkdv_smem_bytes + (documents ? Cfg::dkdv_documents_smem_bytes : 0);
   auto launch = [&](auto dkdv_kernel, auto dq_kernel, const DqkvOperandTarget& target) {
     set_smem(dq_kernel, Cfg::dq_smem_bytes);
     launch_kernel(dq_kernel, grid, kThreads, Cfg::dq_smem_bytes, stream, dqkv, target, dout, qkv, out, lse, D, T, C,
-                  NH, sl2, scale);
-    set_smem(dkdv_kernel, Cfg::dkdv_smem_bytes);
-    launch_kernel(dkdv_kernel, grid, kThreads, Cfg::dkdv_smem_bytes, stream, dqkv, target, dout, qkv, lse,
-                  static_cast<const float*>(D), T, C, NH, sl2, scale);
+                  NH, sl2, scale, document_starts);
+    set_smem(dkdv_kernel, dkdv_smem);
+    launch_kernel(dkdv_kernel, grid, kThreads, dkdv_smem, stream, dqkv, target, dout, qkv, lse,
+                  static_cast<const float*>(D), T, C, NH, sl2, scale, document_starts);
   };
-  if (operand != nullptr) {
-    launch(attention_backward_dkdv_wgmma_kernel<true>, attention_backward_dq_wgmma_kernel<true>, *operand);
+  if (operand != nullptr && documents) {
+    launch(attention_backward_dkdv_wgmma_kernel<true, true>, attention_backward_dq_wgmma_kernel<true, true>, *operand);
+  } else if (operand != nullptr) {
+    launch(attention_backward_dkdv_wgmma_kernel<true, false>, attention_backward_dq_wgmma_kernel<true, false>,
+           *operand);
+  } else if (documents) {
+    launch(attention_backward_dkdv_wgmma_kernel<false, true>, attention_backward_dq_wgmma_kernel<false, true>,
+           DqkvOperandTarget{});
   } else {
-    launch(attention_backward_dkdv_wgmma_kernel<false>, attention_backward_dq_wgmma_kernel<false>,
+    launch(attention_backward_dkdv_wgmma_kernel<false, false>, attention_backward_dq_wgmma_kernel<false, false>,
            DqkvOperandTarget{});
   }
 }
@@ -213,24 +238,31 @@ bool has_wgmma() {
 enum class Kernels { fastest, mma_sync };
 
 void forward(Kernels kernels, __nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
-             const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
-             cudaStream_t stream) {
+             const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, const int32_t* document_starts,
+             int B, int T, int C, int NH, cudaStream_t stream) {
   const int HS = checked_head_size("attention_forward", B, T, C, NH);
   if (B == 0 || T == 0) return;
   FP8LM_CHECK(aligned(qkv, 16), "attention_forward: qkv must be 16-byte aligned");
+  FP8LM_CHECK(document_starts == nullptr || aligned(document_starts, 4),
+              "attention_forward: document_starts must be 4-byte aligned");
   FP8LM_CHECK(aligned(out, 4) && aligned(lse, 4), "attention_forward: out/lse must be 4-byte aligned");
   FP8LM_CHECK(out_fp8 == nullptr || aligned(out_fp8, 2), "attention_forward: out_fp8 must be 2-byte aligned");
   FP8LM_CHECK(out_amax == nullptr || aligned(out_amax, 4), "attention_forward: out_amax must be 4-byte aligned");
   const bool e5m2 = out_dtype == Fp8Dtype::e5m2;
+  const int32_t* first = document_starts;
   switch (HS) {
-    case 32: launch_forward<32, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
+    case 32:
+      launch_forward<32, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, first, B, T, C, NH, stream);
+      break;
     case 64:
       if (kernels == Kernels::fastest && has_wgmma())
-        launch_forward_wgmma(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
+        launch_forward_wgmma(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, first, B, T, C, NH, stream);
       else
-        launch_forward<64, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream);
+        launch_forward<64, 2>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, first, B, T, C, NH, stream);
       break;
-    default: launch_forward<128, 1>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, B, T, C, NH, stream); break;
+    default:
+      launch_forward<128, 1>(out, lse, out_fp8, out_amax, out_scale, e5m2, qkv, first, B, T, C, NH, stream);
+      break;
   }
 }
 
@@ -257,43 +289,48 @@ void row_dots(float* D, const __nv_bfloat16* dout, const __nv_bfloat16* out, int
 }
 
 void check_backward_inputs(const __nv_bfloat16* dout, const __nv_bfloat16* qkv, const __nv_bfloat16* out,
-                           const float* lse, const float* scratch) {
+                           const float* lse, const int32_t* document_starts, const float* scratch) {
   FP8LM_CHECK(aligned(qkv, 16) && aligned(dout, 16) && aligned(out, 16),
               "attention_backward: qkv/dout/out must be 16-byte aligned");
   FP8LM_CHECK(aligned(lse, 4) && aligned(scratch, 4), "attention_backward: lse/scratch must be 4-byte aligned");
+  FP8LM_CHECK(document_starts == nullptr || aligned(document_starts, 4),
+              "attention_backward: document_starts must be 4-byte aligned");
   FP8LM_CHECK(scratch != nullptr, "attention_backward: scratch is required");
 }
 
 void backward(Kernels kernels, __nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
-              const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
-              cudaStream_t stream) {
+              const __nv_bfloat16* out, const float* lse, const int32_t* document_starts, int B, int T, int C, int NH,
+              float* scratch, cudaStream_t stream) {
   const int HS = checked_head_size("attention_backward", B, T, C, NH);
   if (B == 0 || T == 0) return;
-  check_backward_inputs(dout, qkv, out, lse, scratch);
+  check_backward_inputs(dout, qkv, out, lse, document_starts, scratch);
   FP8LM_CHECK(aligned(dqkv, 4), "attention_backward: dqkv must be 4-byte aligned");
   float* D = scratch;  // [B,NH,T]
+  const int32_t* first = document_starts;
   if (HS == 64 && kernels == Kernels::fastest && has_wgmma())
-    return launch_backward_wgmma(dqkv, nullptr, dout, qkv, out, lse, D, B, T, C, NH, stream);
+    return launch_backward_wgmma(dqkv, nullptr, dout, qkv, out, lse, D, first, B, T, C, NH, stream);
   row_dots(D, dout, out, B, T, C, NH, HS, stream);
   switch (HS) {
-    case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
-    case 64: launch_backward<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
-    default: launch_backward<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream); break;
+    case 32: launch_backward<32>(dqkv, dout, qkv, lse, D, first, B, T, C, NH, stream); break;
+    case 64: launch_backward<64>(dqkv, dout, qkv, lse, D, first, B, T, C, NH, stream); break;
+    default: launch_backward<128>(dqkv, dout, qkv, lse, D, first, B, T, C, NH, stream); break;
   }
 }
 
 }  // namespace
 
 void attention_forward(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax, const float* out_scale,
-                       Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T, int C, int NH,
-                       cudaStream_t stream) {
-  forward(Kernels::fastest, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+                       Fp8Dtype out_dtype, const __nv_bfloat16* qkv, const int32_t* document_starts, int B, int T,
+                       int C, int NH, cudaStream_t stream) {
+  forward(Kernels::fastest, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, document_starts, B, T, C, NH,
+          stream);
 }
 
 void attention_forward_mma_sync(__nv_bfloat16* out, float* lse, uint8_t* out_fp8, float* out_amax,
-                                const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv, int B, int T,
-                                int C, int NH, cudaStream_t stream) {
-  forward(Kernels::mma_sync, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, B, T, C, NH, stream);
+                                const float* out_scale, Fp8Dtype out_dtype, const __nv_bfloat16* qkv,
+                                const int32_t* document_starts, int B, int T, int C, int NH, cudaStream_t stream) {
+  forward(Kernels::mma_sync, out, lse, out_fp8, out_amax, out_scale, out_dtype, qkv, document_starts, B, T, C, NH,
+          stream);
 }
 
 size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
@@ -302,15 +339,15 @@ size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
 }
 
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
-                        const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH, float* scratch,
-                        cudaStream_t stream) {
-  backward(Kernels::fastest, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+                        const __nv_bfloat16* out, const float* lse, const int32_t* document_starts, int B, int T,
+                        int C, int NH, float* scratch, cudaStream_t stream) {
+  backward(Kernels::fastest, dqkv, dout, qkv, out, lse, document_starts, B, T, C, NH, scratch, stream);
 }
 
 void attention_backward_mma_sync(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
-                                 const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
-                                 float* scratch, cudaStream_t stream) {
-  backward(Kernels::mma_sync, dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+                                 const __nv_bfloat16* out, const float* lse, const int32_t* document_starts, int B,
+                                 int T, int C, int NH, float* scratch, cudaStream_t stream) {
+  backward(Kernels::mma_sync, dqkv, dout, qkv, out, lse, document_starts, B, T, C, NH, scratch, stream);
 }
 
 bool attention_backward_writes_operand(int B, int T, int C, int NH) {
@@ -324,13 +361,13 @@ size_t attention_backward_operand_scratch_floats(int B, int T, int C, int NH) {
 }
 
 void attention_backward_operand(const DqkvOperand& operand, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
-                                const __nv_bfloat16* out, const float* lse, int B, int T, int C, int NH,
-                                float* scratch, cudaStream_t stream) {
+                                const __nv_bfloat16* out, const float* lse, const int32_t* document_starts, int B,
+                                int T, int C, int NH, float* scratch, cudaStream_t stream) {
   const int HS = checked_head_size("attention_backward_operand", B, T, C, NH);
   if (B == 0 || T == 0) return;
   FP8LM_CHECK(attention_backward_writes_operand(B, T, C, NH), "attention_backward_operand: head size ", HS, " and T=",
               T, " on this GPU: the operand needs head size 64, T a multiple of ", kOperandTile, " and wgmma");
-  check_backward_inputs(dout, qkv, out, lse, scratch);
+  check_backward_inputs(dout, qkv, out, lse, document_starts, scratch);
   FP8LM_CHECK(operand.codes != nullptr && operand.codes_t != nullptr && operand.scale != nullptr,
               "attention_backward_operand: codes, codes_t and scale are required");
   FP8LM_CHECK(aligned(operand.codes, 16) && aligned(operand.codes_t, 16),
@@ -346,7 +383,7 @@ void attention_backward_operand(const DqkvOperand& operand, const __nv_bfloat16*
                                  .amax = operand.amax,
                                  .scale = operand.scale,
                                  .kind = operand.dtype == Fp8Dtype::e5m2 ? __NV_E5M2 : __NV_E4M3};
-  launch_backward_wgmma(nullptr, &target, dout, qkv, out, lse, D, B, T, C, NH, stream);
+  launch_backward_wgmma(nullptr, &target, dout, qkv, out, lse, D, document_starts, B, T, C, NH, stream);
   if (operand.dbias) add_column_partials(operand.dbias, partials, B * T / kOperandTile, 3 * C, stream);
 }
 

@@ -12,6 +12,11 @@
 // to dS^T is of the rounding dS^T itself gets before dK's product).
 // smem: K,V [64][HS+8] + Q,dO [2][BQ][HS+8] + lse,D [2][BQ]  (HS=64: 56,320 B).
 // No atomics: every dK/dV element is written once, by one thread.
+// Documents (kDocuments, attention_tiles.cuh): first[t] of each query tile joins lse and D in
+// shared memory ([2][BQ] more). The walk stops at the first tile whose first query's first
+// key lies past the block's last key: first[] is nondecreasing, so no later query sees any of
+// the block's keys. A warp skips a tile whose first query's first key lies past its keys, and
+// P = 0 where s < first[t] on tiles whose last query's first key lies past the warp's first key.
 
 #pragma once
 
@@ -36,15 +41,18 @@ struct DkDvConfig {
   static constexpr bool kv_in_regs = HS <= 64;   // K/V fragments held in registers
   static constexpr size_t smem_bytes =
       static_cast<size_t>(2 * BK + 4 * BQ) * LD * sizeof(bf16) + 4 * BQ * sizeof(float);
+  static constexpr size_t documents_smem_bytes = 2 * BQ * sizeof(int32_t);  // first[t] [2][BQ]
 };
 
 // dqkv [B,T,3C]: writes the k and v thirds. dout [B,T,C], qkv [B,T,3C], lse [B,NH,T],
-// D [B,NH,T]. sl2 = log2(e)/sqrt(HS), scale = 1/sqrt(HS).
-template <int HS>
+// D [B,NH,T]. sl2 = log2(e)/sqrt(HS), scale = 1/sqrt(HS). document_starts [B,T]: read only
+// with kDocuments; shared memory smem_bytes, plus documents_smem_bytes with kDocuments.
+template <int HS, bool kDocuments>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout,
                                    const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                                   const float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+                                   const float* __restrict__ D, int T, int C, int NH, float sl2, float scale,
+                                   const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = DkDvConfig<HS>;
   constexpr int LD = Cfg::LD, BK = Cfg::BK, BQ = Cfg::BQ;
@@ -59,6 +67,7 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sdO = sQ + 2 * BQ * LD;                  // [2][BQ][LD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * BQ * LD);  // [2][BQ] lse * log2(e)
   float* sD = sL + 2 * BQ;                                   // [2][BQ]
+  int32_t* sF = reinterpret_cast<int32_t*>(sD + 2 * BQ);     // [2][BQ] first[t] (kDocuments)
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
   const int h = blockIdx.y;
@@ -80,7 +89,8 @@ __global__ void __launch_bounds__(kThreads)
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
   const int qt_begin = k0 / BQ;
-  const int n_qt = (T + BQ - 1) / BQ;
+  int n_qt = (T + BQ - 1) / BQ;
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
 
   auto load_query_tile = [&](int qt, int buf) {
     load_tile_async<HS, BQ>(sQ + buf * BQ * LD, q_base, stride, qt * BQ, T);
@@ -89,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
       const int t = qt * BQ + i;
       sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
       sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
+      if constexpr (kDocuments) sF[buf * BQ + i] = t < T ? first[t] : t;  // t >= T: masked anyway
     }
   };
 
@@ -96,6 +107,11 @@ __global__ void __launch_bounds__(kThreads)
   load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
+
+  // Documents: the walk ends before the first tile whose first query's document begins after
+  // the block's last key (block-wide count; the diagonal's tile always counts).
+  if constexpr (kDocuments)
+    n_qt = qt_begin + query_tiles_with_first_at_most(first, qt_begin, n_qt, BQ, T, min(k0 + BK, T) - 1, false);
 
   const uint32_t k_addr = smem_u32(sK);
   const uint32_t v_addr = smem_u32(sV);
@@ -131,7 +147,10 @@ __global__ void __launch_bounds__(kThreads)
 
     const int tq0 = qt * BQ;
     const int tq_last = min(tq0 + BQ, T) - 1;
-    if (tq_last >= warp_k0 && warp_k0 < T) {  // warp-uniform: some query t >= key s in range
+    const int32_t* sFb = sF + buf * BQ;
+    // warp-uniform: some query t >= key s in range, and (documents) one whose document
+    // begins at or before the warp's last key
+    if (tq_last >= warp_k0 && warp_k0 < T && (!kDocuments || sFb[0] <= warp_k0 + 15)) {
       const uint32_t q_addr = smem_u32(sQ + buf * BQ * LD);
       const uint32_t do_addr = smem_u32(sdO + buf * BQ * LD);
       const float* sLb = sL + buf * BQ;
@@ -147,8 +166,10 @@ __global__ void __launch_bounds__(kThreads)
         mma_a_bt_kstep<HS>(s, a, q_addr, kk, lane);
       }
 
-      // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T.
-      const bool need_mask = (tq0 < warp_k0 + 15) || (tq0 + BQ > T);
+      // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T, or s < first[t] (set,
+      // not computed: a key outside t's document may score far above lse[t]).
+      const bool need_mask =
+          (tq0 < warp_k0 + 15) || (tq0 + BQ > T) || (kDocuments && sFb[tq_last - tq0] > warp_k0);
 #pragma unroll
       for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
@@ -159,6 +180,8 @@ __global__ void __launch_bounds__(kThreads)
             const int key = warp_k0 + g + (e >> 1) * 8;
             const int t = tq0 + qi;
             if (t < key || t >= T) p = 0.0f;
+            if constexpr (kDocuments)
+              if (key < sFb[qi]) p = 0.0f;
           }
           s[nt][e] = round_bf16(p);  // as dV's product reads it, and dS uses it (the wgmma kernel's P)
         }

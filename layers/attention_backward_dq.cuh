@@ -5,6 +5,9 @@
 // grid (ceil(T/64), NH, B), 4 warps; a block owns 64 queries (16 per warp) with Q, dO in
 // registers (HS <= 64) and walks the key tiles 0..diagonal, double-buffering K, V:
 //   S = Q K^T, P, dP = dO V^T, dS = P (dP - D), dQ += dS K.  dQ *= 1/sqrt(HS).
+// Documents (kDocuments, attention_tiles.cuh) as in the forward: the walk starts at the tile
+// of the block's first row's first key, a warp skips tiles before all its rows' documents,
+// and P = 0 where s < first[t] on tiles that begin before the warp's last row's first key.
 // smem: Q,dO [64][HS+8] + K,V [2][64][HS+8]  (HS=64: 55,296 B).
 // This kernel recomputes S and dP that the dK/dV kernel also forms (7 GEMM-shaped products
 // in all instead of FA2's 5): the price of determinism without a T x T buffer or
@@ -35,11 +38,11 @@ struct DqConfig {
 };
 
 // dqkv [B,T,3C]: writes the q third. Arguments as the dK/dV kernel.
-template <int HS>
+template <int HS, bool kDocuments>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                  const float* __restrict__ lse, const float* __restrict__ D, int T, int C, int NH,
-                                 float sl2, float scale) {
+                                 float sl2, float scale, const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = DqConfig<HS>;
   constexpr int LD = Cfg::LD, BR = Cfg::BR, BC = Cfg::BC;
@@ -73,10 +76,22 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
+  // Documents: as in the forward kernel (attention_forward.cuh).
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
+  const int kt_begin = kDocuments ? first[q0] / BC : 0;
+  int row_first[2];
+  int warp_first_min = 0, warp_first_max = 0;
+  if constexpr (kDocuments) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_first[r] = first_key_of(first, warp_q0 + g + r * 8, T);
+    warp_first_min = __shfl_sync(0xffffffffu, row_first[0], 0);   // row warp_q0
+    warp_first_max = __shfl_sync(0xffffffffu, row_first[1], 28);  // row warp_q0 + 15
+  }
+
   load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
   load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
-  load_tile_async<HS, BC>(sK, k_base, stride, 0, T);
-  load_tile_async<HS, BC>(sV, v_base, stride, 0, T);
+  load_tile_async<HS, BC>(sK + (kt_begin & 1) * BC * LD, k_base, stride, kt_begin * BC, T);
+  load_tile_async<HS, BC>(sV + (kt_begin & 1) * BC * LD, v_base, stride, kt_begin * BC, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -96,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
   float dq[NT][4];
   zero(dq);
 
-  for (int kt = 0; kt < n_kt; ++kt) {
+  for (int kt = kt_begin; kt < n_kt; ++kt) {
     const int buf = kt & 1;
     if (kt + 1 < n_kt) {
       load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, k_base, stride, (kt + 1) * BC, T);
@@ -109,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     if constexpr (Cfg::qo_in_regs) {
-      if (kt == 0) {
+      if (kt == kt_begin) {
 #pragma unroll
         for (int kk = 0; kk < KT; ++kk) {
           ldsm_x4(qf[kk], ldsm_a_addr<LD>(q_addr, warp * 16, kk * 16, lane));
@@ -119,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     const int k0 = kt * BC;
-    if (k0 <= warp_q0 + 15 && warp_q0 < T) {  // warp-uniform
+    if (k0 <= warp_q0 + 15 && warp_q0 < T && (!kDocuments || k0 + BC > warp_first_min)) {  // warp-uniform
       const uint32_t k_addr = smem_u32(sK + buf * BC * LD);
       const uint32_t v_addr = smem_u32(sV + buf * BC * LD);
 
@@ -140,8 +155,9 @@ __global__ void __launch_bounds__(kThreads)
         mma_a_bt_kstep<HS>(dp, a, v_addr, kk, lane);
       }
 
-      // dS = P (dP - D), P = exp2(S * sl2 - lse2), zero where s > t or s >= T.
-      const bool need_mask = (k0 + BC - 1 > warp_q0) || (k0 + BC > T);
+      // dS = P (dP - D), P = exp2(S * sl2 - lse2), zero where s > t or s >= T, or s < first[t]
+      // (set, not computed: a key outside t's document may score far above lse[t]).
+      const bool need_mask = (k0 + BC - 1 > warp_q0) || (k0 + BC > T) || (kDocuments && k0 < warp_first_max);
 #pragma unroll
       for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
@@ -152,6 +168,8 @@ __global__ void __launch_bounds__(kThreads)
             const int t = warp_q0 + g + r * 8;
             const int key = k0 + nt * 8 + c2 + (e & 1);
             if (key > t || key >= T) p = 0.0f;
+            if constexpr (kDocuments)
+              if (key < row_first[r]) p = 0.0f;
           }
           s[nt][e] = p * (dp[nt][e] - row_D[r]);
         }

@@ -16,6 +16,12 @@
 // and V in swizzled shared tiles:
 //   S = Q K^T and dP = dO V^T together, P while dP runs, dS = P (dP - D), dQ += dS K.
 // Only the diagonal tile and one reaching past T are masked; the loops peel them off.
+// Documents (kDocuments, attention_tiles.cuh), as in the mma.sync kernels: dK/dV keeps
+// first[t] beside lse and D, ends its walk before the first query tile whose first query's
+// document begins after the block's last key, and masks (s < first[t]) the tiles from the
+// first whose last query's document begins after the block's first key on (first[] is
+// nondecreasing: the walk's last tiles). dQ starts its walk at the tile of its first row's
+// first key and masks the tiles that begin before its last row's first key (the walk's first).
 // No atomics: every output element is written once, by one thread; bit-reproducible. (With
 // the FP8 operand, only its amax is an atomicMax, which no order changes.)
 // smem (each kernel): six swizzled [64][64] tiles (48 KiB, 1024-aligned) and, for dK/dV, lse
@@ -54,19 +60,23 @@ struct BackwardWgmmaConfig {
       kSwizzleAtomBytes /* alignment slack */ + 6 * kTileBytes + 4 * TILE * sizeof(float);
   // dQ: K and V [2], Q, dO.
   static constexpr size_t dq_smem_bytes = kSwizzleAtomBytes /* alignment slack */ + 6 * kTileBytes;
+  // dK/dV with documents: first[t] of two query tiles, after lse and D.
+  static constexpr size_t dkdv_documents_smem_bytes = 2 * TILE * sizeof(int32_t);
 };
 
 // dqkv [B,T,3C]: writes the k and v thirds; with kOperand, their FP8 operand to `operand`
 // instead (attention_dqkv_operand.cuh; T a multiple of 64). dout [B,T,C], qkv [B,T,3C],
-// lse [B,NH,T], D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64).
+// lse [B,NH,T], D [B,NH,T]. sl2 = log2(e)/sqrt(64), scale = 1/sqrt(64). document_starts
+// [B,T]: read only with kDocuments (shared memory dkdv_smem_bytes + dkdv_documents_smem_bytes).
 // Three blocks a multiprocessor (154 registers, no spills; two at 170 with an FP32 P, and the
 // backward 0.298 -> 0.275 ms at gpt2-1558m's shape with three, call 124).
-template <bool kOperand>
+template <bool kOperand, bool kDocuments>
 __global__ void __launch_bounds__(kThreads, 3)
     attention_backward_dkdv_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
                                          const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                          const float* __restrict__ lse, const float* __restrict__ D, int T, int C,
-                                         int NH, float sl2, float scale) {
+                                         int NH, float sl2, float scale,
+                                         const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BK = Cfg::BLOCK, BQ = Cfg::TILE;
@@ -79,6 +89,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   const uint32_t v_tile = q_tiles + 5 * Cfg::kTileBytes;    // swizzled [BK][64], the A of dP^T
   float* sL = reinterpret_cast<float*>(smem + 6 * Cfg::kTileBytes);  // [2][BQ] lse * log2(e)
   float* sD = sL + 2 * BQ;                                          // [2][BQ]
+  int32_t* sF = reinterpret_cast<int32_t*>(sD + 2 * BQ);            // [2][BQ] first[t] (kDocuments)
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
   const int h = blockIdx.y;
@@ -100,7 +111,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
   const int qt_begin = k0 / BQ;
-  const int n_qt = (T + BQ - 1) / BQ;
+  int n_qt = (T + BQ - 1) / BQ;
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
 
   // The query tiles are walked in order from the diagonal's.
   SwizzledTileWalk<BQ> q_walk(q_base, stride, qt_begin * BQ);
@@ -113,6 +125,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       const int t = qt * BQ + static_cast<int>(threadIdx.x);
       sL[buf * BQ + threadIdx.x] = t < T ? lse_bh[t] * kLog2e : 0.0f;
       sD[buf * BQ + threadIdx.x] = t < T ? D_bh[t] : 0.0f;
+      if constexpr (kDocuments) sF[buf * BQ + threadIdx.x] = t < T ? first[t] : t;  // t >= T: masked anyway
     }
   };
 
@@ -120,6 +133,15 @@ __global__ void __launch_bounds__(kThreads, 3)
   SwizzledTileWalk<BK>(v_base, stride, k0).load_next(v_tile, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
+
+  // Documents (block-wide counts, see the top of this file): the walk ends at n_qt, and the
+  // tiles from qt_documents on need the documents' mask.
+  int qt_documents = n_qt;
+  if constexpr (kDocuments) {
+    const int n_all = n_qt;
+    n_qt = qt_begin + query_tiles_with_first_at_most(first, qt_begin, n_all, BQ, T, min(k0 + BK, T) - 1, false);
+    qt_documents = qt_begin + query_tiles_with_first_at_most(first, qt_begin, n_all, BQ, T, k0, true);
+  }
 
   float dk[8][4], dv[8][4];
   zero(dk);
@@ -155,10 +177,13 @@ __global__ void __launch_bounds__(kThreads, 3)
     wgmma_wait<1>();
     fence_registers(s);
 
-    // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T.
+    // P^T = exp2(S^T * sl2 - lse2[t]), zero where t < s or t >= T, or s < first[t] (set, not
+    // computed: a key outside t's document may score far above lse[t]).
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const float2 lse2 = *reinterpret_cast<const float2*>(sLb + nt * 8 + c2);
+      int2 first2;
+      if constexpr (kMasked && kDocuments) first2 = *reinterpret_cast<const int2*>(sF + buf * BQ + nt * 8 + c2);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = fast_exp2(s[nt][e] * sl2 - ((e & 1) ? lse2.y : lse2.x));
@@ -166,6 +191,8 @@ __global__ void __launch_bounds__(kThreads, 3)
           const int key = warp_k0 + g + (e >> 1) * 8;
           const int t = tq0 + nt * 8 + c2 + (e & 1);
           if (t < key || t >= T) p = 0.0f;
+          if constexpr (kDocuments)
+            if (key < ((e & 1) ? first2.y : first2.x)) p = 0.0f;
         }
         s[nt][e] = p;
       }
@@ -208,8 +235,16 @@ __global__ void __launch_bounds__(kThreads, 3)
   };
   const int n_whole = T / BQ;  // tiles [0, n_whole) end at or before T
   query_tile(qt_begin, std::true_type{});
-  for (int qt = qt_begin + 1; qt < n_whole; ++qt) query_tile(qt, std::false_type{});
-  if (n_whole > qt_begin && n_whole < n_qt) query_tile(n_whole, std::true_type{});
+  if constexpr (kDocuments) {
+    // Unmasked while whole and before qt_documents; from there to the walk's end, masked.
+    const int unmasked_end = min(n_whole, qt_documents);
+    int qt = qt_begin + 1;
+    for (; qt < unmasked_end; ++qt) query_tile(qt, std::false_type{});
+    for (; qt < n_qt; ++qt) query_tile(qt, std::true_type{});
+  } else {
+    for (int qt = qt_begin + 1; qt < n_whole; ++qt) query_tile(qt, std::false_type{});
+    if (n_whole > qt_begin && n_whole < n_qt) query_tile(n_whole, std::true_type{});
+  }
 
   // Epilogue.
   if constexpr (kOperand) {
@@ -273,12 +308,13 @@ __device__ __forceinline__ void row_dots_of_warp(float (&row_D)[2], float* __res
 // forward's output; D [B,NH,T] is written here (row_dots_of_warp) for the dK/dV kernel after
 // it. Other arguments as the dK/dV kernel. Four blocks a multiprocessor (122 registers, no
 // spills).
-template <bool kOperand>
+template <bool kOperand, bool kDocuments>
 __global__ void __launch_bounds__(kThreads, 4)
     attention_backward_dq_wgmma_kernel(bf16* __restrict__ dqkv, DqkvOperandTarget operand,
                                        const bf16* __restrict__ dout, const bf16* __restrict__ qkv,
                                        const bf16* __restrict__ out, const float* __restrict__ lse,
-                                       float* __restrict__ D, int T, int C, int NH, float sl2, float scale) {
+                                       float* __restrict__ D, int T, int C, int NH, float sl2, float scale,
+                                       const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = BackwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BR = Cfg::BLOCK, BC = Cfg::TILE;
@@ -310,11 +346,21 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
+  // Documents: the walk starts at the tile of the block's first row's first key; the tiles
+  // kt_begin..kt_documents-1 begin before its last row's first key and need the mask.
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
+  const int kt_begin = kDocuments ? first[q0] / BC : 0;
+  const int kt_documents = kDocuments ? min((first[q_last] + BC - 1) / BC, n_kt - 1) : 0;
+  int row_first[2];
+  if constexpr (kDocuments)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_first[r] = first_key_of(first, warp_q0 + g + r * 8, T);
+
   SwizzledTileWalk<BR>(q_base, stride, q0).load_next(q_tile, T);
   SwizzledTileWalk<BR>(do_base, static_cast<size_t>(C), q0).load_next(do_tile, T);
-  SwizzledTileWalk<BC> k_walk(k_base, stride, 0), v_walk(v_base, stride, 0);
-  k_walk.load_next(k_tiles, T);
-  v_walk.load_next(v_tiles, T);
+  SwizzledTileWalk<BC> k_walk(k_base, stride, kt_begin * BC), v_walk(v_base, stride, kt_begin * BC);
+  k_walk.load_next(k_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
+  v_walk.load_next(v_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -331,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   zero(dq);
 
   // One key tile. kMasked: the causal and length masks, which only the last tile (the
-  // diagonal's, and the one reaching T) needs; peeled as in the dK/dV kernel.
+  // diagonal's, and the one reaching T) needs, and the documents' (the first tiles); peeled
+  // as in the dK/dV kernel.
   auto key_tile = [&](int kt, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
     const int buf = kt & 1;
@@ -358,7 +405,8 @@ __global__ void __launch_bounds__(kThreads, 4)
     wgmma_wait<1>();
     fence_registers(s);
 
-    // P = exp2(S * sl2 - lse2), zero where s > t or s >= T.
+    // P = exp2(S * sl2 - lse2), zero where s > t or s >= T, or s < first[t] (set, not
+    // computed: a key outside t's document may score far above lse[t]).
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -369,6 +417,8 @@ __global__ void __launch_bounds__(kThreads, 4)
           const int t = warp_q0 + g + r * 8;
           const int key = k0 + nt * 8 + c2 + (e & 1);
           if (key > t || key >= T) p = 0.0f;
+          if constexpr (kDocuments)
+            if (key < row_first[r]) p = 0.0f;
         }
         s[nt][e] = p;
       }
@@ -389,7 +439,10 @@ __global__ void __launch_bounds__(kThreads, 4)
     fence_registers(dsa);
     __syncthreads();  // buffer `buf` is refilled by the next iteration's prefetch
   };
-  for (int kt = 0; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
+  int kt = kt_begin;
+  if constexpr (kDocuments)
+    for (; kt < kt_documents; ++kt) key_tile(kt, std::true_type{});
+  for (; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
   key_tile(n_kt - 1, std::true_type{});
 
   if constexpr (kOperand) {

@@ -1,7 +1,7 @@
-// Flash-attention forward kernel (FA2 style, mma.sync): causal softmax(Q K^T / sqrt(HS)) V
-// for one (query block, head, batch) per thread block, with the optional fused FP8 cast and
-// amax of the output. Included once, by attention.cu, which launches it; the tile helpers
-// and the fragment layouts are in attention_tiles.cuh.
+// Flash-attention forward kernel (FA2 style, mma.sync): causal softmax(Q K^T / sqrt(HS)) V,
+// optionally within documents, for one (query block, head, batch) per thread block, with the
+// optional fused FP8 cast and amax of the output. Included once, by attention.cu, which
+// launches it; the tile helpers and the fragment layouts are in attention_tiles.cuh.
 //
 // grid (ceil(T/BR), NH, B), 4 warps, query blocks scheduled longest first.
 //   BR = 64*MT queries per block, each warp owns 16*MT query rows (MT = 2 for HS <= 64, 1 for
@@ -10,6 +10,10 @@
 //   diagonal or T, online softmax on the raw scores with p = exp2(S*sl2 - m*sl2) (one FFMA,
 //   sl2 = log2(e)/sqrt(HS)), O += P V (P in bf16 straight from the accumulators). Tiles above
 //   the diagonal are never loaded; a warp whose rows all precede the tile skips its mma work.
+//   Documents (kDocuments, attention_tiles.cuh): the walk starts at the tile of the block's
+//   first row's first key, a warp skips tiles that end before all its rows' documents begin,
+//   and the mask s < first[t] joins the causal one on tiles that begin before the warp's last
+//   row's first key.
 //   Epilogue: O / l -> bf16 (optionally FP8 + amax), lse = ln2 * (m*sl2 + log2 l).
 //   smem: Q [BR][HS+8] + K,V [2][64][HS+8]   (HS=64: 55,296 B; HS=128: 87,040 B).
 // The loops over the MT row blocks sit inside the ldmatrix of K or V, so that one
@@ -104,12 +108,14 @@ struct ForwardConfig {
 };
 
 // out [B,T,C], lse [B,NH,T], out_fp8 [B,T,C] (nullable), out_amax (nullable), out_scale
-// (nullable = 1), qkv [B,T,3C]. sl2 = log2(e)/sqrt(HS).
-template <int HS, int MT>
+// (nullable = 1), qkv [B,T,3C]. sl2 = log2(e)/sqrt(HS). document_starts [B,T]: read only with
+// kDocuments (attention_tiles.cuh); last, so that the other parameters keep their offsets.
+template <int HS, int MT, bool kDocuments>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, uint8_t* __restrict__ out_fp8,
                              float* __restrict__ out_amax, const float* __restrict__ out_scale, bool e5m2,
-                             const bf16* __restrict__ qkv, int T, int C, int NH, float sl2) {
+                             const bf16* __restrict__ qkv, int T, int C, int NH, float sl2,
+                             const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = ForwardConfig<HS, MT>;
   constexpr int LD = Cfg::LD, BR = Cfg::BR, BC = Cfg::BC;
@@ -132,9 +138,25 @@ __global__ void __launch_bounds__(kThreads)
   const int warp_q0 = q0 + warp * 16 * MT;
   const int warp_q_last = warp_q0 + 16 * MT - 1;
 
+  // Documents: the block's first row sees the fewest keys' tiles (first[] is nondecreasing), so
+  // the walk starts at its first key's tile; each row keeps its first key (rows g and g + 8 of
+  // each row block), and the warp its rows' smallest and largest.
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
+  const int kt_begin = kDocuments ? first[q0] / BC : 0;
+  int row_first[MT][2];
+  int warp_first_min = 0, warp_first_max = 0;
+  if constexpr (kDocuments) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) row_first[mt][r] = first_key_of(first, warp_q0 + mt * 16 + g + r * 8, T);
+    warp_first_min = __shfl_sync(0xffffffffu, row_first[0][0], 0);        // row warp_q0
+    warp_first_max = __shfl_sync(0xffffffffu, row_first[MT - 1][1], 28);  // row warp_q_last
+  }
+
   load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
-  load_tile_async<HS, BC>(sK, head.k(qkv), head.qkv_stride, 0, T);
-  load_tile_async<HS, BC>(sV, head.v(qkv), head.qkv_stride, 0, T);
+  load_tile_async<HS, BC>(sK + (kt_begin & 1) * BC * LD, head.k(qkv), head.qkv_stride, kt_begin * BC, T);
+  load_tile_async<HS, BC>(sV + (kt_begin & 1) * BC * LD, head.v(qkv), head.qkv_stride, kt_begin * BC, T);
   cp_async_commit();
 
   uint32_t qf[MT][KT][4];
@@ -147,7 +169,7 @@ __global__ void __launch_bounds__(kThreads)
     l[mt][0] = l[mt][1] = 0.0f;
   }
 
-  for (int kt = 0; kt < n_kt; ++kt) {
+  for (int kt = kt_begin; kt < n_kt; ++kt) {
     const int buf = kt & 1;
     // prefetch the next tile into the other buffer (freed by the last sync)
     current_tile_ready<false>(kt + 1 < n_kt, [&] {
@@ -155,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
       load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, head.v(qkv), head.qkv_stride, (kt + 1) * BC, T);
     });
 
-    if (kt == 0) {  // Q fragments: each warp reads only its own rows of sQ
+    if (kt == kt_begin) {  // Q fragments: each warp reads only its own rows of sQ
       const uint32_t q_addr = smem_u32(sQ);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -165,7 +187,8 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     const int k0 = kt * BC;
-    if (k0 <= warp_q_last && warp_q0 < T) {  // warp-uniform: skip tiles wholly above its rows
+    // warp-uniform: skip tiles wholly above its rows, or wholly before all its rows' documents
+    if (k0 <= warp_q_last && warp_q0 < T && (!kDocuments || k0 + BC > warp_first_min)) {
       const uint32_t k_addr = smem_u32(sK + buf * BC * LD);
       const uint32_t v_addr = smem_u32(sV + buf * BC * LD);
 
@@ -187,9 +210,12 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 
-      // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T. S stays
-      // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA.
-      if ((k0 + BC - 1 > warp_q0) || (k0 + BC > T)) {
+      // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T, the
+      // documents' (s < first[t]) only on tiles that begin before a row's document. S stays
+      // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA. A row
+      // that sees no key of the tile keeps its m, l and O (alpha = 1, p = 0), or, before its
+      // first key, m = -inf (m_use = 0: alpha = p = 0, no NaN).
+      if ((k0 + BC - 1 > warp_q0) || (k0 + BC > T) || (kDocuments && k0 < warp_first_max)) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -199,6 +225,8 @@ __global__ void __launch_bounds__(kThreads)
               const int row = warp_q0 + mt * 16 + g + (e >> 1) * 8;
               const int col = k0 + nt * 8 + c2 + (e & 1);
               if (col > row || col >= T) s[mt][nt][e] = -INFINITY;
+              if constexpr (kDocuments)
+                if (col < row_first[mt][e >> 1]) s[mt][nt][e] = -INFINITY;
             }
       }
 

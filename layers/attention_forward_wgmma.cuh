@@ -10,8 +10,10 @@
 // the mma.sync kernel's MT = 2) measured 19% slower at gpt2-1558m's shape (0.121 against
 // 0.101 ms, one H100): more blocks in flight beat the overlap within one.
 // Epilogue as the mma.sync kernel: O / l -> bf16 (optionally FP8 + amax), lse.
-// Only the last key tile (the diagonal's, and one reaching past T) is masked; the loop peels
-// it off. smem: Q and K, V [2] as swizzled [64][64] tiles (40 KiB, 1024-aligned).
+// Only the last key tile (the diagonal's, and one reaching past T) is masked, and with
+// documents (attention_tiles.cuh) the tiles that begin before the block's last row's first key;
+// the loop peels them off. The walk starts at the tile of the block's first row's first key.
+// smem: Q and K, V [2] as swizzled [64][64] tiles (40 KiB, 1024-aligned).
 
 #pragma once
 
@@ -41,10 +43,12 @@ struct ForwardWgmmaConfig {
 };
 
 // Arguments as attention_forward_kernel.
+template <bool kDocuments>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_wgmma_kernel(bf16* __restrict__ out, float* __restrict__ lse, uint8_t* __restrict__ out_fp8,
                                    float* __restrict__ out_amax, const float* __restrict__ out_scale, bool e5m2,
-                                   const bf16* __restrict__ qkv, int T, int C, int NH, float sl2) {
+                                   const bf16* __restrict__ qkv, int T, int C, int NH, float sl2,
+                                   const int32_t* __restrict__ document_starts) {
   device::start_after_previous_kernel();
   using Cfg = ForwardWgmmaConfig;
   constexpr int HS = Cfg::HS, BR = Cfg::BR, BC = Cfg::BC;
@@ -66,10 +70,22 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kt = q_last / BC + 1;        // key tiles 0..n_kt-1 reach the diagonal (all keys < T)
   const int warp_q0 = q0 + warp * 16;      // this warp's first query
 
+  // Documents: the walk starts at the tile of the block's first row's first key (first[] is
+  // nondecreasing), and the tiles that begin before its last row's first key need the
+  // documents' mask: key tiles kt_begin..kt_documents-1, as in the mma.sync kernel.
+  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
+  const int kt_begin = kDocuments ? first[q0] / BC : 0;
+  const int kt_documents = kDocuments ? min((first[q_last] + BC - 1) / BC, n_kt - 1) : 0;
+  int row_first[2];
+  if constexpr (kDocuments)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_first[r] = first_key_of(first, warp_q0 + g + r * 8, T);
+
   SwizzledTileWalk<BR>(head.q(qkv), head.qkv_stride, q0).load_next(q_tile, T);
-  SwizzledTileWalk<BC> k_walk(head.k(qkv), head.qkv_stride, 0), v_walk(head.v(qkv), head.qkv_stride, 0);
-  k_walk.load_next(k_tiles, T);
-  v_walk.load_next(v_tiles, T);
+  SwizzledTileWalk<BC> k_walk(head.k(qkv), head.qkv_stride, kt_begin * BC),
+      v_walk(head.v(qkv), head.qkv_stride, kt_begin * BC);
+  k_walk.load_next(k_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
+  v_walk.load_next(v_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
   cp_async_commit();
 
   float o[NT][4];
@@ -79,8 +95,9 @@ __global__ void __launch_bounds__(kThreads)
   l[0] = l[1] = 0.0f;
 
   // One key tile. kMasked: the causal and length masks, which only the last tile (the
-  // diagonal's, and the one reaching T) needs; the others run without them (peeled below, so
-  // that the compiler cannot turn the mask into selects executed on every tile).
+  // diagonal's, and the one reaching T) needs, and the documents' (the first tiles); the
+  // others run without them (peeled below, so that the compiler cannot turn the mask into
+  // selects executed on every tile).
   auto key_tile = [&](int kt, auto masked) {
     constexpr bool kMasked = decltype(masked)::value;
     const int buf = kt & 1;
@@ -101,8 +118,10 @@ __global__ void __launch_bounds__(kThreads)
     wgmma_wait<0>();
     fence_registers(s);
 
-    // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T. S stays
-    // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA.
+    // Causal mask (s > t, and s >= T) only on tiles that cross the diagonal or T, and the
+    // documents' (s < first[t]) on those that begin before a row's document. S stays
+    // unscaled: the max is taken on raw scores and exp2(S*sl2 - m*sl2) is one FFMA. A row that
+    // sees no key of the tile is left as it was (see the mma.sync kernel).
     if constexpr (kMasked) {
 #pragma unroll
       for (int nt = 0; nt < SN; ++nt)
@@ -111,6 +130,8 @@ __global__ void __launch_bounds__(kThreads)
           const int row = warp_q0 + g + (e >> 1) * 8;
           const int col = k0 + nt * 8 + c2 + (e & 1);
           if (col > row || col >= T) s[nt][e] = -INFINITY;
+          if constexpr (kDocuments)
+            if (col < row_first[e >> 1]) s[nt][e] = -INFINITY;
         }
     }
 
@@ -154,7 +175,10 @@ __global__ void __launch_bounds__(kThreads)
     fence_registers(pa);
     __syncthreads();  // everyone is done with buffer `buf` before it is refilled
   };
-  for (int kt = 0; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
+  int kt = kt_begin;
+  if constexpr (kDocuments)
+    for (; kt < kt_documents; ++kt) key_tile(kt, std::true_type{});
+  for (; kt + 1 < n_kt; ++kt) key_tile(kt, std::false_type{});
   key_tile(n_kt - 1, std::true_type{});
 
   // Epilogue: normalise, write bf16 (+ FP8 and amax), lse. Direct 4-byte (2-byte FP8) stores.

@@ -1,7 +1,8 @@
 // Tensor-core tile helpers shared by the flash-attention kernels (attention_forward.cuh,
 // attention_backward_dkdv.cuh, attention_backward_dq.cuh, all compiled in attention.cu):
-// cp.async tile loads, ldmatrix addressing, the mma.sync wrapper, and the warp-level
-// products the kernels are built from. Device code only; included by those files.
+// cp.async tile loads, ldmatrix addressing, the mma.sync wrapper, the warp-level products
+// the kernels are built from, and the reads of the documents' first keys. Device code only;
+// included by those files.
 //
 // ---- Tensor-core building blocks ---------------------------------------------------------
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: D[16x8] += A[16x16] B[16x8].
@@ -96,6 +97,36 @@ __device__ __forceinline__ Head this_head(int T, int C, int NH) {
               .qkv_offset = b * T * 3 * C + h * HS,
               .out_offset = b * T * C + h * HS,
               .stats = (b * NH + h) * T};
+}
+
+// ---- documents (layers/attention.h) -------------------------------------------------------
+// document_starts [B,T] holds first[t], the first key that query t sees; along a row it is
+// nondecreasing, and first[t] <= t. The kernels take a template flag kDocuments: without it
+// they never read the pointer and compile to the code they had before documents existed;
+// with it they mask s < first[t] beside the causal mask, and skip the tiles that
+// monotonicity shows to be invisible to every row of a block or warp.
+
+// This block's batch row of first[] (blockIdx.z is the batch row).
+__device__ __forceinline__ const int32_t* document_row(const int32_t* document_starts, int T) {
+  return document_starts + static_cast<size_t>(blockIdx.z) * T;
+}
+
+// first[t], t clamped to T - 1: rows past T (padding, never stored) read a valid address.
+__device__ __forceinline__ int first_key_of(const int32_t* first, int t, int T) { return first[min(t, T - 1)]; }
+
+// How many of the query tiles qt_begin..n_qt-1 (BQ queries each) have first[] <= key at their
+// first row (or, with last_rows, at their last row, < T). first[] is nondecreasing, so they
+// are the first ones of the walk. Every thread of the block calls it (a block-wide count).
+__device__ __forceinline__ int query_tiles_with_first_at_most(const int32_t* first, int qt_begin, int n_qt, int BQ,
+                                                               int T, int key, bool last_rows) {
+  int count = 0;
+  for (int qt0 = qt_begin; qt0 < n_qt; qt0 += kThreads) {
+    const int qt = qt0 + static_cast<int>(threadIdx.x);
+    bool reaches = false;
+    if (qt < n_qt) reaches = first[last_rows ? min(qt * BQ + BQ, T) - 1 : qt * BQ] <= key;
+    count += __syncthreads_count(reaches);
+  }
+  return count;
 }
 
 // ---- small device helpers -----------------------------------------------------------------

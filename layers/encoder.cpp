@@ -33,18 +33,29 @@ void embedding_lookup(float* out, const int32_t* tokens, const float* wte, int v
 }
 
 void add_position_embedding(float* out, const float* token_embeddings, const float* wpe, int first_row, int T, int N,
-                            int C) {
+                            int C, const int32_t* position_ids) {
 #pragma omp parallel for
   for (int n = 0; n < N; n++) {
-    const float* position_row = wpe + static_cast<size_t>((first_row + n) % T) * C;  // [C]
+    const int position = position_ids ? position_ids[first_row + n] : (first_row + n) % T;
+    const float* position_row = wpe + static_cast<size_t>(position) * C;  // [C]
     const float* token_row = token_embeddings + static_cast<size_t>(n) * C;
     float* out_row = out + static_cast<size_t>(n) * C;
     for (int c = 0; c < C; c++) out_row[c] = token_row[c] + position_row[c];
   }
 }
 
-void position_embedding_backward(float* dwpe, const float* dout, int first_row, int T, int N, int C) {
+void position_embedding_backward(float* dwpe, const float* dout, int first_row, int T, int N, int C,
+                                 const int32_t* position_ids) {
   // Each position owns its row: its rows are summed in ascending order, then added once.
+  if (position_ids != nullptr) {
+    std::vector<float> sums(static_cast<size_t>(T) * C, 0.0f);  // [T,C]
+    for (int n = 0; n < N; n++) {
+      float* sum = sums.data() + static_cast<size_t>(position_ids[first_row + n]) * C;
+      for (int c = 0; c < C; c++) sum[c] += dout[static_cast<size_t>(n) * C + c];
+    }
+    for (size_t i = 0; i < sums.size(); i++) dwpe[i] += sums[i];
+    return;
+  }
 #pragma omp parallel for
   for (int t = 0; t < T; t++) {
     const int first = ((t - first_row) % T + T) % T;  // the first local row at position t

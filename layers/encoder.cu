@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 __global__ void __launch_bounds__(kForwardThreads)
     add_position_embedding_kernel(bf16* __restrict__ out, const float* __restrict__ token_embeddings,
                                   const bf16* __restrict__ wpe, int first_row, int T, int C, size_t total_chunks,
-                                  const int32_t* stored_wpe_row) {
+                                  const int32_t* stored_wpe_row, const int32_t* __restrict__ position_ids) {
   device::start_after_previous_kernel();
   if (stored_wpe_row) wpe += static_cast<size_t>(*stored_wpe_row) * C;
   const size_t chunks_per_row = static_cast<size_t>(C / 8);
@@ -67,7 +67,9 @@ __global__ void __launch_bounds__(kForwardThreads)
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const size_t row = i / chunks_per_row;
     const int col = static_cast<int>(i % chunks_per_row) * 8;
-    const int t = static_cast<int>((static_cast<size_t>(first_row) + row) % static_cast<size_t>(T));
+    const int t = position_ids != nullptr
+                      ? position_ids[static_cast<size_t>(first_row) + row]
+                      : static_cast<int>((static_cast<size_t>(first_row) + row) % static_cast<size_t>(T));
     const float4* e = reinterpret_cast<const float4*>(token_embeddings + i * 8);
     const float4 lo = e[0], hi = e[1];
     float a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -125,6 +127,31 @@ __global__ void __launch_bounds__(kBackwardThreads)
   add_to_gradient8(dwpe, static_cast<size_t>(t) * C + col, acc);
 }
 
+// One block per position id t: the rows of this rank's [first_row, first_row + N) whose id is t,
+// in the index's ascending order (layers/documents.h).
+__global__ void __launch_bounds__(kBackwardThreads)
+    position_embedding_backward_by_id_kernel(GradientRef dwpe, const bf16* __restrict__ dout,
+                                             const int32_t* __restrict__ position_offsets,
+                                             const int32_t* __restrict__ position_rows, int first_row, int N, int C) {
+  device::start_after_previous_kernel();
+  const int col = (blockIdx.y * kBackwardThreads + threadIdx.x) * 8;
+  if (col >= C) return;
+  const int t = blockIdx.x;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+  float x[8];
+  const int begin = position_offsets[t], end = position_offsets[t + 1];
+  for (int p = begin; p < end; p++) {
+    const int n = position_rows[p] - first_row;
+    if (n < 0 || n >= N) continue;  // another sequence-parallel rank's row
+    load_bf16x8(dout + static_cast<size_t>(n) * C + col, x);
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] += x[j];
+  }
+  add_to_gradient8(dwpe, static_cast<size_t>(t) * C + col, acc);
+}
+
 int forward_blocks(size_t total_chunks) {
   return static_cast<int>(std::min<size_t>((total_chunks + kForwardThreads - 1) / kForwardThreads, kForwardMaxBlocks));
 }
@@ -157,7 +184,7 @@ void embedding_lookup(float* out, const int32_t* tokens, const bf16* wte, int vo
 }
 
 void add_position_embedding(bf16* out, const float* token_embeddings, const bf16* wpe, int first_row, int T, int N,
-                            int C, cudaStream_t stream, const int32_t* stored_wpe_row) {
+                            int C, cudaStream_t stream, const int32_t* stored_wpe_row, const int32_t* position_ids) {
   const char* what = "add_position_embedding";
   check_shape(N, C, what);
   FP8LM_CHECK(T > 0 && first_row >= 0, what, ": T must be > 0 and first_row >= 0");
@@ -167,7 +194,7 @@ void add_position_embedding(bf16* out, const float* token_embeddings, const bf16
   const size_t total_chunks = static_cast<size_t>(N) * (C / 8);
   if (total_chunks == 0) return;
   launch_kernel(add_position_embedding_kernel, forward_blocks(total_chunks), kForwardThreads, 0, stream, out,
-                token_embeddings, wpe, first_row, T, C, total_chunks, stored_wpe_row);
+                token_embeddings, wpe, first_row, T, C, total_chunks, stored_wpe_row, position_ids);
 }
 
 void embedding_lookup_backward(GradientRef dwte, const bf16* dout, const int32_t* unique_tokens, const int32_t* offsets,
@@ -185,7 +212,7 @@ void embedding_lookup_backward(GradientRef dwte, const bf16* dout, const int32_t
 }
 
 void position_embedding_backward(GradientRef dwpe, const bf16* dout, int first_row, int T, int N, int C,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const int32_t* position_offsets, const int32_t* position_rows) {
   const char* what = "position_embedding_backward";
   check_shape(N, C, what);
   FP8LM_CHECK(T > 0 && first_row >= 0, what, ": T must be > 0 and first_row >= 0");
@@ -193,6 +220,13 @@ void position_embedding_backward(GradientRef dwpe, const bf16* dout, int first_r
   FP8LM_CHECK(dwpe && dout != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(dwpe.data, 16) && aligned(dout, 16), what, ": dwpe and dout must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(T), column_blocks(C, what));
+  FP8LM_CHECK((position_offsets == nullptr) == (position_rows == nullptr), what,
+              ": position_offsets and position_rows come together");
+  if (position_offsets != nullptr) {
+    launch_kernel(position_embedding_backward_by_id_kernel, grid, kBackwardThreads, 0, stream, dwpe, dout,
+                  position_offsets, position_rows, first_row, N, C);
+    return;
+  }
   launch_kernel(position_embedding_backward_kernel, grid, kBackwardThreads, 0, stream, dwpe, dout, first_row, T, N, C);
 }
 

@@ -915,8 +915,9 @@ void GptModel::forward(const TokenBatch& batch) {
   ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
   tp_->row_parallel_output(s.token_embeddings, s.token_rows);
   ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_,
-                              /*stored_wpe_row=*/nullptr);
-  const Chunk whole{.B = B_, .T = T_};
+                              /*stored_wpe_row=*/nullptr, batch.position_ids);
+  document_starts_ = batch.document_starts;
+  const Chunk whole{.B = B_, .T = T_, .document_starts = document_starts_};
   for (int l = 0; l < config_.n_layer; ++l) {
     before_forward(l);
     block_forward(l, whole);
@@ -948,7 +949,11 @@ void GptModel::block_forward_to_mlp(int l, const Chunk& chunk, const ResidualAdd
   const BlockParams& w = blocks_[l];
   const BlockActivations& a = saved_[l];
   const int tp = tp_->size();
-  const AttentionShape heads{chunk.B, chunk.T, config_.n_head / tp, config_.n_embd / config_.n_head};
+  const AttentionShape heads{.B = chunk.B,
+                             .T = chunk.T,
+                             .heads = config_.n_head / tp,
+                             .head_size = config_.n_embd / config_.n_head,
+                             .document_starts = chunk.document_starts};
   const int64_t chunk_rows = int64_t(chunk.B) * chunk.T;
   auto rows = [&](const Tensor& t) { return chunk.cached ? first_rows(t, chunk_rows) : t; };
   layernorm_to_gemm(w.ln1, input, rows(a.ln1_mean), rows(a.ln1_rstd),
@@ -979,7 +984,7 @@ GemmCall GptModel::fc_gelu_call(const BlockParams& w, const Tensor& ln2, const T
 void GptModel::recompute_forward(int begin, int last) {
   // The same values as the forward's, cast with the same scales: nothing to record (nor count).
   ops_.set_amax_recording(false);
-  const Chunk whole{.B = B_, .T = T_};
+  const Chunk whole{.B = B_, .T = T_, .document_starts = document_starts_};
   ResidualAdd input{.residual_in = saved_[begin].residual};
   for (int l = begin; l <= last; ++l) {
     block_forward_to_mlp(l, whole, input);
@@ -1033,6 +1038,8 @@ void GptModel::forward_cached(const TokenBatch& batch, int position, bool record
   FP8LM_CHECK(position >= 0 && position + n <= inference_.capacity, "forward_cached: positions [", position, ", ",
               position + n, ") beyond the cache's ", inference_.capacity);
   FP8LM_CHECK(position == 0 || n == 1, "forward_cached: after the prompt, one token per sequence at a time");
+  FP8LM_CHECK(batch.document_starts == nullptr && batch.position_ids == nullptr,
+              "forward_cached: a decoded sequence is one document (its batch carries no document index)");
   FP8LM_CHECK(batch.step_position == nullptr || (n == 1 && position > 0),
               "forward_cached: a stored step position is for one-token steps after the prompt");
   const Chunk chunk{.B = batch.B, .T = n, .position = {.value = position, .stored = batch.step_position}, .cached = true};
@@ -1045,7 +1052,7 @@ void GptModel::forward_cached(const TokenBatch& batch, int position, bool record
   const Tensor positions =
       batch.step_position ? wpe_ : wpe_.row_slice(position, n, ops_.element_bytes(wpe_.dtype));
   ops_.add_position_embedding(first_rows(s.encoded, chunk_rows), first_rows(s.token_rows, chunk_rows), positions,
-                              /*first_row=*/0, n, batch.step_position);
+                              /*first_row=*/0, n, batch.step_position, /*position_ids=*/nullptr);
   for (int l = 0; l < config_.n_layer; ++l) block_forward(l, chunk);
   if (n == 1) {
     layernorm_forward(*ln_f_, block_output_, first_rows(s.lnf, chunk_rows), first_rows(s.lnf_mean, chunk_rows),
@@ -1135,7 +1142,7 @@ void GptModel::backward(const TokenBatch& batch) {
     block_backward(l);
     after_backward(l);
   }
-  ops_.position_embedding_backward(grad_wpe_, s.dresidual, int(tp_->first_local_row(s.dln.rows)), T_);
+  ops_.position_embedding_backward(grad_wpe_, s.dresidual, int(tp_->first_local_row(s.dln.rows)), T_, batch);
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
   ops_.embedding_lookup_backward(head.grad_weight, s.dresidual_full, batch);
   after_backward(-1);
@@ -1147,7 +1154,11 @@ void GptModel::block_backward(int l) {
   const BlockActivations& a = saved_[l];
   const Scratch& s = *scratch_;
   const int tp = tp_->size();
-  const AttentionShape heads{B_, T_, config_.n_head / tp, config_.n_embd / config_.n_head};
+  const AttentionShape heads{.B = B_,
+                             .T = T_,
+                             .heads = config_.n_head / tp,
+                             .head_size = config_.n_embd / config_.n_head,
+                             .document_starts = document_starts_};
   if (recompute_.selective()) recompute_selective(l);
 
   // mlp.c_proj, GELU, mlp.c_fc, ln_2. The GELU backward writes c_fc's output-gradient operand

@@ -362,6 +362,7 @@ class GptModel {
     int B = 0, T = 0;
     CachePosition position;
     bool cached = false;
+    const int32_t* document_starts = nullptr;  // TokenBatch's: the attention kept to documents
   };
   void plan_memory();
   void plan_kv_cache();
@@ -433,6 +434,8 @@ class GptModel {
   ModelUse use_ = ModelUse::train;
   InferenceShape inference_{.batch = 0, .max_prompt = 0, .capacity = 0};  // a decoding model's
   ActivationRecompute recompute_;
+  // The micro-batch's documents (TokenBatch::document_starts), from its forward to its backward.
+  const int32_t* document_starts_ = nullptr;
   std::unique_ptr<Allocation> kv_cache_;
   std::vector<KvCache> kv_;  // per block
 

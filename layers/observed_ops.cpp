@@ -103,11 +103,12 @@ class ObservedOps final : public Ops {
   }
 
   // ---- Tokens and embedding
-  TokenBatch load_batch(const int32_t* inputs, const int32_t* targets, int B, int T, const VocabSlice& slice) override {
+  TokenBatch load_batch(const int32_t* inputs, const int32_t* targets, int B, int T, const VocabSlice& slice,
+                        const DocumentMasking& documents = {}) override {
     TokenBatch batch;
     observed({"tokens", Lane::main, [] { return std::string("load_batch"); },
-              [&] { return OpCost{0, 5.0 * 4.0 * B * T}; }},
-             [&] { batch = inner_->load_batch(inputs, targets, B, T, slice); });
+              [&] { return OpCost{0, (5.0 + 3.0 * documents.any()) * 4.0 * B * T}; }},
+             [&] { batch = inner_->load_batch(inputs, targets, B, T, slice, documents); });
     return batch;
   }
   TokenBatch load_decode_step(const int32_t* tokens, int B, int position, const VocabSlice& slice) override {
@@ -129,20 +130,23 @@ class ObservedOps final : public Ops {
              [&] { inner_->embedding_lookup(out, batch, wte, slice); });
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T, const int32_t* stored_wpe_row) override {
+                              int T, const int32_t* stored_wpe_row, const int32_t* position_ids) override {
     observed({"embedding", Lane::main, [] { return std::string("add_position_embedding"); },
               [&] { return OpCost{0, bytes(out) + bytes(token_embeddings) + double(T) * wpe.cols * element_bytes(wpe.dtype)}; }},
-             [&] { inner_->add_position_embedding(out, token_embeddings, wpe, first_row, T, stored_wpe_row); });
+             [&] {
+               inner_->add_position_embedding(out, token_embeddings, wpe, first_row, T, stored_wpe_row, position_ids);
+             });
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     observed({"embedding", Lane::main, [] { return std::string("embedding_lookup_backward"); },
               [&] { return OpCost{0, 3.0 * bytes(dout)}; }},
              [&] { inner_->embedding_lookup_backward(dwte, dout, batch); });
   }
-  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
+  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T,
+                                   const TokenBatch& batch) override {
     observed({"embedding", Lane::main, [] { return std::string("position_embedding_backward"); },
               [&] { return OpCost{0, bytes(dout) + 2.0 * bytes(dwpe)}; }},
-             [&] { inner_->position_embedding_backward(dwpe, dout, first_row, T); });
+             [&] { inner_->position_embedding_backward(dwpe, dout, first_row, T, batch); });
   }
 
   // ---- LayerNorm

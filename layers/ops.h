@@ -34,6 +34,7 @@
 #include "core/fp8_stats.h"
 #include "core/scaling.h"
 #include "core/tensor.h"
+#include "layers/documents.h"
 #include "optim/adamw.h"
 #include "optim/step_control.h"
 
@@ -92,6 +93,13 @@ struct TokenBatch {
   const int32_t* offsets = nullptr;        // [U+1]
   const int32_t* positions = nullptr;      // [B*T]
   int num_unique = 0;
+  // The micro-batch's documents (layers/documents.h), null where the run does not use them:
+  // the attention's document starts (--reset-attention-mask), and the tokens' positions in
+  // their documents with the rows grouped by them (--reset-position-ids).
+  const int32_t* document_starts = nullptr;   // [B*T]
+  const int32_t* position_ids = nullptr;      // [B*T]
+  const int32_t* position_offsets = nullptr;  // [T+1]
+  const int32_t* position_rows = nullptr;     // [B*T]
   // A decoding step's (load_decode_step): the position of its one token per sequence, in
   // backend memory. The ops read it there rather than the position the model passes, so a
   // step recorded once (Ops::record_ops) replays at every later position.
@@ -211,9 +219,12 @@ struct GeluBackward {
   Tensor recomputed_output;
 };
 
-// Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v.
+// Heads of this rank: qkv [B,T,3*heads*head_size] packs q | k | v. document_starts [B,T] in
+// backend memory (nullable): each query's document start, its keys limited to that document
+// (--reset-attention-mask; layers/attention.h).
 struct AttentionShape {
   int B = 0, T = 0, heads = 0, head_size = 0;
+  const int32_t* document_starts = nullptr;
   int width() const { return heads * head_size; }
 };
 
@@ -438,8 +449,9 @@ class Ops {
   virtual void fp8_weight_from_codes(const Tensor& operand, const uint8_t* codes) = 0;
 
   // ---- Tokens ---------------------------------------------------------------------
+  // With `documents` on, the batch carries the index build_document_index makes of the inputs.
   virtual TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
-                                const VocabSlice& slice) = 0;
+                                const VocabSlice& slice, const DocumentMasking& documents = {}) = 0;
   // One decoding step's tokens [B] (inputs only) and its position (step_position), always into
   // the same backend memory: a step recorded with one such batch replays with the next.
   virtual TokenBatch load_decode_step(const int32_t* host_tokens, int B, int position, const VocabSlice& slice) = 0;
@@ -456,13 +468,17 @@ class Ops {
   virtual void embedding_lookup(const Tensor& out, const TokenBatch& batch, const Tensor& wte,
                                 const VocabSlice& slice) = 0;
   // out [N,C] activation = token_embeddings [N,C] + wpe[(first_row + n) % T], the wpe rows
-  // starting *stored_wpe_row rows in when that is set (a recorded decoding step's position).
+  // starting *stored_wpe_row rows in when that is set (a recorded decoding step's position);
+  // with position_ids [B*T] (backend memory, nullable) wpe[position_ids[first_row + n]] instead.
   virtual void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe,
-                                      int first_row, int T, const int32_t* stored_wpe_row) = 0;
+                                      int first_row, int T, const int32_t* stored_wpe_row,
+                                      const int32_t* position_ids) = 0;
   // dwte [Vs,C] += rows of dout [B*T,C] summed per token of the slice (fixed order).
   virtual void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) = 0;
-  // dwpe [T,C] += dout [N,C] rows summed per position (fixed order).
-  virtual void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) = 0;
+  // dwpe [T,C] += dout [N,C] rows summed per position (fixed order): the row's position in its
+  // sequence, or in its document where `batch` carries position ids.
+  virtual void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T,
+                                           const TokenBatch& batch) = 0;
 
   // ---- LayerNorm ------------------------------------------------------------------
   virtual void layernorm_forward(const LayerNormForward& call) = 0;

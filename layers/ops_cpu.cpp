@@ -181,7 +181,7 @@ class CpuOps final : public Ops {
 
   // ---- Tokens
   TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
-                        const VocabSlice& slice) override {
+                        const VocabSlice& slice, const DocumentMasking& documents = {}) override {
     const size_t n = size_t(B) * T;
     for (size_t i = 0; i < n; ++i) {
       FP8LM_INPUT_CHECK(host_inputs[i] >= 0 && host_inputs[i] < slice.vocab_size, "input token ", host_inputs[i],
@@ -197,6 +197,12 @@ class CpuOps final : public Ops {
     batch.T = T;
     batch.inputs = inputs_.data();
     batch.targets = targets_.data();
+    build_document_index(host_inputs, B, T, documents, documents_);
+    auto data_or_null = [](const std::vector<int32_t>& v) { return v.empty() ? nullptr : v.data(); };
+    batch.document_starts = data_or_null(documents_.starts);
+    batch.position_ids = data_or_null(documents_.position_ids);
+    batch.position_offsets = data_or_null(documents_.position_offsets);
+    batch.position_rows = data_or_null(documents_.position_rows);
     batch_slice_ = slice;
     return batch;
   }
@@ -232,17 +238,20 @@ class CpuOps final : public Ops {
     cpu::embedding_lookup(f32(out), batch.inputs, f32(wte), slice.begin, slice.size, int(out.rows), int(out.cols));
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T, const int32_t* stored_wpe_row) override {
+                              int T, const int32_t* stored_wpe_row, const int32_t* position_ids) override {
     const float* rows = f32(wpe) + (stored_wpe_row ? int64_t(*stored_wpe_row) * wpe.cols : 0);
-    cpu::add_position_embedding(f32(out), f32(token_embeddings), rows, first_row, T, int(out.rows), int(out.cols));
+    cpu::add_position_embedding(f32(out), f32(token_embeddings), rows, first_row, T, int(out.rows), int(out.cols),
+                                position_ids);
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     cpu::embedding_lookup_backward(f32(dwte), f32(dout), batch.inputs, batch_slice_.begin, batch_slice_.size,
                                    int(dout.rows), int(dout.cols));
     hold_in_dtype(dwte);
   }
-  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
-    cpu::position_embedding_backward(f32(dwpe), f32(dout), first_row, T, int(dout.rows), int(dout.cols));
+  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T,
+                                   const TokenBatch& batch) override {
+    cpu::position_embedding_backward(f32(dwpe), f32(dout), first_row, T, int(dout.rows), int(dout.cols),
+                                     batch.position_ids);
     hold_in_dtype(dwpe);
   }
 
@@ -386,13 +395,14 @@ class CpuOps final : public Ops {
   // ---- Attention
   void attention_forward(const Tensor& out, const Tensor& operand, const Tensor& lse, const Tensor& qkv,
                          const AttentionShape& shape) override {
-    cpu::attention_forward(f32(out), f32(lse), f32(qkv), shape.B, shape.T, shape.width(), shape.heads);
+    cpu::attention_forward(f32(out), f32(lse), f32(qkv), shape.document_starts, shape.B, shape.T, shape.width(),
+                           shape.heads);
     if (!same_data(operand, out)) store(operand, f32(out), recording_);
   }
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttentionShape& shape) override {
-    cpu::attention_backward(f32(dqkv), f32(dout), f32(qkv), f32(out), f32(lse), shape.B, shape.T, shape.width(),
-                            shape.heads);
+    cpu::attention_backward(f32(dqkv), f32(dout), f32(qkv), f32(out), f32(lse), shape.document_starts, shape.B,
+                            shape.T, shape.width(), shape.heads);
   }
 
   // ---- Incremental decoding
@@ -692,6 +702,7 @@ class CpuOps final : public Ops {
   bool recording_ = true;
   Fp8CastCounts* counts_ = nullptr;  // [states] while a statistics step runs
   std::vector<int32_t> inputs_, targets_;
+  DocumentIndex documents_;  // the loaded batch's
   std::vector<int32_t> decode_step_;  // load_decode_step: [B] tokens, then the position
   VocabSlice batch_slice_;
   std::vector<float> scratch_, transpose_a_, transpose_b_;

@@ -333,10 +333,10 @@ class CudaOps final : public Ops {
     // the transposed FP8 input of a wgrad GEMM.
     staging_.allocate(size_t(BT) * widest);
     transposed_input_.allocate(size_t(BT) * std::max(widest, shape.C));
-    tokens_.allocate(5 * size_t(BT) + 1);
+    token_slot_ints_ = cuda_token_slot_ints(size_t(shape.B), size_t(shape.T));
+    tokens_.allocate(token_slot_ints_);
     if (staging_host_) cudaFreeHost(staging_host_);
     staging_host_ = nullptr;
-    token_slot_ints_ = 5 * size_t(BT) + 1;
     CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&staging_host_), kStagingSlots * token_slot_ints_ * sizeof(int32_t),
                              cudaHostAllocDefault));
   }
@@ -454,9 +454,10 @@ class CudaOps final : public Ops {
 
   // ---- Tokens
   TokenBatch load_batch(const int32_t* host_inputs, const int32_t* host_targets, int B, int T,
-                        const VocabSlice& slice) override {
+                        const VocabSlice& slice, const DocumentMasking& documents = {}) override {
     const size_t BT = size_t(B) * T;
-    FP8LM_CHECK(5 * BT + 1 <= token_slot_ints_, "load_batch: more tokens than the planned micro-batch");
+    FP8LM_CHECK(cuda_token_slot_ints(size_t(B), size_t(T)) <= token_slot_ints_,
+                "load_batch: more tokens than the planned micro-batch");
     const int slot = staging_next_;
     staging_next_ = (staging_next_ + 1) % kStagingSlots;
     // Waits only if the GPU has not yet copied this slot's previous contents, i.e. the host
@@ -470,7 +471,20 @@ class CudaOps final : public Ops {
     std::memcpy(host + 2 * BT, index_.unique_tokens.data(), unique * sizeof(int32_t));
     std::memcpy(host + 3 * BT, index_.offsets.data(), (unique + 1) * sizeof(int32_t));
     std::memcpy(host + 4 * BT + 1, index_.positions.data(), index_.positions.size() * sizeof(int32_t));
-    CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host, token_slot_ints_ * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    // The documents' index after it: starts [BT] | position ids [BT] | offsets [T+1] | rows [BT].
+    build_document_index(host_inputs, B, T, documents, documents_);
+    const size_t documents_at = 5 * BT + 1;
+    auto stage = [&](const std::vector<int32_t>& values, size_t at) -> const int32_t* {
+      if (values.empty()) return nullptr;
+      std::memcpy(host + at, values.data(), values.size() * sizeof(int32_t));
+      return tokens_.data() + at;
+    };
+    const int32_t* document_starts = stage(documents_.starts, documents_at);
+    const int32_t* position_ids = stage(documents_.position_ids, documents_at + BT);
+    const int32_t* position_offsets = stage(documents_.position_offsets, documents_at + 2 * BT);
+    const int32_t* position_rows = stage(documents_.position_rows, documents_at + 2 * BT + T + 1);
+    const size_t staged = documents.any() ? token_slot_ints_ : documents_at;
+    CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host, staged * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaEventRecord(staging_done_[slot], stream_));
     TokenBatch batch;
     batch.B = B;
@@ -481,6 +495,10 @@ class CudaOps final : public Ops {
     batch.offsets = tokens_.data() + 3 * BT;
     batch.positions = tokens_.data() + 4 * BT + 1;
     batch.num_unique = unique;
+    batch.document_starts = document_starts;
+    batch.position_ids = position_ids;
+    batch.position_offsets = position_offsets;
+    batch.position_rows = position_rows;
     return batch;
   }
   TokenBatch load_decode_step(const int32_t* host_tokens, int B, int position, const VocabSlice&) override {
@@ -534,16 +552,18 @@ class CudaOps final : public Ops {
     cuda::embedding_lookup(f32(out), batch.inputs, cbf(wte), slice.begin, slice.size, rows(out), cols(out), stream_);
   }
   void add_position_embedding(const Tensor& out, const Tensor& token_embeddings, const Tensor& wpe, int first_row,
-                              int T, const int32_t* stored_wpe_row) override {
+                              int T, const int32_t* stored_wpe_row, const int32_t* position_ids) override {
     cuda::add_position_embedding(bf(out), f32(token_embeddings), cbf(wpe), first_row, T, rows(out), cols(out), stream_,
-                                 stored_wpe_row);
+                                 stored_wpe_row, position_ids);
   }
   void embedding_lookup_backward(const Tensor& dwte, const Tensor& dout, const TokenBatch& batch) override {
     cuda::embedding_lookup_backward(gradient(dwte), cbf(dout), batch.unique_tokens, batch.offsets, batch.positions,
                                     batch.num_unique, cols(dout), stream_);
   }
-  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T) override {
-    cuda::position_embedding_backward(gradient(dwpe), cbf(dout), first_row, T, rows(dout), cols(dout), stream_);
+  void position_embedding_backward(const Tensor& dwpe, const Tensor& dout, int first_row, int T,
+                                   const TokenBatch& batch) override {
+    cuda::position_embedding_backward(gradient(dwpe), cbf(dout), first_row, T, rows(dout), cols(dout), stream_,
+                                      batch.position_offsets, batch.position_rows);
   }
 
   // ---- LayerNorm
@@ -855,8 +875,8 @@ class CudaOps final : public Ops {
     const int s = operand.scaling_state;
     const Fp8Dtype dtype = is_fp8(operand.dtype) ? fp8_dtype_of(operand.dtype) : Fp8Dtype::e4m3;
     cuda::attention_forward(bf(out), f32(lse), fused_cast ? u8(operand) : nullptr, fused_cast ? amax_slot(s) : nullptr,
-                            fused_cast ? scale_.data() + s : nullptr, dtype, cbf(qkv), shape.B, shape.T, shape.width(),
-                            shape.heads, stream_);
+                            fused_cast ? scale_.data() + s : nullptr, dtype, cbf(qkv), shape.document_starts, shape.B,
+                            shape.T, shape.width(), shape.heads, stream_);
     // The fused cast writes exactly fp8(out * scale) of the BF16 out it keeps: a statistics
     // step counts that cast in a pass of its own, leaving the attention kernel as it is.
     if (fused_cast && counts_of(s))
@@ -866,8 +886,8 @@ class CudaOps final : public Ops {
   }
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttentionShape& shape) override {
-    cuda::attention_backward(bf(dqkv), cbf(dout), cbf(qkv), cbf(out), f32(lse), shape.B, shape.T, shape.width(),
-                             shape.heads, float_scratch_.data(), stream_);
+    cuda::attention_backward(bf(dqkv), cbf(dout), cbf(qkv), cbf(out), f32(lse), shape.document_starts, shape.B,
+                             shape.T, shape.width(), shape.heads, float_scratch_.data(), stream_);
   }
   // The wgmma kernels write the FP8 operand themselves where its scale is known before they
   // run (delayed scaling) and no cast statistics are counted; elsewhere the backward, then
@@ -890,8 +910,9 @@ class CudaOps final : public Ops {
                                       .amax = amax_slot(s),
                                       .scale = scale_.data() + s,
                                       .dtype = fp8_dtype_of(operand.dtype)},
-                                     cbf(call.dout), cbf(call.qkv), cbf(call.out), f32(call.lse), shape.B, shape.T,
-                                     shape.width(), shape.heads, float_scratch_.data(), stream_);
+                                     cbf(call.dout), cbf(call.qkv), cbf(call.out), f32(call.lse),
+                                     shape.document_starts, shape.B, shape.T, shape.width(), shape.heads,
+                                     float_scratch_.data(), stream_);
   }
 
   // ---- Incremental decoding
@@ -1176,7 +1197,8 @@ class CudaOps final : public Ops {
   cuda::DeviceBuffer<float> float_scratch_;
   cuda::DeviceBuffer<bf16> staging_;
   cuda::DeviceBuffer<uint8_t> transposed_input_;
-  cuda::DeviceBuffer<int32_t> tokens_;  // inputs [BT] | targets [BT] | unique [BT] | offsets [BT+1] | positions [BT]
+  // inputs [BT] | targets [BT] | unique [BT] | offsets [BT+1] | positions [BT] | the documents (load_batch)
+  cuda::DeviceBuffer<int32_t> tokens_;
   // Pinned staging for token uploads: a ring so the host can prepare the next
   // micro-batch while the GPU still copies the previous one.
   int32_t* staging_host_ = nullptr;
@@ -1184,6 +1206,7 @@ class CudaOps final : public Ops {
   cudaEvent_t staging_done_[kStagingSlots] = {};
   int staging_next_ = 0;
   EncoderBackwardIndex index_;
+  DocumentIndex documents_;  // the last loaded batch's, staged after the tokens
 };
 
 }  // namespace

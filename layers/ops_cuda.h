@@ -5,6 +5,7 @@
 // Plain C++ header (no kernels), usable from .cpp files compiled by g++.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 
 #include "core/gemm.h"
@@ -25,6 +26,11 @@ std::unique_ptr<Ops> make_cuda_ops(int device = 0, SmallMGemm small_m = SmallMGe
                                    GemmAlgorithmChoice gemm_algorithm = GemmAlgorithmChoice::timed,
                                    bool background_yields = false,
                                    Fp8FastAccumulation fast_accumulation = Fp8FastAccumulation::forward);
+
+// The int32 values one micro-batch of B x T tokens stages to the device: inputs, targets, the
+// embedding backward's index (unique tokens, offsets, rows) and the documents' index
+// (layers/documents.h: starts, position ids, position offsets, rows by position).
+inline size_t cuda_token_slot_ints(size_t B, size_t T) { return 8 * B * T + T + 2; }
 
 // Refuses (InputError, before anything is allocated) a model the kernels cannot run: the
 // LayerNorm width limit, the attention head sizes, and --fp32 (a CPU reference mode).

@@ -282,7 +282,7 @@ struct AttentionProblem {
 
   std::vector<float> forward(std::vector<float>* lse = nullptr) const {
     std::vector<float> out(size_t(B) * T * C), row_lse(size_t(B) * NH * T);
-    fp8lm::cpu::attention_forward(out.data(), row_lse.data(), qkv.data(), B, T, C, NH);
+    fp8lm::cpu::attention_forward(out.data(), row_lse.data(), qkv.data(), nullptr, B, T, C, NH);
     if (lse) *lse = row_lse;
     return out;
   }
@@ -291,7 +291,7 @@ struct AttentionProblem {
     std::vector<float> lse;
     const std::vector<float> out = forward(&lse);
     dqkv.resize(qkv.size());
-    fp8lm::cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+    fp8lm::cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), nullptr, B, T, C, NH);
   }
 };
 

@@ -350,6 +350,83 @@ TEST_CASE("mpi: --eod-mask-loss under data parallelism: each rank's micro-batch 
   }
 }
 
+// Documents (--reset-position-ids --reset-attention-mask) under TP = 2, with and without sequence
+// parallelism: each rank's rows take their position ids from the whole batch's index, its share
+// of the position embedding's gradient sums to the whole rows', and the heads of each rank keep
+// to the documents. The step's loss and gradient norm are the one process's over the same batch.
+void check_documents_under_tensor_parallelism(const std::string& device) {
+  const testing::TempDir dir;
+  const testing::ByteVocabulary vocab = testing::write_byte_vocabulary(dir);  // <|endoftext|> is 257
+  const ParallelLayout layout = detect_parallel_layout(2);
+  const int B = 2, T = 32, kEnd = 257;
+  Random random(77);
+  std::vector<int32_t> x(size_t(B) * T), y(x.size());
+  for (auto& t : x) t = int32_t(random.next_u64() % 256);
+  for (auto& t : y) t = int32_t(random.next_u64() % 256);
+  for (const size_t at : {3, 4, 17, 30, 32 + 9, 32 + 31}) x[at] = kEnd;  // documents of 1 to 22 tokens
+  const DocumentMasking documents{.end_of_document = kEnd, .reset_attention_mask = true, .reset_position_ids = true};
+  const bool cuda = device == "cuda";
+  for (const bool sequence_parallel : {false, true}) {
+    INFO("sequence parallel: " << sequence_parallel);
+    std::vector<std::string> flags = {cuda ? "--bf16" : "--fp32", "--vocab-size", "300", "--vocab-file",
+                                      vocab.vocab_file, "--merge-file", vocab.merge_file, "--reset-position-ids",
+                                      "--reset-attention-mask"};
+    if (sequence_parallel) flags.push_back("--sequence-parallel");
+    const RunSetup setup = tiny_setup(layout, device, flags);
+    REQUIRE(setup.documents.end_of_document == kEnd);
+    TrainingEngine engine(setup, layout);
+    const std::vector<float> initial = engine.parameters();
+    engine.begin_step();
+    engine.forward_backward(x.data(), y.data());
+    engine.end_step(AdamWHyperparams{.lr = 1e-3f}, 1.0, 0);
+    const StepMetrics metrics = engine.step_metrics();
+
+    // The batch through the whole model on this process (the CPU reference, FP32).
+    std::unique_ptr<Ops> ops = make_cpu_ops();
+    GptPrecision precision;
+    precision.gemm = GemmPrecision::fp32;
+    GptModel model(setup.model, B, T, precision, *ops);
+    float* working = static_cast<float*>(model.working());
+    for (const TensorInfo& t : model.layout().tensors())
+      std::copy_n(initial.begin() + ptrdiff_t(engine.layout().find(t.name)->offset), t.numel, working + t.offset);
+    model.refresh_weight_operands();
+    model.zero_gradients();
+    float sum = 0.0f;
+    Tensor sum_tensor;
+    sum_tensor.data = &sum;
+    sum_tensor.rows = sum_tensor.cols = 1;
+    model.forward_backward(ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice(), documents),
+                           1.0f / float(B * T), sum_tensor);
+    double squares = 0;
+    const float* gradients = model.gradients().as<float>();
+    for (size_t i = 0; i < model.layout().total_elements(); ++i) squares += double(gradients[i]) * gradients[i];
+    const double loss = double(sum) / (B * T);
+    INFO("rank " << layout.world_rank << ": loss " << metrics.loss << " expected " << loss << ", norm "
+                 << metrics.grad_norm << " expected " << std::sqrt(squares));
+    const double tolerance = cuda ? 2e-2 : 1e-5;  // BF16 GEMMs on the GPU against the FP32 reference
+    CHECK(std::fabs(metrics.loss - loss) <= tolerance * loss);
+    CHECK(std::fabs(metrics.grad_norm - std::sqrt(squares)) <= tolerance * std::sqrt(squares));
+    // Without the documents the same batch gives another loss.
+    float plain = 0.0f;
+    sum_tensor.data = &plain;
+    model.forward_eval(ops->load_batch(x.data(), y.data(), B, T, model.vocab_slice()), sum_tensor);
+    if (!cuda) CHECK(double(plain) / (B * T) != loss);
+  }
+}
+
+TEST_CASE("mpi: documents (--reset-position-ids --reset-attention-mask) under TP = 2, with and without sequence "
+          "parallelism, train as one process does",
+          "[mpi][parallel][documents]") {
+  check_documents_under_tensor_parallelism("cpu");
+}
+
+TEST_CASE("nccl: documents (--reset-position-ids --reset-attention-mask) under TP = 2, with and without sequence "
+          "parallelism, train as one process does",
+          "[nccl][parallel][documents]") {
+  if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
+  check_documents_under_tensor_parallelism("cuda");
+}
+
 TEST_CASE("mpi: --check-weight-hash-across-dp-replicas-interval: replicas agree after training steps, and a replica "
           "changed on one rank is named",
           "[mpi][parallel]") {
