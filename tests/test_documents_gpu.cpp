@@ -117,6 +117,11 @@ TEST_CASE("the CUDA model over packed documents: the CPU reference's losses, and
 
   for (const GemmPrecision gemm : {GemmPrecision::bf16, GemmPrecision::fp8}) {
     INFO(to_string(gemm));
+    // Under FP8 a BF16 difference of one ulp (the GPU's order of sums, the attention's tiles)
+    // moves some E4M3 codes by one step, which moves a token's loss by up to a few hundredths
+    // (0.056 from the reference and 0.044 from the document alone, first H200 run).
+    const bool fp8 = gemm == GemmPrecision::fp8;
+    const double reference_bound = fp8 ? 0.1 : 5e-2, alone_bound = fp8 ? 0.08 : 2e-2;
     std::unique_ptr<Ops> gpu_ops = make_cuda_ops(0);
     GptModel gpu(config, B, T, GptPrecision{.gemm = gemm}, *gpu_ops);
     testing::set_random_weights(*gpu_ops, gpu, config);
@@ -129,7 +134,7 @@ TEST_CASE("the CUDA model over packed documents: the CPU reference's losses, and
     double worst = 0.0;
     for (size_t i = 0; i < packed.size(); ++i) worst = std::max(worst, std::fabs(double(packed[i]) - expected[i]));
     INFO("largest difference from the CPU reference " << worst);
-    CHECK(worst < 5e-2);
+    CHECK(worst < reference_bound);
 
     // Row 0's third document (positions 71..134) alone at the start of row 1.
     std::vector<int32_t> alone_x = x, alone_y = y;
@@ -140,7 +145,7 @@ TEST_CASE("the CUDA model over packed documents: the CPU reference's losses, and
     for (int t = 0; t < 64; ++t)
       apart = std::max(apart, std::fabs(double(packed[size_t(71 + t)]) - alone[size_t(T + t)]));
     INFO("largest difference from the document alone " << apart);
-    CHECK(apart < 2e-2);
+    CHECK(apart < alone_bound);
     // Without the flags the third document sees the others: other losses.
     const std::vector<float> plain = token_losses(*gpu_ops, gpu, x, y, {});
     double moved = 0.0;
