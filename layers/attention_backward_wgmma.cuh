@@ -346,15 +346,12 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int n_kt = q_last / BC + 1;
   const int warp_q0 = q0 + warp * 16;
 
-  // Documents: the walk starts at the tile of the block's first row's first key; the tiles
-  // kt_begin..kt_documents-1 begin before its last row's first key and need the mask.
-  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
-  const int kt_begin = kDocuments ? first[q0] / BC : 0;
-  const int kt_documents = kDocuments ? min((first[q_last] + BC - 1) / BC, n_kt - 1) : 0;
-  int row_first[2];
-  if constexpr (kDocuments)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) row_first[r] = first_key_of(first, warp_q0 + g + r * 8, T);
+  // Documents: where the walk starts, and the key tiles that need their mask.
+  static_assert(BC == kKeyTile, "query_block_documents counts tiles of kKeyTile keys");
+  const QueryBlockDocuments documents =
+      query_block_documents<kDocuments>(document_starts, q0, q_last, n_kt, warp_q0 + g, T);
+  const int kt_begin = documents.kt_begin, kt_documents = documents.kt_documents;
+  const int(&row_first)[2] = documents.row_first;
 
   SwizzledTileWalk<BR>(q_base, stride, q0).load_next(q_tile, T);
   SwizzledTileWalk<BR>(do_base, static_cast<size_t>(C), q0).load_next(do_tile, T);

@@ -70,16 +70,12 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kt = q_last / BC + 1;        // key tiles 0..n_kt-1 reach the diagonal (all keys < T)
   const int warp_q0 = q0 + warp * 16;      // this warp's first query
 
-  // Documents: the walk starts at the tile of the block's first row's first key (first[] is
-  // nondecreasing), and the tiles that begin before its last row's first key need the
-  // documents' mask: key tiles kt_begin..kt_documents-1, as in the mma.sync kernel.
-  const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
-  const int kt_begin = kDocuments ? first[q0] / BC : 0;
-  const int kt_documents = kDocuments ? min((first[q_last] + BC - 1) / BC, n_kt - 1) : 0;
-  int row_first[2];
-  if constexpr (kDocuments)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) row_first[r] = first_key_of(first, warp_q0 + g + r * 8, T);
+  // Documents: where the walk starts, and the key tiles that need their mask.
+  static_assert(BC == kKeyTile, "query_block_documents counts tiles of kKeyTile keys");
+  const QueryBlockDocuments documents =
+      query_block_documents<kDocuments>(document_starts, q0, q_last, n_kt, warp_q0 + g, T);
+  const int kt_begin = documents.kt_begin, kt_documents = documents.kt_documents;
+  const int(&row_first)[2] = documents.row_first;
 
   SwizzledTileWalk<BR>(head.q(qkv), head.qkv_stride, q0).load_next(q_tile, T);
   SwizzledTileWalk<BC> k_walk(head.k(qkv), head.qkv_stride, kt_begin * BC),

@@ -77,6 +77,29 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
 // rows). Offsets and pointers are set once, so a tile costs a pointer increment and a
 // cp.async per chunk, with row checks only where a tile reaches past T (rows >= T are
 // zero-filled and read nothing).
+// A wgmma query block's documents (forward and dQ): the walk starts at the tile of the block's
+// first row's first key (first[] is nondecreasing), and the key tiles kt_begin..kt_documents-1
+// begin before its last row's first key, so they need the documents' mask (the tile of the
+// diagonal, n_kt - 1, has its own). row_first: the first keys of this thread's rows g and g + 8.
+// Without documents every field is 0 and document_starts is not read.
+struct QueryBlockDocuments {
+  int kt_begin = 0, kt_documents = 0;
+  int row_first[2] = {0, 0};
+};
+template <bool kDocuments>
+__device__ __forceinline__ QueryBlockDocuments query_block_documents(const int32_t* document_starts, int q0,
+                                                                     int q_last, int n_kt, int row0, int T) {
+  QueryBlockDocuments documents;
+  if constexpr (kDocuments) {
+    const int32_t* first = document_row(document_starts, T);
+    documents.kt_begin = first[q0] / kKeyTile;
+    documents.kt_documents = min((first[q_last] + kKeyTile - 1) / kKeyTile, n_kt - 1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) documents.row_first[r] = first_key_of(first, row0 + r * 8, T);
+  }
+  return documents;
+}
+
 template <int ROWS>
 struct SwizzledTileWalk {
   static constexpr int kChunks = 8;

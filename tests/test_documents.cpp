@@ -180,6 +180,14 @@ GptConfig small_config() {
   return c;
 }
 
+// A [1,1] tensor over one host float (the CPU backend's memory): a loss sum.
+Tensor scalar_tensor(float* value) {
+  Tensor t;
+  t.data = value;
+  t.rows = t.cols = 1;
+  return t;
+}
+
 struct CpuModel {
   std::unique_ptr<Ops> ops = make_cpu_ops();
   std::unique_ptr<GptModel> model;
@@ -193,13 +201,10 @@ struct CpuModel {
   std::vector<float> token_losses(const std::vector<int32_t>& x, const std::vector<int32_t>& y,
                                   const DocumentMasking& documents) {
     float sum = 0.0f;
-    Tensor loss;
-    loss.data = &sum;
-    loss.rows = loss.cols = 1;
     model->forward_eval(
         ops->load_batch(x.data(), y.data(), model->micro_batch_size(), model->seq_length(), model->vocab_slice(),
                         documents),
-        loss);
+        scalar_tensor(&sum));
     const Tensor losses = model->token_losses();
     const float* values = static_cast<const float*>(losses.data);
     return std::vector<float>(values, values + x.size());
@@ -207,14 +212,11 @@ struct CpuModel {
   std::vector<float> gradients(const std::vector<int32_t>& x, const std::vector<int32_t>& y,
                                const DocumentMasking& documents) {
     float sum = 0.0f;
-    Tensor loss;
-    loss.data = &sum;
-    loss.rows = loss.cols = 1;
     model->zero_gradients();
     model->forward_backward(
         ops->load_batch(x.data(), y.data(), model->micro_batch_size(), model->seq_length(), model->vocab_slice(),
                         documents),
-        0.125f, loss);
+        0.125f, scalar_tensor(&sum));
     const Tensor g = model->gradients();
     const float* values = static_cast<const float*>(g.data);
     return std::vector<float>(values, values + g.numel());
