@@ -762,7 +762,12 @@ TEST_CASE("attention rejects unsupported head sizes with a hint", "[gpu][attenti
 // usual FA convention; this backward does 3.5x the forward's work to stay deterministic).
 TEST_CASE("attention throughput", "[gpu][attention][.bench]") {
   FP8LM_REQUIRE_GPU();
-  for (const AttnShape& s : {AttnShape{8, 1024, 25, 64}, AttnShape{32, 1024, 12, 64}}) {
+  // documents: 0 without; otherwise every row made of documents of that many tokens (1024: one
+  // document a row, through the document kernels).
+  for (const auto& [s, document_length] :
+       {std::pair{AttnShape{8, 1024, 25, 64}, 0}, std::pair{AttnShape{8, 1024, 25, 64}, 1024},
+        std::pair{AttnShape{8, 1024, 25, 64}, 256}, std::pair{AttnShape{8, 1024, 25, 64}, 32},
+        std::pair{AttnShape{32, 1024, 12, 64}, 0}}) {
     const int C = s.C();
     const size_t n_qkv = static_cast<size_t>(s.B) * s.T * 3 * C;
     const size_t n_out = static_cast<size_t>(s.B) * s.T * C;
@@ -782,14 +787,17 @@ TEST_CASE("attention throughput", "[gpu][attention][.bench]") {
     auto amax = device_copy(std::vector<float>{0.0f});
     cuda::DeviceBuffer<__nv_bfloat16> dqkv(n_qkv);
     cuda::DeviceBuffer<float> scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
+    const std::vector<std::vector<int>> rows(size_t(s.B), repeated(document_length, s.T / std::max(document_length, 1)));
+    auto starts = device_documents(document_length > 0 ? document_starts_of(rows, s.T) : std::vector<int32_t>{0});
+    const int32_t* documents = document_length > 0 ? starts.data() : nullptr;
 
     auto forward = [&] {
       cuda::attention_forward(out.data(), lse.data(), out_fp8.data(), amax.data(), scale.data(), Fp8Dtype::e4m3,
-                              qkv.data(), nullptr, s.B, s.T, C, s.NH, nullptr);
+                              qkv.data(), documents, s.B, s.T, C, s.NH, nullptr);
     };
     auto backward = [&] {
-      cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), nullptr, s.B, s.T, C, s.NH,
-                               scratch.data(), nullptr);
+      cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), documents, s.B, s.T, C,
+                               s.NH, scratch.data(), nullptr);
     };
     cudaEvent_t start, stop;
     CUDA_CHECK(cudaEventCreate(&start));
@@ -811,8 +819,11 @@ TEST_CASE("attention throughput", "[gpu][attention][.bench]") {
     CUDA_CHECK(cudaEventDestroy(stop));
     const double fwd_flops = 4.0 * s.B * s.NH * static_cast<double>(s.T) * s.T * s.HS / 2.0;
     const double bwd_flops = 2.5 * fwd_flops;
-    std::printf("attention %s: forward %.3f ms (%.1f TFLOP/s, with FP8 out), backward %.3f ms (%.1f TFLOP/s)\n",
-                describe(s).c_str(), fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9);
+    // The causal whole-row FLOPs, also for documents: the rate against the work of one document a row.
+    std::printf("attention %s, documents of %d: forward %.3f ms (%.1f TFLOP/s, with FP8 out), backward %.3f ms "
+                "(%.1f TFLOP/s)\n",
+                describe(s).c_str(), document_length, fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms,
+                bwd_flops / bwd_ms * 1e-9);
     const std::vector<__nv_bfloat16> gradient_bits = dqkv.download();
     uint64_t hash = 1469598103934665603ull;  // FNV-1a of dqkv's bytes: equal bits across builds
     const auto* bytes = reinterpret_cast<const unsigned char*>(gradient_bits.data());
