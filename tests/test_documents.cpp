@@ -191,10 +191,10 @@ Tensor scalar_tensor(float* value) {
 struct CpuModel {
   std::unique_ptr<Ops> ops = make_cpu_ops();
   std::unique_ptr<GptModel> model;
-  CpuModel(int B, int T, GemmPrecision gemm) {
+  CpuModel(int B, int T, GemmPrecision gemm, const ActivationRecompute& recompute = {}) {
     GptPrecision precision;
     precision.gemm = gemm;
-    model = std::make_unique<GptModel>(small_config(), B, T, precision, *ops);
+    model = std::make_unique<GptModel>(small_config(), B, T, precision, *ops, ModelParallelism{}, recompute);
     init_gpt_parameters(static_cast<float*>(model->working()), model->layout(), model->config(), 7);
     model->refresh_weight_operands();
   }
@@ -343,4 +343,22 @@ TEST_CASE("fp8lm train and eval take --reset-position-ids and --reset-attention-
   const auto outside = run("--config " + kTiny + " --mock-data --device cpu --train-iters 1 --reset-attention-mask");
   CHECK(outside.exit_code == 2);
   CHECK_THAT(outside.output, ContainsSubstring("--reset-attention-mask: the end-of-document token 50256"));
+}
+
+TEST_CASE("recomputed blocks keep to the documents: the same gradients, bit for bit, as without recomputation",
+          "[documents][cpu][recompute]") {
+  const int T = 12;
+  const std::vector<int32_t> packed = {3, 1, 4, 1, kEnd, 2, 7, 1, 8, 2, 8, 1, 5, kEnd, 3, 3, 1, 2, 6, 6, kEnd, 1, 4, 2};
+  std::vector<int32_t> targets(packed.begin() + 1, packed.end());
+  targets.push_back(5);
+  const std::vector<float> plain = CpuModel(2, T, GemmPrecision::fp8).gradients(packed, targets, kBoth);
+  for (const ActivationRecompute& recompute :
+       {ActivationRecompute{.method = ActivationRecompute::Method::uniform, .layers = 2},
+        ActivationRecompute{.method = ActivationRecompute::Method::block, .layers = 1},
+        ActivationRecompute{.layernorm = true, .mlp = true}}) {
+    INFO("method " << int(recompute.method) << ", selective " << recompute.selective());
+    CHECK(CpuModel(2, T, GemmPrecision::fp8, recompute).gradients(packed, targets, kBoth) == plain);
+  }
+  // The documents matter to these gradients.
+  CHECK(CpuModel(2, T, GemmPrecision::fp8).gradients(packed, targets, {}) != plain);
 }
