@@ -40,7 +40,8 @@ BatchLoss score_batch(Ops& ops, GptModel& model, float* device_sum, Communicator
 std::vector<BatchLoss> score_rows(Ops& ops, GptModel& model, float* device_sum, const BatchReading& reading,
                                   const int32_t* inputs, const int32_t* targets) {
   const int B = model.micro_batch_size(), T = model.seq_length();
-  forward_only(ops, model, device_sum, reading.documents, inputs, targets);  // choice rows mask their targets by construction
+  // Choice rows mask their targets by construction.
+  forward_only(ops, model, device_sum, reading.documents, inputs, targets);
   std::vector<float> losses(size_t(B) * T);
   ops.download(losses.data(), model.token_losses().data, losses.size() * sizeof(float));
   std::vector<BatchLoss> rows(B);

@@ -787,7 +787,8 @@ TEST_CASE("attention throughput", "[gpu][attention][.bench]") {
     auto amax = device_copy(std::vector<float>{0.0f});
     cuda::DeviceBuffer<__nv_bfloat16> dqkv(n_qkv);
     cuda::DeviceBuffer<float> scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
-    const std::vector<std::vector<int>> rows(size_t(s.B), repeated(document_length, s.T / std::max(document_length, 1)));
+    const std::vector<std::vector<int>> rows(size_t(s.B),
+                                             repeated(document_length, s.T / std::max(document_length, 1)));
     auto starts = device_documents(document_length > 0 ? document_starts_of(rows, s.T) : std::vector<int32_t>{0});
     const int32_t* documents = document_length > 0 ? starts.data() : nullptr;
 

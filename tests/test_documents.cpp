@@ -312,8 +312,9 @@ TEST_CASE("fp8lm train and eval take --reset-position-ids and --reset-attention-
     INFO("fp8lm " << args << "\n" << result.output);
     return result;
   };
-  const auto trained = run("--config " + kTiny + " --vocab-size 300 --train-data-path " + valid + " --valid-data-path " +
-                           valid + " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+  const auto trained = run("--config " + kTiny + " --vocab-size 300 --train-data-path " + valid +
+                           " --valid-data-path " + valid +
+                           " --device cpu --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
                            "--train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 3 --fp8-hybrid" +
                            tokenizer + flags + " --save " + ck + " --metrics-file " + metrics);
   REQUIRE(trained.exit_code == 0);
@@ -334,7 +335,8 @@ TEST_CASE("fp8lm train and eval take --reset-position-ids and --reset-attention-
   REQUIRE(eval.exit_code == 0);
   CHECK(eval_loss(eval.output) == val.back());
   // The documents change what the model sees: without the flags, another loss.
-  const auto whole = run("eval --load " + ck + " --valid-data-path " + valid + tokenizer + " --device cpu --log-level warn");
+  const auto whole =
+      run("eval --load " + ck + " --valid-data-path " + valid + tokenizer + " --device cpu --log-level warn");
   REQUIRE(whole.exit_code == 0);
   CHECK(eval_loss(whole.output) != val.back());
   CHECK(eval_loss(whole.output) > 0.0);

@@ -149,7 +149,8 @@ TEST_CASE("the CUDA model over packed documents: the CPU reference's losses, and
     // Without the flags the third document sees the others: other losses.
     const std::vector<float> plain = token_losses(*gpu_ops, gpu, x, y, {});
     double moved = 0.0;
-    for (int t = 0; t < 64; ++t) moved = std::max(moved, std::fabs(double(plain[size_t(71 + t)]) - packed[size_t(71 + t)]));
+    for (int t = 0; t < 64; ++t)
+      moved = std::max(moved, std::fabs(double(plain[size_t(71 + t)]) - packed[size_t(71 + t)]));
     CHECK(moved > 2 * apart);
   }
 }
