@@ -75,8 +75,9 @@ size_t attention_backward_scratch_floats(int B, int T, int C, int NH);
 
 // Writes (=) dqkv [B,T,3C] (bf16) from dout [B,T,C], the forward's qkv [B,T,3C], out [B,T,C],
 // lse [B,NH,T] and document_starts [B,T] (nullable). scratch:
-// attention_backward_scratch_floats(B,T,C,NH) floats (contents need not be initialised). Deterministic: no atomics, every element written by one thread
-// in a fixed order, so two calls give bit-identical dqkv. dqkv must not alias the inputs.
+// attention_backward_scratch_floats(B,T,C,NH) floats (contents need not be initialised).
+// Deterministic: no atomics, every element written by one thread in a fixed order, so two
+// calls give bit-identical dqkv. dqkv must not alias the inputs.
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, const int32_t* document_starts, int B, int T,
                         int C, int NH, float* scratch, cudaStream_t stream);
