@@ -38,6 +38,22 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A checkpoint's model against the run's: the same shape, and the LM head tied or untied alike.
+void check_checkpoint_model(const GptConfig& stored, const GptConfig& config, const std::string& state_path,
+                            const char* whose) {
+  FP8LM_INPUT_CHECK(stored.n_layer == config.n_layer && stored.n_embd == config.n_embd &&
+                        stored.n_head == config.n_head && stored.n_inner == config.n_inner &&
+                        stored.vocab_size == config.vocab_size && stored.n_positions == config.n_positions,
+                    state_path, ": the checkpoint's model shape differs from ", whose);
+  if (stored.tie_word_embeddings != config.tie_word_embeddings)
+    throw InputError(state_path + ": the checkpoint's LM head is " + (stored.tie_word_embeddings ? "tied" : "untied") +
+                         " to the token embedding and " + whose + " is " +
+                         (config.tie_word_embeddings ? "tied" : "untied"),
+                     stored.tie_word_embeddings ? "leave out --untie-embeddings-and-output-weights"
+                                                : "add --untie-embeddings-and-output-weights (or leave out --config: "
+                                                  "the checkpoint's config is used)");
+}
+
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kScalingFile = "fp8_scaling.safetensors";
@@ -1187,10 +1203,7 @@ InferenceWeights read_inference_weights(const std::string& path, std::optional<i
   const CheckpointManifest manifest = read_resolved_checkpoint(resolved, path, /*verify_data=*/true);
   const fs::path dir(manifest.dir);
   const GptConfig& stored = manifest.config;
-  FP8LM_INPUT_CHECK(stored.n_layer == config.n_layer && stored.n_embd == config.n_embd &&
-                        stored.n_head == config.n_head && stored.n_inner == config.n_inner &&
-                        stored.vocab_size == config.vocab_size && stored.n_positions == config.n_positions,
-                    (dir / kStateFile).string(), ": the checkpoint's model shape differs from --config's");
+  check_checkpoint_model(stored, config, (dir / kStateFile).string(), "--config's");
   load_hf_parameters(SafetensorsFile::open((dir / kModelFile).string()), layout, config, weights.params.data());
   if (fp8 && records(manifest, kScalingFile))
     weights.scaling =
@@ -1226,10 +1239,7 @@ LoadedState load_into_engine(const std::string& path, std::optional<int64_t> ste
   const std::string state_path = (dir / kStateFile).string();
   loaded.path = manifest.dir;
   const GptConfig& stored = manifest.config;
-  FP8LM_INPUT_CHECK(stored.n_layer == setup.model.n_layer && stored.n_embd == setup.model.n_embd &&
-                        stored.n_head == setup.model.n_head && stored.n_inner == setup.model.n_inner &&
-                        stored.vocab_size == setup.model.vocab_size && stored.n_positions == setup.model.n_positions,
-                    state_path, ": the checkpoint's model shape differs from this run's config");
+  check_checkpoint_model(stored, setup.model, state_path, "this run's config");
 
   // Read and check everything before the engine changes.
   const SafetensorsFile model = SafetensorsFile::open((dir / kModelFile).string());

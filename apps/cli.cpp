@@ -516,6 +516,10 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "overrides initializer_range (default 0.02)")
       ->group(model);
   app.add_option("--norm-epsilon", o.model.norm_epsilon, "Override layer_norm_epsilon (default 1e-5)")->group(model);
+  app.add_flag("--untie-embeddings-and-output-weights", o.model.untie_embeddings_and_output_weights,
+               "Give the LM head its own weight, lm_head.weight, instead of the token embedding's (the config's "
+               "tie_word_embeddings false)")
+      ->group(model);
   app.add_option("--transformer-impl", o.transformer_impl,
                  "Accepted for Megatron compatibility; fp8lm has one implementation")
       ->check(CLI::IsMember({"transformer_engine", "local"}))

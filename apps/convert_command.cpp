@@ -48,8 +48,8 @@ int run_convert_command(const std::vector<std::string>& args) {
   const SafetensorsFile model = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
   load_hf_parameters(model, layout, config, params.data());
 
-  // transformers' GPT2LMHeadModel names: "transformer." + GPT2Model names; lm_head is
-  // tied to wte and left out, as save_pretrained does.
+  // transformers' GPT2LMHeadModel names: "transformer." + GPT2Model names; a tied lm_head
+  // is left out, as save_pretrained does, and an untied one is "lm_head.weight".
   const std::vector<HfTensor> tensors = to_hf_tensors(layout, params.data(), config);
   const SafetensorsDtype out_dtype =
       dtype == "bf16" ? SafetensorsDtype::BF16 : dtype == "fp16" ? SafetensorsDtype::F16 : SafetensorsDtype::F32;
@@ -57,7 +57,7 @@ int run_convert_command(const std::vector<std::string>& args) {
   halves.reserve(tensors.size());
   SafetensorsWriter writer;
   for (const HfTensor& t : tensors) {
-    const std::string name = "transformer." + t.name;
+    const std::string name = t.name == "lm_head.weight" ? t.name : "transformer." + t.name;
     if (out_dtype == SafetensorsDtype::F32) {
       writer.add_borrowed(name, out_dtype, t.shape, t.values.data(), t.values.size() * 4);
       continue;

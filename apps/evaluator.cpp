@@ -41,7 +41,7 @@ void set_forward_only_weights(Ops& ops, GptModel& model, const TensorLayout& can
     if (bucket.linear_weights) largest = std::max(largest, bucket.end - bucket.begin);
   const std::unique_ptr<Allocation> staging = ops.allocate(largest * sizeof(float));
   const auto* staged = static_cast<const float*>(staging->data());
-  model.refresh_weight_operands(/*layer=*/-1, /*fp8_linear_weights=*/true);  // the head's, from the working copy
+  model.refresh_weight_operands(model.lm_head_layer(), /*fp8_linear_weights=*/true);  // from the working copy
   for (const ParameterBucket& bucket : model.buckets()) {
     if (!bucket.linear_weights) continue;
     ops.synchronize();  // the block before has been cast from the buffer

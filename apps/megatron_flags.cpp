@@ -198,8 +198,6 @@ const std::vector<MegatronFlag> kFlags = {
     // Features fp8lm does not have.
     {"--fp16", false, Kind::refused, nullptr,
      "fp8lm trains in BF16 or FP8 (--bf16, --fp8-format hybrid); it has no FP16 mixed precision"},
-    {"--untie-embeddings-and-output-weights", false, Kind::refused, nullptr,
-     "fp8lm's LM head is tied to the token embedding, as GPT-2's"},
     {"--swiglu", false, Kind::refused, nullptr, "fp8lm's MLP is GPT-2's: c_fc, GELU, c_proj"},
     {"--squared-relu", false, Kind::refused, nullptr, "fp8lm's MLP is GPT-2's: c_fc, GELU, c_proj"},
     {"--disable-bias-linear", false, Kind::refused, nullptr, "fp8lm's Linear layers have biases, as GPT-2's"},

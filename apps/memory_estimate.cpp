@@ -66,6 +66,7 @@ struct Shape {
   uint64_t B, T, BT, N;      // micro-batch, sequence, tokens, rows this rank keeps (sequence-parallel)
   uint64_t parts;            // of the optimizer shard: dp with the distributed optimizer, else 1
   bool sequence_parallel;
+  bool untied_head;          // the LM head's own [V, C] weight (tie_word_embeddings false)
   uint64_t capacity = 0;     // decoding: the key/value cache's positions (0 for training and eval)
 };
 
@@ -88,6 +89,7 @@ Shape shape_of(const RunSetup& s) {
   x.T = uint64_t(std::max(0, s.seq_length));
   x.BT = mul(x.B, x.T);
   x.sequence_parallel = s.options.sequence_parallel;
+  x.untied_head = !m.tie_word_embeddings;
   x.N = x.sequence_parallel ? x.BT / x.tp : x.BT;
   const bool sharded = x.dp > 1 && s.options.use_distributed_optimizer.value_or(true);
   x.parts = sharded ? x.dp : 1;
@@ -110,7 +112,7 @@ Slab slab_of(const Shape& x) {
   const uint64_t embedding = round_up(add(mul(x.Vs, x.C), mul(x.P, x.C)), pad);
   const uint64_t weights = round_up(block_linear_elements(x), pad);
   const uint64_t others = round_up(sum({mul(4, x.C), 3 * x.C / x.tp, x.C, x.Fl, x.C}), pad);
-  const uint64_t head = round_up(mul(2, x.C), pad);
+  const uint64_t head = round_up(add(mul(2, x.C), x.untied_head ? mul(x.Vs, x.C) : 0), pad);
   return Slab{sum({embedding, mul(x.L, add(weights, others)), head}), std::max({embedding, weights, others, head})};
 }
 
@@ -118,7 +120,7 @@ Slab slab_of(const Shape& x) {
 uint64_t canonical_elements(const Shape& x) {
   const uint64_t per_layer = sum({mul(4, x.C), mul(3, x.C, x.C), mul(3, x.C), mul(x.C, x.C), x.C, mul(2, x.F, x.C),
                                   x.F, x.C});
-  return sum({mul(x.V, x.C), mul(x.P, x.C), mul(x.L, per_layer), mul(2, x.C)});
+  return sum({mul(x.V, x.C), mul(x.P, x.C), mul(x.L, per_layer), mul(2, x.C), x.untied_head ? mul(x.V, x.C) : 0});
 }
 
 // Bytes of one element of `dtype` in the backend's memory: the CPU keeps every dtype as FP32.

@@ -43,6 +43,8 @@ struct ModelOverrides {  // Megatron's model-shape flags; each overrides --confi
   // --kv-channels: a head's width, which fp8lm's GPT (as Megatron's default) makes
   // hidden-size / num-attention-heads; any other value is refused
   std::optional<int> kv_channels;
+  // --untie-embeddings-and-output-weights: the LM head gets its own weight (tie_word_embeddings false)
+  bool untie_embeddings_and_output_weights = false;
 };
 
 struct TrainOptions {

@@ -71,6 +71,7 @@ GptConfig model_config_from(const TrainOptions& o) {
     config = parse_gpt_config(json, o.config_path.empty() ? "model flags" : o.config_path + " with model flags");
     config.name = name;
   }
+  if (m.untie_embeddings_and_output_weights) config.tie_word_embeddings = false;
   if (m.kv_channels && int64_t{*m.kv_channels} * config.n_head != config.n_embd)
     throw InputError("--kv-channels " + std::to_string(*m.kv_channels) + ": fp8lm's heads are hidden-size / "
                          "num-attention-heads = " + std::to_string(config.n_embd) + " / " +
@@ -407,6 +408,7 @@ SettingsTable settings_table(const RunSetup& s) {
       {"n_layer / n_head / n_embd", str(m.n_layer) + " / " + str(m.n_head) + " / " + str(m.n_embd)},
       {"n_inner (MLP width)", str(m.n_inner)},
       {"vocab_size (padded)", str(m.vocab_size) + " (" + str(m.padded_vocab_size()) + ")"},
+      {"LM head", m.tie_word_embeddings ? "tied to wte" : "its own weight (--untie-embeddings-and-output-weights)"},
       {"n_positions", str(m.n_positions)},
       {"layer_norm_epsilon", format_double(m.layer_norm_epsilon)},
       {"init-method-std (initializer_range)", format_double(m.initializer_range)},

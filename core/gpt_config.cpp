@@ -61,6 +61,7 @@ std::optional<int64_t> checked_parameter_count(const GptConfig& c) {
     overflow |= __builtin_add_overflow(per_layer, product, &per_layer);
   }
   term(c.padded_vocab_size(), C);
+  if (!c.tie_word_embeddings) term(c.padded_vocab_size(), C);  // lm_head.weight
   term(c.n_positions, C);
   term(c.n_layer, per_layer);
   term(2, C);
@@ -80,7 +81,6 @@ void check_supported_variant(const JsonFields& json) {
     if (json.has(key) && json.get<bool>(key) != supported)
       json.fail(key, std::string("= ") + (supported ? "false" : "true") + " is not supported; fp8lm " + what);
   };
-  require_flag("tie_word_embeddings", true, "ties the LM head to the token embedding");
   require_flag("scale_attn_weights", true, "scales attention scores by 1/sqrt(head size)");
   require_flag("scale_attn_by_inverse_layer_idx", false, "scales every layer's attention alike");
   require_flag("reorder_and_upcast_attn", false, "computes attention in its own (FP32-accumulating) kernels");
@@ -95,7 +95,8 @@ int64_t GptConfig::num_parameters() const {
 }
 
 int64_t GptConfig::num_parameters_unpadded() const {
-  return num_parameters() - int64_t{padded_vocab_size() - vocab_size} * n_embd;
+  const int64_t vocabulary_tables = tie_word_embeddings ? 1 : 2;
+  return num_parameters() - vocabulary_tables * int64_t{padded_vocab_size() - vocab_size} * n_embd;
 }
 
 GptConfig parse_gpt_config(const nlohmann::json& json_value, const std::string& source) {
@@ -120,6 +121,7 @@ GptConfig parse_gpt_config(const nlohmann::json& json_value, const std::string& 
   config.layer_norm_epsilon =
       static_cast<float>(json.get_or<double>("layer_norm_epsilon", config.layer_norm_epsilon, 1e-30, 0.5));
   config.initializer_range = json.get_or<double>("initializer_range", config.initializer_range, 1e-30, 10.0);
+  config.tie_word_embeddings = json.get_or<bool>("tie_word_embeddings", true);
   check_supported_variant(json);
 
   // Tokens are stored as uint16 (llm.c shards, the data loader): ids 0..65535.
@@ -181,7 +183,7 @@ nlohmann::json to_hf_json(const GptConfig& config) {
           {"n_ctx", config.n_positions},
           {"layer_norm_epsilon", config.layer_norm_epsilon},
           {"initializer_range", config.initializer_range},
-          {"tie_word_embeddings", true}};
+          {"tie_word_embeddings", config.tie_word_embeddings}};
 }
 
 }  // namespace fp8lm

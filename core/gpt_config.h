@@ -22,6 +22,10 @@ struct GptConfig {
   // Standard deviation of the initial weights (GPT-2's, and Megatron's --init-method-std); the
   // residual projections (attn.c_proj, mlp.c_proj) draw with this / sqrt(2 x n_layer).
   double initializer_range = 0.02;
+  // The LM head reads the token embedding's rows (GPT-2's tie); false: it has its own
+  // [Vp, C] weight, lm_head.weight (Hugging Face's tie_word_embeddings, Megatron's
+  // --untie-embeddings-and-output-weights).
+  bool tie_word_embeddings = true;
 
   // Rows of the token embedding / LM head. Padded to a multiple of 128 so the LM-head
   // GEMM tiles evenly on the tensor cores; padded rows never receive a target.
@@ -29,13 +33,15 @@ struct GptConfig {
   int head_dim() const { return n_embd / n_head; }
   // Trainable parameters (with the padded vocabulary rows, which stay zero-gradient).
   int64_t num_parameters() const;
-  // Parameters as Hugging Face counts them (vocab_size rows, tied head).
+  // Parameters as Hugging Face counts them (vocab_size rows).
   int64_t num_parameters_unpadded() const;
   // A training step's model FLOPs per token at this sequence length: 6 N + 12 L T C (PaLM's,
   // nanoGPT's and llm.c's count: the GEMMs forward and backward, and the attention's two
-  // products; recomputation not counted).
+  // products; recomputation not counted). N leaves out an untied model's token embedding, a
+  // lookup that multiplies nothing (the tied table counts once, for the LM head's GEMM).
   double training_flops_per_token(int seq_length) const {
-    return 6.0 * double(num_parameters()) + 12.0 * n_layer * double(seq_length) * n_embd;
+    const double lookup_only = tie_word_embeddings ? 0.0 : double(padded_vocab_size()) * n_embd;
+    return 6.0 * (double(num_parameters()) - lookup_only) + 12.0 * n_layer * double(seq_length) * n_embd;
   }
 };
 

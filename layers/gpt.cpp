@@ -38,6 +38,7 @@ TensorLayout make_gpt_layout(const GptConfig& cfg) {
   }
   layout.add("ln_f.weight", {C}, false);
   layout.add("ln_f.bias", {C}, false);
+  if (!cfg.tie_word_embeddings) layout.add("lm_head.weight", {cfg.padded_vocab_size(), C}, true);
   return layout;
 }
 
@@ -76,7 +77,7 @@ TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, 
   }
   const double residual_std = cfg.initializer_range / std::sqrt(2.0 * cfg.n_layer);
   draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : cfg.initializer_range;
-  draw.filled = t.name == "wte.weight" ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
+  draw.filled = is_vocabulary_table(t.name) ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
   draw.key = seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull;
   return draw;
 }
@@ -211,9 +212,12 @@ TensorLayout make_gpt_shard_layout(const GptConfig& cfg, int tp, int dp, std::ve
       add(h + "mlp.c_proj.bias", {C}, TensorSplit::replicated, false);
     });
   }
+  // An untied LM head's weight travels with ln_f: its gradient is complete when the head's
+  // backward is, before the blocks'.
   bucket("head", false, cfg.n_layer, [&] {
     add("ln_f.weight", {C}, TensorSplit::replicated, false, true);
     add("ln_f.bias", {C}, TensorSplit::replicated, false, true);
+    if (!cfg.tie_word_embeddings) add("lm_head.weight", {Vp, C}, TensorSplit::rows, true);
   });
   if (buckets) *buckets = std::move(list);
   return layout;
@@ -567,9 +571,12 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   for (ParameterBucket& bucket : buckets_)
     if (bucket.linear_weights && precision.block(bucket.layer, config.n_layer) != GemmPrecision::fp8)
       bucket.linear_weights = false;
-  lm_head_ = std::make_unique<LinearParams>(make_linear("lm_head", "wte.weight", false, precision.lm_head()));
+  lm_head_ = std::make_unique<LinearParams>(make_linear(
+      "lm_head", config.tie_word_embeddings ? "wte.weight" : "lm_head.weight", false, precision.lm_head()));
   ln_f_ = std::make_unique<LayerNormParams>(
       LayerNormParams{working("ln_f.weight"), working("ln_f.bias"), grad("ln_f.weight"), grad("ln_f.bias")});
+  wte_ = working("wte.weight");
+  grad_wte_ = grad("wte.weight");
   wpe_ = working("wpe.weight");
   grad_wpe_ = grad("wpe.weight");
 
@@ -912,7 +919,7 @@ void GptModel::forward(const TokenBatch& batch) {
   const Scratch& s = *scratch_;
   before_forward(-1);
   // The vocabulary-parallel embedding: this slice's rows, summed across the group.
-  ops_.embedding_lookup(s.token_embeddings, batch, lm_head_->weight, vocab_slice());
+  ops_.embedding_lookup(s.token_embeddings, batch, wte_, vocab_slice());
   tp_->row_parallel_output(s.token_embeddings, s.token_rows);
   ops_.add_position_embedding(s.encoded, s.token_rows, wpe_, int(tp_->first_local_row(s.token_embeddings.rows)), T_,
                               /*stored_wpe_row=*/nullptr, batch.position_ids);
@@ -1046,7 +1053,7 @@ void GptModel::forward_cached(const TokenBatch& batch, int position, bool record
   const int64_t chunk_rows = int64_t(batch.B) * n;
   const Scratch& s = *scratch_;
   ops_.set_amax_recording(record_amaxes);
-  ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, lm_head_->weight, vocab_slice());
+  ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, wte_, vocab_slice());
   // A stored position is read by the kernel (the whole table from its row); otherwise the
   // table's rows from `position` on.
   const Tensor positions =
@@ -1144,7 +1151,7 @@ void GptModel::backward(const TokenBatch& batch) {
   }
   ops_.position_embedding_backward(grad_wpe_, s.dresidual, int(tp_->first_local_row(s.dln.rows)), T_, batch);
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
-  ops_.embedding_lookup_backward(head.grad_weight, s.dresidual_full, batch);
+  ops_.embedding_lookup_backward(grad_wte_, s.dresidual_full, batch);
   after_backward(-1);
   block_weight_gradients_written_ = true;  // the step's next micro-batches add to them
 }
@@ -1290,15 +1297,15 @@ void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
 }
 
 void GptModel::refresh_weight_operands(bool fp8_linear_weights) {
-  for (int layer = -1; layer < config_.n_layer; ++layer) refresh_weight_operands(layer, fp8_linear_weights);
+  for (int layer = -1; layer <= config_.n_layer; ++layer) refresh_weight_operands(layer, fp8_linear_weights);
 }
 
 void GptModel::refresh_weight_operands(int layer, bool fp8_linear_weights, Ops::Lane lane) {
-  if (layer < 0) {
+  if (layer == lm_head_layer()) {
     if (lm_head_->owns_operand) ops_.quantize(lm_head_->weight_operand, lm_head_->weight, Tensor{}, lane);
     return;
   }
-  if (layer >= config_.n_layer) return;
+  if (layer < 0 || layer >= config_.n_layer) return;
   BlockParams& block = blocks_[layer];
   for (const LinearParams* linear : {&block.qkv, &block.proj, &block.fc, &block.fc2}) {
     if (!linear->owns_operand || (!fp8_linear_weights && is_fp8(linear->weight_operand.dtype))) continue;

@@ -6,7 +6,8 @@
 //   x = wte[tokens] + wpe[positions]                                        [B,T,C]
 //   per block:  x = x + attn.c_proj(attention(attn.c_attn(ln_1(x))))
 //               x = x + mlp.c_proj(gelu(mlp.c_fc(ln_2(x))))
-//   logits = ln_f(x) . wte^T  (LM head tied to the token embedding)        [B,T,Vp]
+//   logits = ln_f(x) . wte^T  (LM head tied to the token embedding;        [B,T,Vp]
+//                              lm_head.weight^T when untied)
 //   loss = mean cross-entropy over the B*T targets
 //
 // Where the residual adds happen: the two c_proj GEMMs (row-parallel under tensor
@@ -46,7 +47,12 @@ class TensorParallelMappings;
 //   h.{l}.mlp.c_fc.weight [F,C]      .bias [F]     (F = n_inner, 4C for GPT-2)
 //   h.{l}.mlp.c_proj.weight [C,F]    .bias [C]
 //   ln_f.weight/bias [C]
+//   lm_head.weight [Vp,C]            (only without tie_word_embeddings)
 TensorLayout make_gpt_layout(const GptConfig& config);
+
+// The tensors with a row per vocabulary entry (padded to Vp, the padded rows zero): the token
+// embedding, and an untied LM head.
+inline bool is_vocabulary_table(const std::string& name) { return name == "wte.weight" || name == "lm_head.weight"; }
 
 // The four Linear layers of a block, in the order the forward runs them.
 inline constexpr const char* kBlockLinearNames[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
@@ -322,7 +328,10 @@ class GptModel {
   // FP8 weights' amaxes. After every optimizer step and whenever the weights are set.
   // Without the FP8 Linear weights when they arrive as FP8 codes (--fp8-param-gather).
   void refresh_weight_operands(bool fp8_linear_weights = true);
-  // The same for one layer (-1: the LM head's operand of the tied embedding), on `lane`
+  // The bucket layer whose parameters hold the LM head's weight: -1 (the embedding's) when it
+  // is tied to the token embedding, n_layer (the head's, beside ln_f) when untied.
+  int lm_head_layer() const { return config_.tie_word_embeddings ? -1 : config_.n_layer; }
+  // The same for one layer (lm_head_layer(): the LM head's operand), on `lane`
   // (Ops::quantize: off the main lane only delayed per-tensor FP8 casts).
   void refresh_weight_operands(int layer, bool fp8_linear_weights, Ops::Lane lane = Ops::Lane::main);
   void set_layer_hooks(LayerHooks hooks) { hooks_ = std::move(hooks); }
@@ -442,6 +451,7 @@ class GptModel {
   std::vector<BlockParams> blocks_;
   std::unique_ptr<LinearParams> lm_head_;
   std::unique_ptr<LayerNormParams> ln_f_;
+  Tensor wte_, grad_wte_;  // the token embedding (the LM head's weight too when tied)
   Tensor wpe_, grad_wpe_;
 
   std::vector<BlockActivations> saved_;

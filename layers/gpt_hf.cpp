@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "layers/gpt.h"
 
 namespace fp8lm {
 
@@ -26,7 +27,7 @@ std::vector<HfTensor> to_hf_tensors(const TensorLayout& layout, const float* par
       hf.values.resize(t.numel);
       for (int64_t o = 0; o < out; ++o)
         for (int64_t i = 0; i < in; ++i) hf.values[i * out + o] = p[o * in + i];
-    } else if (t.name == "wte.weight") {
+    } else if (is_vocabulary_table(t.name)) {
       hf.shape = {config.vocab_size, t.shape[1]};
       hf.values.assign(p, p + size_t(config.vocab_size) * t.shape[1]);
     } else {
@@ -49,7 +50,7 @@ void load_hf_parameters(const SafetensorsFile& file, const TensorLayout& layout,
     const SafetensorsTensorView& view = file.tensor(name);
     std::vector<int64_t> expected = t.shape;
     if (is_hf_conv1d_weight(t.name)) expected = {t.shape[1], t.shape[0]};
-    if (t.name == "wte.weight") expected = {config.vocab_size, t.shape[1]};
+    if (is_vocabulary_table(t.name)) expected = {config.vocab_size, t.shape[1]};
     if (view.shape != expected) {
       auto text = [](const std::vector<int64_t>& shape) {
         std::string s = "[";
@@ -70,7 +71,7 @@ void load_hf_parameters(const SafetensorsFile& file, const TensorLayout& layout,
         for (int64_t i = 0; i < in; ++i) p[o * in + i] = values[i * out + o];
     } else {
       std::copy(values.begin(), values.end(), p);
-      if (t.name == "wte.weight") std::fill(p + values.size(), p + t.numel, 0.0f);  // padded rows
+      if (is_vocabulary_table(t.name)) std::fill(p + values.size(), p + t.numel, 0.0f);  // padded rows
     }
   }
 }

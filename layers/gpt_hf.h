@@ -4,7 +4,8 @@
 // Differences from fp8lm's own layout (layers/gpt.h):
 //   - Linear weights are Conv1D in Hugging Face: [in, out]; fp8lm stores [out, in].
 //   - wte has vocab_size rows there; fp8lm pads to a multiple of 128 (zero rows).
-//   - names may carry a "transformer." prefix; "lm_head.weight" is tied to wte;
+//   - names may carry a "transformer." prefix; "lm_head.weight" (never prefixed) is tied to
+//     wte and absent, unless the config unties it (tie_word_embeddings false);
 //     "h.N.attn.bias" / "masked_bias" are causal-mask buffers, not parameters.
 #pragma once
 

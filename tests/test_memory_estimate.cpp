@@ -66,6 +66,8 @@ TEST_CASE("the memory estimate matches the engine's allocations on the CPU", "[m
       {"--fp8-hybrid", "--micro-batch-size", "8"},
       {"--fp8-hybrid", "--grad-reduce-in-bf16"},  // the BF16 gradient slab (FP32 storage on the CPU)
       {"--fp8-format", "e4m3", "--fp8-lm-head", "--num-layers", "3", "--seq-length", "32"},
+      // The LM head's own weight in the head's bucket, and its FP8 operand.
+      {"--fp8-hybrid", "--untie-embeddings-and-output-weights", "--fp8-lm-head", "--seq-length", "32"},
       // Blocks 0 and 3 BF16: their own operand dtypes, and a second gradient operand buffer.
       {"--fp8-hybrid", "--num-layers", "4", "--first-last-layers-bf16", "--seq-length", "32"},
       // Activation recomputation over BF16 and FP8 blocks: shared buffer sets for each.

@@ -427,6 +427,31 @@ TEST_CASE("nccl: documents (--reset-position-ids --reset-attention-mask) under T
   check_documents_under_tensor_parallelism("cuda");
 }
 
+// An untied LM head (--untie-embeddings-and-output-weights) under TP = 2: its weight is split by
+// vocabulary rows as wte's and travels in the head's bucket; every rank agrees, and a
+// forward-only evaluator (which casts the head's FP8 operand at the head's layer) scores as the
+// engine, with the head in BF16 and in FP8.
+TEST_CASE("mpi: an untied LM head under TP = 2: every rank agrees, and the evaluator scores as the engine",
+          "[mpi][parallel][untied-head]") {
+  for (const bool fp8_head : {false, true}) {
+    INFO("FP8 LM head: " << fp8_head);
+    std::vector<std::string> flags = {"--fp8-hybrid", "--untie-embeddings-and-output-weights", "--sequence-parallel"};
+    if (fp8_head) flags.push_back("--fp8-lm-head");
+    const RankRun untied = check_ranks_agree("cpu", flags);
+    flags.erase(flags.begin() + 1);
+    const RankRun tied = check_ranks_agree("cpu", flags);
+    CHECK_FALSE(same_bits(untied.metrics, tied.metrics));  // the head's own weights: another model
+  }
+  check_evaluator_under_tensor_parallelism("cpu", {"--untie-embeddings-and-output-weights"});
+  const ParallelLayout layout = detect_parallel_layout(2);
+  for (const char* layout_flag : {"--no-sequence-parallel", "--sequence-parallel"}) {
+    INFO("the FP8 LM head, " << layout_flag);
+    std::vector<std::string> flags = {"--fp8-hybrid", "--fp8-lm-head", "--untie-embeddings-and-output-weights"};
+    if (std::string(layout_flag) == "--sequence-parallel") flags.push_back(layout_flag);
+    testing::check_evaluator_matches_engine(tiny_setup(layout, "cpu", flags), layout);
+  }
+}
+
 TEST_CASE("mpi: --check-weight-hash-across-dp-replicas-interval: replicas agree after training steps, and a replica "
           "changed on one rank is named",
           "[mpi][parallel]") {
