@@ -31,8 +31,9 @@ using Catch::Matchers::ContainsSubstring;
 namespace {
 
 GptConfig small_config(bool tied) {
-  nlohmann::json json = {{"n_layer", 2},  {"n_head", 2},        {"n_embd", 32},
-                         {"n_inner", 64}, {"vocab_size", 100}, {"n_positions", 16}};
+  // Head size 32: the CUDA attention's smallest.
+  nlohmann::json json = {{"n_layer", 2},   {"n_head", 2},        {"n_embd", 64},
+                         {"n_inner", 128}, {"vocab_size", 100}, {"n_positions", 16}};
   if (!tied) json["tie_word_embeddings"] = false;
   return parse_gpt_config(json, "test.json");
 }
