@@ -13,12 +13,9 @@ namespace {
 void forward_only(Ops& ops, GptModel& model, float* device_sum, const DocumentMasking& documents,
                   const int32_t* inputs, const int32_t* targets) {
   ops.zero(device_sum, sizeof(float));
-  Tensor sum;
-  sum.data = device_sum;
-  sum.rows = sum.cols = 1;
   model.forward_eval(
       ops.load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice(), documents),
-      sum);
+      Tensor::scalar_f32(device_sum));
 }
 
 }  // namespace

@@ -299,12 +299,6 @@ struct TrainingEngine::State {
   size_t tensor_count() const { return model->layout().tensors().size(); }
   StepScalars* device_scalars() { return static_cast<StepScalars*>(scalars->data()); }
   StepControl* control() { return &device_scalars()->control; }
-  Tensor scalar_tensor(float* p) {
-    Tensor t;
-    t.data = p;
-    t.rows = t.cols = 1;
-    return t;
-  }
   AdamWStateSlabs optimizer_slabs() {
     AdamWStateSlabs slabs;
     if (state_precision == OptimizerStatePrecision::fp8_fp16) {
@@ -743,7 +737,7 @@ void TrainingEngine::forward_backward(const int32_t* inputs, const int32_t* targ
   const TokenBatch batch =
       s.ops->load_batch(inputs, targets, model.micro_batch_size(), model.seq_length(), model.vocab_slice(), s.documents);
   s.last_micro_batch = s.micro_batches + 1 >= s.grad_accum_steps;
-  model.forward_backward(batch, dloss, s.scalar_tensor(&s.device_scalars()->loss_sum));
+  model.forward_backward(batch, dloss, Tensor::scalar_f32(&s.device_scalars()->loss_sum));
   ++s.micro_batches;
 }
 

@@ -55,6 +55,14 @@ struct Tensor {
   float* block_scale_inv = nullptr;
   float* transposed_block_scale_inv = nullptr;
 
+  // [1,1] FP32 over one float in backend memory (a loss sum, a step's scalars).
+  static Tensor scalar_f32(float* value) {
+    Tensor t;
+    t.data = value;
+    t.rows = t.cols = 1;
+    return t;
+  }
+
   int64_t numel() const { return rows * cols; }
   explicit operator bool() const { return data != nullptr; }
   template <typename T>

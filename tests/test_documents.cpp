@@ -180,14 +180,6 @@ GptConfig small_config() {
   return c;
 }
 
-// A [1,1] tensor over one host float (the CPU backend's memory): a loss sum.
-Tensor scalar_tensor(float* value) {
-  Tensor t;
-  t.data = value;
-  t.rows = t.cols = 1;
-  return t;
-}
-
 struct CpuModel {
   std::unique_ptr<Ops> ops = make_cpu_ops();
   std::unique_ptr<GptModel> model;
@@ -204,7 +196,7 @@ struct CpuModel {
     model->forward_eval(
         ops->load_batch(x.data(), y.data(), model->micro_batch_size(), model->seq_length(), model->vocab_slice(),
                         documents),
-        scalar_tensor(&sum));
+        Tensor::scalar_f32(&sum));
     const Tensor losses = model->token_losses();
     const float* values = static_cast<const float*>(losses.data);
     return std::vector<float>(values, values + x.size());
@@ -216,7 +208,7 @@ struct CpuModel {
     model->forward_backward(
         ops->load_batch(x.data(), y.data(), model->micro_batch_size(), model->seq_length(), model->vocab_slice(),
                         documents),
-        0.125f, scalar_tensor(&sum));
+        0.125f, Tensor::scalar_f32(&sum));
     const Tensor g = model->gradients();
     const float* values = static_cast<const float*>(g.data);
     return std::vector<float>(values, values + g.numel());

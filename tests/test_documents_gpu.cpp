@@ -86,12 +86,9 @@ std::vector<float> token_losses(Ops& ops, GptModel& model, const std::vector<int
                                 const std::vector<int32_t>& y, const DocumentMasking& documents) {
   const std::unique_ptr<Allocation> sum = ops.allocate(sizeof(float));
   ops.zero(sum->data(), sizeof(float));
-  Tensor loss;
-  loss.data = sum->data();
-  loss.rows = loss.cols = 1;
   model.forward_eval(ops.load_batch(x.data(), y.data(), model.micro_batch_size(), model.seq_length(),
                                     model.vocab_slice(), documents),
-                     loss);
+                     Tensor::scalar_f32(static_cast<float*>(sum->data())));
   std::vector<float> losses(x.size());
   ops.download_values(losses.data(), model.token_losses());
   ops.synchronize();

@@ -38,26 +38,21 @@ GptConfig small_config(bool tied) {
   return parse_gpt_config(json, "test.json");
 }
 
-Tensor scalar_tensor(float* value) {
-  Tensor t;
-  t.data = value;
-  t.rows = t.cols = 1;
-  return t;
-}
-
 // One model over a backend (the CPU's by default), its working copy set from `canonical`
 // (make_gpt_layout's order).
 struct TestModel {
   std::unique_ptr<Ops> ops;
   std::unique_ptr<GptModel> model;
   TestModel(const GptConfig& config, const std::vector<float>& canonical, int B, int T,
-            const GptPrecision& precision = {.gemm = GemmPrecision::fp32}, std::unique_ptr<Ops> backend = make_cpu_ops())
+            const GptPrecision& precision = {.gemm = GemmPrecision::fp32},
+            std::unique_ptr<Ops> backend = make_cpu_ops())
       : ops(std::move(backend)) {
     model = std::make_unique<GptModel>(config, B, T, precision, *ops);
     const TensorLayout full = make_gpt_layout(config);
     std::vector<float> local(model->layout().total_elements(), 0.0f);
     for (const TensorInfo& t : model->layout().tensors())
-      std::copy_n(canonical.begin() + ptrdiff_t(full.find(t.name)->offset), t.numel, local.begin() + ptrdiff_t(t.offset));
+      std::copy_n(canonical.begin() + ptrdiff_t(full.find(t.name)->offset), t.numel,
+                  local.begin() + ptrdiff_t(t.offset));
     model->set_working_values(local.data());
     model->refresh_weight_operands();
   }
@@ -68,7 +63,7 @@ struct TestModel {
     model->zero_gradients();
     model->forward_backward(
         ops->load_batch(x.data(), y.data(), model->micro_batch_size(), model->seq_length(), model->vocab_slice()),
-        0.25f, scalar_tensor(static_cast<float*>(sum->data())));
+        0.25f, Tensor::scalar_f32(static_cast<float*>(sum->data())));
     float host = 0.0f;
     ops->download(&host, sum->data(), sizeof(float));
     return host;
@@ -139,7 +134,8 @@ void check_untied_equals_tied(const std::function<std::unique_ptr<Ops>()>& backe
   init_gpt_parameters(untied_values.data(), untied_layout, untied, 5);
   const TensorInfo& wte = *untied_layout.find("wte.weight");
   const TensorInfo& lm_head = *untied_layout.find("lm_head.weight");
-  std::copy_n(untied_values.begin() + ptrdiff_t(wte.offset), wte.numel, untied_values.begin() + ptrdiff_t(lm_head.offset));
+  std::copy_n(untied_values.begin() + ptrdiff_t(wte.offset), wte.numel,
+              untied_values.begin() + ptrdiff_t(lm_head.offset));
   // The tied model's canonical values are the untied one's without the head (which comes last).
   const std::vector<float> tied_values(untied_values.begin(),
                                        untied_values.begin() + ptrdiff_t(make_gpt_layout(tied).total_elements()));
