@@ -89,6 +89,7 @@ void check_backward_error(const std::vector<float>& dqkv_gpu, const std::vector<
   }
 }
 
+
 struct ForwardRef {
   std::vector<float> qkv, out, lse;
 };
@@ -103,6 +104,24 @@ ForwardRef forward_reference(const AttnShape& s, uint64_t seed, float std_dev = 
   ref.lse.resize(static_cast<size_t>(s.B) * s.NH * s.T);
   cpu::attention_forward(ref.out.data(), ref.lse.data(), ref.qkv.data(), document_starts, s.B, s.T, C, s.NH);
   return ref;
+}
+
+// The GPU forward of ref's qkv (with document_starts, device memory, nullable) against the CPU
+// reference: out within 1e-2 and lse within 1e-4 relative, poisoned outputs first.
+void check_forward_error(const ForwardRef& ref, const AttnShape& s, const int32_t* document_starts) {
+  auto qkv = device_copy(to_bf16(ref.qkv));
+  cuda::DeviceBuffer<__nv_bfloat16> out(ref.out.size());
+  cuda::DeviceBuffer<float> lse(ref.lse.size());
+  out.fill_bytes(kPoisonByte);
+  lse.fill_bytes(kPoisonByte);
+  cuda::attention_forward(out.data(), lse.data(), nullptr, nullptr, nullptr, Fp8Dtype::e4m3, qkv.data(),
+                          document_starts, s.B, s.T, s.C(), s.NH, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const double out_err = relative_error(from_bf16(out.download()), ref.out);
+  const double lse_err = relative_error(lse.download(), ref.lse);
+  INFO("out rel err " << out_err << ", lse rel err " << lse_err);
+  CHECK(out_err < 1e-2);
+  CHECK(lse_err < 1e-4);
 }
 
 uint32_t bits_of(float x) {
@@ -181,6 +200,34 @@ cuda::DeviceBuffer<int32_t> device_documents(const std::vector<int32_t>& starts)
   return starts.empty() ? cuda::DeviceBuffer<int32_t>() : device_copy(starts);
 }
 
+// The GPU backward against the CPU reference on the same BF16 out and the reference's lse (so
+// the backward alone is measured), with `starts` (empty: none): check_backward_error's bounds.
+void check_backward_against_reference(const AttnShape& s, uint64_t seed, uint64_t dout_seed,
+                                      const std::vector<int32_t>& starts, bool each_part) {
+  const int C = s.C();
+  const int32_t* starts_host = starts.empty() ? nullptr : starts.data();
+  const ForwardRef ref = forward_reference(s, seed + s.T + s.HS, 1.0f, starts_host);
+  const std::vector<float> out = bf16_rounded(ref.out);
+  const std::vector<float> dout = bf16_rounded(random_floats(ref.out.size(), dout_seed + s.T));
+  std::vector<float> dqkv_ref(ref.qkv.size());
+  cpu::attention_backward(dqkv_ref.data(), dout.data(), ref.qkv.data(), out.data(), ref.lse.data(), starts_host, s.B,
+                          s.T, C, s.NH);
+
+  const auto starts_d = device_documents(starts);
+  auto qkv_d = device_copy(to_bf16(ref.qkv));
+  auto out_d = device_copy(to_bf16(out));
+  auto dout_d = device_copy(to_bf16(dout));
+  auto lse_d = device_copy(ref.lse);
+  cuda::DeviceBuffer<__nv_bfloat16> dqkv(ref.qkv.size());
+  cuda::DeviceBuffer<float> scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
+  dqkv.fill_bytes(kPoisonByte);
+  scratch.fill_bytes(kPoisonByte);
+  cuda::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), out_d.data(), lse_d.data(),
+                           starts.empty() ? nullptr : starts_d.data(), s.B, s.T, C, s.NH, scratch.data(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  check_backward_error(from_bf16(dqkv.download()), dqkv_ref, s, each_part);
+}
+
 // `count` documents of `length` tokens, then the documents of `rest`.
 std::vector<int> repeated(int length, int count, const std::vector<int>& rest = {}) {
   std::vector<int> lengths(static_cast<size_t>(count), length);
@@ -237,23 +284,9 @@ TEST_CASE("attention forward matches the CPU reference", "[gpu][attention]") {
   FP8LM_REQUIRE_GPU();
   for (const AttnShape& s : kShapes) {
     INFO(describe(s));
-    const int C = s.C();
     for (float std_dev : {1.0f, 3.0f}) {  // 3: peaked softmax rows (scores ~ N(0, 9))
       INFO("qkv std " << std_dev);
-      const ForwardRef ref = forward_reference(s, 1234 + s.T + s.HS, std_dev);
-      auto qkv = device_copy(to_bf16(ref.qkv));
-      cuda::DeviceBuffer<__nv_bfloat16> out(ref.out.size());
-      cuda::DeviceBuffer<float> lse(ref.lse.size());
-      out.fill_bytes(kPoisonByte);
-      lse.fill_bytes(kPoisonByte);
-      cuda::attention_forward(out.data(), lse.data(), nullptr, nullptr, nullptr, Fp8Dtype::e4m3, qkv.data(), nullptr,
-                              s.B, s.T, C, s.NH, nullptr);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const double out_err = relative_error(from_bf16(out.download()), ref.out);
-      const double lse_err = relative_error(lse.download(), ref.lse);
-      INFO("out rel err " << out_err << ", lse rel err " << lse_err);
-      CHECK(out_err < 1e-2);
-      CHECK(lse_err < 1e-4);
+      check_forward_error(forward_reference(s, 1234 + s.T + s.HS, std_dev), s, nullptr);
     }
   }
 }
@@ -331,30 +364,8 @@ TEST_CASE("attention backward matches the CPU reference", "[gpu][attention]") {
   FP8LM_REQUIRE_GPU();
   for (const AttnShape& s : kShapes) {
     INFO(describe(s));
-    const int C = s.C();
-    const ForwardRef ref = forward_reference(s, 777 + s.T + s.HS);
-    // Both sides get the same BF16 out and the reference's lse, so this isolates backward.
-    const std::vector<float> out = bf16_rounded(ref.out);
-    const std::vector<float> dout = bf16_rounded(random_floats(ref.out.size(), 4242 + s.T));
-    std::vector<float> dqkv_ref(ref.qkv.size());
-    cpu::attention_backward(dqkv_ref.data(), dout.data(), ref.qkv.data(), out.data(), ref.lse.data(), nullptr, s.B, s.T,
-                            C, s.NH);
-
-    auto qkv_d = device_copy(to_bf16(ref.qkv));
-    auto out_d = device_copy(to_bf16(out));
-    auto dout_d = device_copy(to_bf16(dout));
-    auto lse_d = device_copy(ref.lse);
-    cuda::DeviceBuffer<__nv_bfloat16> dqkv(ref.qkv.size());
-    cuda::DeviceBuffer<float> scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
-    dqkv.fill_bytes(kPoisonByte);
-    scratch.fill_bytes(kPoisonByte);
-    cuda::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), out_d.data(), lse_d.data(), nullptr, s.B, s.T, C,
-                             s.NH, scratch.data(), nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> dqkv_gpu = from_bf16(dqkv.download());
-
     // With T = 1, dq and dk are exactly zero (one key: no softmax gradient).
-    check_backward_error(dqkv_gpu, dqkv_ref, s, /*each_part=*/s.T >= 2);
+    check_backward_against_reference(s, 777, 4242, {}, /*each_part=*/s.T >= 2);
   }
 }
 
@@ -534,25 +545,11 @@ TEST_CASE("attention forward with documents matches the CPU reference", "[gpu][a
   for (const DocumentCase& c : document_cases()) {
     const AttnShape& s = c.shape;
     INFO(describe(c));
-    const int C = s.C();
     const std::vector<int32_t> starts = document_starts_of(c.lengths, s.T);
     const auto starts_d = device_documents(starts);
     for (float std_dev : {1.0f, 3.0f}) {  // 3: peaked softmax rows
       INFO("qkv std " << std_dev);
-      const ForwardRef ref = forward_reference(s, 2024 + s.T + s.HS, std_dev, starts.data());
-      auto qkv = device_copy(to_bf16(ref.qkv));
-      cuda::DeviceBuffer<__nv_bfloat16> out(ref.out.size());
-      cuda::DeviceBuffer<float> lse(ref.lse.size());
-      out.fill_bytes(kPoisonByte);
-      lse.fill_bytes(kPoisonByte);
-      cuda::attention_forward(out.data(), lse.data(), nullptr, nullptr, nullptr, Fp8Dtype::e4m3, qkv.data(),
-                              starts_d.data(), s.B, s.T, C, s.NH, nullptr);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const double out_err = relative_error(from_bf16(out.download()), ref.out);
-      const double lse_err = relative_error(lse.download(), ref.lse);
-      INFO("out rel err " << out_err << ", lse rel err " << lse_err);
-      CHECK(out_err < 1e-2);
-      CHECK(lse_err < 1e-4);
+      check_forward_error(forward_reference(s, 2024 + s.T + s.HS, std_dev, starts.data()), s, starts_d.data());
     }
   }
 }
@@ -562,32 +559,9 @@ TEST_CASE("attention backward with documents matches the CPU reference", "[gpu][
   for (const DocumentCase& c : document_cases()) {
     const AttnShape& s = c.shape;
     INFO(describe(c));
-    const int C = s.C();
     const std::vector<int32_t> starts = document_starts_of(c.lengths, s.T);
-    const ForwardRef ref = forward_reference(s, 4321 + s.T + s.HS, 1.0f, starts.data());
-    // Both sides get the same BF16 out and the reference's lse, so this isolates backward.
-    const std::vector<float> out = bf16_rounded(ref.out);
-    const std::vector<float> dout = bf16_rounded(random_floats(ref.out.size(), 8484 + s.T));
-    std::vector<float> dqkv_ref(ref.qkv.size());
-    cpu::attention_backward(dqkv_ref.data(), dout.data(), ref.qkv.data(), out.data(), ref.lse.data(), starts.data(),
-                            s.B, s.T, C, s.NH);
-
-    const auto starts_d = device_documents(starts);
-    auto qkv_d = device_copy(to_bf16(ref.qkv));
-    auto out_d = device_copy(to_bf16(out));
-    auto dout_d = device_copy(to_bf16(dout));
-    auto lse_d = device_copy(ref.lse);
-    cuda::DeviceBuffer<__nv_bfloat16> dqkv(ref.qkv.size());
-    cuda::DeviceBuffer<float> scratch(cuda::attention_backward_scratch_floats(s.B, s.T, C, s.NH));
-    dqkv.fill_bytes(kPoisonByte);
-    scratch.fill_bytes(kPoisonByte);
-    cuda::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), out_d.data(), lse_d.data(), starts_d.data(),
-                             s.B, s.T, C, s.NH, scratch.data(), nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> dqkv_gpu = from_bf16(dqkv.download());
-
     // Documents of one token: dq and dk exactly zero, as with T = 1.
-    check_backward_error(dqkv_gpu, dqkv_ref, s, /*each_part=*/!c.single_tokens());
+    check_backward_against_reference(s, 4321, 8484, starts, /*each_part=*/!c.single_tokens());
   }
 }
 
