@@ -199,7 +199,15 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   const uint64_t residual = tensor_bytes(eb, x.N, x.C, act);  // a block's input (the first's is the encoder output)
   // Selective recomputation's tensors (the LayerNorm outputs, c_fc's and the GELU's), which
   // one set per precision holds for every block.
+  const bool sp = x.sequence_parallel;
+  // FP8 blocks with per-tensor scales keep no LayerNorm output outside sequence parallelism:
+  // their backward writes the wgrad operands again (GptModel::recomputes_layernorm_operand), into
+  // one buffer with its transpose, counted once below.
+  auto recomputes_layernorm_operands = [&](GemmPrecision gemm) {
+    return gemm == GemmPrecision::fp8 && !blockwise && !evaluating && !sp;
+  };
   auto layernorm_outputs = [&](GemmPrecision gemm) {
+    if (recomputes_layernorm_operands(gemm)) return uint64_t(0);
     return mul(2, input_operand(x.BT, x.C, forward_operand_dtype(gemm)));  // ln1, ln2
   };
   // FP8 blocks with per-tensor scales keep no GELU output: their GELU backward recomputes it
@@ -228,7 +236,6 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
         recompute.mlp ? 0 : mlp_outputs(gemm),
     });
   };
-  const bool sp = x.sequence_parallel;
   // What a training and an evaluation model hold once beside the blocks: the embedding's rows, the
   // row-parallel branch, the last residual stream, ln_f's output and statistics, the logits and
   // the token losses with their cross-entropy partials.
@@ -264,6 +271,12 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       layers = add(layers, add(mul(sets, block_buffers(gemm)), mul(sets - 1, residual)));
   }
   uint64_t grad_operands = 0;
+  for (const auto& [gemm, count] : block_precisions(x, precision)) {
+    if (recomputes_layernorm_operands(gemm)) {
+      layers = add(layers, tensor_bytes(eb, x.BT, x.C, forward_operand_dtype(gemm), true));
+      break;
+    }
+  }
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
     if (!recomputes_gelu_output(gemm)) continue;
     // The recomputed GELU output with its transpose, and mlp.c_proj's held gradient operand.

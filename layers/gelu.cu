@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "core/code_tile.cuh"
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
@@ -36,9 +37,9 @@ constexpr float kCubicCoefficient = 0.044715f;
 
 constexpr int kForwardThreads = 256;
 constexpr int kForwardMaxBlocks = 4096;
-constexpr int kTile = 64;               // backward tile: 64 rows x 64 columns
-constexpr int kTileThreads = 256;       // 8 column chunks of 8 x 32 row groups
-constexpr int kCodePitch = kTile + 4;   // bytes per shared code row (4-byte aligned, no bank conflicts)
+constexpr int kTile = kCodeTile;  // backward tile: 64 rows x 64 columns (core/code_tile.cuh)
+constexpr int kTileThreads = kCodeTileThreads;
+constexpr int kCodePitch = kCodeTilePitch;
 
 // ---- small device helpers ------------------------------------------------------------
 
@@ -121,34 +122,6 @@ __global__ void __launch_bounds__(kForwardThreads)
 }
 
 // ---- backward --------------------------------------------------------------------------
-
-// A 64x64 tile of codes, codes[row * kCodePitch + column] for tile rows m0.. and columns f0..,
-// stored transposed into out_t [F,M] (coalesced along m). All 256 threads call it.
-__device__ __forceinline__ void store_tile_transposed(uint8_t* __restrict__ out_t, const uint8_t* codes, int m0,
-                                                      int f0, int M, int F, int tid) {
-  if (M % 16 == 0 && m0 + kTile <= M) {
-    // 16-byte stores: thread -> (output row j = tid/4, rows m0 + seg*16 .. +15).
-    const int j = tid / 4, seg = tid % 4;
-    if (f0 + j < F) {
-      uint32_t word[4];
-#pragma unroll
-      for (int w = 0; w < 4; w++) {
-        uint32_t v = 0u;
-#pragma unroll
-        for (int b = 0; b < 4; b++) v |= static_cast<uint32_t>(codes[(seg * 16 + w * 4 + b) * kCodePitch + j]) << (8 * b);
-        word[w] = v;
-      }
-      *reinterpret_cast<uint4*>(out_t + static_cast<size_t>(f0 + j) * M + m0 + seg * 16) =
-          make_uint4(word[0], word[1], word[2], word[3]);
-    }
-  } else {
-    // Edge tiles or M not a multiple of 16: byte stores, still coalesced along m.
-    for (int idx = tid; idx < kTile * kTile; idx += kTileThreads) {
-      const int j = idx / kTile, i = idx % kTile;
-      if (f0 + j < F && m0 + i < M) out_t[static_cast<size_t>(f0 + j) * M + m0 + i] = codes[i * kCodePitch + j];
-    }
-  }
-}
 
 // Grid (ceil(F/64), ceil(M/64)), 256 threads. partials [gridDim.y][F].
 // kStats (with kFp8): also tallies the FP8 cast statistics into *counts.
@@ -237,8 +210,8 @@ __global__ void __launch_bounds__(kTileThreads)
 
   if constexpr (kFp8) {
     // Transposed codes: dpre_t[f][m] for the tile's 64 columns f and 64 rows m.
-    store_tile_transposed(dpre_t, codes, m0, f0, M, F, tid);
-    if constexpr (kRecompute) store_tile_transposed(gelu_t, gelu_codes, m0, f0, M, F, tid);
+    store_code_tile_transposed(dpre_t, codes, m0, f0, M, F, tid);
+    if constexpr (kRecompute) store_code_tile_transposed(gelu_t, gelu_codes, m0, f0, M, F, tid);
     block_amax_update(amax, amax_local);
     if constexpr (kStats) commit_fp8_tally(counts, tally, s);
   }
@@ -274,7 +247,7 @@ __global__ void __launch_bounds__(kTileThreads)
     code_words[1] = packed.y;
   }
   __syncthreads();
-  store_tile_transposed(gelu_t, codes, m0, f0, M, F, tid);
+  store_code_tile_transposed(gelu_t, codes, m0, f0, M, F, tid);
 }
 
 // ---- host side -------------------------------------------------------------------------

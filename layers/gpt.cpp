@@ -321,7 +321,8 @@ struct GptModel::BlockParams {
 // and MLP widths.
 struct GptModel::BlockActivations {
   Tensor residual;       // [N,C] the block's input: the residual stream after the fused add
-  Tensor ln1;            // [BT,C] c_attn's input operand (this rank's rows, then gathered)
+  Tensor ln1;            // [BT,C] c_attn's input operand (this rank's rows, then gathered;
+                         // Scratch::layernorm_operand's data when the backward recomputes it)
   Tensor ln1_mean, ln1_rstd;  // [N]
   Tensor qkv;            // [BT,3C']
   Tensor atty;           // [BT,C'] attention output (this rank's heads)
@@ -368,6 +369,10 @@ struct GptModel::Scratch {
   // past the GELU backward (which writes c_fc's into grad_operands) to its wgrad.
   Tensor gelu_operand;
   Tensor fc2_grad_operand;
+  // Blocks whose backward recomputes the LayerNorm outputs (GptModel::recomputes_layernorm_operand):
+  // [BT,C] the FP8 input of c_attn or c_fc, which the forward's LayerNorm writes and the GEMM
+  // reads at once, with the transposed copy [C,BT] the backward writes again for the wgrad.
+  Tensor layernorm_operand;
 };
 
 namespace {
@@ -661,6 +666,21 @@ void GptModel::plan_memory() {
       }
       return s.gelu_operand;
     };
+    // Carved when a block first needs it (the same place in both carving passes).
+    auto layernorm_operand = [&](const LinearParams& linear) {
+      if (!s.layernorm_operand)
+        s.layernorm_operand = c.take(BT, C, linear.input_dtype, linear.input_state, /*with_transpose=*/true);
+      Tensor forward_codes = stamped(s.layernorm_operand, linear.input_dtype, linear.input_state);
+      forward_codes.transposed = nullptr;  // the forward writes the codes; the backward the transpose
+      return forward_codes;
+    };
+    // A LayerNorm output operand of `linear` (c_attn or c_fc): shared when the backward
+    // recomputes it, else its own or selective recomputation's set's.
+    auto ln_operand = [&](const LinearParams& linear, const Tensor* selective) {
+      if (recomputes_layernorm_operand(linear)) return layernorm_operand(linear);
+      if (selective) return stamped(*selective, linear.input_dtype, linear.input_state);
+      return operand(BT, C, linear.input_dtype, linear.input_state);
+    };
     // Blocks whose GEMM operands have the same dtypes can share buffers.
     using OperandDtypes = std::tuple<DType, DType, DType, DType>;
     auto operand_dtypes = [](const BlockParams& w) {
@@ -670,8 +690,7 @@ void GptModel::plan_memory() {
     // tensors selective recomputation rewrites are those of `shared` when given.
     auto carve_block = [&](BlockActivations& a, const BlockParams& w, const BlockActivations* shared = nullptr) {
       const bool share_ln = shared && recompute_.layernorm, share_mlp = shared && recompute_.mlp;
-      a.ln1 = share_ln ? stamped(shared->ln1, w.qkv.input_dtype, w.qkv.input_state)
-                       : operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+      a.ln1 = ln_operand(w.qkv, share_ln ? &shared->ln1 : nullptr);
       a.ln1_mean = c.take(N, 1, DType::f32);
       a.ln1_rstd = c.take(N, 1, DType::f32);
       a.qkv = c.take(BT, 3 * Cl, act);
@@ -683,8 +702,7 @@ void GptModel::plan_memory() {
                                        : operand(BT, Cl, w.proj.input_dtype, w.proj.input_state));
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
-      a.ln2 = share_ln ? stamped(shared->ln2, w.fc.input_dtype, w.fc.input_state)
-                       : operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+      a.ln2 = ln_operand(w.fc, share_ln ? &shared->ln2 : nullptr);
       a.ln2_mean = c.take(N, 1, DType::f32);
       a.ln2_rstd = c.take(N, 1, DType::f32);
       a.fc_pre = share_mlp ? shared->fc_pre : c.take(BT, F, act);
@@ -712,8 +730,8 @@ void GptModel::plan_memory() {
       const auto [found, fresh] = selective_sets.try_emplace(operand_dtypes(w));
       BlockActivations& set = found->second;
       if (fresh && recompute_.layernorm) {
-        set.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
-        set.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
+        if (!recomputes_layernorm_operand(w.qkv)) set.ln1 = operand(BT, C, w.qkv.input_dtype, w.qkv.input_state);
+        if (!recomputes_layernorm_operand(w.fc)) set.ln2 = operand(BT, C, w.fc.input_dtype, w.fc.input_state);
       }
       if (fresh && recompute_.mlp) {
         set.fc_pre = c.take(BT, F, act);
@@ -1010,10 +1028,12 @@ void GptModel::recompute_selective(int l) {
   // stream is the fused add's output bit for bit (layers/layernorm.h), and the scales have not
   // moved since the forward. Nothing is recorded or counted twice.
   ops_.set_amax_recording(false);
-  if (recompute_.layernorm) {
-    layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
-    layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
-  }
+  // A LayerNorm output the backward recomputes for its wgrad (recomputes_layernorm_operand) is
+  // not kept; `mlp` still needs ln_2's codes for the c_fc GEMM below.
+  const bool ln1_again = recompute_.layernorm && !recomputes_layernorm_operand(w.qkv);
+  const bool ln2_again = recomputes_layernorm_operand(w.fc) ? recompute_.mlp : recompute_.layernorm;
+  if (ln1_again) layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
+  if (ln2_again) layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
   if (recompute_.mlp) ops_.gemm(fc_gelu_call(w, a.ln2, a.fc_pre, a.gelu));
   ops_.set_amax_recording(true);
 }
@@ -1188,7 +1208,7 @@ void GptModel::block_backward(int l) {
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.fc.grad_weight,
-             .input = a.ln2,
+             .input = layernorm_wgrad_input(w.fc, w.ln2, a.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd),
              .grad = dy_fc,
              .accumulate = block_weight_gradients_written_});
   layernorm_backward(w.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd);
@@ -1208,7 +1228,7 @@ void GptModel::block_backward(int l) {
   ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.qkv.grad_weight,
-             .input = a.ln1,
+             .input = layernorm_wgrad_input(w.qkv, w.ln1, a.ln1, a.residual, a.ln1_mean, a.ln1_rstd),
              .grad = dy_qkv,
              .accumulate = block_weight_gradients_written_});
   layernorm_backward(w.ln1, a.residual, a.ln1_mean, a.ln1_rstd);
@@ -1243,6 +1263,27 @@ void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, 
 // from the GELU backward's by a step, and the two would otherwise train apart.
 bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
   return trains() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+}
+
+// The FP8 blocks' LayerNorm outputs are c_attn's and c_fc's inputs, which their wgrad GEMMs read
+// transposed; the forward's codes are not kept for them: the backward writes them again,
+// transposed, from the LayerNorm's input and statistics (kept for its own backward), the same
+// codes with the same scale (per-tensor scales only). Under sequence parallelism the output
+// is gathered across the group in the forward, so each rank would need the others' rows: kept.
+bool GptModel::recomputes_layernorm_operand(const LinearParams& linear) const {
+  return trains() && is_fp8(linear.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise &&
+         !tp_->sequence_parallel();
+}
+
+// What the wgrad GEMM of `linear` (c_attn, c_fc) reads as its input: the LayerNorm's kept output,
+// or its codes written again (above), into the shared operand's transposed copy.
+Tensor GptModel::layernorm_wgrad_input(const LinearParams& linear, const LayerNormParams& ln, const Tensor& output,
+                                       const Tensor& input, const Tensor& mean, const Tensor& rstd) {
+  if (!recomputes_layernorm_operand(linear)) return output;
+  Tensor operand = output;
+  operand.transposed = scratch_->layernorm_operand.transposed;
+  ops_.layernorm_operand({.out = operand, .input = input, .mean = mean, .rstd = rstd, .weight = ln.weight, .bias = ln.bias});
+  return operand;
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed

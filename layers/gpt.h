@@ -410,6 +410,9 @@ class GptModel {
   // the backward runs; block scales would be tiles of the transpose), training, unless
   // selective recomputation reruns the MLP anyway.
   bool recomputes_gelu_output(const BlockParams& w) const;
+  bool recomputes_layernorm_operand(const LinearParams& linear) const;
+  Tensor layernorm_wgrad_input(const LinearParams& linear, const LayerNormParams& ln, const Tensor& output,
+                               const Tensor& input, const Tensor& mean, const Tensor& rstd);
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,
                          const Tensor& rstd);
   void layernorm_backward(const LayerNormParams& ln, const Tensor& input, const Tensor& mean, const Tensor& rstd);

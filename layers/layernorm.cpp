@@ -28,9 +28,19 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
     }
     const float row_rstd = 1.0f / std::sqrt(squared_deviation / C + eps);
 
-    for (int c = 0; c < C; c++) y[c] = (x[c] - row_mean) * row_rstd * weight[c] + bias[c];
+    for (int c = 0; c < C; c++) y[c] = layernorm_element(x[c], row_mean, row_rstd, weight[c], bias[c]);
     mean[n] = row_mean;
     rstd[n] = row_rstd;
+  }
+}
+
+void layernorm_output(float* out, const float* inp, const float* mean, const float* rstd, const float* weight,
+                      const float* bias, int N, int C) {
+#pragma omp parallel for
+  for (int n = 0; n < N; n++) {
+    const float* x = inp + static_cast<size_t>(n) * C;
+    float* y = out + static_cast<size_t>(n) * C;
+    for (int c = 0; c < C; c++) y[c] = layernorm_element(x[c], mean[n], rstd[n], weight[c], bias[c]);
   }
 }
 

@@ -27,6 +27,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "core/code_tile.cuh"
 #include "core/device_helpers.cuh"
 #include "core/check_cuda.h"
 #include "core/error.h"
@@ -44,6 +45,12 @@ constexpr int kWarpsPerBlock = 8;  // rows per block (forward), warps per block 
 constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---- small device helpers ------------------------------------------------------------
+
+// One output element from its row's statistics: the forward and the operand recomputed for
+// the backward both take it from here, so their codes agree bit for bit.
+__device__ __forceinline__ float layernorm_element(float x, float row_mean, float row_rstd, float w, float b) {
+  return (x - row_mean) * row_rstd * w + b;
+}
 
 // LayerNorm backward of one row, in the two passes both backward kernels make over it:
 // first g = dy * w and the row sums of g and g * xhat (xhat = (x - mean) * rstd), then
@@ -161,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
         load_bf16x8(weight + i * 8, w);
         load_bf16x8(bias + i * 8, b);
 #pragma unroll
-        for (int j = 0; j < 8; j++) y[j] = (x[j] - row_mean) * row_rstd * w[j] + b[j];
+        for (int j = 0; j < 8; j++) y[j] = layernorm_element(x[j], row_mean, row_rstd, w[j], b[j]);
         const size_t offset = static_cast<size_t>(row) * C + static_cast<size_t>(i) * 8;
         if constexpr (kFp8) {
 #pragma unroll
@@ -189,6 +196,48 @@ __global__ void __launch_bounds__(kThreads)
   }
   if constexpr (kFp8) block_amax_update(amax, amax_local);
   if constexpr (kStats) device::commit_fp8_tally(counts, tally, kFp8 ? *scale : 1.0f);
+}
+
+// Grid (ceil(C/64), ceil(N/64)), 256 threads: out_t [C,N] = fp8(bf16(LayerNorm(inp)) * *scale)
+// from the forward's mean and rstd: layernorm_forward_fp8's codes transposed (the same
+// elements rounded the same way), for the wgrad GEMM of the Linear the LayerNorm feeds.
+__global__ void __launch_bounds__(kCodeTileThreads)
+    layernorm_operand_transposed_kernel(uint8_t* __restrict__ out_t, const float* __restrict__ scale,
+                                        __nv_fp8_interpretation_t interp, const bf16* __restrict__ inp,
+                                        const float* __restrict__ mean, const float* __restrict__ rstd,
+                                        const bf16* __restrict__ weight, const bf16* __restrict__ bias, int N,
+                                        int C) {
+  device::start_after_previous_kernel();
+  __shared__ alignas(16) uint8_t codes[kCodeTile * kCodeTilePitch];
+  const int tid = threadIdx.x;
+  const int chunk = tid % 8, row_group = tid / 8;
+  const int n0 = blockIdx.y * kCodeTile, c0 = blockIdx.x * kCodeTile;
+  const int c = c0 + chunk * 8;
+  const float s = *scale;
+  float w[8], b[8];
+  if (c < C) {
+    load_bf16x8(weight + c, w);
+    load_bf16x8(bias + c, b);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row_group + 32 * h;
+    const int n = n0 + r;
+    uint2 packed = make_uint2(0u, 0u);
+    if (n < N && c < C) {
+      float x[8], y[8];
+      load_bf16x8(inp + static_cast<size_t>(n) * C + c, x);
+      const float row_mean = mean[n], row_rstd = rstd[n];
+#pragma unroll
+      for (int j = 0; j < 8; j++) y[j] = round_bf16(layernorm_element(x[j], row_mean, row_rstd, w[j], b[j]));
+      packed = fp8x8(y, s, interp);
+    }
+    uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodeTilePitch + chunk * 8);
+    code_words[0] = packed.x;
+    code_words[1] = packed.y;
+  }
+  __syncthreads();
+  store_code_tile_transposed(out_t, codes, n0, c0, N, C, tid);
 }
 
 // ---- backward --------------------------------------------------------------------------
@@ -557,6 +606,23 @@ void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scal
   }
   launch_forward<true, true>(nullptr, out, amax, scale, dtype, mean, rstd, nullptr, residual, weight, bias, N, C, eps,
                              stream);
+}
+
+void layernorm_operand_transposed_fp8(uint8_t* out_t, const float* scale, Fp8Dtype dtype, const bf16* inp,
+                                      const float* mean, const float* rstd, const bf16* weight, const bf16* bias,
+                                      int N, int C, cudaStream_t stream) {
+  const char* what = "layernorm_operand_transposed_fp8";
+  check_shape(N, C, what);
+  FP8LM_CHECK(out_t != nullptr && scale != nullptr && inp != nullptr && mean != nullptr && rstd != nullptr &&
+                  weight != nullptr && bias != nullptr,
+              what, ": null pointer");
+  FP8LM_CHECK(aligned(out_t, 16) && aligned(inp, 16) && aligned(weight, 16) && aligned(bias, 16), what,
+              ": out_t, inp, weight and bias must be 16-byte aligned");
+  FP8LM_CHECK((N + kCodeTile - 1) / kCodeTile <= 65535, what, ": N too large for the tile grid, got ", N);
+  if (N == 0) return;
+  const dim3 grid((C + kCodeTile - 1) / kCodeTile, (N + kCodeTile - 1) / kCodeTile);
+  launch_kernel(layernorm_operand_transposed_kernel, grid, kCodeTileThreads, 0, stream, out_t, scale,
+                interpretation(dtype), inp, mean, rstd, weight, bias, N, C);
 }
 
 size_t layernorm_backward_scratch_floats(int N, int C) {

@@ -19,6 +19,16 @@ namespace fp8lm::cpu {
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int N, int C, float eps);
 
+// One output element from its row's statistics; the forward and layernorm_output both take it
+// from here, so that an output computed again is the forward's bit for bit.
+inline float layernorm_element(float x, float mean, float rstd, float weight, float bias) {
+  return (x - mean) * rstd * weight + bias;
+}
+
+// out [N,C] = the forward's output again from inp [N,C] and the forward's mean [N], rstd [N].
+void layernorm_output(float* out, const float* inp, const float* mean, const float* rstd, const float* weight,
+                      const float* bias, int N, int C);
+
 // Accumulates (+=) into dinp [N,C], dweight [C], dbias [C].
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C);
@@ -89,6 +99,15 @@ void residual_layernorm_forward_fp8(uint8_t* out, float* amax, const float* scal
                                     const __nv_bfloat16* branch_bias, const __nv_bfloat16* weight,
                                     const __nv_bfloat16* bias, int N, int C, float eps, cudaStream_t stream,
                                     Fp8CastCounts* counts = nullptr);
+
+// layernorm_forward_fp8's codes again, transposed, from its input and saved statistics:
+//   out_t [C,N] = (fp8(bf16(LayerNorm(inp)) * *scale))^T   with mean [N], rstd [N] the forward's
+// bit for bit the forward's codes (and a current-scaling forward's: its cast of the BF16
+// output with the same scale). No amax is recorded. out_t, inp, weight, bias 16-byte aligned.
+void layernorm_operand_transposed_fp8(uint8_t* out_t, const float* scale, Fp8Dtype dtype,
+                                      const __nv_bfloat16* inp, const float* mean, const float* rstd,
+                                      const __nv_bfloat16* weight, const __nv_bfloat16* bias, int N, int C,
+                                      cudaStream_t stream);
 
 // Scratch (FP32 elements) that layernorm_backward needs for N rows of width C.
 size_t layernorm_backward_scratch_floats(int N, int C);

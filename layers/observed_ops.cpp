@@ -164,6 +164,12 @@ class ObservedOps final : public Ops {
               [&] { return OpCost{0, bytes(call.dout) + bytes(call.input) + 2.0 * bytes(call.dresidual)}; }},
              [&] { inner_->layernorm_backward(call); });
   }
+  void layernorm_operand(const LayerNormOperand& call) override {
+    observed({"layernorm backward", Lane::main, [&] { return "layernorm_operand -> " + name(call.out); },
+              // the transposed copy only (the GPU's; the reference also writes the codes)
+              [&] { return OpCost{0, bytes(call.input) + bytes(call.out)}; }},
+             [&] { inner_->layernorm_operand(call); });
+  }
 
   // ---- GEMM and casts
   void gemm(const GemmCall& call) override {

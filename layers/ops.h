@@ -157,6 +157,21 @@ struct LayerNormBackward {
   Tensor mean, rstd;
 };
 
+// A LayerNorm's FP8 output again, in the backward, as the wgrad input of the GEMM it fed:
+//   out = fp8(bf16((input - mean) * rstd * weight + bias) * out's scale)
+// from the forward's input [N,C] and statistics [N], so that the forward's codes need not be
+// kept for the backward. out is a per-tensor-scaled FP8 operand [N,C] with its transposed copy:
+// the same codes the forward's cast wrote (the same values with the same scale: a delayed scale
+// changes only after the step, and a current one is left in its state by the forward), and no
+// amax is recorded. The backend writes the form its wgrad GEMM reads: the GPU the transposed
+// copy only ([C,N]), the CPU the values and their transpose.
+struct LayerNormOperand {
+  Tensor out;
+  Tensor input;         // [N,C] activation: the LayerNorm's input as the forward normalized it
+  Tensor mean, rstd;    // [N] f32, the forward's
+  Tensor weight, bias;  // [C]
+};
+
 // The three GEMMs of a Linear layer, weight [N,K] (PyTorch's [out, in]):
 //   forward  out [M,N]  = input [M,K] . weight [N,K]^T (+ bias [N]) (+ residual [M,N])  (=)
 //            or, with gelu_input (mlp.c_fc):
@@ -483,6 +498,7 @@ class Ops {
   // ---- LayerNorm ------------------------------------------------------------------
   virtual void layernorm_forward(const LayerNormForward& call) = 0;
   virtual void layernorm_backward(const LayerNormBackward& call) = 0;
+  virtual void layernorm_operand(const LayerNormOperand& call) = 0;
   virtual void layernorm_to_gemm(const LayerNormToGemm& call) {
     FP8LM_CHECK(call.gemm.input.data == call.layernorm.out.data, "layernorm_to_gemm: the GEMM's input is not the LayerNorm's output");
     layernorm_forward(call.layernorm);

@@ -271,6 +271,16 @@ class CpuOps final : public Ops {
     hold_in_dtype(call.dweight);
     hold_in_dtype(call.dbias);
   }
+  void layernorm_operand(const LayerNormOperand& call) override {
+    const Tensor& out = call.out;
+    const int N = int(call.input.rows), C = int(call.input.cols);
+    FP8LM_CHECK(is_fp8(out.dtype) && !block_scaled(out) && out.transposed && out.rows == N && out.cols == C,
+                "layernorm_operand: the output is a per-tensor FP8 operand [N,C] with its transpose");
+    std::vector<float>& normalized = scratch(size_t(N) * C);
+    cpu::layernorm_output(normalized.data(), f32(call.input), f32(call.mean), f32(call.rstd), f32(call.weight),
+                          f32(call.bias), N, C);
+    store(out, normalized.data(), /*record=*/false);  // the forward's codes; its amax is recorded
+  }
 
   // ---- GEMM and casts
   void gemm(const GemmCall& call) override {

@@ -605,6 +605,16 @@ class CudaOps final : public Ops {
                              cbf(call.weight), f32(call.mean), f32(call.rstd), rows(call.dout), cols(call.dout),
                              float_scratch_.data(), stream_);
   }
+  void layernorm_operand(const LayerNormOperand& call) override {
+    const Tensor& out = call.out;
+    const int N = rows(call.input), C = cols(call.input);
+    FP8LM_CHECK(is_fp8(out.dtype) && !block_scaled(out) && out.transposed && rows(out) == N && cols(out) == C,
+                "layernorm_operand: the output is a per-tensor FP8 operand [N,C] with its transpose");
+    // A current-scaling forward left its scale in the state's slot, as a delayed one's stays.
+    cuda::layernorm_operand_transposed_fp8(static_cast<uint8_t*>(out.transposed), scale_.data() + out.scaling_state,
+                                           fp8_dtype_of(out.dtype), cbf(call.input), f32(call.mean), f32(call.rstd),
+                                           cbf(call.weight), cbf(call.bias), N, C, stream_);
+  }
 
   // ---- GEMM and casts
   void gemm(const GemmCall& call) override {

@@ -36,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/cast_cuda.h"
 #include "core/check_cuda.h"
 #include "core/device_memory_cuda.h"
 #include "core/dtype.h"
@@ -197,6 +198,66 @@ TEST_CASE("layernorm fp8 amax is a running max and shows NaN", "[gpu][layernorm]
                                 d_rstd.data(), d_clean.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
     device_sync();
     CHECK(bits_of(download_scalar(d_amax)) == kNanAmaxBits);
+  }
+}
+
+TEST_CASE("layernorm operand for the wgrad: the forward's FP8 codes, transposed, bit for bit", "[gpu][layernorm]") {
+  FP8LM_REQUIRE_GPU();
+  // The model keeps no FP8 LayerNorm output: c_attn's and c_fc's wgrad read what the backward
+  // writes again from the LayerNorm's input and saved statistics, so it must be exactly what
+  // the forward's cast wrote with the same scale: the fused delayed-scaling kernel (plain and
+  // with the residual add), and current scaling's BF16 output cast apart. Rows and widths off
+  // the 64 x 64 tile (77, 1600), on it (128, 768), and gpt-6.7b's width.
+  const float eps = 1e-5f;
+  for (const auto [N, C] : {std::pair{77, 64}, std::pair{128, 768}, std::pair{200, 1600}, std::pair{64, 4096}}) {
+    CAPTURE(N, C);
+    const size_t n = static_cast<size_t>(N) * C;
+    const LayerNormInputs in = layernorm_inputs(N, C, 700 + C);
+    const std::vector<float> branch = bf16_rounded(random_floats(n, 800 + C, 0.3f));
+    auto d_inp = device_copy(to_bf16(in.inp));
+    auto d_branch = device_copy(to_bf16(branch));
+    auto d_weight = device_copy(to_bf16(in.weight));
+    auto d_bias = device_copy(to_bf16(in.bias));
+    for (Fp8Dtype dtype : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      for (float scale : {1.0f / 16.0f, 1.0f, 100.0f}) {  // small values / plain / E4M3 saturation
+        CAPTURE(to_string(dtype), scale);
+        auto d_scale = device_scalar(scale);
+        auto d_mean = poisoned<float>(N);
+        auto d_rstd = poisoned<float>(N);
+        auto recomputed = [&](const DeviceBuffer<bf16>& input) {
+          auto d_codes_t = poisoned<uint8_t>(n);
+          cuda::layernorm_operand_transposed_fp8(d_codes_t.data(), d_scale.data(), dtype, input.data(), d_mean.data(),
+                                                 d_rstd.data(), d_weight.data(), d_bias.data(), N, C, kStream);
+          device_sync();
+          return d_codes_t.download();
+        };
+        // Delayed scaling: the fused kernel.
+        auto d_codes = poisoned<uint8_t>(n);
+        cuda::layernorm_forward_fp8(d_codes.data(), nullptr, d_scale.data(), dtype, d_mean.data(), d_rstd.data(),
+                                    d_inp.data(), d_weight.data(), d_bias.data(), N, C, eps, kStream);
+        device_sync();
+        const std::vector<uint8_t> codes = d_codes.download();
+        CHECK(recomputed(d_inp) == transposed(codes, N, C));
+        const size_t zeros = size_t(std::count(codes.begin(), codes.end(), uint8_t{0}));
+        CHECK(zeros < n / 2);  // real values, not a tile of zeros on both sides
+        // The residual add folded in: recomputed from the residual stream it wrote.
+        auto d_residual = poisoned<bf16>(n);
+        d_codes.fill_bytes(kPoisonByte);
+        cuda::residual_layernorm_forward_fp8(d_codes.data(), nullptr, d_scale.data(), dtype, d_residual.data(),
+                                             d_mean.data(), d_rstd.data(), d_inp.data(), d_branch.data(), d_bias.data(),
+                                             d_weight.data(), d_bias.data(), N, C, eps, kStream);
+        device_sync();
+        CHECK(recomputed(d_residual) == transposed(d_codes.download(), N, C));
+        // Current scaling: the BF16 output, then the cast with the scale its amax gave.
+        auto d_out = poisoned<bf16>(n);
+        cuda::layernorm_forward_bf16(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(),
+                                     d_bias.data(), N, C, eps, kStream);
+        d_codes.fill_bytes(kPoisonByte);
+        cuda::cast_fp8(d_codes.data(), nullptr, d_out.data(), d_scale.data(), dtype, n, kStream);
+        device_sync();
+        CHECK(recomputed(d_inp) == transposed(d_codes.download(), N, C));
+      }
+    }
   }
 }
 

@@ -136,8 +136,8 @@ TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated 
   // The engine allocates what the estimate says: uniform groups of 1 keep every block's input
   // and one set of block buffers, groups of 4 keep 3 inputs and 4 sets, block 6 keeps 6
   // inputs, 1 set and 6 whole blocks.
-  auto activations = [](std::vector<std::string> flags) {
-    flags.insert(flags.begin(), {"--num-layers", "12", "--fp8-hybrid"});
+  auto activations = [](std::vector<std::string> flags, const char* precision = "--fp8-hybrid") {
+    flags.insert(flags.begin(), {"--num-layers", "12", precision});
     const RunSetup setup = recompute_setup("cpu", flags);
     auto engine = make_engine(setup);
     // As tests/test_memory_estimate.cpp: within 2% (alignment and small tables).
@@ -162,22 +162,26 @@ TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated 
   CHECK(groups - every == 3 * block - 6 * residual);
   CHECK(block > 8 * residual);  // what recomputation saves dwarfs what it keeps
 
-  // Selective: the LayerNorm outputs (two BT x C operands) and c_fc's output (BT x 4C) are
-  // held once instead of once per block. An FP8 block keeps no GELU output, with `mlp` or
-  // without (its GELU backward recomputes it, GptModel::recomputes_gelu_output): both hold
-  // one GELU output with its transpose and mlp.c_proj's held gradient operand for all blocks.
-  const uint64_t layernorm = activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm"});
+  // Selective: c_fc's output (BT x 4C) is held once instead of once per block. An FP8 block
+  // keeps no GELU output and no LayerNorm output, with `mlp` or `layernorm` or without (its
+  // backward recomputes them: GptModel::recomputes_gelu_output, recomputes_layernorm_operand),
+  // so `layernorm` saves nothing there; a BF16 block keeps its two LayerNorm outputs (BT x C),
+  // which `layernorm` holds once.
+  const std::vector<std::string> layernorm_only = {"--recompute-granularity", "selective", "--recompute-modules",
+                                                   "layernorm"};
+  const uint64_t layernorm = activations(layernorm_only);
   const uint64_t mlp = activations({"--recompute-granularity", "selective", "--recompute-modules", "mlp"});
   const uint64_t both =
       activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"});
-  REQUIRE(plain > layernorm);
   REQUIRE(plain > mlp);
   const uint64_t rows = 2 * 32, width = 64, ffn = 4 * width;  // B*T, C, F; FP32 on the CPU
   const uint64_t mlp_output = rows * ffn * sizeof(float);
-  CHECK((plain - layernorm) % 11 == 0);
+  CHECK(layernorm == plain);
   CHECK(plain - mlp == 11 * mlp_output);
-  CHECK(plain - both == (plain - layernorm) + (plain - mlp));
-  CHECK(plain - mlp > plain - layernorm);  // 4 C wide twice against C wide twice
+  CHECK(both == mlp);
+  const uint64_t plain_bf16 = activations({}, "--bf16");
+  const uint64_t layernorm_bf16 = activations(layernorm_only, "--bf16");
+  CHECK(plain_bf16 - layernorm_bf16 == 11 * 2 * rows * width * sizeof(float));
 }
 
 TEST_CASE("activation recomputation flags are checked as Megatron's are, before any work", "[recompute][cpu][cli]") {
