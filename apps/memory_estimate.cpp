@@ -206,6 +206,11 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   auto recomputes_layernorm_operands = [&](GemmPrecision gemm) {
     return gemm == GemmPrecision::fp8 && !blockwise && !evaluating && !sp;
   };
+  // ... nor the attention output's cast (c_proj's input), which the backward casts again from
+  // the kept output (GptModel::recomputes_attention_operand): one buffer with its transpose.
+  auto recomputes_attention_operand = [&](GemmPrecision gemm) {
+    return gemm == GemmPrecision::fp8 && !blockwise && !evaluating;
+  };
   auto layernorm_outputs = [&](GemmPrecision gemm) {
     if (recomputes_layernorm_operands(gemm)) return uint64_t(0);
     return mul(2, input_operand(x.BT, x.C, forward_operand_dtype(gemm)));  // ln1, ln2
@@ -228,7 +233,7 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),  // ln1 mean, rstd
         tensor_bytes(eb, x.BT, 3 * x.Cl, act),         // qkv
         tensor_bytes(eb, x.BT, x.Cl, act),             // attention output
-        block_input == act ? 0 : input_operand(x.BT, x.Cl, block_input),
+        block_input == act || recomputes_attention_operand(gemm) ? 0 : input_operand(x.BT, x.Cl, block_input),
         tensor_bytes(eb, mul(x.B, x.NHl), x.T, DType::f32),  // log-sum-exp
         tensor_bytes(eb, x.N, x.C, act),                      // residual_mid
         mul(2, tensor_bytes(eb, x.N, 1, DType::f32)),         // ln2 mean, rstd
@@ -274,6 +279,12 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
     if (recomputes_layernorm_operands(gemm)) {
       layers = add(layers, tensor_bytes(eb, x.BT, x.C, forward_operand_dtype(gemm), true));
+      break;
+    }
+  }
+  for (const auto& [gemm, count] : block_precisions(x, precision)) {
+    if (recomputes_attention_operand(gemm)) {
+      layers = add(layers, tensor_bytes(eb, x.BT, x.Cl, forward_operand_dtype(gemm), true));
       break;
     }
   }

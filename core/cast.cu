@@ -293,7 +293,8 @@ void launch_cast_transpose(uint8_t* out, uint8_t* out_t, GradientRef dbias, floa
                            Fp8Dtype dtype, int M, int N, float* scratch, cudaStream_t stream, Fp8CastCounts* counts) {
   FP8LM_CHECK(M >= 0 && N >= 0, "cast_transpose_fp8 shape M=", M, " N=", N);
   if (M == 0 || N == 0) return;
-  FP8LM_CHECK(in != nullptr && out != nullptr && scale != nullptr, "cast_transpose_fp8 needs in, out and scale");
+  FP8LM_CHECK(in != nullptr && (out != nullptr || out_t != nullptr) && scale != nullptr,
+              "cast_transpose_fp8 needs in, out or out_t, and scale");
   FP8LM_CHECK(!dbias || scratch != nullptr, "cast_transpose_fp8 with dbias needs scratch of ",
               dbias_scratch_floats(M, N), " floats");
   constexpr int kVec = 16 / sizeof(T);

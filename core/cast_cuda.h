@@ -40,8 +40,8 @@ inline size_t dbias_scratch_floats(int M, int N) {
 }
 
 // One read of in [M,N] writes:
-//   out   [M,N] = fp8(in * scale)           (row-major codes)
-//   out_t [N,M] = out transposed            (nullable)
+//   out   [M,N] = fp8(in * scale)           (row-major codes; nullable when out_t is not)
+//   out_t [N,M] = the codes transposed      (nullable)
 //   dbias [N]  += column sums of in (the UNQUANTIZED values, FP32 sums, added to an FP32
 //                 or BF16 gradient: core/gradient_ref.h)   (empty: none; else needs
 //                 scratch of dbias_scratch_floats(M, N) floats)

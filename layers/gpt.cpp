@@ -326,7 +326,8 @@ struct GptModel::BlockActivations {
   Tensor ln1_mean, ln1_rstd;  // [N]
   Tensor qkv;            // [BT,3C']
   Tensor atty;           // [BT,C'] attention output (this rank's heads)
-  Tensor atty_operand;   // [BT,C'] c_proj's input operand (a view of atty when not cast)
+  Tensor atty_operand;   // [BT,C'] c_proj's input operand (a view of atty when not cast;
+                         // Scratch::attention_operand's data when the backward casts it again)
   Tensor lse;            // [B*NH',T]
   Tensor residual_mid;   // [N,C] residual + attention branch
   Tensor ln2;            // [BT,C] c_fc's input operand
@@ -373,6 +374,10 @@ struct GptModel::Scratch {
   // [BT,C] the FP8 input of c_attn or c_fc, which the forward's LayerNorm writes and the GEMM
   // reads at once, with the transposed copy [C,BT] the backward writes again for the wgrad.
   Tensor layernorm_operand;
+  // ... and attn.c_proj's FP8 input (GptModel::recomputes_attention_operand): [BT,C'] written by
+  // the attention forward and read by the GEMM at once, with the transposed copy [C',BT] the
+  // backward casts again from the kept attention output for the wgrad.
+  Tensor attention_operand;
 };
 
 namespace {
@@ -696,10 +701,18 @@ void GptModel::plan_memory() {
       a.qkv = c.take(BT, 3 * Cl, act);
       a.atty = c.take(BT, Cl, act);
       if (decoding) shared_atty_operand = c.take(BT, Cl, act);
-      a.atty_operand = w.proj.input_dtype == act
-                           ? a.atty
-                           : (decoding ? stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state)
-                                       : operand(BT, Cl, w.proj.input_dtype, w.proj.input_state));
+      if (w.proj.input_dtype == act) {
+        a.atty_operand = a.atty;
+      } else if (decoding) {
+        a.atty_operand = stamped(shared_atty_operand, w.proj.input_dtype, w.proj.input_state);
+      } else if (recomputes_attention_operand(w.proj)) {
+        if (!s.attention_operand)
+          s.attention_operand = c.take(BT, Cl, w.proj.input_dtype, w.proj.input_state, /*with_transpose=*/true);
+        a.atty_operand = stamped(s.attention_operand, w.proj.input_dtype, w.proj.input_state);
+        a.atty_operand.transposed = nullptr;  // the forward writes the codes; the backward the transpose
+      } else {
+        a.atty_operand = operand(BT, Cl, w.proj.input_dtype, w.proj.input_state);
+      }
       a.lse = c.take(int64_t(B_) * NH, T_, DType::f32);
       a.residual_mid = c.take(N, C, act);
       a.ln2 = ln_operand(w.fc, share_ln ? &shared->ln2 : nullptr);
@@ -1214,7 +1227,8 @@ void GptModel::block_backward(int l) {
   layernorm_backward(w.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd);
 
   // attn.c_proj, attention, c_attn, ln_1.
-  row_parallel_backward(w.proj, s.datty, a.atty_operand);
+  const Tensor dy_proj = row_parallel_dgrad(w.proj, s.datty);
+  weight_gradient(w.proj, attention_wgrad_input(w.proj, a.atty_operand, a.atty), dy_proj);
   const Tensor dy_qkv = gradient_operand(s.dqkv, w.qkv);
   before_attention_backward(l);
   ops_.attention_backward_to_operand({.operand = dy_qkv,
@@ -1284,6 +1298,21 @@ Tensor GptModel::layernorm_wgrad_input(const LinearParams& linear, const LayerNo
   operand.transposed = scratch_->layernorm_operand.transposed;
   ops_.layernorm_operand({.out = operand, .input = input, .mean = mean, .rstd = rstd, .weight = ln.weight, .bias = ln.bias});
   return operand;
+}
+
+// attn.c_proj's FP8 input is the attention output's cast, whose codes are not kept either: the
+// backward casts the kept BF16 output again, with the same scale, for the wgrad (per-tensor
+// scales only; the row-parallel input is this rank's own, under sequence parallelism too).
+bool GptModel::recomputes_attention_operand(const LinearParams& proj) const {
+  return trains() && is_fp8(proj.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+}
+
+Tensor GptModel::attention_wgrad_input(const LinearParams& proj, const Tensor& operand, const Tensor& output) {
+  if (!recomputes_attention_operand(proj)) return operand;
+  Tensor again = operand;
+  again.transposed = scratch_->attention_operand.transposed;
+  ops_.requantize_transposed(again, output);
+  return again;
 }
 
 // A LayerNorm that feeds column-parallel linears: their input gradients (in s.dln) are summed

@@ -411,6 +411,8 @@ class GptModel {
   // selective recomputation reruns the MLP anyway.
   bool recomputes_gelu_output(const BlockParams& w) const;
   bool recomputes_layernorm_operand(const LinearParams& linear) const;
+  bool recomputes_attention_operand(const LinearParams& proj) const;
+  Tensor attention_wgrad_input(const LinearParams& proj, const Tensor& operand, const Tensor& output);
   Tensor layernorm_wgrad_input(const LinearParams& linear, const LayerNormParams& ln, const Tensor& output,
                                const Tensor& input, const Tensor& mean, const Tensor& rstd);
   void layernorm_forward(const LayerNormParams& ln, const ResidualAdd& input, const Tensor& out, const Tensor& mean,

@@ -176,6 +176,12 @@ class ObservedOps final : public Ops {
     observed({gemm_class(call), Lane::main, [&] { return gemm_line(call); }, [&] { return gemm_cost(call); }},
              [&] { inner_->gemm(call); });
   }
+  void requantize_transposed(const Tensor& out, const Tensor& in) override {
+    observed({"cast", Lane::main, [&] { return "requantize_transposed -> " + name(out); },
+              // the transposed copy only (the GPU's; the reference also writes the codes)
+              [&] { return OpCost{0, bytes(in) + bytes(out)}; }},
+             [&] { inner_->requantize_transposed(out, in); });
+  }
   void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane) override {
     const bool view = out.data == in.data;
     observed({"cast", lane,

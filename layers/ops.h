@@ -507,6 +507,13 @@ class Ops {
 
   // ---- GEMM and casts -------------------------------------------------------------
   virtual void gemm(const GemmCall& call) = 0;
+  // An FP8 operand's codes again, for its wgrad, from the activation `in` [M,N] its forward
+  // cast read: out's transposed copy [N,M] = fp8(in * out's scale)^T, the forward's codes bit
+  // for bit (a delayed scale changes only after the step, and a current one is left in its
+  // state by the forward), so that they need not be kept for the backward. No amax recorded;
+  // per-tensor scales only. The GPU writes the transposed copy only, the CPU the values and
+  // their transpose.
+  virtual void requantize_transposed(const Tensor& out, const Tensor& in) = 0;
   // out [M,N] = in [M,N] in out's dtype (FP8: with out's scale, recording the amax, and
   // the transpose when out carries one); dbias [N] += column sums of in (optional).
   // When out is a view of in (same data), only dbias is computed. On another lane (a weight's

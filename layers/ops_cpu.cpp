@@ -271,6 +271,12 @@ class CpuOps final : public Ops {
     hold_in_dtype(call.dweight);
     hold_in_dtype(call.dbias);
   }
+  void requantize_transposed(const Tensor& out, const Tensor& in) override {
+    FP8LM_CHECK(is_fp8(out.dtype) && !block_scaled(out) && out.transposed && out.rows == in.rows &&
+                    out.cols == in.cols,
+                "requantize_transposed: the output is a per-tensor FP8 operand of the input's shape with its transpose");
+    store(out, f32(in), /*record=*/false);  // the forward's codes; its amax is recorded
+  }
   void layernorm_operand(const LayerNormOperand& call) override {
     const Tensor& out = call.out;
     const int N = int(call.input.rows), C = int(call.input.cols);

@@ -605,6 +605,16 @@ class CudaOps final : public Ops {
                              cbf(call.weight), f32(call.mean), f32(call.rstd), rows(call.dout), cols(call.dout),
                              float_scratch_.data(), stream_);
   }
+  void requantize_transposed(const Tensor& out, const Tensor& in) override {
+    FP8LM_CHECK(is_fp8(out.dtype) && !block_scaled(out) && out.transposed && in.dtype == DType::bf16 &&
+                    rows(out) == rows(in) && cols(out) == cols(in),
+                "requantize_transposed: the output is a per-tensor FP8 operand of the BF16 input's shape with its "
+                "transpose");
+    // A current-scaling forward left its scale in the state's slot, as a delayed one's stays.
+    cuda::cast_transpose_fp8(nullptr, static_cast<uint8_t*>(out.transposed), GradientRef{}, nullptr, cbf(in),
+                             scale_.data() + out.scaling_state, fp8_dtype_of(out.dtype), rows(in), cols(in), nullptr,
+                             stream_);
+  }
   void layernorm_operand(const LayerNormOperand& call) override {
     const Tensor& out = call.out;
     const int N = rows(call.input), C = cols(call.input);

@@ -77,8 +77,9 @@ std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& block
   for (int l = layers - 1; l >= 0; --l) {
     const std::string& op = blocks[size_t(l)].op;
     const std::string& grad = blocks[size_t(l)].grad;
-    // An FP8 block (per-tensor scales, one rank) keeps no LayerNorm output either: c_fc's and
-    // c_attn's wgrad inputs are written again from the LayerNorm's input before each wgrad.
+    // An FP8 block (per-tensor scales, one rank) keeps no LayerNorm output either, nor the
+    // attention output's cast: c_fc's, c_attn's and attn.c_proj's wgrad inputs are written
+    // again from what they were cast from, before each wgrad.
     const bool fp8 = op == "e4m3" || op == "e5m2";
     s.push_back(grad_cast + " -> " + grad + " +dbias");  // mlp.c_proj's output gradient
     s.push_back("gemm dgrad " + grad + "x" + op);
@@ -97,6 +98,7 @@ std::vector<std::string> expected_sequence(const std::vector<BlockDtypes>& block
     s.push_back("layernorm_backward");
     s.push_back(grad_cast + " -> " + grad + " +dbias");  // attn.c_proj
     s.push_back("gemm dgrad " + grad + "x" + op);
+    if (fp8) s.push_back("requantize_transposed -> " + op);  // its input, the attention output's cast
     s.push_back("gemm wgrad " + grad + "x" + op);
     s.push_back("attention_backward -> " + grad + " +dbias");  // with c_attn's gradient cast
     s.push_back("gemm dgrad " + grad + "x" + op);
