@@ -639,8 +639,9 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
       ->group(training);
   app.add_option("--recompute-modules", o.recompute_modules,
                  "With --recompute-granularity selective: what each block's backward recomputes: core_attn "
-                 "(default; nothing here, the fused attention keeps no score matrix), layernorm (the LayerNorm "
-                 "outputs), mlp (c_fc's and the GELU's outputs, one c_fc GEMM more)")
+                 "(default; the fused attention keeps no score matrix: an FP8 block's attention output cast again), "
+                 "layernorm (the LayerNorm outputs; an FP8 block's codes written again), mlp (c_fc's and the "
+                 "GELU's outputs, one c_fc GEMM more)")
       ->check(CLI::IsMember({"core_attn", "layernorm", "mlp"}))
       ->group(training);
   app.add_option("--recompute-method", o.recompute_method,

@@ -200,16 +200,17 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   // Selective recomputation's tensors (the LayerNorm outputs, c_fc's and the GELU's), which
   // one set per precision holds for every block.
   const bool sp = x.sequence_parallel;
-  // FP8 blocks with per-tensor scales keep no LayerNorm output outside sequence parallelism:
-  // their backward writes the wgrad operands again (GptModel::recomputes_layernorm_operand), into
-  // one buffer with its transpose, counted once below.
+  // Under selective `layernorm` FP8 blocks with per-tensor scales keep no LayerNorm output
+  // outside sequence parallelism: their backward writes the wgrad operands again
+  // (GptModel::recomputes_layernorm_operand) into one buffer with its transpose, counted once below.
   auto recomputes_layernorm_operands = [&](GemmPrecision gemm) {
-    return gemm == GemmPrecision::fp8 && !blockwise && !evaluating && !sp;
+    return recompute.layernorm && gemm == GemmPrecision::fp8 && !blockwise && !evaluating && !sp;
   };
-  // ... nor the attention output's cast (c_proj's input), which the backward casts again from
-  // the kept output (GptModel::recomputes_attention_operand): one buffer with its transpose.
+  // ... and under `core_attn` no cast of the attention output (c_proj's input), which the
+  // backward casts again from the kept output (GptModel::recomputes_attention_operand): one
+  // buffer with its transpose.
   auto recomputes_attention_operand = [&](GemmPrecision gemm) {
-    return gemm == GemmPrecision::fp8 && !blockwise && !evaluating;
+    return recompute.attention_output && gemm == GemmPrecision::fp8 && !blockwise && !evaluating;
   };
   auto layernorm_outputs = [&](GemmPrecision gemm) {
     if (recomputes_layernorm_operands(gemm)) return uint64_t(0);

@@ -327,7 +327,7 @@ ActivationRecompute activation_recompute(const TrainOptions& o) {
     auto has = [&](const char* module) {
       return std::find(o.recompute_modules.begin(), o.recompute_modules.end(), module) != o.recompute_modules.end();
     };
-    return ActivationRecompute{.layernorm = has("layernorm"), .mlp = has("mlp")};
+    return ActivationRecompute{.layernorm = has("layernorm"), .mlp = has("mlp"), .attention_output = has("core_attn")};
   }
   if (o.recompute_granularity != "full") return {};
   return ActivationRecompute{.method = o.recompute_method == "uniform" ? ActivationRecompute::Method::uniform
@@ -340,11 +340,10 @@ std::string recompute_description(const TrainOptions& o, int n_layer) {
   const ActivationRecompute r = activation_recompute(o);
   if (o.recompute_granularity == "selective") {
     std::string what;
-    if (r.layernorm) what += "the LayerNorm outputs";
-    if (r.mlp) what += std::string(what.empty() ? "" : " and ") + "c_fc's and the GELU's outputs";
-    if (what.empty())
-      return "selective (core_attn): nothing to recompute (the fused attention keeps no score matrix, only its "
-             "output and log-sum-exp)";
+    auto add = [&](const char* part) { what += std::string(what.empty() ? "" : " and ") + part; };
+    if (r.attention_output) add("the attention output's FP8 cast (the fused attention keeps no score matrix)");
+    if (r.layernorm) add("the LayerNorm outputs");
+    if (r.mlp) add("c_fc's and the GELU's outputs");
     return "selective: every block's backward recomputes " + what;
   }
   if (r.method == ActivationRecompute::Method::none) return "off";

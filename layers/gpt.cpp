@@ -1279,14 +1279,15 @@ bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
   return trains() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
 }
 
-// The FP8 blocks' LayerNorm outputs are c_attn's and c_fc's inputs, which their wgrad GEMMs read
-// transposed; the forward's codes are not kept for them: the backward writes them again,
-// transposed, from the LayerNorm's input and statistics (kept for its own backward), the same
-// codes with the same scale (per-tensor scales only). Under sequence parallelism the output
-// is gathered across the group in the forward, so each rank would need the others' rows: kept.
+// Selective `layernorm` in an FP8 block: the LayerNorm outputs are c_attn's and c_fc's inputs,
+// which their wgrad GEMMs read transposed, so the backward writes those codes again, transposed,
+// from the LayerNorm's input and statistics (kept for its own backward) just before each wgrad:
+// the same codes with the same scale (per-tensor scales only), and no rerun of the LayerNorm.
+// Under sequence parallelism the output is gathered across the group in the forward, so each
+// rank would need the others' rows: there the LayerNorm is rerun as in a BF16 block.
 bool GptModel::recomputes_layernorm_operand(const LinearParams& linear) const {
-  return trains() && is_fp8(linear.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise &&
-         !tp_->sequence_parallel();
+  return trains() && recompute_.layernorm && is_fp8(linear.input_dtype) &&
+         scaling_.config().recipe != ScalingRecipe::blockwise && !tp_->sequence_parallel();
 }
 
 // What the wgrad GEMM of `linear` (c_attn, c_fc) reads as its input: the LayerNorm's kept output,
@@ -1300,11 +1301,13 @@ Tensor GptModel::layernorm_wgrad_input(const LinearParams& linear, const LayerNo
   return operand;
 }
 
-// attn.c_proj's FP8 input is the attention output's cast, whose codes are not kept either: the
-// backward casts the kept BF16 output again, with the same scale, for the wgrad (per-tensor
-// scales only; the row-parallel input is this rank's own, under sequence parallelism too).
+// Selective `core_attn` in an FP8 block: attn.c_proj's input is the attention output's cast,
+// whose codes are then not kept: the backward casts the kept BF16 output again, with the same
+// scale, for the wgrad (per-tensor scales only; the row-parallel input is this rank's own,
+// under sequence parallelism too).
 bool GptModel::recomputes_attention_operand(const LinearParams& proj) const {
-  return trains() && is_fp8(proj.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+  return trains() && recompute_.attention_output && is_fp8(proj.input_dtype) &&
+         scaling_.config().recipe != ScalingRecipe::blockwise;
 }
 
 Tensor GptModel::attention_wgrad_input(const LinearParams& proj, const Tensor& operand, const Tensor& output) {

@@ -200,6 +200,9 @@ struct ActivationRecompute {
   int layers = 1;
   bool layernorm = false;  // selective: the LayerNorm outputs
   bool mlp = false;        // selective: c_fc's output and the GELU output
+  // selective `core_attn`: the attention output's FP8 cast (the fused attention keeps no score
+  // matrix), cast again for attn.c_proj's wgrad; not a rerun of the block's forward
+  bool attention_output = false;
   bool selective() const { return layernorm || mlp; }
   bool recomputes(int layer) const {
     return method == Method::uniform || (method == Method::block && layer < layers);

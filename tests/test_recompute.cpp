@@ -88,6 +88,7 @@ void check_recompute_changes_nothing(const std::string& device) {
       {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"},
       {"--recompute-granularity", "selective", "--recompute-modules", "layernorm"},
       {"--recompute-granularity", "selective", "--recompute-modules", "mlp"},
+      {"--recompute-activations"},  // core_attn: the attention output's FP8 cast again
       {"--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"}};
   for (const auto& precision : precisions) {
     const Trained plain = train(device, precision);
@@ -136,8 +137,8 @@ TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated 
   // The engine allocates what the estimate says: uniform groups of 1 keep every block's input
   // and one set of block buffers, groups of 4 keep 3 inputs and 4 sets, block 6 keeps 6
   // inputs, 1 set and 6 whole blocks.
-  auto activations = [](std::vector<std::string> flags, const char* precision = "--fp8-hybrid") {
-    flags.insert(flags.begin(), {"--num-layers", "12", precision});
+  auto activations = [](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--num-layers", "12", "--fp8-hybrid"});
     const RunSetup setup = recompute_setup("cpu", flags);
     auto engine = make_engine(setup);
     // As tests/test_memory_estimate.cpp: within 2% (alignment and small tables).
@@ -162,26 +163,25 @@ TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated 
   CHECK(groups - every == 3 * block - 6 * residual);
   CHECK(block > 8 * residual);  // what recomputation saves dwarfs what it keeps
 
-  // Selective: c_fc's output (BT x 4C) is held once instead of once per block. An FP8 block
-  // keeps no GELU output and no LayerNorm output, with `mlp` or `layernorm` or without (its
-  // backward recomputes them: GptModel::recomputes_gelu_output, recomputes_layernorm_operand),
-  // so `layernorm` saves nothing there; a BF16 block keeps its two LayerNorm outputs (BT x C),
-  // which `layernorm` holds once.
-  const std::vector<std::string> layernorm_only = {"--recompute-granularity", "selective", "--recompute-modules",
-                                                   "layernorm"};
-  const uint64_t layernorm = activations(layernorm_only);
+  // Selective: the LayerNorm outputs (two BT x C operands) and c_fc's output (BT x 4C) are
+  // held once instead of once per block. An FP8 block keeps no GELU output, with `mlp` or
+  // without (its GELU backward recomputes it, GptModel::recomputes_gelu_output): both hold
+  // one GELU output with its transpose and mlp.c_proj's held gradient operand for all blocks.
+  const uint64_t layernorm = activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm"});
+  // core_attn: the attention output's FP8 cast (BT x C) held once instead of once per block.
+  const uint64_t core_attn = activations({"--recompute-activations"});
+  CHECK(plain - core_attn == 10 * 2 * 32 * 64 * sizeof(float));  // 12 kept, against one with its transpose
   const uint64_t mlp = activations({"--recompute-granularity", "selective", "--recompute-modules", "mlp"});
   const uint64_t both =
       activations({"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"});
+  REQUIRE(plain > layernorm);
   REQUIRE(plain > mlp);
   const uint64_t rows = 2 * 32, width = 64, ffn = 4 * width;  // B*T, C, F; FP32 on the CPU
   const uint64_t mlp_output = rows * ffn * sizeof(float);
-  CHECK(layernorm == plain);
+  CHECK((plain - layernorm) % 11 == 0);
   CHECK(plain - mlp == 11 * mlp_output);
-  CHECK(both == mlp);
-  const uint64_t plain_bf16 = activations({}, "--bf16");
-  const uint64_t layernorm_bf16 = activations(layernorm_only, "--bf16");
-  CHECK(plain_bf16 - layernorm_bf16 == 11 * 2 * rows * width * sizeof(float));
+  CHECK(plain - both == (plain - layernorm) + (plain - mlp));
+  CHECK(plain - mlp > plain - layernorm);  // 4 C wide twice against C wide twice
 }
 
 TEST_CASE("activation recomputation flags are checked as Megatron's are, before any work", "[recompute][cpu][cli]") {
@@ -202,18 +202,21 @@ TEST_CASE("activation recomputation flags are checked as Megatron's are, before 
           "--recompute-num-layers 6 exceeds the model's 5 layers");
   CHECK_THROWS_WITH(recompute_setup("cpu", {"--recompute-activations", "--recompute-modules", "moe"}),
                     ContainsSubstring("--recompute-modules"));
-  // Selective recomputation of Megatron's default module, core attention, is accepted and
-  // said to be a no-op here; layernorm and mlp are not.
+  // Selective recomputation of Megatron's default module, core attention: the fused attention
+  // keeps no score matrix, so what it recomputes here is the attention output's FP8 cast
+  // (GptModel::recomputes_attention_operand); no block reruns its forward.
   auto described = [](const RunSetup& setup) {
     for (const auto& [name, value] : settings_table(setup))
       if (name == "recompute (activations)") return value;
     return std::string();
   };
   const RunSetup selective = recompute_setup("cpu", {"--recompute-activations"});
-  CHECK(described(selective).rfind("selective (core_attn): nothing to recompute", 0) == 0);
-  const ActivationRecompute none = activation_recompute(selective.options);
-  CHECK(none.method == ActivationRecompute::Method::none);
-  CHECK_FALSE(none.selective());
+  CHECK(described(selective).rfind("selective: every block's backward recomputes the attention output's FP8 cast", 0) ==
+        0);
+  const ActivationRecompute core_attn = activation_recompute(selective.options);
+  CHECK(core_attn.method == ActivationRecompute::Method::none);
+  CHECK(core_attn.attention_output);
+  CHECK_FALSE(core_attn.selective());
   const RunSetup modules = recompute_setup("cpu", {"--recompute-granularity", "selective", "--recompute-modules", "mlp"});
   CHECK(described(modules) == "selective: every block's backward recomputes c_fc's and the GELU's outputs");
   CHECK(activation_recompute(modules.options).mlp);
