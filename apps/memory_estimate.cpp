@@ -197,8 +197,6 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       grad_dtypes.push_back(block_grad);
   }
   const uint64_t residual = tensor_bytes(eb, x.N, x.C, act);  // a block's input (the first's is the encoder output)
-  // Selective recomputation's tensors (the LayerNorm outputs, c_fc's and the GELU's), which
-  // one set per precision holds for every block.
   const bool sp = x.sequence_parallel;
   // Under selective `layernorm` FP8 blocks with per-tensor scales keep no LayerNorm output
   // outside sequence parallelism: their backward writes the wgrad operands again
@@ -212,6 +210,8 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
   auto recomputes_attention_operand = [&](GemmPrecision gemm) {
     return recompute.attention_output && gemm == GemmPrecision::fp8 && !blockwise && !evaluating;
   };
+  // Selective recomputation's tensors (the LayerNorm outputs, c_fc's and the GELU's), which
+  // one set per precision holds for every block.
   auto layernorm_outputs = [&](GemmPrecision gemm) {
     if (recomputes_layernorm_operands(gemm)) return uint64_t(0);
     return mul(2, input_operand(x.BT, x.C, forward_operand_dtype(gemm)));  // ln1, ln2
@@ -277,16 +277,16 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
       layers = add(layers, add(mul(sets, block_buffers(gemm)), mul(sets - 1, residual)));
   }
   uint64_t grad_operands = 0;
+  // The shared buffers of the operands written again (above), each with its transpose, once.
+  bool layernorm_operand = false, attention_operand = false;
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
-    if (recomputes_layernorm_operands(gemm)) {
+    if (!layernorm_operand && recomputes_layernorm_operands(gemm)) {
       layers = add(layers, tensor_bytes(eb, x.BT, x.C, forward_operand_dtype(gemm), true));
-      break;
+      layernorm_operand = true;
     }
-  }
-  for (const auto& [gemm, count] : block_precisions(x, precision)) {
-    if (recomputes_attention_operand(gemm)) {
+    if (!attention_operand && recomputes_attention_operand(gemm)) {
       layers = add(layers, tensor_bytes(eb, x.BT, x.Cl, forward_operand_dtype(gemm), true));
-      break;
+      attention_operand = true;
     }
   }
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
