@@ -6,11 +6,41 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cuda_fp8.h>
+
+#include "core/device_helpers.cuh"
+
 namespace fp8lm::cuda::device {
 
 inline constexpr int kCodeTile = 64;                // rows x columns of a tile
 inline constexpr int kCodeTileThreads = 256;        // 8 column chunks of 8 x 32 row groups
 inline constexpr int kCodeTilePitch = kCodeTile + 4;  // bytes per shared code row (4-byte aligned, no bank conflicts)
+
+// Casts a tile's values into codes[row * kCodeTilePitch + column]: thread tid takes the 8
+// columns f0 + (tid % 8) * 8 .. +7 of rows m0 + tid / 8 and m0 + tid / 8 + 32.
+// row_values(m, f, values) writes the BF16-rounded values of row m, columns f .. f + 7; it is
+// called only where m < M and f < F (F a multiple of 8). Positions outside [M,F] stage code 0,
+// which store_code_tile_transposed never stores. The caller syncs the block before the store.
+template <typename RowValues>
+__device__ __forceinline__ void stage_code_tile(uint8_t* codes, int m0, int f0, int M, int F, int tid, float scale,
+                                                __nv_fp8_interpretation_t interp, RowValues&& row_values) {
+  const int chunk = tid % 8, row_group = tid / 8;
+  const int f = f0 + chunk * 8;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int r = row_group + 32 * h;
+    const int m = m0 + r;
+    uint2 packed = make_uint2(0u, 0u);
+    if (m < M && f < F) {
+      float values[8];
+      row_values(m, f, values);
+      packed = fp8x8(values, scale, interp);
+    }
+    uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodeTilePitch + chunk * 8);
+    code_words[0] = packed.x;
+    code_words[1] = packed.y;
+  }
+}
 
 // codes[row * kCodeTilePitch + column] for tile rows m0.. and columns f0.., stored transposed
 // into out_t [F,M] (coalesced along m). All kCodeTileThreads threads call it.

@@ -226,26 +226,13 @@ __global__ void __launch_bounds__(kTileThreads)
   device::start_after_previous_kernel();
   __shared__ alignas(16) uint8_t codes[kTile * kCodePitch];
   const int tid = threadIdx.x;
-  const int chunk = tid % 8, row_group = tid / 8;
   const int m0 = blockIdx.y * kTile, f0 = blockIdx.x * kTile;
-  const int f = f0 + chunk * 8;
-  const float s = *scale;
+  stage_code_tile(codes, m0, f0, M, F, tid, *scale, interp, [&](int m, int f, float (&g)[8]) {
+    float x[8];
+    load_bf16x8(pre + static_cast<size_t>(m) * F + f, x);
 #pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const int r = row_group + 32 * h;
-    const int m = m0 + r;
-    uint2 packed = make_uint2(0u, 0u);
-    if (m < M && f < F) {
-      float x[8], g[8];
-      load_bf16x8(pre + static_cast<size_t>(m) * F + f, x);
-#pragma unroll
-      for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu_tanh(x[j]));
-      packed = fp8x8(g, s, interp);
-    }
-    uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodePitch + chunk * 8);
-    code_words[0] = packed.x;
-    code_words[1] = packed.y;
-  }
+    for (int j = 0; j < 8; j++) g[j] = round_bf16(gelu_tanh(x[j]));
+  });
   __syncthreads();
   store_code_tile_transposed(gelu_t, codes, m0, f0, M, F, tid);
 }

@@ -210,32 +210,20 @@ __global__ void __launch_bounds__(kCodeTileThreads)
   device::start_after_previous_kernel();
   __shared__ alignas(16) uint8_t codes[kCodeTile * kCodeTilePitch];
   const int tid = threadIdx.x;
-  const int chunk = tid % 8, row_group = tid / 8;
   const int n0 = blockIdx.y * kCodeTile, c0 = blockIdx.x * kCodeTile;
-  const int c = c0 + chunk * 8;
-  const float s = *scale;
+  const int c = c0 + (tid % 8) * 8;  // this thread's 8 columns, the same in both of its rows
   float w[8], b[8];
   if (c < C) {
     load_bf16x8(weight + c, w);
     load_bf16x8(bias + c, b);
   }
+  stage_code_tile(codes, n0, c0, N, C, tid, *scale, interp, [&](int n, int, float (&y)[8]) {
+    float x[8];
+    load_bf16x8(inp + static_cast<size_t>(n) * C + c, x);
+    const float row_mean = mean[n], row_rstd = rstd[n];
 #pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const int r = row_group + 32 * h;
-    const int n = n0 + r;
-    uint2 packed = make_uint2(0u, 0u);
-    if (n < N && c < C) {
-      float x[8], y[8];
-      load_bf16x8(inp + static_cast<size_t>(n) * C + c, x);
-      const float row_mean = mean[n], row_rstd = rstd[n];
-#pragma unroll
-      for (int j = 0; j < 8; j++) y[j] = round_bf16(layernorm_element(x[j], row_mean, row_rstd, w[j], b[j]));
-      packed = fp8x8(y, s, interp);
-    }
-    uint32_t* code_words = reinterpret_cast<uint32_t*>(codes + r * kCodeTilePitch + chunk * 8);
-    code_words[0] = packed.x;
-    code_words[1] = packed.y;
-  }
+    for (int j = 0; j < 8; j++) y[j] = round_bf16(layernorm_element(x[j], row_mean, row_rstd, w[j], b[j]));
+  });
   __syncthreads();
   store_code_tile_transposed(out_t, codes, n0, c0, N, C, tid);
 }
