@@ -299,7 +299,10 @@ uint64_t activation_bytes(const Shape& x, const ElementBytes& eb, DType act, con
     grad_operands = add(grad_operands, operand_bytes(eb, x.BT, std::max({x.Fl, 3 * x.Cl, x.C}), grad_dtype,
                                                      is_fp8(grad_dtype), tiles));
   const uint64_t backward_once = sum({
-      head_grad == act ? 0 : operand_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad), tiles),
+      // The FP8 head's per-tensor codes: their transposed copy takes the logits' storage.
+      head_grad == act                               ? 0
+      : is_fp8(head_grad) && tiles == BlockScaling::none ? tensor_bytes(eb, x.BT, x.Vs, head_grad)
+                                                     : operand_bytes(eb, x.BT, x.Vs, head_grad, is_fp8(head_grad), tiles),
       tensor_bytes(eb, x.N, x.C, act),  // dresidual
       sp ? tensor_bytes(eb, x.BT, x.C, act) : 0,
       tensor_bytes(eb, x.BT, x.C, act),  // dln

@@ -17,12 +17,18 @@
 // order on one thread and runs pass 2 with the global column index. With R = 1 the combine
 // returns m and s unchanged, so lse, the losses and the dlogits are the fused kernel's bits.
 // A masked row (kMaskedTarget) runs both passes as any other, with loss 0 and dloss 0.
+//
+// Under a delayed per-tensor scale the FP8 LM head's gradient operand comes from pass 2 itself
+// (kFp8): each thread casts its BF16-rounded dlogits with the known scale and keeps their amax,
+// so the logits are read once and 1 byte an element written, where the BF16 dlogits and the
+// cast after them wrote 2, read 2 and wrote 1.
 #include "layers/cross_entropy.h"
 
 #include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "core/device_helpers.cuh"
@@ -143,12 +149,25 @@ __device__ __forceinline__ void block_softmax_stats(const uint4* row, int chunks
   s_out = s;
 }
 
+// Where pass 2 puts this thread's dlogits: BF16 values over the row (in place, the source
+// itself), or, with kFp8, their FP8 codes fp8(bf16(dlogit) * scale) with the running max of
+// |bf16(dlogit)| (amax bits, core/device_helpers.cuh): cast_fp8's codes and amax of the BF16
+// dlogits, bit for bit, without writing or reading those.
+struct DlogitsOut {
+  bf16* values = nullptr;    // [chunks * 8], or
+  uint8_t* codes = nullptr;  // [chunks * 8] with kFp8
+  float scale = 1.0f;
+  __nv_fp8_interpretation_t interp = __NV_E5M2;
+  unsigned amax = 0u;
+};
+
 // Pass 2 over this thread's own chunks of the row: dlogits from source [chunks] (8 BF16
-// logits each, in global or shared memory) into dest [chunks * 8], which may be the source
-// itself; column first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused
-// kernel). A chunk holding neither the target nor a padded column, nearly all of them, takes
+// logits each, in global or shared memory) into out, whose values may be the source itself;
+// column first_col + c * 8 + j of the global vocabulary (first_col = 0 in the fused kernel). A
+// chunk holding neither the target nor a padded column, nearly all of them, takes
 // exp(x - lse) * dloss: one FFMA, MUFU and FMUL an element.
-__device__ __forceinline__ void write_dlogits(bf16* dest, const uint4* source, int chunks, int first_col, int V,
+template <bool kFp8>
+__device__ __forceinline__ void write_dlogits(DlogitsOut& out, const uint4* source, int chunks, int first_col, int V,
                                               int target, float lse, float dloss) {
   const float lse_log2e = lse * kLog2e;
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
@@ -166,17 +185,29 @@ __device__ __forceinline__ void write_dlogits(bf16* dest, const uint4* source, i
 #pragma unroll
       for (int j = 0; j < 8; j++) x[j] = exp_minus(x[j], lse_log2e) * dloss;
     }
-    store_bf16x8(dest + c * 8, x);
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        x[j] = round_bf16(x[j]);
+        out.amax = max(out.amax, abs_bits(x[j]));
+      }
+      *reinterpret_cast<uint2*>(out.codes + c * 8) = fp8x8(x, out.scale, out.interp);
+    } else {
+      store_bf16x8(out.values + c * 8, x);
+    }
   }
 }
 
 // kStaged: the row is first copied into dynamic shared memory, staged_row [Vp / 8] uint4,
 // with every chunk of a thread in flight at once (cp.async), and both passes read it there.
 // A thread reads back only the chunks it copied, so its own wait is all the synchronisation.
-template <bool kStaged>
+// kFp8: pass 2 writes the codes of the dlogits into codes [N,Vp] (DlogitsOut) and raises
+// *amax, leaving the logits as they are; dloss != 0 (the launcher checks).
+template <bool kStaged, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     cross_entropy_kernel(bf16* __restrict__ logits, float* __restrict__ losses, const int32_t* __restrict__ targets,
-                         int V, int Vp, float dloss) {
+                         int V, int Vp, float dloss, uint8_t* __restrict__ codes, const float* __restrict__ scale,
+                         float* amax, __nv_fp8_interpretation_t interp) {
   device::start_after_previous_kernel();
   extern __shared__ uint4 staged_row[];
   __shared__ float row_lse;
@@ -206,10 +237,19 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   const float lse = row_lse;
   if (tid == 0) losses[blockIdx.x] = masked ? 0.0f : target_valid ? lse - target_logit : NAN;
 
-  if (dloss == 0.0f) return;  // forward only: the logits stay as they are
+  if (!kFp8 && dloss == 0.0f) return;  // forward only: the logits stay as they are
 
   // Pass 2: dlogits over this thread's own chunks (a masked row's are (softmax - 0) * 0).
-  write_dlogits(row, source, chunks, 0, V, target, lse, masked ? 0.0f : dloss);
+  DlogitsOut out;
+  if constexpr (kFp8) {
+    out.codes = codes + static_cast<size_t>(blockIdx.x) * Vp;
+    out.scale = *scale;
+    out.interp = interp;
+  } else {
+    out.values = row;
+  }
+  write_dlogits<kFp8>(out, source, chunks, 0, V, target, lse, masked ? 0.0f : dloss);
+  if constexpr (kFp8) block_amax_update(amax, out.amax);
 }
 
 // partials [N,3] = (m, s, target logit or 0) of this rank's slice logits [N,Vs], global
@@ -266,8 +306,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   __syncthreads();
   if (dloss == 0.0f) return;  // forward only: the logits stay as they are
   bf16* row = logits + static_cast<size_t>(i) * Vs;
-  write_dlogits(row, reinterpret_cast<const uint4*>(row), Vs / 8, vocab_begin, V, target, row_lse,
-                target == kMaskedTarget ? 0.0f : dloss);
+  DlogitsOut out;
+  out.values = row;
+  write_dlogits<false>(out, reinterpret_cast<const uint4*>(row), Vs / 8, vocab_begin, V, target, row_lse,
+                       target == kMaskedTarget ? 0.0f : dloss);
 }
 
 // *total += sum(losses): each thread sums a fixed strided subset in order, then a fixed tree.
@@ -290,28 +332,59 @@ bool aligned(const void* p, size_t alignment) { return reinterpret_cast<uintptr_
 
 }  // namespace
 
-void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
-                                    float dloss, cudaStream_t stream) {
-  const char* what = "cross_entropy_forward_backward";
+namespace {
+
+// The fused kernel for one row width: staged in shared memory when the row fits.
+template <bool kFp8>
+void launch_cross_entropy(bf16* logits, float* losses, const int32_t* targets, int N, int V, int Vp, float dloss,
+                          const DlogitCodes& dlogit_codes, cudaStream_t stream) {
+  const __nv_fp8_interpretation_t interp = dlogit_codes.dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2;
+  const size_t row_bytes = static_cast<size_t>(Vp) * sizeof(bf16);
+  if (row_bytes <= kMaxStagedRowBytes) {
+    // Above 48 KB of dynamic shared memory a kernel must opt in, once.
+    static const bool opted_in = [] {
+      CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel<true, kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kMaxStagedRowBytes));
+      return true;
+    }();
+    (void)opted_in;
+    launch_kernel(cross_entropy_kernel<true, kFp8>, N, kThreads, row_bytes, stream, logits, losses, targets, V, Vp,
+                  dloss, dlogit_codes.codes, dlogit_codes.scale, dlogit_codes.amax, interp);
+  } else {
+    launch_kernel(cross_entropy_kernel<false, kFp8>, N, kThreads, 0, stream, logits, losses, targets, V, Vp, dloss,
+                  dlogit_codes.codes, dlogit_codes.scale, dlogit_codes.amax, interp);
+  }
+}
+
+void check_fused_loss(const char* what, bf16* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
+                      float dloss) {
   FP8LM_CHECK(N >= 0, what, ": N must be >= 0, got ", N);
   FP8LM_CHECK(V > 0 && V <= Vp && Vp % 8 == 0, what, ": needs 0 < V <= Vp and Vp % 8 == 0, got V=", V, " Vp=", Vp);
   FP8LM_CHECK(std::isfinite(dloss), what, ": dloss must be finite, got ", dloss);
   if (N == 0) return;
   FP8LM_CHECK(logits != nullptr && losses != nullptr && targets != nullptr, what, ": null pointer");
   FP8LM_CHECK(aligned(logits, 16), what, ": logits must be 16-byte aligned");
-  const size_t row_bytes = static_cast<size_t>(Vp) * sizeof(bf16);
-  if (row_bytes <= kMaxStagedRowBytes) {
-    // Above 48 KB of dynamic shared memory a kernel must opt in, once.
-    static const bool opted_in = [] {
-      CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kMaxStagedRowBytes));
-      return true;
-    }();
-    (void)opted_in;
-    launch_kernel(cross_entropy_kernel<true>, N, kThreads, row_bytes, stream, logits, losses, targets, V, Vp, dloss);
-  } else {
-    launch_kernel(cross_entropy_kernel<false>, N, kThreads, 0, stream, logits, losses, targets, V, Vp, dloss);
-  }
+}
+
+}  // namespace
+
+void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
+                                    float dloss, cudaStream_t stream) {
+  check_fused_loss("cross_entropy_forward_backward", logits, losses, targets, N, V, Vp, dloss);
+  if (N == 0) return;
+  launch_cross_entropy<false>(logits, losses, targets, N, V, Vp, dloss, DlogitCodes{}, stream);
+}
+
+void cross_entropy_forward_backward(bf16* logits, float* losses, const int32_t* targets, int N, int V, int Vp,
+                                    float dloss, const DlogitCodes& dlogit_codes, cudaStream_t stream) {
+  const char* what = "cross_entropy_forward_backward to FP8 dlogits";
+  check_fused_loss(what, logits, losses, targets, N, V, Vp, dloss);
+  FP8LM_CHECK(dloss != 0.0f, what, ": needs dloss != 0 (a forward-only loss writes no dlogits)");
+  if (N == 0) return;
+  FP8LM_CHECK(dlogit_codes.codes != nullptr && dlogit_codes.scale != nullptr && dlogit_codes.amax != nullptr, what,
+              ": null pointer");
+  FP8LM_CHECK(aligned(dlogit_codes.codes, 8), what, ": the codes must be 8-byte aligned");
+  launch_cross_entropy<true>(logits, losses, targets, N, V, Vp, dloss, dlogit_codes, stream);
 }
 
 namespace {

@@ -14,6 +14,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "core/fp8.h"
+
 namespace fp8lm::cpu {
 
 // logits [N,Vp] (in: logits, out: dlogits when dloss != 0), losses [N], targets [N] in
@@ -73,6 +75,20 @@ namespace fp8lm::cuda {
 // Requirements (FP8LM_CHECK before launch): 0 < V <= Vp, Vp % 8 == 0, logits 16-byte aligned.
 void cross_entropy_forward_backward(__nv_bfloat16* logits, float* losses, const int32_t* targets, int N, int V,
                                     int Vp, float dloss, cudaStream_t stream);
+
+// The same loss with pass 2 writing FP8 codes instead of BF16 dlogits (dloss != 0; the
+// logits are left as they are): codes [N,Vp] = fp8(bf16(dlogit) * *scale) (SATFINITE, padded
+// columns code 0) and *amax raised to max |bf16(dlogit)| (a NaN as the quiet NaN), which is
+// cast_fp8 of the BF16 dlogits above, bit for bit, with neither written nor read again: the
+// FP8 LM head's gradient operand (--fp8-lm-head) under a delayed per-tensor scale.
+struct DlogitCodes {
+  uint8_t* codes = nullptr;      // [N,Vp], 8-byte aligned
+  const float* scale = nullptr;  // [1] device
+  float* amax = nullptr;         // [1] device, a running max
+  Fp8Dtype dtype = Fp8Dtype::e5m2;
+};
+void cross_entropy_forward_backward(__nv_bfloat16* logits, float* losses, const int32_t* targets, int N, int V,
+                                    int Vp, float dloss, const DlogitCodes& dlogit_codes, cudaStream_t stream);
 
 // Vocabulary-parallel cross-entropy (see the CPU twins above for the math), one block per
 // row in each half; pass 1 and the block's combine are the fused kernel's code, so with R = 1

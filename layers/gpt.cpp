@@ -349,6 +349,9 @@ struct GptModel::Scratch {
   Tensor lnf_mean, lnf_rstd; // [N]
   Tensor logits;             // [BT,Vs]; dlogits in place after the loss
   Tensor logits_grad;        // [BT,Vs] the LM head's gradient operand (a view of logits when not cast)
+  // A per-tensor FP8 logits_grad: the loss writes its codes, and its transposed copy (the
+  // wgrad's) takes the logits' storage, read by then: 1 byte an element less than a copy apart.
+  bool dlogit_codes_apart = false;
   Tensor losses;             // [BT]
   Tensor ce_partials;        // [BT,3]
   Tensor ce_all;             // [tp,BT,3] every rank's partials (ce_partials itself with one rank)
@@ -822,9 +825,18 @@ void GptModel::plan_memory() {
       scratch_ = std::make_unique<Scratch>(s);
       return c.size();
     }
-    s.logits_grad = lm_head_->grad_dtype == act ? s.logits
-                                                : c.take(BT, Vs, lm_head_->grad_dtype, lm_head_->grad_state,
-                                                         is_fp8(lm_head_->grad_dtype), tiles);
+    const DType head_grad = lm_head_->grad_dtype;
+    s.dlogit_codes_apart = is_fp8(head_grad) && tiles == BlockScaling::none;
+    if (head_grad == act) {
+      s.logits_grad = s.logits;
+    } else if (s.dlogit_codes_apart) {
+      FP8LM_CHECK(ops_.element_bytes(act) >= ops_.element_bytes(head_grad),
+                  "the LM head's FP8 gradient operand does not fit the logits' storage");
+      s.logits_grad = c.take(BT, Vs, head_grad, lm_head_->grad_state);
+      s.logits_grad.transposed = s.logits.data;
+    } else {
+      s.logits_grad = c.take(BT, Vs, head_grad, lm_head_->grad_state, is_fp8(head_grad), tiles);
+    }
     s.dresidual = c.take(N, C, act);
     s.dresidual_full = sp ? c.take(BT, C, act) : s.dresidual;
     s.dln = c.take(BT, C, act);
@@ -1113,13 +1125,23 @@ Tensor GptModel::token_losses() const { return scratch_->losses; }
 void GptModel::loss(const TokenBatch& batch, float dloss, const Tensor& loss_sum) {
   const Scratch& s = *scratch_;
   const VocabSlice slice = vocab_slice();
+  // The FP8 LM head's gradient codes come from the loss (their transposed copy, into the
+  // logits' storage, in the backward).
+  const bool dlogit_codes = dloss != 0.0f && s.dlogit_codes_apart;
+  Tensor codes = s.logits_grad;
+  codes.transposed = nullptr;
   if (tp_->size() == 1) {
     // The whole vocabulary here: one pass over the logits, the same bits as the two halves.
-    ops_.cross_entropy(s.logits, s.losses, batch, slice, dloss);
+    if (dlogit_codes) {
+      ops_.cross_entropy_to_fp8(s.logits, s.losses, batch, slice, dloss, codes);
+    } else {
+      ops_.cross_entropy(s.logits, s.losses, batch, slice, dloss);
+    }
   } else {
     ops_.cross_entropy_partials(s.ce_partials, s.logits, batch, slice);
     tp_->gather_loss_partials(s.ce_partials, s.ce_all);
     ops_.cross_entropy_finish(s.logits, s.losses, s.ce_all, tp_->size(), batch, slice, dloss);
+    if (dlogit_codes) ops_.quantize(codes, s.logits, Tensor{});
   }
   ops_.accumulate_loss(loss_sum, s.losses);
 }
@@ -1158,8 +1180,12 @@ Tensor GptModel::gradient_operand_buffer(int64_t rows, int64_t cols, const Linea
 void GptModel::backward(const TokenBatch& batch) {
   const Scratch& s = *scratch_;
   const LinearParams& head = *lm_head_;
-  // The LM head: the loss left dlogits in the logits buffer.
-  ops_.quantize(s.logits_grad, s.logits, Tensor{});
+  // The LM head: the loss left the dlogits in the logits buffer, or their FP8 codes apart.
+  if (s.dlogit_codes_apart) {
+    ops_.transpose_operand(s.logits_grad);
+  } else {
+    ops_.quantize(s.logits_grad, s.logits, Tensor{});
+  }
   // Both sum dlogits, small softmax probabilities beside each target's -1 (core/gemm.h): dgrad
   // over the vocabulary, wgrad over the tokens.
   ops_.gemm({.pass = GemmPass::dgrad,

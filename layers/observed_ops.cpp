@@ -182,6 +182,11 @@ class ObservedOps final : public Ops {
               [&] { return OpCost{0, bytes(in) + bytes(out)}; }},
              [&] { inner_->requantize_transposed(out, in); });
   }
+  void transpose_operand(const Tensor& operand) override {
+    observed({"cast", Lane::main, [&] { return "transpose -> " + name(operand); },
+              [&] { return OpCost{0, 2.0 * bytes(operand)}; }},
+             [&] { inner_->transpose_operand(operand); });
+  }
   void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane) override {
     const bool view = out.data == in.data;
     observed({"cast", lane,
@@ -264,6 +269,12 @@ class ObservedOps final : public Ops {
     observed({"loss", Lane::main, [] { return std::string("cross_entropy"); },
               [&] { return OpCost{0, 2.0 * bytes(logits) + bytes(losses)}; }},
              [&] { inner_->cross_entropy(logits, losses, batch, slice, dloss); });
+  }
+  void cross_entropy_to_fp8(const Tensor& logits, const Tensor& losses, const TokenBatch& batch,
+                            const VocabSlice& slice, float dloss, const Tensor& codes) override {
+    observed({"loss", Lane::main, [&] { return "cross_entropy -> " + name(codes); },
+              [&] { return OpCost{0, bytes(logits) + bytes(losses) + written(codes)}; }},
+             [&] { inner_->cross_entropy_to_fp8(logits, losses, batch, slice, dloss, codes); });
   }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {

@@ -521,6 +521,11 @@ class Ops {
   // delayed per-tensor scale and no dbias only.
   virtual void quantize(const Tensor& out, const Tensor& in, const Tensor& dbias, Lane lane = Lane::main) = 0;
 
+  // operand's transposed copy [N,M] = its values [M,N] transposed: a per-tensor FP8 operand
+  // whose codes are already written (the FP8 LM head's dlogits: their copy for the wgrad goes
+  // into the logits' storage once the loss has read them).
+  virtual void transpose_operand(const Tensor& operand) = 0;
+
   // ---- MLP ------------------------------------------------------------------------
   // (The GELU forward is the c_fc GEMM's epilogue: GemmCall::gelu_input.)
   virtual void gelu_backward(const GeluBackward& call) = 0;
@@ -561,6 +566,18 @@ class Ops {
   // pass over the logits instead of two.
   virtual void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch,
                              const VocabSlice& slice, float dloss) = 0;
+  // cross_entropy with dloss != 0 and the dlogits cast to `codes` [N,Vp], a per-tensor FP8
+  // operand given without its transposed copy: quantize(codes, dlogits), its amax recorded.
+  // Afterwards the logits hold the dlogits or the logits (the GPU, under a delayed scale,
+  // casts in the loss's own pass and leaves them: layers/cross_entropy.h).
+  virtual void cross_entropy_to_fp8(const Tensor& logits, const Tensor& losses, const TokenBatch& batch,
+                                    const VocabSlice& slice, float dloss, const Tensor& codes) {
+    FP8LM_CHECK(dloss != 0.0f && is_fp8(codes.dtype) && !codes.transposed && codes.rows == logits.rows &&
+                    codes.cols == logits.cols,
+                "cross_entropy_to_fp8: dloss != 0 and an FP8 operand of the logits' shape without its transposed copy");
+    cross_entropy(logits, losses, batch, slice, dloss);
+    quantize(codes, logits, Tensor{});
+  }
   // Vocabulary-parallel, in two halves around an all-gather of the partials:
   // partials [N,3] f32: this slice's row max, sum of exp(x - max) and target logit (or 0).
   virtual void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,

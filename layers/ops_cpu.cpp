@@ -387,6 +387,11 @@ class CpuOps final : public Ops {
     }
     if (!same_data(out, in)) store(out, f32(in), recording_);
   }
+  void transpose_operand(const Tensor& operand) override {
+    FP8LM_CHECK(is_fp8(operand.dtype) && !block_scaled(operand) && operand.transposed,
+                "transpose_operand: a per-tensor FP8 operand with its transposed copy");
+    cpu::transpose(static_cast<float*>(operand.transposed), f32(operand), int(operand.rows), int(operand.cols));
+  }
 
   // ---- MLP
   void gelu_backward(const GeluBackward& call) override {

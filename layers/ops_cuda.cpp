@@ -773,6 +773,12 @@ class CudaOps final : public Ops {
     cast(out, amax_slot(s), in.data, in.dtype, dbias, stream_);
   }
 
+  void transpose_operand(const Tensor& operand) override {
+    FP8LM_CHECK(is_fp8(operand.dtype) && !block_scaled(operand) && operand.transposed,
+                "transpose_operand: a per-tensor FP8 operand with its transposed copy");
+    cuda::transpose_fp8(static_cast<uint8_t*>(operand.transposed), u8(operand), rows(operand), cols(operand), stream_);
+  }
+
   // ---- MLP
   // The c_fc GEMM with the GELU epilogue (ops.h). cuBLASLt's GELU_AUX_BIAS epilogue writes
   // gelu_input and the output in the GEMM itself: at gpt2-1558m's shape 0.184 ms against
@@ -973,6 +979,23 @@ class CudaOps final : public Ops {
     check_whole_vocabulary(slice, logits);
     cuda::cross_entropy_forward_backward(bf(logits), f32(losses), batch.targets, rows(logits), slice.vocab_size,
                                          slice.size, dloss, stream_);
+  }
+  // Under a delayed per-tensor scale the loss's own pass casts the dlogits (one read of the
+  // logits, 1 byte an element written); current scaling needs their amax before the cast, and
+  // a statistics step counts the cast as the cast kernel does: both take Ops' two ops.
+  void cross_entropy_to_fp8(const Tensor& logits, const Tensor& losses, const TokenBatch& batch,
+                            const VocabSlice& slice, float dloss, const Tensor& codes) override {
+    const int s = codes.scaling_state;
+    if (block_scaled(codes) || table_->uses_current_scaling() || counts_of(s) != nullptr)
+      return Ops::cross_entropy_to_fp8(logits, losses, batch, slice, dloss, codes);
+    FP8LM_CHECK(is_fp8(codes.dtype) && !codes.transposed && codes.rows == logits.rows && codes.cols == logits.cols,
+                "cross_entropy_to_fp8: an FP8 operand of the logits' shape without its transposed copy");
+    check_whole_vocabulary(slice, logits);
+    cuda::cross_entropy_forward_backward(
+        bf(logits), f32(losses), batch.targets, rows(logits), slice.vocab_size, slice.size, dloss,
+        cuda::DlogitCodes{
+            .codes = u8(codes), .scale = scale_.data() + s, .amax = amax_slot(s), .dtype = fp8_dtype_of(codes.dtype)},
+        stream_);
   }
   void cross_entropy_partials(const Tensor& partials, const Tensor& logits, const TokenBatch& batch,
                               const VocabSlice& slice) override {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -849,6 +850,96 @@ TEST_CASE("fused cross-entropy matches the CPU reference", "[gpu][cross_entropy]
         CHECK(nonzero == 0);
       }
     }
+  }
+}
+
+TEST_CASE("cross-entropy to FP8 dlogits: the BF16 dlogits' cast, bit for bit, in the loss's pass", "[gpu][cross_entropy]") {
+  FP8LM_REQUIRE_GPU();
+  // The FP8 LM head's gradient operand under a delayed scale: the loss kernel casts its own
+  // BF16-rounded dlogits. Against the two kernels it replaces (BF16 dlogits, then cast_fp8 of
+  // them): the same codes, the same amax bits, the same losses, and the logits left as they are.
+  struct Case {
+    const char* what;
+    int N, V, Vp;
+    Fp8Dtype dtype;
+    float scale, dloss;
+  };
+  SECTION("against the BF16 dlogits and their cast") {
+    for (const Case& c : {Case{"V=300 padded to 384, E5M2", 77, 300, 384, Fp8Dtype::e5m2, 1024.0f, 1.0f / 77},
+                          Case{"GPT-2's vocabulary (staged rows), E5M2", 6, 50257, 50304, Fp8Dtype::e5m2, 65536.0f, 0.25f},
+                          Case{"a wider vocabulary (rows read twice), E4M3", 5, 60000, 60032, Fp8Dtype::e4m3, 4096.0f, 0.2f},
+                          Case{"a scale that saturates, E4M3", 33, 384, 384, Fp8Dtype::e4m3, 1e6f, 1.0f / 33}}) {
+      INFO(c.what);
+      CrossEntropyInputs in = cross_entropy_inputs(c.N, c.V, c.Vp, 2300 + uint64_t(c.N));
+      for (int i = 0; i < c.N; i += 4) in.targets[i] = kMaskedTarget;
+      const size_t n = static_cast<size_t>(c.N) * c.Vp;
+      const std::vector<bf16> logits_bf16 = to_bf16(in.logits);
+      auto d_targets = device_copy(in.targets);
+      auto d_scale = device_scalar(c.scale);
+
+      // The two kernels: BF16 dlogits in place, then their cast (the amax a running max from 0.5).
+      auto d_dlogits = device_copy(logits_bf16);
+      auto d_ref_losses = poisoned<float>(c.N);
+      auto d_ref_codes = poisoned<uint8_t>(n);
+      auto d_ref_amax = device_scalar(0.5f);
+      cuda::cross_entropy_forward_backward(d_dlogits.data(), d_ref_losses.data(), d_targets.data(), c.N, c.V, c.Vp,
+                                           c.dloss, kStream);
+      cuda::cast_fp8(d_ref_codes.data(), d_ref_amax.data(), d_dlogits.data(), d_scale.data(), c.dtype, n, kStream);
+
+      // One kernel.
+      auto d_logits = device_copy(logits_bf16);
+      auto d_losses = poisoned<float>(c.N);
+      auto d_codes = poisoned<uint8_t>(n);
+      auto d_amax = device_scalar(0.5f);
+      cuda::cross_entropy_forward_backward(
+          d_logits.data(), d_losses.data(), d_targets.data(), c.N, c.V, c.Vp, c.dloss,
+          cuda::DlogitCodes{.codes = d_codes.data(), .scale = d_scale.data(), .amax = d_amax.data(), .dtype = c.dtype},
+          kStream);
+      device_sync();
+
+      CHECK(same_bytes(d_codes.download(), d_ref_codes.download()));
+      CHECK(bits_of(download_scalar(d_amax)) == bits_of(download_scalar(d_ref_amax)));
+      CHECK(download_scalar(d_amax) > 0.5f);
+      CHECK(same_bytes(d_losses.download(), d_ref_losses.download()));
+      CHECK(same_bytes(d_logits.download(), logits_bf16));
+      // A masked row's codes are zeros; so are the padded columns'.
+      const std::vector<uint8_t> codes = d_codes.download();
+      size_t nonzero = 0;
+      for (int i = 0; i < c.N; i++)
+        for (int v = 0; v < c.Vp; v++)
+          if ((i % 4 == 0 || v >= c.V) && codes[size_t(i) * c.Vp + v] != 0) nonzero++;
+      CHECK(nonzero == 0);
+    }
+  }
+  SECTION("a NaN logit shows as a NaN amax, as the cast's") {
+    const int N = 3, V = 300, Vp = 384;
+    CrossEntropyInputs in = cross_entropy_inputs(N, V, Vp, 2400);
+    in.logits[Vp + 17] = NAN;
+    auto d_logits = device_copy(to_bf16(in.logits));
+    auto d_targets = device_copy(in.targets);
+    auto d_losses = poisoned<float>(N);
+    auto d_codes = poisoned<uint8_t>(size_t(N) * Vp);
+    auto d_scale = device_scalar(256.0f);
+    auto d_amax = device_scalar(0.0f);
+    cuda::cross_entropy_forward_backward(
+        d_logits.data(), d_losses.data(), d_targets.data(), N, V, Vp, 1.0f / N,
+        cuda::DlogitCodes{.codes = d_codes.data(), .scale = d_scale.data(), .amax = d_amax.data()}, kStream);
+    device_sync();
+    CHECK(bits_of(download_scalar(d_amax)) == kNanAmaxBits);
+    CHECK(std::isnan(d_losses.download()[1]));
+  }
+  SECTION("a forward-only loss is refused: it writes no dlogits") {
+    auto d_logits = device_copy(to_bf16(std::vector<float>(384, 0.0f)));
+    auto d_targets = device_copy(std::vector<int32_t>{1});
+    auto d_losses = poisoned<float>(1);
+    auto d_codes = poisoned<uint8_t>(384);
+    auto d_scale = device_scalar(1.0f);
+    auto d_amax = device_scalar(0.0f);
+    CHECK_THROWS_WITH(
+        cuda::cross_entropy_forward_backward(
+            d_logits.data(), d_losses.data(), d_targets.data(), 1, 300, 384, 0.0f,
+            cuda::DlogitCodes{.codes = d_codes.data(), .scale = d_scale.data(), .amax = d_amax.data()}, kStream),
+        Catch::Matchers::ContainsSubstring("dloss != 0"));
   }
 }
 
