@@ -1,6 +1,6 @@
 // Softmax cross-entropy over the vocabulary, fused with its backward: the full
 // probability tensor is never stored, the logits buffer is overwritten with its
-// gradient.
+// gradient (or, for an FP8 LM head on the GPU, the gradient's FP8 codes go apart).
 //   loss[i]   = logsumexp(logits[i, :V]) - logits[i, target[i]]
 //   dlogits[i, v] = (softmax(logits[i, :V])[v] - [v == target[i]]) * dloss,  v < V
 //   dlogits[i, v] = 0 for padded columns V <= v < Vp
