@@ -826,7 +826,7 @@ void GptModel::plan_memory() {
       return c.size();
     }
     const DType head_grad = lm_head_->grad_dtype;
-    s.dlogit_codes_apart = is_fp8(head_grad) && tiles == BlockScaling::none;
+    s.dlogit_codes_apart = per_tensor_fp8(head_grad);
     if (head_grad == act) {
       s.logits_grad = s.logits;
     } else if (s.dlogit_codes_apart) {
@@ -1301,8 +1301,12 @@ void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, 
 // so the forward's codes need not be kept. Selective `mlp` recomputation takes the same path:
 // the c_fc GEMM's epilogue computes its GELU from the unrounded sum, so its codes can differ
 // from the GELU backward's by a step, and the two would otherwise train apart.
+bool GptModel::per_tensor_fp8(DType dtype) const {
+  return is_fp8(dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+}
+
 bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
-  return trains() && is_fp8(w.fc2.input_dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
+  return trains() && per_tensor_fp8(w.fc2.input_dtype);
 }
 
 // Selective `layernorm` in an FP8 block: the LayerNorm outputs are c_attn's and c_fc's inputs,
@@ -1312,8 +1316,7 @@ bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
 // Under sequence parallelism the output is gathered across the group in the forward, so each
 // rank would need the others' rows: there the LayerNorm is rerun as in a BF16 block.
 bool GptModel::recomputes_layernorm_operand(const LinearParams& linear) const {
-  return trains() && recompute_.layernorm && is_fp8(linear.input_dtype) &&
-         scaling_.config().recipe != ScalingRecipe::blockwise && !tp_->sequence_parallel();
+  return trains() && recompute_.layernorm && per_tensor_fp8(linear.input_dtype) && !tp_->sequence_parallel();
 }
 
 // What the wgrad GEMM of `linear` (c_attn, c_fc) reads as its input: the LayerNorm's kept output,
@@ -1332,8 +1335,7 @@ Tensor GptModel::layernorm_wgrad_input(const LinearParams& linear, const LayerNo
 // scale, for the wgrad (per-tensor scales only; the row-parallel input is this rank's own,
 // under sequence parallelism too).
 bool GptModel::recomputes_attention_operand(const LinearParams& proj) const {
-  return trains() && recompute_.attention_output && is_fp8(proj.input_dtype) &&
-         scaling_.config().recipe != ScalingRecipe::blockwise;
+  return trains() && recompute_.attention_output && per_tensor_fp8(proj.input_dtype);
 }
 
 Tensor GptModel::attention_wgrad_input(const LinearParams& proj, const Tensor& operand, const Tensor& output) {

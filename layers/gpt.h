@@ -412,6 +412,9 @@ class GptModel {
   // FP8 blocks with per-tensor scales (delayed or current: either is the forward's scale when
   // the backward runs; block scales would be tiles of the transpose), training, unless
   // selective recomputation reruns the MLP anyway.
+  // An FP8 operand with one scale for the whole tensor (not the blockwise recipe's tiles): its
+  // codes can be written again with that scale, or transposed from the codes themselves.
+  bool per_tensor_fp8(DType dtype) const;
   bool recomputes_gelu_output(const BlockParams& w) const;
   bool recomputes_layernorm_operand(const LinearParams& linear) const;
   bool recomputes_attention_operand(const LinearParams& proj) const;
