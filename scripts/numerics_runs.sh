@@ -29,6 +29,8 @@
 #   fp8-lm-head      --fp8-hybrid --fp8-lm-head (the tied LM head's GEMMs in FP8 too)
 #   fp8-fast-accum   --fp8-hybrid --fp8-fast-accumulation all (no FP32 promotion in dgrad and wgrad)
 #   fp8-speed        --fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all (the fastest per-tensor FP8 step)
+#   fp8-bf16-grads   --fp8-hybrid --grad-reduce-in-bf16 (the weight gradients kept and reduced in BF16)
+#   fp8-speed-bf16-grads  fp8-speed's flags and --grad-reduce-in-bf16
 #   blockwise        --fp8-hybrid --fp8-recipe blockwise
 #   auto-precision   --fp8-hybrid --fp8-auto-precision (blocks switch to BF16 GEMMs by the statistics)
 # scripts/paired_gaps.py DIR summarises the gaps (mean, standard error) against bf16.
@@ -79,6 +81,8 @@ flags_of() {
     fp8-lm-head) echo "--fp8-hybrid --fp8-lm-head" ;;
     fp8-fast-accum) echo "--fp8-hybrid --fp8-fast-accumulation all" ;;
     fp8-speed) echo "--fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all" ;;
+    fp8-bf16-grads) echo "--fp8-hybrid --grad-reduce-in-bf16" ;;
+    fp8-speed-bf16-grads) echo "--fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all --grad-reduce-in-bf16" ;;
     blockwise) echo "--fp8-hybrid --fp8-recipe blockwise" ;;
     auto-precision) echo "--fp8-hybrid --fp8-auto-precision" ;;
     *) return 1 ;;

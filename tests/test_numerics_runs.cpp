@@ -110,3 +110,47 @@ echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
   CHECK(stats == std::map<std::string, std::string>{
                      {"bf16_s7", "none"}, {"fp8-delayed_s7", "100"}, {"blockwise_s7", "none"}, {"auto-precision_s7", "100"}});
 }
+
+TEST_CASE("numerics_runs.sh: each run name passes its precision flags; an unknown name is refused", "[scripts]") {
+  testing::TempDir dir;
+  const std::string bin = dir.file("fp8lm");
+  // This stand-in records each run's tag and its flags up to --seed (the precision flags).
+  std::ofstream(bin) << R"(#!/usr/bin/env bash
+metrics=""; flags=""; seen_seed=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --metrics-file) metrics=$2; shift 2 ;;
+    --seed) seen_seed=1; shift 2 ;;
+    --config) shift 2 ;;
+    *) [ $seen_seed = 0 ] && flags="$flags $1"; shift ;;
+  esac
+done
+echo "$(basename "$metrics" .jsonl):$flags" >> "$(dirname "$0")/flags.txt"
+echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
+)";
+  REQUIRE(std::system(("chmod +x " + bin).c_str()) == 0);
+  std::filesystem::create_directories(dir.file("data"));
+  std::ofstream(dir.file("data/train_000000.bin")) << "x";
+  std::ofstream(dir.file("data/val_000000.bin")) << "x";
+  const std::string common = testing::source_path("scripts/numerics_runs.sh") + " --bin " + bin + " --data " +
+                             dir.file("data") + " --seeds 7 --parallel 1 --out " + dir.file("out");
+  REQUIRE(WEXITSTATUS(std::system((common + " --runs 'fp8-speed fp8-bf16-grads fp8-speed-bf16-grads' > /dev/null 2>&1")
+                                      .c_str())) == 0);
+  std::map<std::string, std::string> flags;
+  std::ifstream records(dir.file("flags.txt"));
+  for (std::string line; std::getline(records, line);) {
+    const size_t colon = line.find(':');
+    flags[line.substr(0, colon)] = line.substr(colon + 1);
+  }
+  CHECK(flags == std::map<std::string, std::string>{
+                     {"fp8-speed_s7", " --fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all"},
+                     {"fp8-bf16-grads_s7", " --fp8-hybrid --grad-reduce-in-bf16"},
+                     {"fp8-speed-bf16-grads_s7",
+                      " --fp8-hybrid --fp8-lm-head --fp8-fast-accumulation all --grad-reduce-in-bf16"}});
+
+  const int unknown = std::system((common + " --runs 'bf16 fp8-fastest' > " + dir.file("unknown.txt") + " 2>&1").c_str());
+  CHECK(WEXITSTATUS(unknown) == 2);
+  std::stringstream message;
+  message << std::ifstream(dir.file("unknown.txt")).rdbuf();
+  CHECK_THAT(message.str(), ContainsSubstring("unknown run name fp8-fastest"));
+}
