@@ -40,16 +40,23 @@ struct Run {
   long long start, end;
 };
 
-}  // namespace
-
-TEST_CASE("numerics_runs.sh --gpus: each run once, one at a time per GPU, from one queue", "[scripts]") {
-  testing::TempDir dir;
+// Writes `script` as the stand-in fp8lm in dir, and one train and one validation shard under
+// dir/data; returns the stand-in's path.
+std::string stand_in_fp8lm(testing::TempDir& dir, const char* script) {
   const std::string bin = dir.file("fp8lm");
-  std::ofstream(bin) << kStandIn;
+  std::ofstream(bin) << script;
   REQUIRE(std::system(("chmod +x " + bin).c_str()) == 0);
   std::filesystem::create_directories(dir.file("data"));
   std::ofstream(dir.file("data/train_000000.bin")) << "x";
   std::ofstream(dir.file("data/val_000000.bin")) << "x";
+  return bin;
+}
+
+}  // namespace
+
+TEST_CASE("numerics_runs.sh --gpus: each run once, one at a time per GPU, from one queue", "[scripts]") {
+  testing::TempDir dir;
+  const std::string bin = stand_in_fp8lm(dir, kStandIn);
   const std::string script = testing::source_path("scripts/numerics_runs.sh");
   const std::string common = script + " --bin " + bin + " --data " + dir.file("data") + " --runs 'bf16 fp8-delayed' ";
 
@@ -88,18 +95,13 @@ TEST_CASE("numerics_runs.sh --gpus: each run once, one at a time per GPU, from o
 
 TEST_CASE("numerics_runs.sh --fp8-stats: statistics on the FP8 runs, not on BF16 or block scaling", "[scripts]") {
   testing::TempDir dir;
-  const std::string bin = dir.file("fp8lm");
   // This stand-in records each run's metrics file and whether it was asked for statistics.
-  std::ofstream(bin) << R"(#!/usr/bin/env bash
+  const std::string bin = stand_in_fp8lm(dir, R"(#!/usr/bin/env bash
 metrics=""; stats=none
 while [ $# -gt 0 ]; do case $1 in --metrics-file) metrics=$2; shift 2 ;; --fp8-stats-interval) stats=$2; shift 2 ;; *) shift ;; esac; done
 echo "$(basename "$metrics" .jsonl) $stats" >> "$(dirname "$0")/stats.txt"
 echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
-)";
-  REQUIRE(std::system(("chmod +x " + bin).c_str()) == 0);
-  std::filesystem::create_directories(dir.file("data"));
-  std::ofstream(dir.file("data/train_000000.bin")) << "x";
-  std::ofstream(dir.file("data/val_000000.bin")) << "x";
+)");
   const std::string command = testing::source_path("scripts/numerics_runs.sh") + " --bin " + bin + " --data " +
                               dir.file("data") + " --runs 'bf16 fp8-delayed blockwise auto-precision' --seeds 7 " +
                               "--parallel 1 --fp8-stats 100 --out " + dir.file("out") + " > /dev/null 2>&1";
@@ -113,9 +115,8 @@ echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
 
 TEST_CASE("numerics_runs.sh: each run name passes its precision flags; an unknown name is refused", "[scripts]") {
   testing::TempDir dir;
-  const std::string bin = dir.file("fp8lm");
   // This stand-in records each run's tag and its flags up to --seed (the precision flags).
-  std::ofstream(bin) << R"(#!/usr/bin/env bash
+  const std::string bin = stand_in_fp8lm(dir, R"(#!/usr/bin/env bash
 metrics=""; flags=""; seen_seed=0
 while [ $# -gt 0 ]; do
   case $1 in
@@ -127,11 +128,7 @@ while [ $# -gt 0 ]; do
 done
 echo "$(basename "$metrics" .jsonl):$flags" >> "$(dirname "$0")/flags.txt"
 echo "{\"iter\":10,\"val_loss\":6.5}" > "$metrics"
-)";
-  REQUIRE(std::system(("chmod +x " + bin).c_str()) == 0);
-  std::filesystem::create_directories(dir.file("data"));
-  std::ofstream(dir.file("data/train_000000.bin")) << "x";
-  std::ofstream(dir.file("data/val_000000.bin")) << "x";
+)");
   const std::string common = testing::source_path("scripts/numerics_runs.sh") + " --bin " + bin + " --data " +
                              dir.file("data") + " --seeds 7 --parallel 1 --out " + dir.file("out");
   REQUIRE(WEXITSTATUS(std::system((common + " --runs 'fp8-speed fp8-bf16-grads fp8-speed-bf16-grads' > /dev/null 2>&1")
