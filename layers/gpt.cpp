@@ -1297,14 +1297,14 @@ void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, 
              .accumulate = block_weight_gradients_written_});
 }
 
-// The GELU backward writes mlp.c_proj's wgrad input again from fc_pre (per-tensor FP8 only),
-// so the forward's codes need not be kept. Selective `mlp` recomputation takes the same path:
-// the c_fc GEMM's epilogue computes its GELU from the unrounded sum, so its codes can differ
-// from the GELU backward's by a step, and the two would otherwise train apart.
 bool GptModel::per_tensor_fp8(DType dtype) const {
   return is_fp8(dtype) && scaling_.config().recipe != ScalingRecipe::blockwise;
 }
 
+// The GELU backward writes mlp.c_proj's wgrad input again from fc_pre (per-tensor FP8 only),
+// so the forward's codes need not be kept. Selective `mlp` recomputation takes the same path:
+// the c_fc GEMM's epilogue computes its GELU from the unrounded sum, so its codes can differ
+// from the GELU backward's by a step, and the two would otherwise train apart.
 bool GptModel::recomputes_gelu_output(const BlockParams& w) const {
   return trains() && per_tensor_fp8(w.fc2.input_dtype);
 }

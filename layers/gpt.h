@@ -406,15 +406,15 @@ class GptModel {
   Tensor row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput,
                             const Tensor* operand_storage = nullptr);
   void weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad);
+  // An FP8 operand with one scale for the whole tensor (not the blockwise recipe's tiles): its
+  // codes can be written again with that scale, or transposed from the codes themselves.
+  bool per_tensor_fp8(DType dtype) const;
   // Whether block w's backward recomputes its FP8 GELU output from c_fc's saved output instead
   // of keeping it: in the GELU backward's kernel, which reads that output anyway and writes
   // the transposed copy mlp.c_proj's wgrad reads (one buffer for all blocks, not one each).
   // FP8 blocks with per-tensor scales (delayed or current: either is the forward's scale when
   // the backward runs; block scales would be tiles of the transpose), training, unless
   // selective recomputation reruns the MLP anyway.
-  // An FP8 operand with one scale for the whole tensor (not the blockwise recipe's tiles): its
-  // codes can be written again with that scale, or transposed from the codes themselves.
-  bool per_tensor_fp8(DType dtype) const;
   bool recomputes_gelu_output(const BlockParams& w) const;
   bool recomputes_layernorm_operand(const LinearParams& linear) const;
   bool recomputes_attention_operand(const LinearParams& proj) const;
