@@ -5,11 +5,12 @@
 // scales, so the scales never visit the host.
 //
 // Decode (flash-decoding): the positions of each (head, sequence) in splits of 128, one
-// 128-thread block each: HS/8 lanes read a cache row together (8 values each), the block's
-// softmax is taken relative to its own maximum, and each group of a row's lanes sums the values
-// of every (128 / (HS/8))-th position, the groups' partial sums added in a fixed order. A
-// second kernel rescales the splits' parts to the largest maximum and adds them in split
-// order. No floating-point atomics: bit-reproducible.
+// 128-thread block each: neighbouring lanes read a cache row together, 16 bytes each (8 BF16
+// values or 16 E4M3 codes), keys and values in one batch of loads; the block's softmax is
+// taken relative to its own maximum, and each group of a row's lanes sums the values of the
+// rows it scored, the groups' partial sums added in a fixed order. A second kernel rescales
+// the splits' parts to the largest maximum and adds them in split order. No floating-point
+// atomics: bit-reproducible.
 #include "layers/kv_cache.h"
 
 #include <algorithm>
@@ -109,29 +110,24 @@ __device__ float block_reduce(float value, float* shared) {
 
 __host__ __device__ inline int decode_splits(int length) { return (length + kDecodeThreads - 1) / kDecodeThreads; }
 
-// Eight cache values from `element` on: 16 bytes of BF16, or 8 of E4M3 codes (in .x, .y), loaded
-// as they are; unpack_eight turns them into FP32 where they are used.
-__device__ __forceinline__ uint4 load_eight(const void* base, size_t element, bool fp8) {
-  if (fp8) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(base) + element);
-    return make_uint4(raw.x, raw.y, 0u, 0u);
+// A lane's 16 bytes of a cache row, to FP32: 8 BF16 values or 16 E4M3 codes.
+template <bool kFp8>
+__device__ __forceinline__ void unpack_cache_piece(const uint4& raw, float (&v)[kFp8 ? 16 : 8]) {
+  if constexpr (!kFp8) {
+    unpack_bf16x8(raw, v);
+  } else {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        __nv_fp8x2_e4m3 pair;
+        pair.__x = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * half));
+        const float2 f = static_cast<float2>(pair);
+        v[4 * w + 2 * half] = f.x;
+        v[4 * w + 2 * half + 1] = f.y;
+      }
   }
-  return *reinterpret_cast<const uint4*>(static_cast<const bf16*>(base) + element);
-}
-
-__device__ __forceinline__ void unpack_eight(const uint4& raw, bool fp8, float (&v)[8]) {
-  if (!fp8) return unpack_bf16x8(raw, v);
-  const uint32_t words[2] = {raw.x, raw.y};
-#pragma unroll
-  for (int w = 0; w < 2; ++w)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      __nv_fp8x2_e4m3 pair;
-      pair.__x = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * half));
-      const float2 f = static_cast<float2>(pair);
-      v[4 * w + 2 * half] = f.x;
-      v[4 * w + 2 * half + 1] = f.y;
-    }
 }
 
 // Split decoding (flash-decoding): the cache positions of a (head, sequence) are cut into
@@ -140,79 +136,99 @@ __device__ __forceinline__ void unpack_eight(const uint4& raw, bool fp8, float (
 // writes its part of the softmax unnormalised, relative to its own maximum; a second kernel
 // combines the parts in split order. partials [B][NH][splits][HS + 2]: the weighted value sum,
 // then the split's maximum score and its sum of exponentials.
-// A cache row of the head is read by HS/8 neighbouring lanes, 8 values (16 bytes of BF16) each,
-// every load of the split issued before the first is used: a thread per key reading 4 bytes at
-// a time ran at 1.0 TB/s at batch 32 (call 135). Scores: each lane's 8 products in order, then
-// a butterfly over the row's lanes. Values: group g of the 128 / (HS/8) lane groups sums
-// positions g, g + groups, ... in order; the groups' sums are added in group order.
+// A cache row of the head is read by neighbouring lanes 16 bytes each (8 BF16 values or 16
+// E4M3 codes: an FP8 cache reads half the lanes' loads, not half-width ones), and every key
+// and value load of the split is issued before the first is used, so a block waits on memory
+// once: a thread per key reading 4 bytes at a time ran at 1.0 TB/s at batch 32 (call 135).
+// Scores: each lane's products in order, then a butterfly over the row's lanes. Values: group g
+// of the row-lane groups sums positions g, g + groups, ... in order; a warp's groups are added
+// by a butterfly, the warps' sums in warp order.
 // With stored_position (a recorded step replayed at any position) the length is read from
 // memory and the grid covers the whole cache: blocks past the length return at once.
 // grid (NH, B, splits), block kDecodeThreads.
-template <int HS>
+template <int HS, bool kFp8>
 __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(float* __restrict__ partials,
                                                                                 const bf16* __restrict__ qkv,
-                                                                                void* keys, void* values, bool fp8,
+                                                                                void* keys, void* values,
                                                                                 const float* scales, int C, int NH,
                                                                                 int capacity, int length,
                                                                                 const int32_t* stored_position,
                                                                                 bool append) {
   device::start_after_previous_kernel();
-  constexpr int kLanesPerRow = HS / 8;
+  constexpr int kPerLane = kFp8 ? 16 : 8;                      // values in a lane's 16 bytes
+  constexpr int kLanesPerRow = HS / kPerLane;
   constexpr int kRowsPerStep = kDecodeThreads / kLanesPerRow;  // rows the block reads at once (= lane groups)
   constexpr int kSteps = kDecodeThreads / kRowsPerStep;        // rows of the split per lane group
-  static_assert(HS % 8 == 0 && 32 % kLanesPerRow == 0, "a row's lanes lie in one warp");
+  // The values' loads go out with the keys' unless that would hold more than 8 pieces a thread
+  // (BF16 at head size 128), where the registers would cost more blocks than the wait.
+  constexpr bool kValuesWithKeys = kSteps <= 8;
+  constexpr size_t kElementBytes = kFp8 ? 1 : 2;
+  static_assert(HS % kPerLane == 0 && 32 % kLanesPerRow == 0, "a row's lanes lie in one warp");
   if (stored_position) length = *stored_position + 1;
   const int split = blockIdx.z, first = split * kDecodeThreads;
   if (first >= length) return;  // beyond the stored length: the combining kernel reads no part of it
   __shared__ float scores[kDecodeThreads];
-  __shared__ float group_sums[kRowsPerStep][HS];
+  __shared__ float warp_sums[kDecodeWarps][HS];
   __shared__ float reduce_slots[kDecodeWarps];
   const int h = blockIdx.x, b = blockIdx.y, splits = gridDim.z;
   const int lane_of_row = threadIdx.x % kLanesPerRow, group = threadIdx.x / kLanesPerRow;
-  const int channel = h * HS + 8 * lane_of_row;  // this thread's 8 channels of the head
-  const float k_scale_inv = fp8 ? 1.0f / scales[0] : 1.0f;
-  const float score_scale = k_scale_inv * rsqrtf(float(HS));
+  const int channel = h * HS + kPerLane * lane_of_row;  // this thread's channels of the head
   const size_t cache_row0 = size_t(b) * capacity + first;
   const int count = min(kDecodeThreads, length - first);
-  float q[8];
-  unpack_bf16x8(*reinterpret_cast<const uint4*>(qkv + size_t(b) * 3 * C + channel), q);
+  const bf16* new_qkv = qkv + size_t(b) * 3 * C + channel;  // this token's q; + C its key, + 2C its value
 
-  // This thread's 8 channels of rows group + kRowsPerStep * s (s < kSteps), all loads issued at once.
-  // With `append`, the new token's row (the last position, in the last split) comes from qkv
-  // (part 1: the key, 2: the value) and is stored into the cache as kv_cache_append stores it.
+  // This thread's piece of rows group + kRowsPerStep * s (s < kSteps). With `append`, the new
+  // token's row (the last position, in the last split) comes from qkv (part 1: the key, 2: the
+  // value) and is stored into the cache as kv_cache_append stores it.
   const int new_row = append ? length - 1 - first : -1;
-  uint4 raw[kSteps];
-  auto load_rows = [&](void* cache, int part) {
+  auto load_rows = [&](void* cache, int part, uint4 (&raw)[kSteps]) {
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       const int row = group + kRowsPerStep * s;
-      const size_t element = (cache_row0 + row) * C + channel;
+      uint8_t* piece = static_cast<uint8_t*>(cache) + ((cache_row0 + row) * C + channel) * kElementBytes;
       if (row == new_row) {
-        raw[s] = *reinterpret_cast<const uint4*>(qkv + size_t(b) * 3 * C + size_t(part) * C + channel);
-        if (fp8) {
+        const uint4* source = reinterpret_cast<const uint4*>(new_qkv + size_t(part) * C);
+        if constexpr (kFp8) {
           float x[8];
-          unpack_bf16x8(raw[s], x);
-          const uint2 codes = fp8x8(x, scales[part - 1], __NV_E4M3);
-          *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + element) = codes;
-          raw[s] = make_uint4(codes.x, codes.y, 0u, 0u);
+          uint2 codes[2];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            unpack_bf16x8(source[half], x);
+            codes[half] = fp8x8(x, scales[part - 1], __NV_E4M3);
+          }
+          raw[s] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
         } else {
-          *reinterpret_cast<uint4*>(static_cast<bf16*>(cache) + element) = raw[s];
+          raw[s] = *source;
         }
+        *reinterpret_cast<uint4*>(piece) = raw[s];
       } else {
-        raw[s] = row < count ? load_eight(cache, element, fp8) : make_uint4(0u, 0u, 0u, 0u);
+        raw[s] = row < count ? *reinterpret_cast<const uint4*>(piece) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
   };
+  uint4 key_pieces[kSteps], value_pieces[kSteps];
+  load_rows(keys, 1, key_pieces);
+  if constexpr (kValuesWithKeys) load_rows(values, 2, value_pieces);
+
+  float q[kPerLane];
+#pragma unroll
+  for (int half = 0; half < kPerLane / 8; ++half) {
+    float eight[8];
+    unpack_bf16x8(reinterpret_cast<const uint4*>(new_qkv)[half], eight);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[8 * half + j] = eight[j];
+  }
+  const float k_scale_inv = kFp8 ? 1.0f / scales[0] : 1.0f;
+  const float score_scale = k_scale_inv * rsqrtf(float(HS));
 
   // Scores.
-  load_rows(keys, 1);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
-    float k[8];
-    unpack_eight(raw[s], fp8, k);
+    float k[kPerLane];
+    unpack_cache_piece<kFp8>(key_pieces[s], k);
     float dot = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) dot += q[j] * k[j];
+    for (int j = 0; j < kPerLane; ++j) dot += q[j] * k[j];
 #pragma unroll
     for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
     const int row = group + kRowsPerStep * s;
@@ -226,24 +242,34 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   const float sum = block_reduce<false>(e, reduce_slots);  // syncs: every exponential is written
 
   // The weighted value sum: group g over rows g, g + kRowsPerStep, ... (the rows it scored).
-  float acc[8] = {};
-  load_rows(values, 2);
+  if constexpr (!kValuesWithKeys) load_rows(values, 2, value_pieces);
+  float acc[kPerLane] = {};
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int row = group + kRowsPerStep * s;
     if (row >= count) continue;
-    float v[8];
-    unpack_eight(raw[s], fp8, v);
+    float v[kPerLane];
+    unpack_cache_piece<kFp8>(value_pieces[s], v);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += scores[row] * v[j];
+    for (int j = 0; j < kPerLane; ++j) acc[j] += scores[row] * v[j];
   }
+  // A warp's groups summed by a butterfly over the lane bits that number them (every lane ends
+  // with the same bits), then the warps' sums in warp order: a short chain, where a sum over
+  // every group in turn from shared memory was on the step's critical path at batch 1.
 #pragma unroll
-  for (int j = 0; j < 8; ++j) group_sums[group][8 * lane_of_row + j] = acc[j];
+  for (int j = 0; j < kPerLane; ++j)
+#pragma unroll
+    for (int offset = kLanesPerRow; offset < 32; offset *= 2) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < kLanesPerRow)
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) warp_sums[warp][kPerLane * lane_of_row + j] = acc[j];
   __syncthreads();
   float* part = partials + ((size_t(b) * NH + h) * splits + split) * (HS + 2);
   for (int d = threadIdx.x; d < HS; d += kDecodeThreads) {
-    float total = group_sums[0][d];
-    for (int g = 1; g < kRowsPerStep; ++g) total += group_sums[g][d];
+    float total = warp_sums[0][d];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) total += warp_sums[w][d];
     part[d] = total;
   }
   if (threadIdx.x == 0) {
@@ -345,11 +371,12 @@ void attention_decode(bf16* out, const bf16* qkv, void* keys, void* values, bool
   const int splits = decode_splits(length);
   const int grid_splits = stored_position ? decode_splits(capacity) : splits;  // the parts' stride too
   const dim3 grid{unsigned(NH), unsigned(B), unsigned(grid_splits)};
-  auto* split_kernel = &attention_decode_split_kernel<128>;  // check_shape: HS is 32, 64 or 128
-  if (HS == 32) split_kernel = &attention_decode_split_kernel<32>;
-  if (HS == 64) split_kernel = &attention_decode_split_kernel<64>;
-  launch_kernel(split_kernel, grid, kDecodeThreads, 0, stream, scratch, qkv, keys, values, cache_fp8, scales, C, NH,
-                capacity, length, stored_position, append);
+  auto* split_kernel = cache_fp8 ? &attention_decode_split_kernel<128, true>  // check_shape: HS is 32, 64 or 128
+                                 : &attention_decode_split_kernel<128, false>;
+  if (HS == 32) split_kernel = cache_fp8 ? &attention_decode_split_kernel<32, true> : &attention_decode_split_kernel<32, false>;
+  if (HS == 64) split_kernel = cache_fp8 ? &attention_decode_split_kernel<64, true> : &attention_decode_split_kernel<64, false>;
+  launch_kernel(split_kernel, grid, kDecodeThreads, 0, stream, scratch, qkv, keys, values, scales, C, NH, capacity,
+                length, stored_position, append);
   launch_kernel(attention_decode_combine_kernel, dim3(unsigned(NH), unsigned(B)), unsigned(HS / 2), 0, stream, out,
                 out_fp8, out_scale, out_dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2, scratch, scales, cache_fp8, C,
                 NH, grid_splits, splits, stored_position);
