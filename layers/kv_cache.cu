@@ -137,9 +137,11 @@ __device__ __forceinline__ void unpack_cache_piece(const uint4& raw, float (&v)[
 // combines the parts in split order. partials [B][NH][splits][HS + 2]: the weighted value sum,
 // then the split's maximum score and its sum of exponentials.
 // A cache row of the head is read by neighbouring lanes 16 bytes each (8 BF16 values or 16
-// E4M3 codes: an FP8 cache reads half the lanes' loads, not half-width ones), and every key
-// and value load of the split is issued before the first is used, so a block waits on memory
-// once: a thread per key reading 4 bytes at a time ran at 1.0 TB/s at batch 32 (call 135).
+// E4M3 codes: an FP8 split issues half as many loads as a BF16 one, each as wide), and every
+// key and value load of the split is issued before the first is used, so a block waits on
+// memory once (a thread per key reading 4 bytes at a time ran at 1.0 TB/s at batch 32, call
+// 135; the values loaded after the softmax and 8-byte FP8 lanes cost 6.9% of a batch-32 FP8-
+// cache step at gpt2-1558m, docs/INFERENCE.md).
 // Scores: each lane's products in order, then a butterfly over the row's lanes. Values: group g
 // of the row-lane groups sums positions g, g + groups, ... in order; a warp's groups are added
 // by a butterfly, the warps' sums in warp order.
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   constexpr int kRowsPerStep = kDecodeThreads / kLanesPerRow;  // rows the block reads at once (= lane groups)
   constexpr int kSteps = kDecodeThreads / kRowsPerStep;        // rows of the split per lane group
   // The values' loads go out with the keys' unless that would hold more than 8 pieces a thread
-  // (BF16 at head size 128), where the registers would cost more blocks than the wait.
+  // (BF16 at head size 128, whose 16 key pieces already take 64 registers; not measured).
   constexpr bool kValuesWithKeys = kSteps <= 8;
   constexpr size_t kElementBytes = kFp8 ? 1 : 2;
   static_assert(HS % kPerLane == 0 && 32 % kLanesPerRow == 0, "a row's lanes lie in one warp");
