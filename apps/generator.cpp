@@ -36,6 +36,21 @@ struct Generator::State {
   std::unique_ptr<GptModel> model;
   TensorLayout canonical;
   std::vector<float> logits;  // the last step's, [B, Vs]
+  std::unique_ptr<Allocation> decoding_memory;  // DecodingTokens': chosen, ended, scratch
+
+  DecodingTokens decoding_tokens(uint64_t seed, int first_position, int stop_token) {
+    auto* memory = static_cast<int32_t*>(decoding_memory->data());
+    const int B = shape.batch;
+    DecodingTokens t;
+    t.rows = shape.capacity + 1;
+    t.chosen = memory;
+    t.ended = memory + size_t(t.rows) * B;
+    t.scratch = t.ended + B;
+    t.seed = seed;
+    t.first_position = first_position;
+    t.stop_token = stop_token;
+    return t;
+  }
 
   // Each activation operand's scale from the amax its casts recorded in the prompt pass (row
   // 0 of the history), with one binade of headroom: decoded tokens up to twice the prompt's
@@ -81,6 +96,8 @@ Generator::Generator(const RunSetup& setup, const GeneratorShape& shape) : state
   s.model = std::make_unique<GptModel>(setup.model, decoding_model_shape(shape), forward_only_model_precision(o, s.ops->activation_dtype()),
                                        *s.ops);
   s.canonical = make_gpt_layout(setup.model);
+  s.decoding_memory = s.ops->allocate(decoding_token_bytes(shape.batch, shape.capacity));
+  s.logits.assign(size_t(shape.batch) * s.model->vocab_slice().size, 0.0f);
 }
 
 Generator::~Generator() = default;
@@ -120,8 +137,6 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
 
   GenerationResult result;
   result.tokens.assign(size_t(B), {});
-  std::vector<Random> streams;
-  for (int b = 0; b < B; ++b) streams.emplace_back(request.seed * 0x9E3779B97F4A7C15ull + uint64_t(b) + 1);
 
   FP8LM_CHECK(!request.calibrate_activation_scales ||
                   (s.fp8 && P > 1 && s.model->scaling().config().recipe == ScalingRecipe::delayed),
@@ -151,48 +166,92 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   if (s.op_profiler) s.op_profiler->reset();  // the profile is the decode steps'
 
   const Clock::time_point decode_start = Clock::now();
-  std::vector<int32_t> current(size_t(B), request.prompt.back());
+  // Every token is chosen where the logits are (Ops::choose_next_tokens), into the memory the
+  // next step reads, so the host only queues steps. It reads the chosen tokens back
+  // kReadbackSteps steps at a time, one read-back behind, to report them and to see every
+  // sequence end: the GPU runs up to two read-backs ahead, and after a stop token up to that
+  // many steps more, which change nothing reported.
+  constexpr int kReadbackSteps = 8;
+  const int first = P - 1;
+  const DecodingTokens tokens = s.decoding_tokens(request.seed, first, request.stop_token.value_or(-1));
+  s.ops->zero(tokens.ended, sizeof(int32_t) * (size_t(B) + 1));  // ended, and scratch's counter after it
+  const std::vector<int32_t> prompt_last(size_t(B), request.prompt.back());
+  // The step memory (a step after the prompt reads its tokens and position there), first
+  // holding the prompt's last tokens; a prompt of one token runs its first step from
+  // load_batch's memory instead (position 0 stores none), and the choice moves on from there.
+  const TokenBatch step_batch = s.ops->load_decode_step(prompt_last.data(), B, std::max(first, 1), slice);
+  auto run_step = [ops = s.ops.get(), model = s.model.get(), step_batch, prompt_last, slice, B,
+                   rule = request.sampling, tokens](int position) {
+    const TokenBatch batch =
+        position > 0 ? step_batch : ops->load_batch(prompt_last.data(), prompt_last.data(), B, 1, slice);
+    model->forward_cached(batch, position);
+    ops->choose_next_tokens(model->next_token_logits(), B, slice, rule,
+                            CachePosition{.value = position, .stored = batch.step_position}, tokens);
+  };
+
   std::vector<bool> ended(size_t(B), false);
-  std::vector<float>& logits = s.logits;
-  logits.assign(size_t(B) * slice.size, 0.0f);
-  // With replay_steps, a step after the prompt reads its tokens and position from the memory
-  // load_decode_step fills: the first such step runs op by op (every kernel and GEMM plan is
-  // set up outside the recording), the second is recorded, and it and every later one replay it.
+  bool all_ended = false;
+  // The next `count` steps' rows of tokens.chosen, as the host got them.
+  auto report = [&](int count, const int32_t* rows) {
+    for (int i = 0; i < count && !all_ended; ++i) {
+      std::vector<int32_t> drawn(rows + size_t(i) * B, rows + size_t(i + 1) * B);
+      for (int b = 0; b < B; ++b) {
+        if (ended[size_t(b)]) {
+          drawn[size_t(b)] = -1;
+          continue;
+        }
+        result.tokens[size_t(b)].push_back(drawn[size_t(b)]);
+        if (request.stop_token && drawn[size_t(b)] == *request.stop_token) ended[size_t(b)] = true;
+      }
+      ++result.decode_steps;
+      if (request.on_step) request.on_step(drawn);
+      all_ended = std::all_of(ended.begin(), ended.end(), [](bool e) { return e; });
+    }
+  };
+  auto chosen_row = [&](int step) { return tokens.chosen + size_t(first + 1 + step) * B; };
+  std::unique_ptr<HostReadback> readbacks[2] = {s.ops->make_readback(sizeof(int32_t) * kReadbackSteps * B),
+                                                s.ops->make_readback(sizeof(int32_t) * kReadbackSteps * B)};
+  int captured = 0;  // read-backs captured; the one before the last is reported
+  int reported = 0;  // steps reported
+  // With replay_steps the first step after the prompt runs op by op (every kernel and GEMM
+  // plan is set up outside the recording), the next is recorded, and it and every later one
+  // replay it.
   std::unique_ptr<RecordedOps> recorded_step;
   bool stored_step_ran = false;
-  for (int step = 0; step < request.max_new_tokens; ++step) {
-    const int position = P - 1 + step;
-    if (!s.replay_steps || position == 0) {
-      s.model->forward_cached(s.ops->load_batch(current.data(), current.data(), B, 1, slice), position);
+  int queued = 0;
+  for (int step = 0; step < request.max_new_tokens && !all_ended; ++step) {
+    const int position = first + step;
+    if (!s.replay_steps || position == 0 || !stored_step_ran) {
+      run_step(position);
+      stored_step_ran = stored_step_ran || position > 0;
     } else {
-      const TokenBatch batch = s.ops->load_decode_step(current.data(), B, position, slice);
-      if (!stored_step_ran) {
-        s.model->forward_cached(batch, position);
-        stored_step_ran = true;
-      } else {
-        if (!recorded_step) {
-          GptModel* model = s.model.get();
-          recorded_step = s.ops->record_ops([model, batch, position] { model->forward_cached(batch, position); });
-        }
-        recorded_step->replay();
+      if (!recorded_step) recorded_step = s.ops->record_ops([run_step, position] { run_step(position); });
+      recorded_step->replay();
+    }
+    ++queued;
+    if (s.op_profiler) {
+      s.ops->synchronize();
+      s.op_profiler->finish_step();
+    }
+    if (queued % kReadbackSteps == 0) {
+      readbacks[captured % 2]->capture(chosen_row(queued - kReadbackSteps));
+      ++captured;
+      if (captured >= 2) {
+        report(kReadbackSteps, static_cast<const int32_t*>(readbacks[captured % 2]->wait()));
+        reported += kReadbackSteps;
       }
     }
-    s.ops->download_values(logits.data(), s.model->next_token_logits());
-    if (s.op_profiler) s.op_profiler->finish_step();  // the download waited for the step
-    std::vector<int32_t> drawn(size_t(B), -1);
-    for (int b = 0; b < B; ++b) {
-      if (ended[size_t(b)]) continue;  // keeps its last token as input: the batch keeps its shape
-      const int32_t token =
-          sample_token(logits.data() + size_t(b) * slice.size, slice.vocab_size, request.sampling, streams[size_t(b)]);
-      drawn[size_t(b)] = token;
-      current[size_t(b)] = token;
-      result.tokens[size_t(b)].push_back(token);
-      if (request.stop_token && token == *request.stop_token) ended[size_t(b)] = true;
-    }
-    ++result.decode_steps;
-    if (request.on_step) request.on_step(drawn);
-    if (std::all_of(ended.begin(), ended.end(), [](bool e) { return e; })) break;
   }
+  if (captured >= 1 && reported < captured * kReadbackSteps) {
+    report(kReadbackSteps, static_cast<const int32_t*>(readbacks[(captured - 1) % 2]->wait()));
+    reported += kReadbackSteps;
+  }
+  if (reported < queued) {
+    std::vector<int32_t> rows(size_t(queued - reported) * B);
+    s.ops->download(rows.data(), chosen_row(reported), rows.size() * sizeof(int32_t));
+    report(queued - reported, rows.data());
+  }
+  s.ops->download_values(s.logits.data(), s.model->next_token_logits());
   result.decode_ms = ms_since(decode_start);
   return result;
 }
@@ -201,7 +260,9 @@ const OpProfiler* Generator::op_profiler() const { return state_->op_profiler; }
 
 const std::vector<float>& Generator::last_logits() const { return state_->logits; }
 
-size_t Generator::allocated_bytes() const { return state_->model->allocated_bytes() + state_->ops->workspace_bytes(); }
+size_t Generator::allocated_bytes() const {
+  return state_->model->allocated_bytes() + state_->ops->workspace_bytes() + state_->decoding_memory->bytes();
+}
 
 SettingsTable Generator::describe() const {
   const State& s = *state_;

@@ -768,15 +768,20 @@ MemoryEstimate estimate_decoding_memory(const RunSetup& s, const GeneratorShape&
                          /*engine_slab=*/false);
   }
 
+  add_backend_consumer(estimate, cuda,
+                       "chosen tokens (batch " + number(x.B) + " x capacity " + number(capacity) +
+                           ", and a histogram of the 65,536 BF16 values per sequence for top-k and top-p)",
+                       decoding_token_bytes(int(x.B), int(capacity)), "lower --batch-size");
+
   add_scaling_consumer(estimate, fp8_scaling_states(s), s.options.fp8.amax_history_len, cuda);
 
   {  // The generation loop's host buffers (Generator::generate) and the backend's token copies.
     MemoryConsumer c;
     c.name = "host: prompt, logits and new tokens";
     c.host_bytes = sum({mul(x.BT, 4, 3),           // the prompt pass's tokens, and the backend's inputs and targets
-                        mul(x.B, x.Vs, 4),         // the logits of a step, downloaded
-                        mul(x.B, new_tokens, 4),   // the generated tokens
-                        mul(x.B, 64),              // each sequence's random stream and state
+                        mul(x.B, x.Vs, 4),         // the last step's logits, downloaded
+                        mul(x.B, new_tokens, 4, 2),  // the generated tokens, and their read-back rows
+                        mul(x.B, 64),              // each sequence's state
                         cuda ? mul(4, add(mul(5, x.BT), 1), 4) : 0});  // pinned staging slots
     c.remedy = "lower --batch-size or --max-new-tokens";
     estimate.consumers.push_back(std::move(c));

@@ -13,11 +13,7 @@
 #include <cstdint>
 #include <string_view>
 
-#if defined(__CUDACC__)
-#define FP8LM_HOST_DEVICE __host__ __device__
-#else
-#define FP8LM_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace fp8lm {
 

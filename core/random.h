@@ -6,12 +6,14 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/host_device.h"
+
 namespace fp8lm {
 
 // SplitMix64's output for one counter value: the k-th number (k >= 1) of Random(seed) is
 // hash64(seed + (k - 1) * 0x9E3779B97F4A7C15), so any number of a stream can be drawn
 // without the ones before it.
-inline uint64_t hash64(uint64_t counter) {
+FP8LM_HOST_DEVICE inline uint64_t hash64(uint64_t counter) {
   uint64_t z = counter + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -19,7 +21,7 @@ inline uint64_t hash64(uint64_t counter) {
 }
 
 // Uniform in [0, 1) with 53 random bits of `bits`.
-inline double uniform_of(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
+FP8LM_HOST_DEVICE inline double uniform_of(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
 
 // A standard normal from two uniforms, u1 in (0, 1): one of Box-Muller's pair.
 inline double normal_of(double u1, double u2) {

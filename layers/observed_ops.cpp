@@ -262,6 +262,12 @@ class ObservedOps final : public Ops {
              [&] { inner_->attention_decode(out, operand, qkv, cache, shape, position); });
   }
   void download_values(float* host, const Tensor& source) override { inner_->download_values(host, source); }
+  void choose_next_tokens(const Tensor& logits, int B, const VocabSlice& slice, const SamplingOptions& rule,
+                          CachePosition position, const DecodingTokens& tokens) override {
+    observed({"sampling", Lane::main, [] { return std::string("choose_next_tokens"); },
+              [&] { return OpCost{0, double(B) * slice.size * element_bytes(logits.dtype)}; }},
+             [&] { inner_->choose_next_tokens(logits, B, slice, rule, position, tokens); });
+  }
 
   // ---- Loss
   void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch, const VocabSlice& slice,

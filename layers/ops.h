@@ -35,6 +35,7 @@
 #include "core/scaling.h"
 #include "core/tensor.h"
 #include "layers/documents.h"
+#include "layers/sampling.h"
 #include "optim/adamw.h"
 #include "optim/step_control.h"
 
@@ -558,6 +559,18 @@ class Ops {
                                 const AttentionShape& shape, CachePosition position) = 0;
   // A tensor's values as FP32 on the host (activation dtype or f32; waits for the stream).
   virtual void download_values(float* host, const Tensor& source) = 0;
+
+  // ---- Choosing tokens (layers/sampling.h) ----------------------------------------
+  // Each of B sequences' next token from a decoding step's logits [B, Vs] (the whole
+  // vocabulary): sample_token's choice by `rule` with the number step_uniform(tokens.seed, b,
+  // position - tokens.first_position), made where the logits are, so that a decoding loop
+  // never waits for the host. The token becomes the next step's input in the memory
+  // load_decode_step fills, whose position becomes position + 1, and row position + 1 of
+  // tokens.chosen. A sequence that has ended keeps its input and records -1; one that draws
+  // tokens.stop_token ends. position.stored, when set, is read instead of position.value (a
+  // recorded step replays at every position).
+  virtual void choose_next_tokens(const Tensor& logits, int B, const VocabSlice& slice, const SamplingOptions& rule,
+                                  CachePosition position, const DecodingTokens& tokens) = 0;
 
   // ---- Loss (cross-entropy, layers/cross_entropy.h) -------------------------------
   // One rank holds the whole vocabulary (slice.begin 0, slice.size the padded Vp): losses [N]

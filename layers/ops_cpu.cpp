@@ -466,6 +466,29 @@ class CpuOps final : public Ops {
     std::copy(f32(source), f32(source) + source.numel(), host);
   }
 
+  // ---- Choosing tokens: sample_token on each row, in place of the GPU's kernel.
+  void choose_next_tokens(const Tensor& logits, int B, const VocabSlice& slice, const SamplingOptions& rule,
+                          CachePosition position, const DecodingTokens& tokens) override {
+    FP8LM_CHECK(slice.begin == 0 && slice.size == int(logits.cols) && int(logits.rows) >= B,
+                "choose_next_tokens needs the whole vocabulary's logits of ", B, " sequences");
+    const int at = position.stored ? *position.stored : position.value;
+    FP8LM_CHECK(at >= tokens.first_position && at + 1 < tokens.rows, "choose_next_tokens: position ", at,
+                " outside the decoding loop's [", tokens.first_position, ", ", tokens.rows - 1, ")");
+    if (decode_step_.size() != size_t(B) + 1) decode_step_.resize(size_t(B) + 1);
+    for (int b = 0; b < B; ++b) {
+      int32_t& chosen = tokens.chosen[size_t(at + 1) * B + b];
+      if (tokens.ended[b]) {
+        chosen = -1;
+        continue;
+      }
+      chosen = sample_token(f32(logits) + size_t(b) * slice.size, slice.vocab_size, rule,
+                            step_uniform(tokens.seed, b, at - tokens.first_position));
+      decode_step_[size_t(b)] = chosen;
+      if (chosen == tokens.stop_token) tokens.ended[b] = 1;
+    }
+    decode_step_[size_t(B)] = at + 1;
+  }
+
   // ---- Loss
   void cross_entropy(const Tensor& logits, const Tensor& losses, const TokenBatch& batch, const VocabSlice& slice,
                      float dloss) override {

@@ -25,6 +25,7 @@
 #include "layers/gelu.h"
 #include "layers/kv_cache.h"
 #include "layers/layernorm.h"
+#include "layers/sampling_cuda.h"
 #include "optim/adamw_cuda.h"
 #include "optim/grad_clip_cuda.h"
 #include "optim/slab_ops.h"
@@ -971,6 +972,26 @@ class CudaOps final : public Ops {
     std::vector<uint16_t> bits(n);
     download(bits.data(), source.data, n * sizeof(uint16_t));
     for (size_t i = 0; i < n; ++i) host[i] = bf16_to_float(bits[i]);
+  }
+
+  // ---- Choosing tokens: into tokens_, the memory load_decode_step fills.
+  void choose_next_tokens(const Tensor& logits, int B, const VocabSlice& slice, const SamplingOptions& rule,
+                          CachePosition position, const DecodingTokens& tokens) override {
+    FP8LM_CHECK(logits.dtype == DType::bf16 && slice.begin == 0 && slice.size == int(logits.cols) &&
+                    int(logits.rows) >= B,
+                "choose_next_tokens needs the whole vocabulary's BF16 logits of ", B, " sequences");
+    FP8LM_CHECK(size_t(B) + 1 <= token_slot_ints_, "choose_next_tokens: more sequences than the planned batch");
+    cuda::choose_next_tokens({.logits = static_cast<const uint16_t*>(logits.data),
+                              .B = B,
+                              .row_stride = slice.size,
+                              .vocab_size = slice.vocab_size,
+                              .rule = rule,
+                              .position = position.value,
+                              .stored_position = position.stored,
+                              .next_inputs = tokens_.data(),
+                              .next_position = tokens_.data() + B,
+                              .tokens = tokens},
+                             stream_);
   }
 
   // ---- Loss

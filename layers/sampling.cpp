@@ -17,6 +17,10 @@ void validate_sampling_options(const SamplingOptions& o) {
 }
 
 int32_t sample_token(const float* logits, int vocab_size, const SamplingOptions& o, Random& random) {
+  return sample_token(logits, vocab_size, o, o.temperature == 0.0 ? 0.0 : random.uniform());
+}
+
+int32_t sample_token(const float* logits, int vocab_size, const SamplingOptions& o, double uniform) {
   FP8LM_CHECK(vocab_size > 0, "sample_token: empty vocabulary");
   if (o.temperature == 0.0) return int32_t(std::max_element(logits, logits + vocab_size) - logits);
 
@@ -54,7 +58,7 @@ int32_t sample_token(const float* logits, int vocab_size, const SamplingOptions&
   }
   double nucleus_total = 0.0;
   for (size_t i = 0; i < nucleus; ++i) nucleus_total += probabilities[i];
-  double draw = random.uniform() * nucleus_total;
+  double draw = uniform * nucleus_total;
   for (size_t i = 0; i < nucleus; ++i) {
     draw -= probabilities[i];
     if (draw < 0.0) return ids[i];

@@ -249,6 +249,13 @@ TEST_CASE("sampling: greedy, top-k, top-p, temperature, deterministic in the see
   Random a(9), b(9);
   for (int i = 0; i < 50; ++i) CHECK(sample_token(logits.data(), 4, {}, a) == sample_token(logits.data(), 4, {}, b));
 
+  // A decoding loop's numbers (the GPU computes them without a stream): sequence s's stream
+  // of seed 77, one number a step.
+  for (int sequence = 0; sequence < 3; ++sequence) {
+    Random stream(77 * 0x9E3779B97F4A7C15ull + uint64_t(sequence) + 1);
+    for (int step = 0; step < 20; ++step) CHECK(step_uniform(77, sequence, step) == stream.uniform());
+  }
+
   CHECK_THROWS_WITH(validate_sampling_options({.temperature = -1.0}), ContainsSubstring("--temperature"));
   CHECK_THROWS_WITH(validate_sampling_options({.top_k = -1}), ContainsSubstring("--top-k"));
   CHECK_THROWS_WITH(validate_sampling_options({.top_p = 0.0}), ContainsSubstring("--top-p"));
