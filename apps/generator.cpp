@@ -219,8 +219,14 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   std::unique_ptr<RecordedOps> recorded_step;
   bool stored_step_ran = false;
   int queued = 0;
+  constexpr int kSetUpSteps = 2;
+  Clock::time_point steady_start;
   for (int step = 0; step < request.max_new_tokens && !all_ended; ++step) {
     const int position = first + step;
+    if (step == kSetUpSteps) {
+      s.ops->synchronize();
+      steady_start = Clock::now();
+    }
     if (!s.replay_steps || position == 0 || !stored_step_ran) {
       run_step(position);
       stored_step_ran = stored_step_ran || position > 0;
@@ -253,6 +259,10 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   }
   s.ops->download_values(s.logits.data(), s.model->next_token_logits());
   result.decode_ms = ms_since(decode_start);
+  if (queued > kSetUpSteps) {
+    result.steady_ms = ms_since(steady_start);
+    result.steady_steps = queued - kSetUpSteps;
+  }
   return result;
 }
 

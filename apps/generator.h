@@ -59,6 +59,12 @@ struct GenerationResult {
   double prefill_ms = 0.0;                   // the prompt (all but its last token) into the cache
   double decode_ms = 0.0;                    // every one-token step, sampling included
   int64_t decode_steps = 0;
+  // The steps after the first two, which set up (the first plans and times every GEMM of the
+  // step's shapes, the second is recorded): from a sync before the third to the end, steps
+  // that ran after a stop token included. What a longer generation's steps cost; 0 steps when
+  // there were no more than two.
+  double steady_ms = 0.0;
+  int64_t steady_steps = 0;
 };
 
 class Generator {

@@ -270,14 +270,21 @@ int run_sample_command(const std::vector<std::string>& args) {
   int64_t generated = 0;
   for (const auto& tokens : result.tokens) generated += int64_t(tokens.size());
   const double decode_s = result.decode_ms / 1000.0;
+  // A step's cost is the steady steps' (GenerationResult::steady_ms); the whole decode, its
+  // set-up included, is decode_ms and decode_tokens_per_s.
+  const double ms_per_step = result.steady_steps ? result.steady_ms / double(result.steady_steps)
+                             : result.decode_steps ? result.decode_ms / double(result.decode_steps)
+                                                   : 0.0;
   const nlohmann::json line = {{"prompt_tokens", P},
                                {"batch_size", o.batch_size},
                                {"new_tokens", generated},
                                {"decode_steps", result.decode_steps},
                                {"prefill_ms", result.prefill_ms},
                                {"decode_ms", result.decode_ms},
-                               {"ms_per_step", result.decode_steps ? result.decode_ms / double(result.decode_steps) : 0.0},
-                               {"tokens_per_s", decode_s > 0 ? double(generated) / decode_s : 0.0},
+                               {"steady_steps", result.steady_steps},
+                               {"ms_per_step", ms_per_step},
+                               {"tokens_per_s", ms_per_step > 0 ? o.batch_size * 1000.0 / ms_per_step : 0.0},
+                               {"decode_tokens_per_s", decode_s > 0 ? double(generated) / decode_s : 0.0},
                                {"precision", options.precision_name()},
                                {"kv_cache_dtype", o.kv_cache_dtype},
                                {"small_m_gemm", o.small_m_gemm},

@@ -3,6 +3,7 @@
 // tokens and its position from the memory load_decode_step fills, not from values frozen
 // when the step was recorded. The same check on both backends: on the CPU, replaying runs
 // the ops again, and it is their reading of the stored position that is tested.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -183,6 +184,71 @@ TEST_CASE("FP8 activation scales calibrated on the prompt, on the GPU, in replay
           "[gpu][sample]") {
   FP8LM_REQUIRE_GPU();
   check_prompt_calibration("cuda", "--bf16");
+}
+
+namespace {
+
+// Stopping: each sequence's tokens end at its first stop token, the others run on, and the loop
+// stops once every sequence has stopped, though the backend chose tokens ahead of the host's
+// read-back (apps/generator.cpp). The same tokens, reported step by step to on_step.
+void check_stop_tokens(const std::string& device, bool replay_steps) {
+  const int batch = 3, new_tokens = 21;  // past two read-backs of 8 steps and a remainder
+  Decoder decoder(device, {device == "cpu" ? "--fp32" : "--bf16"}, replay_steps, batch, 48);
+  GenerationRequest request;
+  for (int i = 0; i < 20; ++i) request.prompt.push_back(int32_t((i * 37 + 11) % 256));
+  request.max_new_tokens = new_tokens;
+  request.sampling = {.temperature = 1.0, .top_k = 8};  // the sequences draw differently
+  request.seed = 3;
+  const std::vector<std::vector<int32_t>> free = decoder.generator->generate(request).tokens;
+  REQUIRE(free.size() == size_t(batch));
+  // Sequence 0's token at step 4 stops it there (or at its first earlier draw of it).
+  const int32_t stop = free[0][4];
+  std::vector<size_t> expected_length(batch);
+  for (int b = 0; b < batch; ++b) {
+    const auto at = std::find(free[size_t(b)].begin(), free[size_t(b)].end(), stop);
+    expected_length[size_t(b)] = at == free[size_t(b)].end() ? free[size_t(b)].size() : size_t(at - free[size_t(b)].begin()) + 1;
+  }
+  request.stop_token = stop;
+  std::vector<std::vector<int32_t>> streamed(batch);
+  request.on_step = [&](const std::vector<int32_t>& drawn) {
+    for (int b = 0; b < batch; ++b)
+      if (drawn[size_t(b)] >= 0) streamed[size_t(b)].push_back(drawn[size_t(b)]);
+  };
+  const GenerationResult stopped = decoder.generator->generate(request);
+  for (int b = 0; b < batch; ++b) {
+    INFO("sequence " << b);
+    CHECK(stopped.tokens[size_t(b)].size() == expected_length[size_t(b)]);
+    CHECK(std::equal(stopped.tokens[size_t(b)].begin(), stopped.tokens[size_t(b)].end(), free[size_t(b)].begin()));
+    CHECK(streamed[size_t(b)] == stopped.tokens[size_t(b)]);
+  }
+  CHECK(size_t(stopped.decode_steps) == *std::max_element(expected_length.begin(), expected_length.end()));
+
+  // Greedy: every sequence draws the same tokens and all stop at once, ending the loop early.
+  request.sampling = {.temperature = 0.0};
+  request.stop_token.reset();
+  request.on_step = nullptr;
+  const std::vector<int32_t> greedy = decoder.generator->generate(request).tokens[0];
+  request.stop_token = greedy[9];
+  const size_t greedy_length = size_t(std::find(greedy.begin(), greedy.end(), greedy[9]) - greedy.begin()) + 1;
+  const GenerationResult all_stopped = decoder.generator->generate(request);
+  CHECK(size_t(all_stopped.decode_steps) == greedy_length);
+  for (int b = 0; b < batch; ++b)
+    CHECK(all_stopped.tokens[size_t(b)] == std::vector<int32_t>(greedy.begin(), greedy.begin() + ptrdiff_t(greedy_length)));
+}
+
+}  // namespace
+
+TEST_CASE("decoding stops each sequence at the stop token, and the loop once all have stopped (CPU)",
+          "[sample][cpu]") {
+  check_stop_tokens("cpu", /*replay_steps=*/true);
+  check_stop_tokens("cpu", /*replay_steps=*/false);
+}
+
+TEST_CASE("decoding on the GPU stops each sequence at the stop token, and the loop once all have stopped",
+          "[gpu][sample]") {
+  FP8LM_REQUIRE_GPU();
+  check_stop_tokens("cuda", /*replay_steps=*/true);
+  check_stop_tokens("cuda", /*replay_steps=*/false);
 }
 
 TEST_CASE("a recorded decoding step replays at every later position to op-by-op logits (CPU)", "[sample][cpu]") {

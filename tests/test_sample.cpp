@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <catch2/catch_approx.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 #include <nlohmann/json.hpp>
@@ -285,6 +286,9 @@ TEST_CASE("fp8lm sample: the same seed gives the same text; bad input exits 2 na
   const auto line = nlohmann::json::parse(first.output.substr(first.output.rfind("{\"")));
   CHECK(line["new_tokens"] == 12);
   CHECK(line["prompt_tokens"] == 10);  // "He" is one token
+  // The step cost is the steady steps' (after the two that set up), and the throughput its batch's.
+  CHECK(line["steady_steps"] == 10);
+  CHECK(line["tokens_per_s"].get<double>() == Catch::Approx(1000.0 / line["ms_per_step"].get<double>()));
   const auto again = run_fp8lm(base + "--prompt 'Hello there' --seed 5");
   CHECK(text_of(again.output) == text_of(first.output));
   // FP8 decoding with activation scales calibrated on the prompt.
