@@ -4,7 +4,8 @@
 # generate in BF16, at batch 1 and 32 with a long prompt (docs/INFERENCE.md). The prompt is
 # 1,024 tokens where the context allows it, else the context minus the new tokens (GPT-2's
 # 1,024: 896 + 128). Random weights (the speed does not depend on them); greedy decoding, no
-# early stop.
+# early stop. fp8lm's ms/step is its steady steps' (after the two that plan its GEMMs and
+# record its step), transformers' is timed after a warm-up call.
 #   scripts/bench_decode.sh [CONFIG] [NEW_TOKENS]     (defaults: configs/gpt2-1558m.json 128)
 # Environment: BATCHES (default "1 32"); PROMPT (tokens); SCALES, the FP8 rows' activation
 # scales: prompt (default: calibrated on the prompt, as a trained FP8 checkpoint's delayed
