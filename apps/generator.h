@@ -1,6 +1,7 @@
 // Text generation with a trained model: the model built for incremental decoding
 // (layers/gpt.h, InferenceShape), its weights read from an fp8lm checkpoint or a Hugging
-// Face GPT-2 model, and the next tokens drawn on the host (layers/sampling.h).
+// Face GPT-2 model, and the next tokens chosen where the logits are (Ops::choose_next_tokens,
+// layers/sampling.h), so that the host only queues steps.
 //
 // Precision: the GEMMs run in the run set-up's precision. Under FP8 the Linear weights are
 // cast to E4M3 once, at load, from the FP32 values; activations are cast with the
