@@ -48,15 +48,16 @@ FP8LM_HOST_DEVICE inline double step_uniform(uint64_t seed, int sequence, int64_
 struct DecodingTokens {
   int32_t* chosen = nullptr;   // [rows, B]: row p holds each sequence's token at position p; -1 once it ended
   int32_t* ended = nullptr;    // [B]: 1 once the sequence drew stop_token; zero before the first step
-  int32_t* scratch = nullptr;  // decoding_token_scratch_ints(B) ints, zero before the first step
+  int32_t* scratch = nullptr;  // decoding_token_scratch_ints(B) ints: the first zero before the first step
   int rows = 0;                // capacity + 1
   uint64_t seed = 0;           // step_uniform's
   int first_position = 0;      // the position of step 0 (the prompt's last token)
   int stop_token = -1;         // none: -1
 };
 
-// The GPU's working memory for choosing B tokens: a histogram of the 65,536 BF16 logit values
-// per sequence (top-k, top-p) and a counter of the finished blocks.
+// The GPU's working memory for choosing B tokens: a counter of the finished blocks (the
+// kernel leaves it zero again), then a histogram of the 65,536 BF16 logit values per sequence
+// (top-k, top-p; the kernel clears its own).
 inline size_t decoding_token_scratch_ints(int B) { return size_t(B) * 65536 + 1; }
 // The bytes of a DecodingTokens' memory in one allocation: chosen, ended, scratch.
 inline size_t decoding_token_bytes(int B, int capacity) {
