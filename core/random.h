@@ -10,14 +10,20 @@
 
 namespace fp8lm {
 
-// SplitMix64's output for one counter value: the k-th number (k >= 1) of Random(seed) is
-// hash64(seed + (k - 1) * 0x9E3779B97F4A7C15), so any number of a stream can be drawn
-// without the ones before it.
+// SplitMix64's counter increment (2^64 / the golden ratio, odd).
+inline constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ull;
+
+// SplitMix64's output for one counter value.
 FP8LM_HOST_DEVICE inline uint64_t hash64(uint64_t counter) {
-  uint64_t z = counter + 0x9E3779B97F4A7C15ull;
+  uint64_t z = counter + kGoldenGamma;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+// Number `index` (0: the first) of Random(seed), without drawing the ones before it.
+FP8LM_HOST_DEVICE inline uint64_t random_number_at(uint64_t seed, uint64_t index) {
+  return hash64(seed + index * kGoldenGamma);
 }
 
 // Uniform in [0, 1) with 53 random bits of `bits`.
@@ -42,7 +48,7 @@ class Random {
 
   uint64_t next_u64() {
     const uint64_t z = hash64(state_);
-    state_ += 0x9E3779B97F4A7C15ull;
+    state_ += kGoldenGamma;
     return z;
   }
   // Uniform in [0, 1) with 53 random bits.

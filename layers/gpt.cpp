@@ -78,7 +78,7 @@ TensorDraw tensor_draw(const TensorInfo& t, size_t index, const GptConfig& cfg, 
   const double residual_std = cfg.initializer_range / std::sqrt(2.0 * cfg.n_layer);
   draw.std_dev = ends_with(t.name, "c_proj.weight") ? residual_std : cfg.initializer_range;
   draw.filled = is_vocabulary_table(t.name) ? size_t(cfg.vocab_size) * cfg.n_embd : t.numel;
-  draw.key = seed * 0x9E3779B97F4A7C15ull + index * 0xD1B54A32D192ED03ull;
+  draw.key = seed * kGoldenGamma + index * 0xD1B54A32D192ED03ull;
   return draw;
 }
 
@@ -93,7 +93,6 @@ void draw_elements(const TensorDraw& draw, size_t begin, size_t count, float* ou
     std::fill(out, out + count, draw.constant);
     return;
   }
-  constexpr uint64_t kStep = 0x9E3779B97F4A7C15ull;  // SplitMix64's increment
   for (size_t k = 0; k < count; ++k) {
     const size_t i = begin + k;
     if (i >= draw.filled) {
@@ -102,11 +101,11 @@ void draw_elements(const TensorDraw& draw, size_t begin, size_t count, float* ou
     }
     const uint64_t stream = draw.key + i / kInitStreamElements;
     const uint64_t j = i % kInitStreamElements;
-    double u1 = uniform_of(hash64(stream + (2 * j + 1) * kStep));
+    double u1 = uniform_of(random_number_at(stream, 2 * j + 1));
     // Random::normal() draws again after a 0 (p = 2^-53), which shifts the rest of a run;
     // here the smallest positive uniform stands in, so only that element differs.
     if (u1 <= 0.0) u1 = 0x1.0p-53;
-    const double u2 = uniform_of(hash64(stream + (2 * j + 2) * kStep));
+    const double u2 = uniform_of(random_number_at(stream, 2 * j + 2));
     out[k] = static_cast<float>(normal_of(u1, u2) * draw.std_dev);
   }
 }
@@ -1033,7 +1032,7 @@ GemmCall GptModel::fc_gelu_call(const BlockParams& w, const Tensor& ln2, const T
 
 void GptModel::recompute_forward(int begin, int last) {
   // The same values as the forward's, cast with the same scales: nothing to record (nor count).
-  ops_.set_amax_recording(false);
+  ops_.set_amax_recording(AmaxRecording::off);
   const Chunk whole{.B = B_, .T = T_, .document_starts = document_starts_};
   ResidualAdd input{.residual_in = saved_[begin].residual};
   for (int l = begin; l <= last; ++l) {
@@ -1043,7 +1042,7 @@ void GptModel::recompute_forward(int begin, int last) {
       input = row_parallel_forward(blocks_[l].fc2, a.gelu, a.residual_mid, saved_[l + 1].residual);
     }
   }
-  ops_.set_amax_recording(true);
+  ops_.set_amax_recording(AmaxRecording::on);
 }
 
 void GptModel::recompute_selective(int l) {
@@ -1052,7 +1051,7 @@ void GptModel::recompute_selective(int l) {
   // The forward's values from its kept inputs: the plain LayerNorm of the stored residual
   // stream is the fused add's output bit for bit (layers/layernorm.h), and the scales have not
   // moved since the forward. Nothing is recorded or counted twice.
-  ops_.set_amax_recording(false);
+  ops_.set_amax_recording(AmaxRecording::off);
   // A LayerNorm output the backward recomputes for its wgrad (recomputes_layernorm_operand) is
   // not kept; `mlp` still needs ln_2's codes for the c_fc GEMM below.
   const bool ln1_again = recompute_.layernorm && !recomputes_layernorm_operand(w.qkv);
@@ -1060,7 +1059,7 @@ void GptModel::recompute_selective(int l) {
   if (ln1_again) layernorm_forward(w.ln1, {.residual_in = a.residual}, a.ln1, a.ln1_mean, a.ln1_rstd);
   if (ln2_again) layernorm_forward(w.ln2, {.residual_in = a.residual_mid}, a.ln2, a.ln2_mean, a.ln2_rstd);
   if (recompute_.mlp) ops_.gemm(fc_gelu_call(w, a.ln2, a.fc_pre, a.gelu));
-  ops_.set_amax_recording(true);
+  ops_.set_amax_recording(AmaxRecording::on);
 }
 
 void GptModel::attention_cached(int l, const Chunk& chunk, const AttentionShape& heads) {
@@ -1097,7 +1096,7 @@ void GptModel::forward_cached(const TokenBatch& batch, int position, bool record
   const Chunk chunk{.B = batch.B, .T = n, .position = {.value = position, .stored = batch.step_position}, .cached = true};
   const int64_t chunk_rows = int64_t(batch.B) * n;
   const Scratch& s = *scratch_;
-  ops_.set_amax_recording(record_amaxes);
+  ops_.set_amax_recording(record_amaxes ? AmaxRecording::on : AmaxRecording::off_any_plan);
   ops_.embedding_lookup(first_rows(s.token_embeddings, chunk_rows), batch, wte_, vocab_slice());
   // A stored position is read by the kernel (the whole table from its row); otherwise the
   // table's rows from `position` on.
@@ -1112,7 +1111,7 @@ void GptModel::forward_cached(const TokenBatch& batch, int position, bool record
     ops_.gemm({.pass = GemmPass::forward, .out = s.logits, .input = first_rows(s.lnf, chunk_rows),
                .weight = lm_head_->weight_operand});
   }
-  ops_.set_amax_recording(true);
+  ops_.set_amax_recording(AmaxRecording::on);
 }
 
 Tensor GptModel::next_token_logits() const {
@@ -1391,10 +1390,10 @@ void GptModel::forward_backward(const TokenBatch& batch, float dloss, const Tens
 
 void GptModel::forward_eval(const TokenBatch& batch, const Tensor& loss_sum) {
   FP8LM_CHECK(!is_inference(), "forward_eval needs a model built for training or evaluation");
-  ops_.set_amax_recording(false);
+  ops_.set_amax_recording(AmaxRecording::off);
   forward(batch);
   loss(batch, 0.0f, loss_sum);
-  ops_.set_amax_recording(true);
+  ops_.set_amax_recording(AmaxRecording::on);
 }
 
 void GptModel::refresh_weight_operands(bool fp8_linear_weights) {

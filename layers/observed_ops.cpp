@@ -44,9 +44,9 @@ class ObservedOps final : public Ops {
   void attach_scaling(ScalingTable& table) override { inner_->attach_scaling(table); }
   void download_scaling() override { inner_->download_scaling(); }
   void upload_scaling() override { inner_->upload_scaling(); }
-  void set_amax_recording(bool record) override {
-    switched(record ? "amax_recording on" : "amax_recording off");
-    inner_->set_amax_recording(record);
+  void set_amax_recording(AmaxRecording recording) override {
+    switched(recording == AmaxRecording::on ? "amax_recording on" : "amax_recording off");
+    inner_->set_amax_recording(recording);
   }
   void update_scales(const StepControl* control) override {
     observed(named("scaling", "update_scales"), [&] { inner_->update_scales(control); });

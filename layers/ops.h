@@ -359,6 +359,19 @@ struct AdamWCall {
 
 inline size_t adamw_scratch_floats(size_t tensors) { return 4 * tensors + 2; }
 
+// What a pass does with the amaxes of its FP8 casts (Ops::set_amax_recording).
+enum class AmaxRecording : uint8_t {
+  // Training's passes: every cast's amax goes into the scaling state's history.
+  on,
+  // Evaluation and recomputed forwards: nothing recorded, so they cannot steer the training
+  // scales; the GEMMs keep the plans of a recorded pass (cuBLASLt's amax output included), so a
+  // recomputed forward gives the forward's bits.
+  off,
+  // Decoding: nothing recorded, and no pass needs another's bits, so an FP8-output GEMM may
+  // drop its amax output (cuBLASLt must zero it before every call).
+  off_any_plan,
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -395,7 +408,7 @@ class Ops {
   virtual void download_scaling() = 0;
   virtual void upload_scaling() = 0;
   // Evaluation passes must not steer the training scales: they record no amax.
-  virtual void set_amax_recording(bool record) = 0;
+  virtual void set_amax_recording(AmaxRecording recording) = 0;
   // End of a step: the delayed-scaling update (core/scaling.h), or, when control->skip,
   // only the discard of this step's amaxes.
   virtual void update_scales(const StepControl* control) = 0;

@@ -120,7 +120,7 @@ class CpuOps final : public Ops {
   void attach_scaling(ScalingTable& table) override { scaling_ = &table; }
   void download_scaling() override {}
   void upload_scaling() override {}
-  void set_amax_recording(bool record) override { recording_ = record; }
+  void set_amax_recording(AmaxRecording recording) override { recording_ = recording == AmaxRecording::on; }
   void set_fp8_statistics(Fp8CastCounts* counts) override { counts_ = counts; }
   void update_scales(const StepControl* control) override {
     if (control->skip) {

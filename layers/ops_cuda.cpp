@@ -382,7 +382,10 @@ class CudaOps final : public Ops {
                                  sizeof(float), sizeof(float), S, cudaMemcpyHostToDevice, stream_));
     synchronize();
   }
-  void set_amax_recording(bool record) override { recording_ = record; }
+  void set_amax_recording(AmaxRecording recording) override {
+    recording_ = recording == AmaxRecording::on;
+    gemm_amax_wanted_ = recording != AmaxRecording::off_any_plan;
+  }
   void set_fp8_statistics(Fp8CastCounts* counts) override { counts_ = counts; }
   void update_scales(const StepControl* control) override {
     const Fp8RecipeConfig& recipe = table_->config();
@@ -827,10 +830,11 @@ class CudaOps final : public Ops {
     args.gelu_input = pre.data;
     if (!per_tensor_e4m3) return gemm_->gemm(desc, args, stream_);
     // cuBLASLt sets its amax: the running slot takes the max (the same plan whether or not
-    // amaxes are recorded, so a recomputed forward gives the same bits).
+    // amaxes are recorded, so a recomputed forward gives the same bits). Decoding asks for no
+    // amax: cuBLASLt zeroes the output before each call, a wait in front of every c_fc GEMM.
     const int s = out.scaling_state;
     args.d_scale = scale_.data() + s;
-    args.d_amax = gemm_amax_.data();
+    if (gemm_amax_wanted_) args.d_amax = gemm_amax_.data();
     gemm_->gemm(desc, args, stream_);
     if (recording_) cuda::raise_amax(amax_slot(s), gemm_amax_.data(), stream_);
     if (Fp8CastCounts* counts = counts_of(s))
@@ -1249,6 +1253,7 @@ class CudaOps final : public Ops {
   ScalingTable* table_ = nullptr;
   Communicator* amax_group_ = nullptr;
   bool recording_ = true;
+  bool gemm_amax_wanted_ = true;  // AmaxRecording::off_any_plan clears it
   Fp8CastCounts* counts_ = nullptr;  // [states] device memory while a statistics step runs
   // scale_inv_ holds state s's at s * kScaleInvStride: 16 bytes apart, every one a pointer
   // cuBLASLt takes as it is (it wants 16-byte-aligned scale pointers; packed, three states in

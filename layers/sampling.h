@@ -38,9 +38,8 @@ int32_t sample_token(const float* logits, int vocab_size, const SamplingOptions&
 // token at decoding step `step` (0: the step of the prompt's last token): the (step + 1)-th
 // number of Random(seed * golden + sequence + 1), without drawing the ones before it.
 FP8LM_HOST_DEVICE inline double step_uniform(uint64_t seed, int sequence, int64_t step) {
-  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // Random's counter increment
-  const uint64_t stream = seed * kGolden + uint64_t(sequence) + 1;
-  return uniform_of(hash64(stream + uint64_t(step) * kGolden));
+  const uint64_t stream = seed * kGoldenGamma + uint64_t(sequence) + 1;
+  return uniform_of(random_number_at(stream, uint64_t(step)));
 }
 
 // A decoding loop's tokens in backend memory (Ops::choose_next_tokens), allocated by its

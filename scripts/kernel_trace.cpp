@@ -1,6 +1,7 @@
 // A kernel tracer for development (not part of fp8lm): preloaded into any CUDA program, it writes
-// "start_ns end_ns stream name" for every kernel the process runs, through CUPTI's activity API
-// (CUPTI ships with the CUDA toolkit). scripts/trace_steps.py reads the file.
+// "start_ns end_ns stream name" for every kernel the process runs, and "memcpy:" and "memset:"
+// rows for its copies and fills, through CUPTI's activity API (CUPTI ships with the CUDA
+// toolkit). scripts/trace_steps.py reads the file.
 //
 //   g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include scripts/kernel_trace.cpp \
 //       -L/usr/local/cuda/lib64 -L/usr/local/cuda/lib -lcupti -o build-gpu/libkernel_trace.so
@@ -48,6 +49,10 @@ static void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       std::fprintf(out, "%llu %llu %u memcpy:%u:%llu\n", static_cast<unsigned long long>(m->start),
                    static_cast<unsigned long long>(m->end), m->streamId, unsigned(m->copyKind),
                    static_cast<unsigned long long>(m->bytes));
+    } else if (record->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
+      std::fprintf(out, "%llu %llu %u memset:%llu\n", static_cast<unsigned long long>(m->start),
+                   static_cast<unsigned long long>(m->end), m->streamId, static_cast<unsigned long long>(m->bytes));
     } else if (record->kind == CUPTI_ACTIVITY_KIND_RUNTIME && with_api) {
       // The host's calls, on the same clock: what the host waited in, and when it queued.
       const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(record);
@@ -69,6 +74,7 @@ __attribute__((constructor)) static void start_trace() {
   check(cuptiActivityRegisterCallbacks(requested, completed), "register");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpy");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memset");
   with_api = std::getenv("KTRACE_API") != nullptr;
   if (with_api) check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enable runtime");
   std::thread([] {

@@ -22,8 +22,8 @@ def load(path):
     rows = set()
     for line in open(path):
         parts = line.split(" ", 3)
-        if parts[3].startswith(("api:", "memcpy:")):
-            continue  # the host's calls and the copies (kernel_trace.cpp with KTRACE_API): not kernels
+        if parts[3].startswith(("api:", "memcpy:", "memset:")):
+            continue  # the host's calls (KTRACE_API), the copies and fills: not kernels
         if len(parts) == 4 and 0 < int(parts[0]) <= int(parts[1]):
             rows.add((int(parts[0]), int(parts[1]), int(parts[2]), parts[3].strip()))
     return sorted(rows)

@@ -202,10 +202,10 @@ TEST_CASE("current scaling: the scale maps the tensor's amax onto fp8_max, which
 
 TEST_CASE("nothing is counted without a counts pointer, nor while evaluating", "[fp8-stats]") {
   CastBench bench(Fp8Dtype::e4m3, 1.0f);
-  bench.ops->set_amax_recording(false);  // an evaluation pass
+  bench.ops->set_amax_recording(AmaxRecording::off);  // an evaluation pass
   bench.cast({1000.0f, 1.0f});
   CHECK(bench.counts[0].elements == 0);
-  bench.ops->set_amax_recording(true);
+  bench.ops->set_amax_recording(AmaxRecording::on);
   bench.ops->set_fp8_statistics(nullptr);
   bench.cast({1000.0f, 1.0f});
   CHECK(bench.counts[0].elements == 0);
