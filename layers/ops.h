@@ -407,7 +407,7 @@ class Ops {
   virtual void attach_scaling(ScalingTable& table) = 0;
   virtual void download_scaling() = 0;
   virtual void upload_scaling() = 0;
-  // Evaluation passes must not steer the training scales: they record no amax.
+  // Evaluation passes must not steer the training scales: they record no amax (AmaxRecording).
   virtual void set_amax_recording(AmaxRecording recording) = 0;
   // End of a step: the delayed-scaling update (core/scaling.h), or, when control->skip,
   // only the discard of this step's amaxes.

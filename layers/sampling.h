@@ -36,7 +36,7 @@ int32_t sample_token(const float* logits, int vocab_size, const SamplingOptions&
 
 // The uniform number with which sequence `sequence` of a generation seeded `seed` draws its
 // token at decoding step `step` (0: the step of the prompt's last token): the (step + 1)-th
-// number of Random(seed * golden + sequence + 1), without drawing the ones before it.
+// number of Random(seed * kGoldenGamma + sequence + 1), without drawing the ones before it.
 FP8LM_HOST_DEVICE inline double step_uniform(uint64_t seed, int sequence, int64_t step) {
   const uint64_t stream = seed * kGoldenGamma + uint64_t(sequence) + 1;
   return uniform_of(random_number_at(stream, uint64_t(step)));
