@@ -39,13 +39,7 @@ struct Generator::State {
   std::unique_ptr<Allocation> decoding_memory;  // DecodingTokens': chosen, ended, scratch
 
   DecodingTokens decoding_tokens(uint64_t seed, int first_position, int stop_token) {
-    auto* memory = static_cast<int32_t*>(decoding_memory->data());
-    const int B = shape.batch;
-    DecodingTokens t;
-    t.rows = shape.capacity + 1;
-    t.chosen = memory;
-    t.ended = memory + size_t(t.rows) * B;
-    t.scratch = t.ended + B;
+    DecodingTokens t = decoding_tokens_in(decoding_memory->data(), shape.batch, shape.capacity);
     t.seed = seed;
     t.first_position = first_position;
     t.stop_token = stop_token;
@@ -174,7 +168,7 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
   constexpr int kReadbackSteps = 8;
   const int first = P - 1;
   const DecodingTokens tokens = s.decoding_tokens(request.seed, first, request.stop_token.value_or(-1));
-  s.ops->zero(tokens.ended, sizeof(int32_t) * (size_t(B) + 1));  // ended, and scratch's counter after it
+  s.ops->zero(tokens.ended, sizeof(int32_t) * (size_t(B) + 1));  // ended and scratch's counter (decoding_tokens_in)
   const std::vector<int32_t> prompt_last(size_t(B), request.prompt.back());
   // The step memory (a step after the prompt reads its tokens and position there), first
   // holding the prompt's last tokens; a prompt of one token runs its first step from

@@ -62,5 +62,16 @@ inline size_t decoding_token_scratch_ints(int B) { return size_t(B) * 65536 + 1;
 inline size_t decoding_token_bytes(int B, int capacity) {
   return sizeof(int32_t) * (size_t(capacity + 1) * size_t(B) + size_t(B) + decoding_token_scratch_ints(B));
 }
+// A DecodingTokens over one allocation of decoding_token_bytes(B, capacity), in that order, so
+// that ended and scratch's counter, which must be zero before the first step, are the B + 1
+// ints from `ended` on. The caller sets seed, first_position and stop_token.
+inline DecodingTokens decoding_tokens_in(void* memory, int B, int capacity) {
+  DecodingTokens t;
+  t.rows = capacity + 1;
+  t.chosen = static_cast<int32_t*>(memory);
+  t.ended = t.chosen + size_t(t.rows) * size_t(B);
+  t.scratch = t.ended + B;
+  return t;
+}
 
 }  // namespace fp8lm
