@@ -70,21 +70,16 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* sF = reinterpret_cast<int32_t*>(sD + 2 * BQ);     // [2][BQ] first[t] (kDocuments)
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
-  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
-  const float* lse_bh = lse + bh * T;
-  const float* D_bh = D + bh * T;
+  const size_t stride = head.qkv_stride;
+  const bf16* q_base = head.q(qkv);
+  const bf16* k_base = head.k(qkv);
+  const bf16* v_base = head.v(qkv);
+  const bf16* do_base = head.rows(dout);
+  const float* lse_bh = lse + head.stats;
+  const float* D_bh = D + head.stats;
 
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
@@ -216,7 +211,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < 2; ++r) {
     const int key = warp_k0 + g + r * 8;
     if (key < T) {
-      bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+      bf16* row = head.q(dqkv) + static_cast<size_t>(key) * stride;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + c2;

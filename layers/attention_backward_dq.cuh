@@ -57,19 +57,14 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sV = sK + 2 * BC * LD;                   // [2][BC][LD]
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
-  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
+  const size_t stride = head.qkv_stride;
+  const bf16* q_base = head.q(qkv);
+  const bf16* k_base = head.k(qkv);
+  const bf16* v_base = head.v(qkv);
+  const bf16* do_base = head.rows(dout);
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
@@ -99,8 +94,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
-    row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
-    row_D[r] = t < T ? D[bh * T + t] : 0.0f;
+    row_lse2[r] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
+    row_D[r] = t < T ? D[head.stats + t] : 0.0f;
   }
 
   const uint32_t q_addr = smem_u32(sQ);
@@ -184,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
     if (t < T) {
-      bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+      bf16* row = head.q(dqkv) + static_cast<size_t>(t) * stride;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =

@@ -92,21 +92,16 @@ __global__ void __launch_bounds__(kThreads, 3)
   int32_t* sF = reinterpret_cast<int32_t*>(sD + 2 * BQ);            // [2][BQ] first[t] (kDocuments)
 
   const int kb = blockIdx.x;  // low key blocks see the most queries: they start first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
-  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
-  const float* lse_bh = lse + bh * T;
-  const float* D_bh = D + bh * T;
+  const size_t stride = head.qkv_stride;
+  const bf16* q_base = head.q(qkv);
+  const bf16* k_base = head.k(qkv);
+  const bf16* v_base = head.v(qkv);
+  const bf16* do_base = head.rows(dout);
+  const float* lse_bh = lse + head.stats;
+  const float* D_bh = D + head.stats;
 
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
@@ -257,9 +252,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     uint32_t amax = stage_operand_tile(tiles[0], dk, 0u);
     amax = stage_operand_tile(tiles[1], dv, amax);
     __syncthreads();
-    const int M = static_cast<int>(gridDim.z) * T, N = 3 * C, row0 = b * T + k0;
-    write_operand_tile(operand, tiles[0], row0, C + h * HS, M, N);
-    write_operand_tile(operand, tiles[1], row0, 2 * C + h * HS, M, N);
+    const int M = static_cast<int>(gridDim.z) * T, N = 3 * C, row0 = head.first_row + k0;
+    write_operand_tile(operand, tiles[0], row0, C + head.first_column, M, N);
+    write_operand_tile(operand, tiles[1], row0, 2 * C + head.first_column, M, N);
     publish_amax(operand.amax, amax, lane);
   } else {
     // dk (scaled) and dv rows of this warp's keys, bf16, direct 4-byte stores.
@@ -267,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int r = 0; r < 2; ++r) {
       const int key = warp_k0 + g + r * 8;
       if (key < T) {
-        bf16* row = dqkv + (static_cast<size_t>(b) * T + key) * stride + static_cast<size_t>(h) * HS;
+        bf16* row = head.q(dqkv) + static_cast<size_t>(key) * stride;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           const int col = nt * 8 + c2;
@@ -327,19 +322,14 @@ __global__ void __launch_bounds__(kThreads, 4)
   const uint32_t do_tile = k_tiles + 5 * Cfg::kTileBytes;   // swizzled [BR][64], the A of dP
 
   const int qb = gridDim.x - 1 - blockIdx.x;  // longest first
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int g = lane >> 2;
-  const int c2 = 2 * (lane & 3);
+  const Head head = this_head<HS>(T, C, NH);
+  const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = 3 * static_cast<size_t>(C);
-  const bf16* q_base = qkv + static_cast<size_t>(b) * T * stride + static_cast<size_t>(h) * HS;
-  const bf16* k_base = q_base + C;
-  const bf16* v_base = q_base + 2 * static_cast<size_t>(C);
-  const bf16* do_base = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS;
-  const size_t bh = static_cast<size_t>(b) * NH + h;
+  const size_t stride = head.qkv_stride;
+  const bf16* q_base = head.q(qkv);
+  const bf16* k_base = head.k(qkv);
+  const bf16* v_base = head.v(qkv);
+  const bf16* do_base = head.rows(dout);
 
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
@@ -365,10 +355,10 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
-    row_lse2[r] = t < T ? lse[bh * T + t] * kLog2e : 0.0f;
+    row_lse2[r] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
   }
-  const size_t warp_rows = (static_cast<size_t>(b) * T + warp_q0) * C + static_cast<size_t>(h) * HS;
-  row_dots_of_warp(row_D, D + bh * T, dout + warp_rows, out + warp_rows, C, warp_q0, T);
+  const size_t warp_rows = head.out_offset + static_cast<size_t>(warp_q0) * C;
+  row_dots_of_warp(row_D, D + head.stats, dout + warp_rows, out + warp_rows, C, warp_q0, T);
 
   float dq[8][4];
   zero(dq);
@@ -450,14 +440,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     OperandTile& tile = *reinterpret_cast<OperandTile*>(smem);  // free since the loop's last barrier
     const uint32_t amax = stage_operand_tile(tile, dq, 0u);
     __syncthreads();
-    write_operand_tile(operand, tile, b * T + q0, h * HS, static_cast<int>(gridDim.z) * T, 3 * C);
+    write_operand_tile(operand, tile, head.first_row + q0, head.first_column, static_cast<int>(gridDim.z) * T, 3 * C);
     publish_amax(operand.amax, amax, lane);
   } else {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = warp_q0 + g + r * 8;
       if (t < T) {
-        bf16* row = dqkv + (static_cast<size_t>(b) * T + t) * stride + static_cast<size_t>(h) * HS;
+        bf16* row = head.q(dqkv) + static_cast<size_t>(t) * stride;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
           *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =

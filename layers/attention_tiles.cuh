@@ -70,6 +70,8 @@ struct Head {
   size_t qkv_offset;  // b*T*3C + h*HS: q's row 0 (k and v follow at +C, +2C)
   size_t out_offset;  // b*T*C + h*HS
   size_t stats;       // (b*NH + h)*T
+  int first_row;      // b*T: the sequence's first row of the [B*T, ...] matrices
+  int first_column;   // h*HS: the head's first column within q's (k's, v's) third
   template <typename Element>
   __device__ Element* q(Element* qkv) const {
     return qkv + qkv_offset;
@@ -96,7 +98,9 @@ __device__ __forceinline__ Head this_head(int T, int C, int NH) {
               .qkv_stride = 3 * static_cast<size_t>(C),
               .qkv_offset = b * T * 3 * C + h * HS,
               .out_offset = b * T * C + h * HS,
-              .stats = (b * NH + h) * T};
+              .stats = (b * NH + h) * T,
+              .first_row = static_cast<int>(b * T),
+              .first_column = static_cast<int>(h * HS)};
 }
 
 // ---- documents (layers/attention.h) -------------------------------------------------------
