@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/gemm_cuda.h"
+#include "tests/gemm_testing.h"
 #include "tests/gpu_testing.h"
 
 using namespace fp8lm;
@@ -247,33 +248,6 @@ const BlockGemmCase kBlockGemmCases[] = {
      Fp8Dtype::e4m3, Fp8Dtype::e4m3, GemmType::fp32, false, CMode::none, kFp32OutBound},
 };
 
-std::vector<uint8_t> encode_out(const std::vector<float>& values, GemmType type) {
-  std::vector<uint8_t> bytes(values.size() * cuda::gemm_type_bytes(type));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (type == GemmType::fp32) {
-      std::memcpy(&bytes[4 * i], &values[i], 4);
-    } else {
-      const uint16_t bits = bf16_from_float(values[i]);
-      std::memcpy(&bytes[2 * i], &bits, 2);
-    }
-  }
-  return bytes;
-}
-
-std::vector<float> decode_out(const std::vector<uint8_t>& bytes, GemmType type) {
-  std::vector<float> values(bytes.size() / cuda::gemm_type_bytes(type));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (type == GemmType::fp32) {
-      std::memcpy(&values[i], &bytes[4 * i], 4);
-    } else {
-      uint16_t bits;
-      std::memcpy(&bits, &bytes[2 * i], 2);
-      values[i] = bf16_to_float(bits);
-    }
-  }
-  return values;
-}
-
 void run_block_gemm_case(GemmEngine& engine, const BlockGemmCase& c, uint64_t seed) {
   INFO(c.name << " M=" << c.M << " N=" << c.N << " K=" << c.K);
   const BlockOperand a = block_operand(c.M, c.K, c.a_scaling, c.a_dtype, seed + 1, 1.0f);
@@ -296,11 +270,11 @@ void run_block_gemm_case(GemmEngine& engine, const BlockGemmCase& c, uint64_t se
 
   DeviceBuffer<uint8_t> d_a = device_copy(a.codes), d_b = device_copy(b.codes);
   DeviceBuffer<float> d_sa = device_copy(a.scale_inv), d_sb = device_copy(b.scale_inv);
-  DeviceBuffer<uint8_t> d_bias = device_copy(encode_out(bias, GemmType::bf16));
-  DeviceBuffer<uint8_t> d_out = c.c_mode == CMode::accumulate ? device_copy(encode_out(c_init, c.d_type))
+  DeviceBuffer<uint8_t> d_bias = device_copy(testing::gemm_bytes(bias, GemmType::bf16));
+  DeviceBuffer<uint8_t> d_out = c.c_mode == CMode::accumulate ? device_copy(testing::gemm_bytes(c_init, c.d_type))
                                                               : testing::poisoned<uint8_t>(mn * cuda::gemm_type_bytes(c.d_type));
   DeviceBuffer<uint8_t> d_residual;
-  if (c.c_mode == CMode::residual) d_residual = device_copy(encode_out(c_init, c.d_type));
+  if (c.c_mode == CMode::residual) d_residual = device_copy(testing::gemm_bytes(c_init, c.d_type));
 
   GemmDesc desc;
   desc.M = c.M;
@@ -323,7 +297,7 @@ void run_block_gemm_case(GemmEngine& engine, const BlockGemmCase& c, uint64_t se
   args.b_scale_inv = d_sb.data();
   engine.gemm(desc, args, nullptr);
   device_sync();
-  const double error = relative_error(decode_out(d_out.download(), c.d_type), ref);
+  const double error = relative_error(testing::gemm_values(d_out.download(), c.d_type), ref);
   INFO("relative error " << error << " bound " << c.bound);
   CHECK(error <= c.bound);
 }

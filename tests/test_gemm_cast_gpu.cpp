@@ -24,6 +24,7 @@
 #include "core/scaling.h"
 #include "core/scaling_cuda.h"
 #include "layers/gelu.h"
+#include "tests/gemm_testing.h"
 #include "tests/gpu_testing.h"
 
 using namespace fp8lm;
@@ -34,6 +35,8 @@ using fp8lm::cuda::GemmEngine;
 using fp8lm::cuda::GemmType;
 using fp8lm::testing::device_copy;
 using fp8lm::testing::device_sync;
+using fp8lm::testing::gemm_bytes;
+using fp8lm::testing::gemm_values;
 using fp8lm::testing::kPoisonByte;
 using fp8lm::testing::random_floats;
 using fp8lm::testing::relative_error;
@@ -41,35 +44,6 @@ using fp8lm::testing::relative_error;
 namespace {
 
 // ---- host encodings of GEMM matrices ------------------------------------------------------
-
-// The bytes of `values` stored as `type` (bf16 rounds to nearest even; fp32 as is).
-std::vector<uint8_t> encode(const std::vector<float>& values, GemmType type) {
-  std::vector<uint8_t> bytes(values.size() * cuda::gemm_type_bytes(type));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (type == GemmType::fp32) {
-      std::memcpy(&bytes[4 * i], &values[i], 4);
-    } else {
-      REQUIRE(type == GemmType::bf16);
-      const uint16_t bits = bf16_from_float(values[i]);
-      std::memcpy(&bytes[2 * i], &bits, 2);
-    }
-  }
-  return bytes;
-}
-
-std::vector<float> decode(const std::vector<uint8_t>& bytes, GemmType type) {
-  std::vector<float> values(bytes.size() / cuda::gemm_type_bytes(type));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (type == GemmType::fp32) {
-      std::memcpy(&values[i], &bytes[4 * i], 4);
-    } else {
-      uint16_t bits;
-      std::memcpy(&bits, &bytes[2 * i], 2);
-      values[i] = bf16_to_float(bits);
-    }
-  }
-  return values;
-}
 
 // What the GPU reads back from a buffer of `type`: the values rounded to it.
 std::vector<float> representable(std::vector<float> values, GemmType type) {
@@ -152,8 +126,8 @@ double run_gemm_case(GemmEngine& engine, const GemmCase& c, uint64_t seed, const
   } else {
     a_exact = testing::bf16_rounded(a);
     b_exact = testing::bf16_rounded(b);
-    a_bytes = encode(a_exact, GemmType::bf16);
-    b_bytes = encode(b_exact, GemmType::bf16);
+    a_bytes = gemm_bytes(a_exact, GemmType::bf16);
+    b_bytes = gemm_bytes(b_exact, GemmType::bf16);
   }
   // cuBLASLt's bias type: bf16, except fp32 for bf16 x bf16 -> fp32.
   const GemmType bias_type = c.d_type == GemmType::fp32 && !fp8 ? GemmType::fp32 : GemmType::bf16;
@@ -178,14 +152,14 @@ double run_gemm_case(GemmEngine& engine, const GemmCase& c, uint64_t seed, const
   scale_array[0] = scale_inv_host[0];
   scale_array[at.scale_b_floats] = scale_inv_host[1];
   DeviceBuffer<float> d_scale_inv = device_copy(scale_array);
-  DeviceBuffer<uint8_t> d_bias = device_bytes(encode(bias, bias_type), at.bias_offset);
+  DeviceBuffer<uint8_t> d_bias = device_bytes(gemm_bytes(bias, bias_type), at.bias_offset);
   const size_t out_bytes = mn * cuda::gemm_type_bytes(c.d_type);
   // D: poisoned, or holding C's values when the GEMM accumulates into it.
-  DeviceBuffer<uint8_t> d_out = device_bytes(c.c_mode == CMode::accumulate ? encode(c_init, c.d_type)
+  DeviceBuffer<uint8_t> d_out = device_bytes(c.c_mode == CMode::accumulate ? gemm_bytes(c_init, c.d_type)
                                                                            : std::vector<uint8_t>(out_bytes, kPoisonByte),
                                              off);
   DeviceBuffer<uint8_t> d_residual;
-  if (c.c_mode == CMode::residual) d_residual = device_bytes(encode(c_init, c.d_type), off);
+  if (c.c_mode == CMode::residual) d_residual = device_bytes(gemm_bytes(c_init, c.d_type), off);
 
   GemmDesc desc;
   desc.M = c.M;
@@ -213,7 +187,7 @@ double run_gemm_case(GemmEngine& engine, const GemmCase& c, uint64_t seed, const
 
   std::vector<uint8_t> out_bytes_back = d_out.download();
   out_bytes_back.erase(out_bytes_back.begin(), out_bytes_back.begin() + static_cast<std::ptrdiff_t>(off));
-  const std::vector<float> out = decode(out_bytes_back, c.d_type);
+  const std::vector<float> out = gemm_values(out_bytes_back, c.d_type);
   const double error = relative_error(out, ref);
   INFO(c.name << " M=" << c.M << " N=" << c.N << " K=" << c.K << " relative error " << error << " bound "
               << c.bound);
@@ -330,7 +304,7 @@ TEST_CASE("GEMM algorithms chosen by timing give the heuristic's first's bits", 
     INFO("M " << shape.M << " N " << shape.N << " K " << shape.K);
     const auto A = device_copy(testing::random_fp8_codes(size_t(shape.M) * shape.K, seed++));
     const auto B = device_copy(testing::random_fp8_codes(size_t(shape.N) * shape.K, seed++));
-    const auto bias = device_copy(encode(random_floats(size_t(shape.N), seed++), GemmType::bf16));
+    const auto bias = device_copy(gemm_bytes(random_floats(size_t(shape.N), seed++), GemmType::bf16));
     const auto a_scale = device_copy(std::vector<float>{0.01f}), b_scale = device_copy(std::vector<float>{0.03f});
     const GemmDesc desc{.M = shape.M, .N = shape.N, .K = shape.K, .a_type = shape.a, .b_type = shape.b,
                         .d_type = GemmType::bf16, .fast_accum = shape.fast_accum};
