@@ -73,14 +73,6 @@ __global__ void __launch_bounds__(kThreads)
   const Head head = this_head<HS>(T, C, NH);
   const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = head.qkv_stride;
-  const bf16* q_base = head.q(qkv);
-  const bf16* k_base = head.k(qkv);
-  const bf16* v_base = head.v(qkv);
-  const bf16* do_base = head.rows(dout);
-  const float* lse_bh = lse + head.stats;
-  const float* D_bh = D + head.stats;
-
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
   const int qt_begin = k0 / BQ;
@@ -88,18 +80,18 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
 
   auto load_query_tile = [&](int qt, int buf) {
-    load_tile_async<HS, BQ>(sQ + buf * BQ * LD, q_base, stride, qt * BQ, T);
-    load_tile_async<HS, BQ>(sdO + buf * BQ * LD, do_base, static_cast<size_t>(C), qt * BQ, T);
+    load_tile_async<HS, BQ>(sQ + buf * BQ * LD, head.q(qkv), head.qkv_stride, qt * BQ, T);
+    load_tile_async<HS, BQ>(sdO + buf * BQ * LD, head.rows(dout), head.C, qt * BQ, T);
     for (int i = threadIdx.x; i < BQ; i += kThreads) {
       const int t = qt * BQ + i;
-      sL[buf * BQ + i] = t < T ? lse_bh[t] * kLog2e : 0.0f;
-      sD[buf * BQ + i] = t < T ? D_bh[t] : 0.0f;
+      sL[buf * BQ + i] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
+      sD[buf * BQ + i] = t < T ? D[head.stats + t] : 0.0f;
       if constexpr (kDocuments) sF[buf * BQ + i] = t < T ? first[t] : t;  // t >= T: masked anyway
     }
   };
 
-  load_tile_async<HS, BK>(sK, k_base, stride, k0, T);
-  load_tile_async<HS, BK>(sV, v_base, stride, k0, T);
+  load_tile_async<HS, BK>(sK, head.k(qkv), head.qkv_stride, k0, T);
+  load_tile_async<HS, BK>(sV, head.v(qkv), head.qkv_stride, k0, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
@@ -211,7 +203,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < 2; ++r) {
     const int key = warp_k0 + g + r * 8;
     if (key < T) {
-      bf16* row = head.q(dqkv) + static_cast<size_t>(key) * stride;
+      bf16* row = head.q(dqkv) + static_cast<size_t>(key) * head.qkv_stride;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + c2;

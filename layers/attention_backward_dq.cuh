@@ -60,12 +60,6 @@ __global__ void __launch_bounds__(kThreads)
   const Head head = this_head<HS>(T, C, NH);
   const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = head.qkv_stride;
-  const bf16* q_base = head.q(qkv);
-  const bf16* k_base = head.k(qkv);
-  const bf16* v_base = head.v(qkv);
-  const bf16* do_base = head.rows(dout);
-
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
   const int n_kt = q_last / BC + 1;
@@ -83,10 +77,10 @@ __global__ void __launch_bounds__(kThreads)
     warp_first_max = __shfl_sync(0xffffffffu, row_first[1], 28);  // row warp_q0 + 15
   }
 
-  load_tile_async<HS, BR>(sQ, q_base, stride, q0, T);
-  load_tile_async<HS, BR>(sdO, do_base, static_cast<size_t>(C), q0, T);
-  load_tile_async<HS, BC>(sK + (kt_begin & 1) * BC * LD, k_base, stride, kt_begin * BC, T);
-  load_tile_async<HS, BC>(sV + (kt_begin & 1) * BC * LD, v_base, stride, kt_begin * BC, T);
+  load_tile_async<HS, BR>(sQ, head.q(qkv), head.qkv_stride, q0, T);
+  load_tile_async<HS, BR>(sdO, head.rows(dout), head.C, q0, T);
+  load_tile_async<HS, BC>(sK + (kt_begin & 1) * BC * LD, head.k(qkv), head.qkv_stride, kt_begin * BC, T);
+  load_tile_async<HS, BC>(sV + (kt_begin & 1) * BC * LD, head.v(qkv), head.qkv_stride, kt_begin * BC, T);
   cp_async_commit();
 
   // Row statistics of this thread's rows g and g+8 (zero for rows >= T: never stored).
@@ -109,8 +103,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int kt = kt_begin; kt < n_kt; ++kt) {
     const int buf = kt & 1;
     if (kt + 1 < n_kt) {
-      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, k_base, stride, (kt + 1) * BC, T);
-      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, v_base, stride, (kt + 1) * BC, T);
+      load_tile_async<HS, BC>(sK + (buf ^ 1) * BC * LD, head.k(qkv), head.qkv_stride, (kt + 1) * BC, T);
+      load_tile_async<HS, BC>(sV + (buf ^ 1) * BC * LD, head.v(qkv), head.qkv_stride, (kt + 1) * BC, T);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -179,7 +173,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < 2; ++r) {
     const int t = warp_q0 + g + r * 8;
     if (t < T) {
-      bf16* row = head.q(dqkv) + static_cast<size_t>(t) * stride;
+      bf16* row = head.q(dqkv) + static_cast<size_t>(t) * head.qkv_stride;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =

@@ -95,14 +95,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   const Head head = this_head<HS>(T, C, NH);
   const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = head.qkv_stride;
-  const bf16* q_base = head.q(qkv);
-  const bf16* k_base = head.k(qkv);
-  const bf16* v_base = head.v(qkv);
-  const bf16* do_base = head.rows(dout);
-  const float* lse_bh = lse + head.stats;
-  const float* D_bh = D + head.stats;
-
   const int k0 = kb * BK;
   const int warp_k0 = k0 + warp * 16;
   const int qt_begin = k0 / BQ;
@@ -110,22 +102,22 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int32_t* first = kDocuments ? document_row(document_starts, T) : nullptr;
 
   // The query tiles are walked in order from the diagonal's.
-  SwizzledTileWalk<BQ> q_walk(q_base, stride, qt_begin * BQ);
-  SwizzledTileWalk<BQ> do_walk(do_base, static_cast<size_t>(C), qt_begin * BQ);
+  SwizzledTileWalk<BQ> q_walk(head.q(qkv), head.qkv_stride, qt_begin * BQ);
+  SwizzledTileWalk<BQ> do_walk(head.rows(dout), head.C, qt_begin * BQ);
   auto load_query_tile = [&](int qt, int buf) {
     q_walk.load_next(q_tiles + buf * Cfg::kTileBytes, T);
     do_walk.load_next(do_tiles + buf * Cfg::kTileBytes, T);
     static_assert(BQ <= kThreads, "one statistic a thread");
     if (threadIdx.x < BQ) {
       const int t = qt * BQ + static_cast<int>(threadIdx.x);
-      sL[buf * BQ + threadIdx.x] = t < T ? lse_bh[t] * kLog2e : 0.0f;
-      sD[buf * BQ + threadIdx.x] = t < T ? D_bh[t] : 0.0f;
+      sL[buf * BQ + threadIdx.x] = t < T ? lse[head.stats + t] * kLog2e : 0.0f;
+      sD[buf * BQ + threadIdx.x] = t < T ? D[head.stats + t] : 0.0f;
       if constexpr (kDocuments) sF[buf * BQ + threadIdx.x] = t < T ? first[t] : t;  // t >= T: masked anyway
     }
   };
 
-  SwizzledTileWalk<BK>(k_base, stride, k0).load_next(k_tile, T);
-  SwizzledTileWalk<BK>(v_base, stride, k0).load_next(v_tile, T);
+  SwizzledTileWalk<BK>(head.k(qkv), head.qkv_stride, k0).load_next(k_tile, T);
+  SwizzledTileWalk<BK>(head.v(qkv), head.qkv_stride, k0).load_next(v_tile, T);
   load_query_tile(qt_begin, 0);
   cp_async_commit();
 
@@ -262,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int r = 0; r < 2; ++r) {
       const int key = warp_k0 + g + r * 8;
       if (key < T) {
-        bf16* row = head.q(dqkv) + static_cast<size_t>(key) * stride;
+        bf16* row = head.q(dqkv) + static_cast<size_t>(key) * head.qkv_stride;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           const int col = nt * 8 + c2;
@@ -325,12 +317,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   const Head head = this_head<HS>(T, C, NH);
   const auto [warp, lane, g, c2] = this_thread();
 
-  const size_t stride = head.qkv_stride;
-  const bf16* q_base = head.q(qkv);
-  const bf16* k_base = head.k(qkv);
-  const bf16* v_base = head.v(qkv);
-  const bf16* do_base = head.rows(dout);
-
   const int q0 = qb * BR;
   const int q_last = min(q0 + BR, T) - 1;
   const int n_kt = q_last / BC + 1;
@@ -343,9 +329,9 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int kt_begin = documents.kt_begin, kt_documents = documents.kt_documents;
   const int(&row_first)[2] = documents.row_first;
 
-  SwizzledTileWalk<BR>(q_base, stride, q0).load_next(q_tile, T);
-  SwizzledTileWalk<BR>(do_base, static_cast<size_t>(C), q0).load_next(do_tile, T);
-  SwizzledTileWalk<BC> k_walk(k_base, stride, kt_begin * BC), v_walk(v_base, stride, kt_begin * BC);
+  SwizzledTileWalk<BR>(head.q(qkv), head.qkv_stride, q0).load_next(q_tile, T);
+  SwizzledTileWalk<BR>(head.rows(dout), head.C, q0).load_next(do_tile, T);
+  SwizzledTileWalk<BC> k_walk(head.k(qkv), head.qkv_stride, kt_begin * BC), v_walk(head.v(qkv), head.qkv_stride, kt_begin * BC);
   k_walk.load_next(k_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
   v_walk.load_next(v_tiles + (kt_begin & 1) * Cfg::kTileBytes, T);
   cp_async_commit();
@@ -447,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     for (int r = 0; r < 2; ++r) {
       const int t = warp_q0 + g + r * 8;
       if (t < T) {
-        bf16* row = head.q(dqkv) + static_cast<size_t>(t) * stride;
+        bf16* row = head.q(dqkv) + static_cast<size_t>(t) * head.qkv_stride;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
           *reinterpret_cast<__nv_bfloat162*>(row + nt * 8 + c2) =
