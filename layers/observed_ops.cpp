@@ -45,7 +45,9 @@ class ObservedOps final : public Ops {
   void download_scaling() override { inner_->download_scaling(); }
   void upload_scaling() override { inner_->upload_scaling(); }
   void set_amax_recording(AmaxRecording recording) override {
-    switched(recording == AmaxRecording::on ? "amax_recording on" : "amax_recording off");
+    switched(recording == AmaxRecording::on    ? "amax_recording on"
+             : recording == AmaxRecording::off ? "amax_recording off"
+                                               : "amax_recording off, any GEMM plan");
     inner_->set_amax_recording(recording);
   }
   void update_scales(const StepControl* control) override {

@@ -160,6 +160,27 @@ TEST_CASE("the model calls the ops in the order it states, for every precision",
   }
 }
 
+TEST_CASE("decoding records no amax and frees the GEMMs' plans; a recorded decoding pass records", "[model][cpu]") {
+  std::vector<std::string> log;
+  auto ops = testing::make_recording_ops(make_cpu_ops(), log);
+  const int B = 2, prompt = 4;
+  GptModel model(two_layers(), InferenceShape{.batch = B, .max_prompt = prompt, .capacity = 8},
+                 GptPrecision{.gemm = GemmPrecision::fp8}, *ops);
+  init_gpt_parameters(static_cast<float*>(model.working()), model.layout(), model.config(), 1);
+  model.refresh_weight_operands();
+  const auto x = tokens(B * prompt, 1);
+  for (const bool record : {false, true}) {
+    INFO("record " << record);
+    const TokenBatch batch = ops->load_batch(x.data(), x.data(), B, prompt, model.vocab_slice());
+    log.clear();
+    model.forward_cached(batch, 0, record);
+    REQUIRE(log.size() > 2);
+    CHECK(log.front() == (record ? "amax_recording on" : "amax_recording off, any GEMM plan"));
+    CHECK(log.back() == "amax_recording on");
+    CHECK(std::count(log.begin(), log.end(), "amax_recording off") == 0);
+  }
+}
+
 TEST_CASE("the training step: AdamW's first pass runs layer by layer beside the last micro-batch's attention "
           "backwards, over every tensor once",
           "[model][cpu]") {
