@@ -558,6 +558,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                  "precise sums)")
       ->check(CLI::IsMember({"forward", "all"}))
       ->group(precision);
+  app.add_flag_callback(
+         "--no-fp8-weight-transpose-cache", [&o] { o.fp8_weight_transpose_cache = false; },
+         "Keep no transposed copy of the FP8 Linear weights: the backward writes each from the weight's codes "
+         "before its dgrad GEMM (1 byte a weight less, one transpose a dgrad more; per-tensor recipes)")
+      ->group(precision);
   app.add_flag("--first-last-layers-bf16", o.first_last_layers_bf16,
                "Under FP8, run the first and last blocks' Linear GEMMs in BF16 (counts below)")
       ->group(precision);
@@ -964,6 +969,11 @@ ParsedCommandLine parse_train_command_line(const std::vector<std::string>& args)
                                         {"blockwise", ScalingRecipe::blockwise}},
                                        fp8_recipe);
   o.fp8.amax_compute_algo = amax_algo == "max" ? AmaxComputeAlgo::max : AmaxComputeAlgo::most_recent;
+  if (!o.fp8_weight_transpose_cache && !o.fp8_enabled())
+    bad_flag("--no-fp8-weight-transpose-cache needs --fp8-format: only FP8 weights keep a transposed copy");
+  if (!o.fp8_weight_transpose_cache && o.fp8.recipe == ScalingRecipe::blockwise)
+    bad_flag("--no-fp8-weight-transpose-cache: a block-scaled weight's transposed copy carries its own block scales "
+             "(use --fp8-recipe delayed or tensorwise)");
   if (o.fp8_fast_accumulation == Fp8FastAccumulation::all && o.fp8.recipe == ScalingRecipe::blockwise)
     bad_flag("--fp8-fast-accumulation all: block-scaled GEMMs always promote their sums (cuBLASLt refuses fast "
              "accumulation with block scaling)");

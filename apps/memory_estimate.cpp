@@ -329,20 +329,29 @@ LeftOut working_copy_left_out(const Shape& x, const GptPrecision& precision) {
 }
 
 // Weight operands that are not views of the working copy (FP8 codes and their transposes;
-// BF16 copies on the CPU, whose working copy is FP32).
+// BF16 copies on the CPU, whose working copy is FP32). A training model's FP8 weights keep
+// their transposes, or under --no-fp8-weight-transpose-cache share one the size of the largest
+// (GptModel::dgrad_weight); a model that runs no backward has none.
 uint64_t weight_operand_bytes(const Shape& x, const ElementBytes& eb, DType act, const GptPrecision& precision,
-                              bool with_transposes = true) {
+                              bool trains = true) {
   const BlockScaling blocks =
       precision.fp8.recipe == ScalingRecipe::blockwise ? BlockScaling::blocks_128x128 : BlockScaling::none;
-  uint64_t bytes = 0;
+  const bool with_transposes = trains && precision.fp8_weight_transpose_cache;
+  uint64_t bytes = 0, largest_fp8 = 0;
+  auto add_operand = [&](uint64_t count, uint64_t rows, uint64_t cols, DType dtype) {
+    bytes = add(bytes, mul(count, operand_bytes(eb, rows, cols, dtype, is_fp8(dtype) && with_transposes, blocks)));
+    if (is_fp8(dtype)) largest_fp8 = std::max(largest_fp8, mul(rows, cols));
+  };
   for (const auto& [gemm, count] : block_precisions(x, precision)) {
     const DType block = forward_operand_dtype(gemm);
     if (block == act) continue;
     for (const auto& [rows, cols] : {std::pair{3 * x.C / x.tp, x.C}, {x.C, x.Cl}, {x.Fl, x.C}, {x.C, x.Fl}})
-      bytes = add(bytes, mul(count, operand_bytes(eb, rows, cols, block, is_fp8(block) && with_transposes, blocks)));
+      add_operand(count, rows, cols, block);
   }
   const DType head = forward_operand_dtype(precision.lm_head());
-  if (head != act) bytes = add(bytes, operand_bytes(eb, x.Vs, x.C, head, is_fp8(head) && with_transposes, blocks));
+  if (head != act) add_operand(1, x.Vs, x.C, head);
+  if (trains && !with_transposes && largest_fp8 > 0)
+    bytes = add(bytes, operand_bytes(eb, largest_fp8, 1, DType::e4m3, false, BlockScaling::none));
   return bytes;
 }
 
@@ -593,7 +602,7 @@ void add_forward_only_parameters(MemoryEstimate& estimate, const Shape& x, bool 
   const ElementBytes eb{cuda};
   const DType act = cuda ? DType::bf16 : DType::f32;
   const uint64_t n = slab_of(x).elements;
-  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*with_transposes=*/false);
+  const uint64_t operands = weight_operand_bytes(x, eb, act, precision, /*trains=*/false);
   const LeftOut left_out = working_copy_left_out(x, precision);
   add_backend_consumer(estimate, cuda,
                        "parameters (" + std::string(to_string(act)) + " working copy" +

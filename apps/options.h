@@ -60,6 +60,9 @@ struct TrainOptions {
   Fp8RecipeConfig fp8;                            // --fp8-format --fp8-recipe --fp8-margin ...
   bool fp8_lm_head = false;                       // --fp8-lm-head: the tied LM head in FP8 too
   Fp8FastAccumulation fp8_fast_accumulation = Fp8FastAccumulation::forward;  // --fp8-fast-accumulation
+  // --no-fp8-weight-transpose-cache: an FP8 Linear weight keeps no transposed copy; the backward
+  // writes one from the codes before each dgrad (Transformer Engine's keep_fp8_weight_transpose_cache)
+  bool fp8_weight_transpose_cache = true;
   // --first-last-layers-bf16: under FP8, the first --num-layers-at-start-in-bf16 and the last
   // --num-layers-at-end-in-bf16 blocks run their four Linear GEMMs in BF16 (Megatron's flags and
   // defaults; the counts mean nothing without the flag, as in Megatron).

@@ -303,7 +303,8 @@ GptPrecision model_precision(const TrainOptions& o) {
                       .bf16_layers_at_end = o.bf16_layers_at_end(),
                       .bf16_blocks = o.fp8_enabled() ? o.bf16_blocks : std::set<int>{},
                       .fp8 = o.fp8,
-                      .gradients = o.grad_reduce_in_bf16 ? DType::bf16 : DType::f32};
+                      .gradients = o.grad_reduce_in_bf16 ? DType::bf16 : DType::f32,
+                      .fp8_weight_transpose_cache = o.fp8_weight_transpose_cache};
 }
 
 GptPrecision engine_model_precision(const TrainOptions& o, bool sharded_optimizer, DType activation_dtype) {
@@ -425,6 +426,10 @@ SettingsTable settings_table(const RunSetup& s) {
       {"fp8-interval", fp8 ? str(o.fp8.interval) : "(fp8 off)"},
       {"fp8-lm-head", fp8 ? (o.fp8_lm_head ? "fp8" : "bf16") : "(fp8 off)"},
       {"fp8-fast-accumulation", fp8 ? std::string(to_string(o.fp8_fast_accumulation)) : "(fp8 off)"},
+      {"fp8-weight-transpose-cache",
+       !fp8                           ? "(fp8 off)"
+       : o.fp8_weight_transpose_cache ? "kept (written with the FP8 weights)"
+                                      : "off (each dgrad transposes its weight's codes first)"},
       {"first-last-layers-bf16", !fp8 ? "(fp8 off)" : bf16_blocks_description(o, m.n_layer)},
       {"bf16-blocks", !fp8 ? "(fp8 off)" : o.bf16_blocks.empty() ? "none" : block_list_text(o.bf16_blocks)},
       {"fp8-auto-precision", !fp8 ? "(fp8 off)" : auto_precision_description(o)},

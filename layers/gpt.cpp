@@ -601,15 +601,23 @@ GptModel::GptModel(const GptConfig& config, int micro_batch_size, int seq_length
   // Under --fp8-recipe blockwise an FP8 weight takes 128x128 block scales, for W and W^T.
   const BlockScaling weight_blocks = precision.fp8.recipe == ScalingRecipe::blockwise ? BlockScaling::blocks_128x128
                                                                                        : BlockScaling::none;
+  // The transposed copy serves dgrad: only a training model runs the backward.
+  const bool keeps_weight_transposes = trains() && precision.fp8_weight_transpose_cache;
+  FP8LM_CHECK(precision.fp8_weight_transpose_cache || weight_blocks == BlockScaling::none,
+              "FP8 weights without a transposed copy need per-tensor scaling, not --fp8-recipe blockwise");
   auto carve_operands = [&](void* base) {
     Carver carver(ops_, base);
+    int64_t largest_fp8_weight = 0;
     for (LinearParams* linear : owned) {
       const Tensor& w = linear->weight;
+      const DType dtype = linear->weight_operand.dtype;
       const int state = linear->weight_operand.scaling_state;
-      // The transposed copy serves dgrad: only a training model runs the backward.
-      linear->weight_operand = carver.take(w.rows, w.cols, linear->weight_operand.dtype, state,
-                                           is_fp8(linear->weight_operand.dtype) && trains(), weight_blocks);
+      linear->weight_operand =
+          carver.take(w.rows, w.cols, dtype, state, is_fp8(dtype) && keeps_weight_transposes, weight_blocks);
+      if (is_fp8(dtype)) largest_fp8_weight = std::max(largest_fp8_weight, w.numel());
     }
+    if (trains() && !keeps_weight_transposes && largest_fp8_weight > 0)
+      shared_weight_transpose_ = carver.take(largest_fp8_weight, 1, DType::e4m3).data;
     return carver.size();
   };
   if (!owned.empty()) {
@@ -1189,7 +1197,7 @@ void GptModel::backward(const TokenBatch& batch) {
   // over the vocabulary, wgrad over the tokens.
   ops_.gemm({.pass = GemmPass::dgrad,
              .out = s.dln,
-             .weight = head.weight_operand,
+             .weight = dgrad_weight(head),
              .grad = s.logits_grad,
              .promote_partial_sums = true});
   ops_.gemm({.pass = GemmPass::wgrad,
@@ -1243,7 +1251,7 @@ void GptModel::block_backward(int l) {
     row_parallel_backward(w.fc2, s.dgelu, a.gelu);
     ops_.gelu_backward({.dpre = dy_fc, .dbias = w.fc.grad_bias, .dout = s.dgelu, .pre = a.fc_pre});
   }
-  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.fc.weight_operand, .grad = dy_fc});
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = dgrad_weight(w.fc), .grad = dy_fc});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.fc.grad_weight,
              .input = layernorm_wgrad_input(w.fc, w.ln2, a.ln2, a.residual_mid, a.ln2_mean, a.ln2_rstd),
@@ -1264,7 +1272,7 @@ void GptModel::block_backward(int l) {
                                       .out = a.atty,
                                       .lse = a.lse,
                                       .shape = heads});
-  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = w.qkv.weight_operand, .grad = dy_qkv});
+  ops_.gemm({.pass = GemmPass::dgrad, .out = s.dln, .weight = dgrad_weight(w.qkv), .grad = dy_qkv});
   ops_.gemm({.pass = GemmPass::wgrad,
              .out = w.qkv.grad_weight,
              .input = layernorm_wgrad_input(w.qkv, w.ln1, a.ln1, a.residual, a.ln1_mean, a.ln1_rstd),
@@ -1284,8 +1292,20 @@ Tensor GptModel::row_parallel_dgrad(const LinearParams& linear, const Tensor& di
   tp_->row_parallel_output_backward(s.dresidual, s.dresidual_full);
   const Tensor dy = gradient_operand(s.dresidual_full, linear, operand_storage);
   ops_.quantize(dy, s.dresidual_full, linear.grad_bias);
-  ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = linear.weight_operand, .grad = dy});
+  ops_.gemm({.pass = GemmPass::dgrad, .out = dinput, .weight = dgrad_weight(linear), .grad = dy});
   return dy;
+}
+
+Tensor GptModel::dgrad_weight(const LinearParams& linear) {
+  Tensor weight = linear.weight_operand;
+  if (!is_fp8(weight.dtype) || weight.transposed != nullptr) return weight;
+  FP8LM_CHECK(shared_weight_transpose_ != nullptr, "dgrad: the FP8 weight of tensor ", linear.tensor,
+              " has no transposed copy and the model no shared one");
+  // The codes transposed are the copy the weight's cast would have written: the same bytes,
+  // read with the same scale.
+  weight.transposed = shared_weight_transpose_;
+  ops_.transpose_operand(weight);
+  return weight;
 }
 
 void GptModel::weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad) {

@@ -128,6 +128,12 @@ struct GptPrecision {
   // The gradient slab: f32, or bf16 under --grad-reduce-in-bf16 (Megatron's BF16 main_grad:
   // every gradient producer accumulates into it and the data-parallel reduction runs on it).
   DType gradients = DType::f32;
+  // false (--no-fp8-weight-transpose-cache): a training model's FP8 Linear weights keep no
+  // transposed copy (1 byte a weight). Before each dgrad the backward writes the weight's codes
+  // transposed into one buffer that every FP8 weight shares (GptModel::dgrad_weight): the same
+  // bytes the optimizer would have written, so the same GEMM, for one transpose per dgrad.
+  // Per-tensor scaling only (a block-scaled weight's transpose carries its own block scales).
+  bool fp8_weight_transpose_cache = true;
   // false: the FP8 blocks' Linear weights have no working copy. Their GEMMs read only the FP8
   // operands, which are cast from the optimizer's FP32 master (GptModel::set_fp8_cast_source,
   // or AdamW's update pass), so the copy would be written every step and read by nothing. For a
@@ -406,6 +412,9 @@ class GptModel {
   Tensor row_parallel_dgrad(const LinearParams& linear, const Tensor& dinput,
                             const Tensor* operand_storage = nullptr);
   void weight_gradient(const LinearParams& linear, const Tensor& input, const Tensor& grad);
+  // The weight operand a dgrad GEMM reads: `linear`'s, or under --no-fp8-weight-transpose-cache
+  // an FP8 one with its transposed copy written now into the shared buffer (GptPrecision).
+  Tensor dgrad_weight(const LinearParams& linear);
   // An FP8 operand with one scale for the whole tensor (not the blockwise recipe's tiles): its
   // codes can be written again with that scale, or transposed from the codes themselves.
   bool per_tensor_fp8(DType dtype) const;
@@ -449,6 +458,9 @@ class GptModel {
   DType gradient_dtype_;
 
   std::unique_ptr<Allocation> working_, gradients_, weight_operands_, activations_;
+  // [largest FP8 Linear weight] the transposed copy a dgrad reads, when the weights keep none
+  // (GptPrecision::fp8_weight_transpose_cache false); null otherwise.
+  void* shared_weight_transpose_ = nullptr;
   std::vector<uint64_t> working_offsets_;  // per tensor of layout_ (working_offsets())
   std::unique_ptr<Allocation> working_offsets_backend_;
   ModelUse use_ = ModelUse::train;

@@ -675,11 +675,14 @@ DeviceWeightCasts::DeviceWeightCasts(std::vector<DeviceWeightCast> casts, int te
     DeviceWeightCast& w = casts[i];
     FP8LM_CHECK(w.tensor >= 0 && w.tensor < tensors && cast_of_tensor[static_cast<size_t>(w.tensor)] < 0,
                 "AdamW weight cast of tensor ", w.tensor, ": not in the table of ", tensors, ", or cast twice");
-    FP8LM_CHECK(w.codes != nullptr && w.codes_t != nullptr && w.state >= 0 && w.rows > 0 && w.cols > 0,
-                "AdamW weight cast of tensor ", w.tensor, ": needs codes, a transposed copy, a state and a shape");
+    FP8LM_CHECK(w.codes != nullptr && w.state >= 0 && w.rows > 0 && w.cols > 0,
+                "AdamW weight cast of tensor ", w.tensor, ": needs codes, a state and a shape");
     cast_of_tensor[static_cast<size_t>(w.tensor)] = static_cast<int32_t>(i);
+    // A cast without a transposed copy (--no-fp8-weight-transpose-cache) takes no tiles of the
+    // transpose's grid: the kernel's search lands on the next cast that has some.
     w.first_tile = static_cast<uint32_t>(tiles);
-    tiles += static_cast<uint64_t>((w.rows + 63) / 64) * static_cast<uint64_t>((w.cols + 63) / 64);
+    if (w.codes_t != nullptr)
+      tiles += static_cast<uint64_t>((w.rows + 63) / 64) * static_cast<uint64_t>((w.cols + 63) / 64);
     FP8LM_CHECK(tiles < static_cast<uint64_t>(std::numeric_limits<int32_t>::max()),
                 "too many weight tiles for the optimizer kernels: ", tiles);
   }

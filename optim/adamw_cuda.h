@@ -42,9 +42,10 @@ namespace fp8lm::cuda {
 // FP8 weight operands that the fp8_fp16 update writes in its second pass
 // (AdamWCall::weight_casts): tensor `tensor` of the optimizer's table, [rows, cols] row-major
 // in the master, becomes codes [rows, cols] = fp8_e4m3(master * scales[state]) and codes_t
-// [cols, rows] its transpose, with max |master| raised into amax_row[state]: the values, the
-// rounding and the amax protocol of cast_transpose_fp8 (core/cast_cuda.h) from the FP32
-// master. first_tile: the cast's first 64x64 tile among all casts' (the transpose's grid).
+// [cols, rows] its transpose (none when codes_t is null), with max |master| raised into
+// amax_row[state]: the values, the rounding and the amax protocol of cast_transpose_fp8
+// (core/cast_cuda.h) from the FP32 master. first_tile: the cast's first 64x64 tile among all
+// casts' (the transpose's grid).
 struct DeviceWeightCast {
   uint8_t* codes = nullptr;
   uint8_t* codes_t = nullptr;

@@ -3,6 +3,8 @@
 // LayerNorms and MLP input side) from what the block kept, with the same kernels and scales,
 // so training is the same, bit for bit, as without it, on either backend; the activations
 // shrink as the memory estimate says; the flags are checked as Megatron's are.
+// Likewise the FP8 weights' transposed copies (--no-fp8-weight-transpose-cache): written
+// from the codes before each dgrad instead of kept.
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -131,6 +133,73 @@ TEST_CASE("activation recomputation trains bit for bit as without it (CPU backen
 TEST_CASE("activation recomputation trains bit for bit as without it (GPU backend)", "[recompute][gpu]") {
   FP8LM_REQUIRE_GPU();
   check_recompute_changes_nothing("cuda");
+}
+
+namespace {
+
+// Every FP8 path that writes weight codes: AdamW's fused casts (delayed, GPU), separate casts
+// (current scaling), BF16 first and last blocks beside FP8 ones, the FP8 LM head (the largest
+// weight, so the shared transpose's size), and selective recomputation beside it.
+void check_weight_transposes_derived_change_nothing(const std::string& device) {
+  const std::vector<std::vector<std::string>> runs = {
+      {"--fp8-hybrid", "--first-last-layers-bf16"},
+      {"--fp8-hybrid", "--fp8-recipe", "tensorwise", "--fp8-stats-interval", "1"},
+      {"--fp8-hybrid", "--fp8-lm-head", "--grad-reduce-in-bf16"},
+      {"--fp8-e4m3", "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"}};
+  for (const auto& kept_flags : runs) {
+    std::vector<std::string> flags = kept_flags;
+    flags.push_back("--no-fp8-weight-transpose-cache");
+    INFO(device << ": " << kept_flags[1]);
+    const Trained kept = train(device, kept_flags), derived = train(device, flags);
+    CHECK(same_bits(derived.losses, kept.losses));
+    CHECK(same_bits(derived.norms, kept.norms));
+    CHECK(same_bits(derived.parameters, kept.parameters));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("FP8 weights without transposed copies train bit for bit as with them (CPU backend)", "[recompute][cpu]") {
+  check_weight_transposes_derived_change_nothing("cpu");
+}
+
+TEST_CASE("FP8 weights without transposed copies train bit for bit as with them (GPU backend)", "[recompute][gpu]") {
+  FP8LM_REQUIRE_GPU();
+  check_weight_transposes_derived_change_nothing("cuda");
+}
+
+TEST_CASE("FP8 weights without transposed copies: one shared copy the size of the largest, estimated and allocated",
+          "[recompute][cpu]") {
+  auto engine_bytes = [](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--fp8-hybrid"});
+    const RunSetup setup = recompute_setup("cpu", flags);
+    auto engine = make_engine(setup);
+    return std::pair{double(setup.memory.engine_bytes(/*device=*/false)),
+                     double(engine->benchmark_memory().allocated_bytes)};
+  };
+  const auto [kept_estimate, kept] = engine_bytes({});
+  const auto [derived_estimate, derived] = engine_bytes({"--no-fp8-weight-transpose-cache"});
+  // Five FP8 blocks of width 64 (FP32 on the CPU): c_attn 192 x 64, attn.c_proj 64 x 64, c_fc
+  // 256 x 64 and mlp.c_proj 64 x 256 lose their transposes; c_fc's size is kept once, shared.
+  const double transposes = 5.0 * (192 + 64 + 256 + 256) * 64 * sizeof(float);
+  const double shared = 256.0 * 64 * sizeof(float);
+  CHECK(kept - derived == transposes - shared);
+  CHECK(kept_estimate - derived_estimate == transposes - shared);
+}
+
+TEST_CASE("FP8 weights without transposed copies: the flag is refused without per-tensor FP8 weights",
+          "[recompute][cpu][cli]") {
+  auto refused = [](std::vector<std::string> flags, const std::string& message) {
+    INFO(message);
+    flags.push_back("--no-fp8-weight-transpose-cache");
+    CHECK_THROWS_WITH(recompute_setup("cpu", flags), ContainsSubstring(message));
+  };
+  refused({"--bf16"}, "--no-fp8-weight-transpose-cache needs --fp8-format");
+  refused({"--fp8-hybrid", "--fp8-recipe", "blockwise"},
+          "a block-scaled weight's transposed copy carries its own block scales");
+  const RunSetup setup = recompute_setup("cpu", {"--fp8-hybrid", "--no-fp8-weight-transpose-cache"});
+  CHECK_FALSE(setup.options.fp8_weight_transpose_cache);
+  CHECK_FALSE(model_precision(setup.options).fp8_weight_transpose_cache);
 }
 
 TEST_CASE("activation recomputation: what a model of 12 blocks keeps, estimated and allocated", "[recompute][cpu]") {

@@ -108,17 +108,19 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Recomputing a block's forward inside its backward reruns its collectives too (the
 // sequence-parallel all-gather of the LayerNorm output, the row-parallel sums): training is
-// the same, bit for bit, as without recomputation.
+// the same, bit for bit, as without recomputation. So is transposing each rank's FP8 weight
+// shard before its dgrad instead of keeping the transpose (--no-fp8-weight-transpose-cache).
 void check_recompute_changes_nothing(const std::string& device) {
   const std::vector<std::string> layout = {"--fp8-hybrid", "--sequence-parallel", "--num-layers", "4"};
   const RankRun plain = check_ranks_agree(device, layout);
   for (const std::vector<std::string>& recompute :
        {std::vector<std::string>{"--recompute-granularity", "full", "--recompute-method", "uniform",
                                  "--recompute-num-layers", "2"},
-        std::vector<std::string>{"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"}}) {
+        std::vector<std::string>{"--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"},
+        std::vector<std::string>{"--no-fp8-weight-transpose-cache"}}) {
     std::vector<std::string> flags = layout;
     flags.insert(flags.end(), recompute.begin(), recompute.end());
-    INFO(recompute[1]);
+    INFO(recompute.back());
     const RankRun recomputed = check_ranks_agree(device, flags);
     CHECK(same_bits(recomputed.metrics, plain.metrics));
     CHECK(same_bits(recomputed.parameters, plain.parameters));
@@ -133,15 +135,27 @@ bool every_rank_has_a_gpu() {
 
 }  // namespace
 
+// With the FP8 weights gathered as codes, a rank that keeps no weight transposes
+// (--no-fp8-weight-transpose-cache) trains as one that writes them beside the gathered codes.
+void check_fp8_ranks_agree(const std::string& device) {
+  check_ranks_agree(device, {"--fp8-hybrid"});
+  const std::vector<std::string> fp8_traffic = {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm",
+                                                "--fp8-param-gather"};
+  const RankRun kept = check_ranks_agree(device, fp8_traffic);
+  std::vector<std::string> flags = fp8_traffic;
+  flags.push_back("--no-fp8-weight-transpose-cache");
+  const RankRun derived = check_ranks_agree(device, flags);
+  CHECK(same_bits(derived.metrics, kept.metrics));
+  CHECK(same_bits(derived.parameters, kept.parameters));
+}
+
 TEST_CASE("mpi: FP8 scales, weights and metrics agree on every rank (delayed scaling)", "[mpi][parallel]") {
-  check_ranks_agree("cpu", {"--fp8-hybrid"});
-  check_ranks_agree("cpu", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+  check_fp8_ranks_agree("cpu");
 }
 
 TEST_CASE("nccl: FP8 scales, weights and metrics agree on every rank (delayed scaling)", "[nccl][parallel]") {
   if (!every_rank_has_a_gpu()) SKIP("needs a GPU per rank");
-  check_ranks_agree("cuda", {"--fp8-hybrid"});
-  check_ranks_agree("cuda", {"--fp8-hybrid", "--sequence-parallel", "--fp8-grad-comm", "--fp8-param-gather"});
+  check_fp8_ranks_agree("cuda");
 }
 
 // fp8lm eval's evaluator splits the model as training does (TP = 2, with and without sequence
