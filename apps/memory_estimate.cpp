@@ -486,10 +486,15 @@ MemoryEstimate estimate_memory(const RunSetup& s) {
   const LeftOut left_out = working_copy_left_out(x, precision);
   uint64_t weights = add(mul(n - left_out.elements, eb(act)), left_out.table_bytes);
   weights = add(weights, weight_operand_bytes(x, eb, act, precision));
+  const bool keeps_fp8_weight_transposes = o.fp8_enabled() && precision.fp8_weight_transpose_cache &&
+                                           precision.fp8.recipe != ScalingRecipe::blockwise;
   add_backend_consumer(estimate, cuda,
                        "parameters (" + std::string(to_string(act)) + " working copy" +
                            (o.fp8_enabled() ? ", FP8 weight operands" : "") + ")",
-                       weights, more_tp);
+                       weights,
+                       keeps_fp8_weight_transposes
+                           ? more_tp + ", or --no-fp8-weight-transpose-cache (1 byte a weight less)"
+                           : more_tp);
   // The gradient slab in its dtype: BF16 under --grad-reduce-in-bf16 (Megatron's BF16 main_grad).
   const DType grad_dtype = precision.gradients;
   add_backend_consumer(estimate, cuda, grad_dtype == DType::bf16 ? "gradients (BF16)" : "gradients (FP32)",

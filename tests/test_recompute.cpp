@@ -185,6 +185,17 @@ TEST_CASE("FP8 weights without transposed copies: one shared copy the size of th
   const double shared = 256.0 * 64 * sizeof(float);
   CHECK(kept - derived == transposes - shared);
   CHECK(kept_estimate - derived_estimate == transposes - shared);
+  // A run whose parameters do not fit is pointed at the flag while its weights keep transposes.
+  auto parameters_remedy = [](std::vector<std::string> flags) {
+    for (const MemoryConsumer& consumer : recompute_setup("cpu", flags).memory.consumers)
+      if (consumer.name.rfind("parameters", 0) == 0) return consumer.remedy;
+    FAIL("no parameters line in the memory estimate");
+    return std::string();
+  };
+  CHECK_THAT(parameters_remedy({"--fp8-hybrid"}), ContainsSubstring("--no-fp8-weight-transpose-cache"));
+  CHECK_THAT(parameters_remedy({"--fp8-hybrid", "--no-fp8-weight-transpose-cache"}),
+             !ContainsSubstring("--no-fp8-weight-transpose-cache"));
+  CHECK_THAT(parameters_remedy({"--bf16"}), !ContainsSubstring("--no-fp8-weight-transpose-cache"));
 }
 
 TEST_CASE("FP8 weights without transposed copies: the flag is refused without per-tensor FP8 weights",
