@@ -6,9 +6,10 @@
 # the peer's the mean over 10 steps after 5.
 #   scripts/bench_device.sh [SIZES]    SIZES: model:micro-batch,... (default: all four)
 #   e.g. scripts/bench_device.sh 124m:32,1558m:8
-# The peer compiles each model for one to four minutes: all four sizes need about 15 minutes,
-# more than one device call allows, so split them (the ratios are per size, each from the
-# same call). Needs build-gpu/fp8lm (scripts/gpu_test.sh builds it). Writes bench.jsonl and
+# The peer compiles each model for up to a few minutes: on one H200 (2026-12-03, call 280) the
+# eight fp8lm rows and the peer's first three models took 405 s, and its gpt2-1558m about 100 s
+# more, so all four sizes barely fit a 600 s device call; split them when in doubt (the ratios
+# are per size, each from the same call). Needs build-gpu/fp8lm (scripts/gpu_test.sh builds it). Writes bench.jsonl and
 # the table to $OUT (or build-gpu/logs).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
